@@ -1,0 +1,241 @@
+// Hessian-aware rounding cost (kernels/rounding.h) against one dense matmul of the same shape.
+//
+//   build-quant/bench/bench_rounding --benchmark_filter='n:4096/'
+//   build-quant/bench/bench_rounding --benchmark_filter='n:11008'   # ~4.5 GB of fp64 buffers
+//
+// Arguments are {m = out_features, n = in_features}: W is [m, n], H is [n, n] (fp64). Every
+// benchmark runs once per repetition (the work is seconds long) and reports wall time (BLAS uses
+// OpenBLAS threads) plus the counter `x_sgemm` = time / time of one cblas_sgemm computing the
+// [m, n] × [n, n] product in fp32 (2·m·n² flops), measured in the same process.
+//
+// H is synthetic and SPD: A Aᵀ / k + 0.01·I with A [n, k = 256] Gaussian, W Gaussian. The
+// rounding cost does not depend on H's spectrum. The 8192×28672 shape (Llama-2-70B down_proj;
+// H alone is 28672² fp64 = 6.6 GB, the LDL another 6.6 GB) is not registered: it does not fit the
+// development machines; the cost model is O(n³/3) for the factorization plus m·n² for the feedback.
+#include <benchmark/benchmark.h>
+#include <cblas.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kernels/codebook.h"
+#include "kernels/rounding.h"
+
+namespace {
+
+using qcal::kernels::VectorCodebook;
+
+struct Problem {
+  std::vector<double> w, h;
+  double sgemm_seconds = 0;
+};
+
+std::vector<double> Gaussian(int64_t count, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<double> v(count);
+  for (auto& x : v) {
+    const double u1 = (static_cast<double>(rng() >> 11) + 0.5) * 0x1.0p-53;
+    const double u2 = static_cast<double>(rng() >> 11) * 0x1.0p-53;
+    x = std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+  }
+  return v;
+}
+
+double TimeSgemm(int64_t m, int64_t n) {
+  std::vector<float> a(m * n), b(n * n), c(m * n);
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(-1, 1);
+  for (auto& x : a) x = u(rng);
+  for (auto& x : b) x = u(rng);
+  double best = 1e30;
+  for (int rep = 0; rep < 2; ++rep) {  // Best of 2 (the first warms up the threads).
+    const auto t0 = std::chrono::steady_clock::now();
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m), static_cast<int>(n),
+                static_cast<int>(n), 1.0f, a.data(), static_cast<int>(n), b.data(),
+                static_cast<int>(n), 0.0f, c.data(), static_cast<int>(n));
+    best = std::min(best,
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  benchmark::DoNotOptimize(c.data());
+  return best;
+}
+
+// One problem at a time (the 11008 one is ~2 GB): rebuilt when the shape changes.
+Problem& GetProblem(int64_t m, int64_t n) {
+  static std::pair<int64_t, int64_t> key{0, 0};
+  static std::unique_ptr<Problem> p;
+  if (!p || key != std::make_pair(m, n)) {
+    p.reset();
+    p = std::make_unique<Problem>();
+    key = {m, n};
+    p->w = Gaussian(m * n, 1);
+    const int64_t k = 256;
+    const std::vector<double> a = Gaussian(n * k, 2);
+    p->h.assign(n * n, 0.0);
+    cblas_dsyrk(CblasRowMajor, CblasLower, CblasNoTrans, static_cast<int>(n), static_cast<int>(k),
+                1.0 / k, a.data(), static_cast<int>(k), 0.0, p->h.data(), static_cast<int>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t j = 0; j < i; ++j) p->h[j * n + i] = p->h[i * n + j];
+      p->h[i * n + i] += 0.01;
+    }
+    p->sgemm_seconds = TimeSgemm(m, n);
+  }
+  return *p;
+}
+
+// A scalar integer grid as a dim-8 vector codebook (2 bits per coordinate, like QuIP#'s
+// "halfint2" grid): the fallback when E8P is not available.
+class HalfIntGrid8 final : public VectorCodebook {
+ public:
+  std::string name() const override { return "bench_halfint2_dim8"; }
+  int dim() const override { return 8; }
+  int code_words() const override { return 1; }
+  double bits_per_weight() const override { return 2.0; }
+  double default_scale() const override { return 1.0; }
+  void Quantize(const float* x, int64_t count, float* out, uint32_t* codes) const override {
+    for (int64_t v = 0; v < count; ++v) {
+      uint32_t code = 0;
+      for (int j = 0; j < 8; ++j) {
+        const float k = std::min(std::max(std::floor(x[v * 8 + j]) + 0.5f, -1.5f), 1.5f);
+        out[v * 8 + j] = k;
+        code |= static_cast<uint32_t>(k + 1.5f) << (2 * j);
+      }
+      if (codes) codes[v] = code;
+    }
+  }
+  void Decode(const uint32_t* codes, int64_t count, float* out) const override {
+    for (int64_t v = 0; v < count; ++v) {
+      for (int j = 0; j < 8; ++j)
+        out[v * 8 + j] = static_cast<float>((codes[v] >> (2 * j)) & 3) - 1.5f;
+    }
+  }
+};
+
+const VectorCodebook& Codebook(bool e8p) {
+  static std::unique_ptr<VectorCodebook> e8 = [] {
+    auto cb = qcal::kernels::MakeCodebook("e8p");
+    return cb.ok() ? std::move(cb).value() : nullptr;
+  }();
+  static HalfIntGrid8 grid;
+  if (e8p && e8) return *e8;
+  return grid;
+}
+
+void Finish(benchmark::State& state, const Problem& p, double seconds) {
+  state.counters["sgemm_s"] = p.sgemm_seconds;
+  state.counters["x_sgemm"] = seconds / p.sgemm_seconds;
+}
+
+template <typename Fn>
+void RunTimed(benchmark::State& state, const Problem& p, Fn fn) {
+  double total = 0;
+  int64_t iters = 0;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    if (!fn()) {
+      state.SkipWithError("rounding failed");
+      return;
+    }
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    state.SetIterationTime(dt);
+    total += dt;
+    ++iters;
+  }
+  Finish(state, p, total / std::max<int64_t>(iters, 1));
+}
+
+void BM_Sgemm(benchmark::State& state) {
+  const int64_t m = state.range(0), n = state.range(1);
+  Problem& p = GetProblem(m, n);
+  std::vector<float> a(m * n, 0.5f), b(n * n, 0.25f), c(m * n);
+  double total = 0;
+  int64_t iters = 0;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m), static_cast<int>(n),
+                static_cast<int>(n), 1.0f, a.data(), static_cast<int>(n), b.data(),
+                static_cast<int>(n), 0.0f, c.data(), static_cast<int>(n));
+    benchmark::DoNotOptimize(c.data());
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    state.SetIterationTime(dt);
+    total += dt;
+    ++iters;
+  }
+  state.counters["GFLOPS"] = 2.0 * m * n * n / (total / std::max<int64_t>(iters, 1)) * 1e-9;
+  Finish(state, p, total / std::max<int64_t>(iters, 1));
+}
+
+void BM_Gptq(benchmark::State& state) {
+  const int64_t m = state.range(0), n = state.range(1);
+  Problem& p = GetProblem(m, n);
+  qcal::kernels::ScalarRoundingConfig cfg;
+  cfg.quant.bits = 4;
+  cfg.quant.granularity = qcal::kernels::QuantGranularity::kPerChannel;
+  cfg.act_order = state.range(2) != 0;
+  RunTimed(state, p, [&] {
+    auto r = qcal::kernels::Gptq(p.w.data(), m, n, p.h.data(), cfg);
+    benchmark::DoNotOptimize(r.ok() ? r->w_hat.data() : nullptr);
+    return r.ok();
+  });
+}
+
+void BM_Ldlq(benchmark::State& state) {
+  const int64_t m = state.range(0), n = state.range(1);
+  Problem& p = GetProblem(m, n);
+  qcal::kernels::ScalarRoundingConfig cfg;
+  cfg.quant.bits = 4;
+  cfg.quant.granularity = qcal::kernels::QuantGranularity::kPerChannel;
+  RunTimed(state, p, [&] {
+    auto r = qcal::kernels::Ldlq(p.w.data(), m, n, p.h.data(), cfg);
+    benchmark::DoNotOptimize(r.ok() ? r->w_hat.data() : nullptr);
+    return r.ok();
+  });
+}
+
+void BM_BlockLdlq(benchmark::State& state) {
+  const int64_t m = state.range(0), n = state.range(1);
+  Problem& p = GetProblem(m, n);
+  const VectorCodebook& cb = Codebook(state.range(2) != 0);
+  state.SetLabel(cb.name());
+  RunTimed(state, p, [&] {
+    auto r = qcal::kernels::BlockLdlq(p.w.data(), m, n, p.h.data(), cb,
+                                      qcal::kernels::VectorRoundingConfig{});
+    benchmark::DoNotOptimize(r.ok() ? r->w_hat.data() : nullptr);
+    return r.ok();
+  });
+}
+
+}  // namespace
+
+// Registered shape by shape (Sgemm, Gptq act_order 0|1, Ldlq, BlockLdlq halfint grid | E8P) so
+// the synthetic problem is built once per shape.
+int main(int argc, char** argv) {
+  for (auto [m, n] : {std::pair<int64_t, int64_t>{4096, 4096}, {4096, 11008}}) {
+    auto setup = [](benchmark::internal::Benchmark* b) {
+      b->Iterations(1)->UseManualTime()->Unit(benchmark::kSecond);
+    };
+    setup(benchmark::RegisterBenchmark("BM_Sgemm", BM_Sgemm)->ArgNames({"m", "n"})->Args({m, n}));
+    for (int64_t act_order : {0, 1}) {
+      setup(benchmark::RegisterBenchmark("BM_Gptq", BM_Gptq)
+                ->ArgNames({"m", "n", "act_order"})
+                ->Args({m, n, act_order}));
+    }
+    setup(benchmark::RegisterBenchmark("BM_Ldlq", BM_Ldlq)->ArgNames({"m", "n"})->Args({m, n}));
+    for (int64_t e8p : {0, 1}) {
+      setup(benchmark::RegisterBenchmark("BM_BlockLdlq", BM_BlockLdlq)
+                ->ArgNames({"m", "n", "e8p"})
+                ->Args({m, n, e8p}));
+    }
+  }
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

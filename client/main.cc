@@ -1,0 +1,18 @@
+// qcal: the command-line tool.
+#include <CLI/CLI.hpp>
+
+#include "client/model_commands.h"
+#include "common/log.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"qcal: quantize Llama-family models (QuIP#, QuaRot, PrefixQuant)"};
+  app.require_subcommand(1);
+  std::string log_level = "warn";
+  app.add_option("--log-level", log_level, "debug, info, warn, error, off")
+      ->capture_default_str();
+  int exit_code = 0;
+  app.parse_complete_callback([&] { qcal::SetLogLevel(qcal::ParseLogLevel(log_level)); });
+  qcal::client::AddModelCommands(app, &exit_code);
+  CLI11_PARSE(app, argc, argv);
+  return exit_code;
+}

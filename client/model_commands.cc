@@ -1,0 +1,180 @@
+#include "client/model_commands.h"
+
+#include <cstdio>
+#include <memory>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "client/progress.h"
+#include "common/atomic_file.h"
+#include "common/llama2c.h"
+#include "common/log.h"
+#include "common/text.h"
+#include "common/tokenizer.h"
+#include "worker/eval/perplexity.h"
+#include "worker/model/llama.h"
+
+namespace qcal::client {
+namespace {
+
+int Fail(const absl::Status& status) {
+  std::fprintf(stderr, "qcal: error: %s\n", std::string(status.message()).c_str());
+  return 1;
+}
+
+}  // namespace
+
+int RunImport(const ImportOptions& o) {
+  if (o.format != "llama2c") {
+    return Fail(absl::InvalidArgumentError("unknown import format '" + o.format +
+                                           "' (supported: llama2c)"));
+  }
+  auto result = ImportLlama2c(o.model_path, o.tokenizer_path, o.out_dir);
+  if (!result.ok()) return Fail(result.status());
+  const LlamaConfig& c = result->config;
+  if (o.json) {
+    nlohmann::json j = {{"out_dir", result->out_dir},
+                        {"parameters", result->num_parameters},
+                        {"tensors", result->num_tensors},
+                        {"config", LlamaConfigToJson(c)}};
+    std::printf("%s\n", j.dump().c_str());
+  } else {
+    std::printf("imported %s -> %s\n", o.model_path.c_str(), result->out_dir.c_str());
+    std::printf("  hidden %lld, intermediate %lld, layers %lld, heads %lld/%lld kv, vocab %lld, "
+                "max positions %lld, %s head\n",
+                (long long)c.hidden_size, (long long)c.intermediate_size,
+                (long long)c.num_hidden_layers, (long long)c.num_attention_heads,
+                (long long)c.num_key_value_heads, (long long)c.vocab_size,
+                (long long)c.max_position_embeddings, c.tie_word_embeddings ? "tied" : "separate");
+    std::printf("  %lld parameters in %lld tensors\n", (long long)result->num_parameters,
+                (long long)result->num_tensors);
+  }
+  return 0;
+}
+
+int RunEval(const EvalOptions& o) {
+  auto model = model::LlamaModel::Load(o.model_dir);
+  if (!model.ok()) return Fail(model.status());
+  model::SetComputeThreads(o.threads > 0 ? o.threads
+                                         : model::AutoComputeThreads((*model)->config()));
+  auto tokenizer = LoadTokenizerFromModelDir(o.model_dir);
+  if (!tokenizer.ok()) return Fail(tokenizer.status());
+  auto text = ReadTextFile(o.data_path);
+  if (!text.ok()) return Fail(text.status());
+
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<int32_t> tokens = (*tokenizer)->Encode(*text);
+  const double tokenize_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+  eval::PerplexityOptions opt;
+  opt.ctx = o.ctx;
+  opt.bos_per_window = o.bos_per_window;
+  opt.max_tokens = o.max_tokens;
+  opt.batch = o.batch;
+  opt.bos_id = (*tokenizer)->bos_id();
+  ProgressBar bar("perplexity", 0);
+  auto result = eval::EvaluatePerplexity(
+      **model, tokens, opt, [&bar](int64_t done, int64_t total) { bar.Update(done, total); });
+  bar.Finish();
+  if (!result.ok()) return Fail(result.status());
+  const double seconds = result->seconds + tokenize_s;
+  if (o.json) {
+    nlohmann::json j = {{"model", o.model_dir},
+                        {"data", o.data_path},
+                        {"ctx", o.ctx},
+                        {"bos_per_window", o.bos_per_window},
+                        {"tokens", result->tokens_scored},
+                        {"tokens_encoded", result->tokens_encoded},
+                        {"windows", result->windows},
+                        {"mean_nll", result->mean_nll},
+                        {"perplexity", result->perplexity},
+                        {"seconds", seconds},
+                        {"tokens_per_s", result->tokens_per_s}};
+    std::printf("%s\n", j.dump().c_str());
+  } else {
+    std::printf("model       %s\n", o.model_dir.c_str());
+    std::printf("data        %s (%lld tokens, ctx %lld, %s)\n", o.data_path.c_str(),
+                (long long)result->tokens_encoded, (long long)o.ctx,
+                o.bos_per_window ? "BOS per window" : "non-overlapping windows");
+    std::printf("tokens      %lld scored in %lld windows\n", (long long)result->tokens_scored,
+                (long long)result->windows);
+    std::printf("mean NLL    %.6f\n", result->mean_nll);
+    std::printf("perplexity  %.4f\n", result->perplexity);
+    std::printf("wall time   %.2f s (tokenize %.2f s, model %.2f s)\n", seconds, tokenize_s,
+                result->seconds);
+    std::printf("tokens/s    %.0f\n", result->tokens_per_s);
+  }
+  return 0;
+}
+
+int RunGenerate(const GenerateOptions& o) {
+  auto model = model::LlamaModel::Load(o.model_dir);
+  if (!model.ok()) return Fail(model.status());
+  model::SetComputeThreads(o.threads > 0 ? o.threads
+                                         : model::AutoComputeThreads((*model)->config()));
+  auto tokenizer = LoadTokenizerFromModelDir(o.model_dir);
+  if (!tokenizer.ok()) return Fail(tokenizer.status());
+  std::vector<int32_t> prompt = {(*tokenizer)->bos_id()};
+  if (!o.prompt.empty()) {
+    std::vector<int32_t> enc = (*tokenizer)->Encode(o.prompt);
+    prompt.insert(prompt.end(), enc.begin(), enc.end());
+  }
+  // llama2.c models end a story with BOS; HF models with EOS. Stop on either.
+  std::vector<int32_t> out =
+      model::GenerateGreedy(**model, prompt, o.max_new_tokens, (*tokenizer)->bos_id());
+  if (!out.empty() && out.back() == (*tokenizer)->eos_id()) out.pop_back();
+  std::vector<int32_t> generated(out.begin() + prompt.size(), out.end());
+  std::string text = (*tokenizer)->Decode(std::vector<int32_t>(out.begin() + 1, out.end()));
+  if (!text.empty() && text[0] == ' ') text.erase(0, 1);
+  if (o.json) {
+    nlohmann::json j = {{"prompt_ids", prompt}, {"generated_ids", generated}, {"text", text}};
+    std::printf("%s\n", j.dump().c_str());
+  } else {
+    std::printf("%s\n", text.c_str());
+  }
+  return 0;
+}
+
+void AddModelCommands(CLI::App& app, int* exit_code) {
+  auto* imp = app.add_subcommand("import", "Convert a checkpoint into a Hugging Face model dir");
+  auto io = std::make_shared<ImportOptions>();
+  imp->add_option("format", io->format, "source format (llama2c)")->required();
+  imp->add_option("model", io->model_path, "llama2.c model .bin")->required()->check(
+      CLI::ExistingFile);
+  imp->add_option("tokenizer", io->tokenizer_path, "llama2.c tokenizer .bin")
+      ->required()
+      ->check(CLI::ExistingFile);
+  imp->add_option("--out", io->out_dir, "output model directory")->required();
+  imp->add_flag("--json", io->json, "print one JSON object");
+  imp->callback([io, exit_code] { *exit_code = RunImport(*io); });
+
+  auto* ev = app.add_subcommand("eval", "Perplexity of a model on a text file");
+  auto eo = std::make_shared<EvalOptions>();
+  ev->add_option("--model", eo->model_dir, "model directory")->required()->check(
+      CLI::ExistingDirectory);
+  ev->add_option("--data", eo->data_path, "UTF-8 text file")->required()->check(
+      CLI::ExistingFile);
+  ev->add_option("--ctx", eo->ctx, "window length in tokens")->capture_default_str();
+  ev->add_option("--max-tokens", eo->max_tokens, "use at most this many text tokens");
+  ev->add_option("--batch", eo->batch, "windows per forward pass")->capture_default_str();
+  ev->add_flag("--bos-per-window", eo->bos_per_window,
+               "each window is BOS + ctx-1 text tokens (llama2.c convention)");
+  ev->add_option("--threads", eo->threads, "compute threads (0 = auto: 1 for tiny models, else all cores)");
+  ev->add_flag("--json", eo->json, "print one JSON object on the last line");
+  ev->callback([eo, exit_code] { *exit_code = RunEval(*eo); });
+
+  auto* gen = app.add_subcommand("generate", "Greedy decoding from a prompt");
+  auto go = std::make_shared<GenerateOptions>();
+  gen->add_option("--model", go->model_dir, "model directory")->required()->check(
+      CLI::ExistingDirectory);
+  gen->add_option("--prompt", go->prompt, "prompt text (default: BOS only)");
+  gen->add_option("--tokens", go->max_new_tokens, "new tokens")->capture_default_str();
+  gen->add_option("--threads", go->threads, "compute threads (0 = auto: 1 for tiny models, else all cores)");
+  gen->add_flag("--json", go->json, "print one JSON object");
+  gen->callback([go, exit_code] { *exit_code = RunGenerate(*go); });
+}
+
+}  // namespace qcal::client

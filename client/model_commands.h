@@ -1,0 +1,48 @@
+// `qcal import`, `qcal eval`, `qcal generate`: commands that work on a model directory in this
+// process (no coordinator). Each Run* returns the process exit code.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace CLI {
+class App;
+}
+
+namespace qcal::client {
+
+struct ImportOptions {
+  std::string format = "llama2c";
+  std::string model_path;
+  std::string tokenizer_path;
+  std::string out_dir;
+  bool json = false;
+};
+
+struct EvalOptions {
+  std::string model_dir;
+  std::string data_path;
+  int64_t ctx = 2048;
+  int64_t max_tokens = -1;
+  int64_t batch = 1;
+  bool bos_per_window = false;
+  bool json = false;
+  int threads = 0;
+};
+
+struct GenerateOptions {
+  std::string model_dir;
+  std::string prompt;
+  int64_t max_new_tokens = 64;
+  bool json = false;
+  int threads = 0;
+};
+
+// Registers the subcommands on `app`; the callbacks store their exit code in *exit_code.
+void AddModelCommands(CLI::App& app, int* exit_code);
+
+int RunImport(const ImportOptions& options);
+int RunEval(const EvalOptions& options);
+int RunGenerate(const GenerateOptions& options);
+
+}  // namespace qcal::client

@@ -1,0 +1,45 @@
+# Common compile settings for every qcal target.
+function(qcal_target_defaults target)
+  target_compile_options(${target} PRIVATE
+    $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wno-unused-parameter>)
+endfunction()
+
+# qcal_add_library(name SOURCES ... DEPS ... [PRIVATE_DEPS ...])
+function(qcal_add_library name)
+  cmake_parse_arguments(ARG "" "" "SOURCES;DEPS;PRIVATE_DEPS" ${ARGN})
+  add_library(${name} STATIC ${ARG_SOURCES})
+  target_include_directories(${name} PUBLIC ${PROJECT_SOURCE_DIR})
+  target_link_libraries(${name} PUBLIC ${ARG_DEPS} PRIVATE ${ARG_PRIVATE_DEPS})
+  qcal_target_defaults(${name})
+endfunction()
+
+# qcal_add_test(name SOURCES ... DEPS ... [LABELS ...] [TIMEOUT s] [DISCOVER])
+# DISCOVER registers every GoogleTest case as its own ctest test (so ctest -j runs them in
+# parallel); use it for suites of long, independent cases.
+# Builds a GoogleTest binary and registers it with ctest. Tests run from the build directory and
+# find the shared data through the QCAL_SHARED_DIR environment variable.
+function(qcal_add_test name)
+  cmake_parse_arguments(ARG "DISCOVER" "TIMEOUT" "SOURCES;DEPS;LABELS" ${ARGN})
+  add_executable(${name} ${ARG_SOURCES})
+  target_link_libraries(${name} PRIVATE ${ARG_DEPS} GTest::gtest GTest::gtest_main)
+  target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR})
+  # Defaults so a test binary also runs outside ctest; the environment overrides them.
+  target_compile_definitions(${name} PRIVATE
+    QCAL_DEFAULT_SHARED_DIR="${QCAL_SHARED_DIR}" QCAL_DEFAULT_BUILD_DIR="${PROJECT_BINARY_DIR}")
+  qcal_target_defaults(${name})
+  if(NOT ARG_TIMEOUT)
+    set(ARG_TIMEOUT 600)
+  endif()
+  set(env "QCAL_SHARED_DIR=${QCAL_SHARED_DIR};QCAL_BUILD_DIR=${PROJECT_BINARY_DIR};QCAL_SOURCE_DIR=${PROJECT_SOURCE_DIR}")
+  if(ARG_DISCOVER)
+    include(GoogleTest)
+    gtest_discover_tests(${name} TEST_PREFIX "${name}." DISCOVERY_TIMEOUT 60
+      PROPERTIES TIMEOUT ${ARG_TIMEOUT} ENVIRONMENT "${env}" LABELS "${ARG_LABELS}")
+    return()
+  endif()
+  add_test(NAME ${name} COMMAND ${name})
+  set_tests_properties(${name} PROPERTIES TIMEOUT ${ARG_TIMEOUT} ENVIRONMENT "${env}")
+  if(ARG_LABELS)
+    set_tests_properties(${name} PROPERTIES LABELS "${ARG_LABELS}")
+  endif()
+endfunction()

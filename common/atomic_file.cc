@@ -1,0 +1,186 @@
+#include "common/atomic_file.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <memory>
+
+#include "absl/strings/str_cat.h"
+
+namespace qcal {
+namespace {
+
+std::string ErrnoText(int error) {
+  char buffer[256];
+  // GNU strerror_r (glibc with _GNU_SOURCE, which both g++ and clang++ define for C++).
+  return std::string(strerror_r(error, buffer, sizeof(buffer)));
+}
+
+// "<path>: <what>: <strerror>" with the code abseil maps errno to (ENOENT -> NotFound, ...).
+Status ErrnoError(int error, absl::string_view path, absl::string_view what) {
+  return Status(absl::ErrnoToStatusCode(error),
+                absl::StrCat(path, ": ", what, ": ", ErrnoText(error)));
+}
+
+// Closes a file descriptor when it goes out of scope.
+class ScopedFd {
+ public:
+  explicit ScopedFd(int fd) : fd_(fd) {}
+  ~ScopedFd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  ScopedFd(const ScopedFd&) = delete;
+  ScopedFd& operator=(const ScopedFd&) = delete;
+  int get() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+std::string DirName(const std::string& path) {
+  const size_t slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  if (slash == 0) return "/";
+  return path.substr(0, slash);
+}
+
+// Makes a rename in `dir` durable. Some filesystems refuse fsync on directories (EINVAL); that is
+// not an error worth failing a write for.
+Status FsyncDir(const std::string& dir) {
+  ScopedFd fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (fd.get() < 0) return ErrnoError(errno, dir, "cannot open directory to fsync it");
+  if (::fsync(fd.get()) != 0 && errno != EINVAL && errno != EROFS) {
+    return ErrnoError(errno, dir, "fsync of directory failed");
+  }
+  return absl::OkStatus();
+}
+
+std::atomic<uint64_t> g_temp_counter{0};
+
+}  // namespace
+
+Status WriteFileAtomic(const std::string& path, std::string_view contents) {
+  QCAL_ASSIGN_OR_RETURN(std::unique_ptr<AtomicFileWriter> writer, AtomicFileWriter::Open(path));
+  QCAL_RETURN_IF_ERROR(writer->Append(contents.data(), contents.size()));
+  return writer->Commit();
+}
+
+StatusOr<std::string> ReadFile(const std::string& path) {
+  ScopedFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) return ErrnoError(errno, path, "cannot open for reading");
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) return ErrnoError(errno, path, "cannot stat");
+  if (S_ISDIR(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat(path, ": is a directory, not a file"));
+  }
+  std::string contents;
+  if (S_ISREG(st.st_mode) && st.st_size > 0) contents.reserve(static_cast<size_t>(st.st_size));
+  char buffer[1 << 16];
+  while (true) {
+    const ssize_t n = ::read(fd.get(), buffer, sizeof(buffer));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      const int error = errno;
+      return absl::DataLossError(
+          absl::StrCat(path, ": read failed after ", contents.size(), " bytes: ", ErrnoText(error)));
+    }
+    if (n == 0) break;
+    contents.append(buffer, static_cast<size_t>(n));
+  }
+  return contents;
+}
+
+Status MakeDirs(const std::string& path) {
+  if (path.empty()) return absl::InvalidArgumentError("MakeDirs: empty path");
+  // Create every prefix ending before a '/', then the whole path.
+  size_t pos = 0;
+  while (true) {
+    pos = path.find('/', pos + 1);
+    const std::string prefix = pos == std::string::npos ? path : path.substr(0, pos);
+    if (!prefix.empty() && prefix != "/") {
+      if (::mkdir(prefix.c_str(), 0755) != 0) {
+        const int error = errno;
+        struct stat st;
+        if (error != EEXIST) return ErrnoError(error, prefix, "cannot create directory");
+        if (::stat(prefix.c_str(), &st) != 0) return ErrnoError(errno, prefix, "cannot stat");
+        if (!S_ISDIR(st.st_mode)) {
+          return absl::FailedPreconditionError(
+              absl::StrCat(prefix, ": exists and is not a directory (creating ", path, ")"));
+        }
+      }
+    }
+    if (pos == std::string::npos) break;
+  }
+  return absl::OkStatus();
+}
+
+AtomicFileWriter::AtomicFileWriter(std::string path, std::string tmp_path, int fd)
+    : path_(std::move(path)), tmp_path_(std::move(tmp_path)), fd_(fd) {}
+
+StatusOr<std::unique_ptr<AtomicFileWriter>> AtomicFileWriter::Open(const std::string& path) {
+  if (path.empty()) return absl::InvalidArgumentError("AtomicFileWriter: empty path");
+  if (path.back() == '/') {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": is a directory name, not a file"));
+  }
+  const std::string tmp_path = absl::StrCat(path, ".tmp.", static_cast<int64_t>(::getpid()), ".",
+                                            g_temp_counter.fetch_add(1));
+  const int fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return ErrnoError(errno, tmp_path, "cannot create temporary file");
+  return std::unique_ptr<AtomicFileWriter>(new AtomicFileWriter(path, tmp_path, fd));
+}
+
+AtomicFileWriter::~AtomicFileWriter() {
+  if (fd_ >= 0) ::close(fd_);
+  // Not committed (or the commit failed): leave `path_` alone and drop the partial file.
+  if (!tmp_path_.empty()) ::unlink(tmp_path_.c_str());
+}
+
+Status AtomicFileWriter::Append(const void* data, size_t size) {
+  if (fd_ < 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(path_, ": Append after Commit (or after a failed write)"));
+  }
+  const char* bytes = static_cast<const char*>(data);
+  while (size > 0) {
+    const ssize_t n = ::write(fd_, bytes, size);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      const int error = errno;
+      ::close(fd_);
+      fd_ = -1;  // the destructor removes the temporary file
+      return ErrnoError(error, tmp_path_, "write failed");
+    }
+    bytes += n;
+    size -= static_cast<size_t>(n);
+    bytes_written_ += static_cast<uint64_t>(n);
+  }
+  return absl::OkStatus();
+}
+
+Status AtomicFileWriter::Commit() {
+  if (fd_ < 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(path_, ": Commit after Commit (or after a failed write)"));
+  }
+  const int fd = fd_;
+  fd_ = -1;
+  if (::fsync(fd) != 0) {
+    const int error = errno;
+    ::close(fd);
+    return ErrnoError(error, tmp_path_, "fsync failed");
+  }
+  if (::close(fd) != 0) return ErrnoError(errno, tmp_path_, "close failed");
+  if (::rename(tmp_path_.c_str(), path_.c_str()) != 0) {
+    const int error = errno;
+    return ErrnoError(error, path_, absl::StrCat("cannot rename ", tmp_path_, " over it"));
+  }
+  tmp_path_.clear();  // committed: nothing for the destructor to remove
+  return FsyncDir(DirName(path_));
+}
+
+}  // namespace qcal

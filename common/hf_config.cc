@@ -1,0 +1,352 @@
+#include "common/hf_config.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string_view>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/atomic_file.h"
+
+namespace qcal {
+namespace {
+
+using json = nlohmann::json;
+
+constexpr char kLlamaArchitecture[] = "LlamaForCausalLM";
+// Sizes beyond int32 are never real and would overflow products such as q_dim() downstream.
+constexpr int64_t kMaxSize = int64_t{1} << 31;
+
+std::string JsonTypeName(const json& value) {
+  if (value.is_number_integer()) return "integer";
+  if (value.is_number_float()) return "number";
+  return value.type_name();
+}
+
+// Debian's abseil is built with its own absl::string_view (not std::string_view), and the two do
+// not convert implicitly; public qcal headers use std::string_view.
+absl::string_view ToAbsl(std::string_view s) { return absl::string_view(s.data(), s.size()); }
+
+std::string Printable(absl::string_view text, size_t max_len = 120) {
+  std::string out;
+  for (char c : text.substr(0, max_len)) {
+    const unsigned char u = static_cast<unsigned char>(c);
+    out.push_back(u >= 0x20 && u < 0x7f ? c : '?');
+  }
+  if (text.size() > max_len) out += "...";
+  return out;
+}
+
+// Records the parser's message (nlohmann's non-throwing parse only says "discarded").
+class JsonErrorCollector {
+ public:
+  bool null() { return true; }
+  bool boolean(bool) { return true; }
+  bool number_integer(json::number_integer_t) { return true; }
+  bool number_unsigned(json::number_unsigned_t) { return true; }
+  bool number_float(json::number_float_t, const json::string_t&) { return true; }
+  bool string(json::string_t&) { return true; }
+  bool binary(json::binary_t&) { return true; }
+  bool start_object(std::size_t) { return true; }
+  bool key(json::string_t&) { return true; }
+  bool end_object() { return true; }
+  bool start_array(std::size_t) { return true; }
+  bool end_array() { return true; }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& error) {
+    message = error.what();
+    return false;
+  }
+  std::string message;
+};
+
+std::string JsonParseErrorMessage(std::string_view text) {
+  JsonErrorCollector collector;
+  json::sax_parse(text.data(), text.data() + text.size(), &collector);
+  std::string message = collector.message;
+  if (!message.empty() && message[0] == '[') {  // drop "[json.exception.parse_error.101] "
+    const size_t close = message.find("] ");
+    if (close != std::string::npos) message.erase(0, close + 2);
+  }
+  if (message.empty()) message = "parse error";
+  return Printable(message, 300);
+}
+
+// Field readers. Each returns InvalidArgument "<source>: field '<key>' ..." on a wrong type.
+// Optional fields treat JSON null like absence (Hugging Face writes null for "unset").
+class FieldReader {
+ public:
+  FieldReader(const json& root, absl::string_view source) : root_(root), source_(source) {}
+
+  Status Error(absl::string_view message) const {
+    return absl::InvalidArgumentError(absl::StrCat(source_, ": ", message));
+  }
+
+  const json* Get(const char* key) const {
+    const auto it = root_.find(key);
+    if (it == root_.end() || it->is_null()) return nullptr;
+    return &*it;
+  }
+
+  Status TypeError(const char* key, absl::string_view expected, const json& value) const {
+    return Error(
+        absl::StrCat("field '", key, "' must be ", expected, ", got ", JsonTypeName(value)));
+  }
+
+  Status Int(const char* key, const json& value, int64_t* out) const {
+    // Unsigned first: nlohmann's get_ptr<number_integer_t*> also answers for unsigned values,
+    // reinterpreting their bits as signed.
+    if (const auto* u = value.get_ptr<const json::number_unsigned_t*>()) {
+      if (*u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+        return Error(absl::StrCat("field '", key, "' is out of range: ", *u));
+      }
+      *out = static_cast<int64_t>(*u);
+      return absl::OkStatus();
+    }
+    if (const auto* i = value.get_ptr<const json::number_integer_t*>()) {
+      *out = *i;
+      return absl::OkStatus();
+    }
+    return TypeError(key, "an integer", value);
+  }
+
+  Status RequiredSize(const char* key, int64_t* out) const {
+    const auto it = root_.find(key);
+    if (it == root_.end()) return Error(absl::StrCat("missing required field '", key, "'"));
+    QCAL_RETURN_IF_ERROR(Int(key, *it, out));
+    return CheckSize(key, *out);
+  }
+
+  Status OptionalSize(const char* key, int64_t default_value, int64_t* out) const {
+    const json* value = Get(key);
+    if (value == nullptr) {
+      *out = default_value;
+      return absl::OkStatus();
+    }
+    QCAL_RETURN_IF_ERROR(Int(key, *value, out));
+    return CheckSize(key, *out);
+  }
+
+  Status CheckSize(const char* key, int64_t value) const {
+    if (value <= 0) return Error(absl::StrCat("field '", key, "' must be positive, got ", value));
+    if (value > kMaxSize) {
+      return Error(absl::StrCat("field '", key, "' is unreasonably large: ", value));
+    }
+    return absl::OkStatus();
+  }
+
+  Status OptionalPositiveNumber(const char* key, double default_value, double* out) const {
+    const json* value = Get(key);
+    if (value == nullptr) {
+      *out = default_value;
+      return absl::OkStatus();
+    }
+    if (!value->is_number()) return TypeError(key, "a number", *value);
+    *out = value->get<double>();  // numeric conversion; cannot throw for a number
+    if (!(*out > 0) || !std::isfinite(*out)) {
+      return Error(absl::StrCat("field '", key, "' must be a positive finite number, got ", *out));
+    }
+    return absl::OkStatus();
+  }
+
+  Status OptionalBool(const char* key, bool default_value, bool* out) const {
+    const json* value = Get(key);
+    if (value == nullptr) {
+      *out = default_value;
+      return absl::OkStatus();
+    }
+    const auto* b = value->get_ptr<const json::boolean_t*>();
+    if (b == nullptr) return TypeError(key, "a boolean", *value);
+    *out = *b;
+    return absl::OkStatus();
+  }
+
+  Status OptionalString(const char* key, const std::string& default_value,
+                        std::string* out) const {
+    const json* value = Get(key);
+    if (value == nullptr) {
+      *out = default_value;
+      return absl::OkStatus();
+    }
+    const auto* s = value->get_ptr<const json::string_t*>();
+    if (s == nullptr) return TypeError(key, "a string", *value);
+    *out = *s;
+    return absl::OkStatus();
+  }
+
+  // Token ids: an integer, or (Llama 3 style) a non-empty list of integers of which the first is
+  // taken as the primary id.
+  Status OptionalTokenId(const char* key, int64_t default_value, int64_t* out) const {
+    const json* value = Get(key);
+    if (value == nullptr) {
+      *out = default_value;
+      return absl::OkStatus();
+    }
+    if (value->is_array()) {
+      if (value->empty()) return Error(absl::StrCat("field '", key, "' is an empty list"));
+      for (const json& element : *value) {
+        int64_t id = 0;
+        QCAL_RETURN_IF_ERROR(Int(key, element, &id));
+        if (id < 0) return Error(absl::StrCat("field '", key, "' holds a negative id ", id));
+      }
+      return Int(key, (*value)[0], out);
+    }
+    QCAL_RETURN_IF_ERROR(Int(key, *value, out));
+    if (*out < 0) return Error(absl::StrCat("field '", key, "' must be non-negative, got ", *out));
+    return absl::OkStatus();
+  }
+
+ private:
+  const json& root_;
+  absl::string_view source_;
+};
+
+Status Unsupported(absl::string_view source, absl::string_view what) {
+  return absl::InvalidArgumentError(
+      absl::StrCat(source, ": unsupported architecture '", Printable(what), "' (qcal supports ",
+                   kLlamaArchitecture, ")"));
+}
+
+}  // namespace
+
+StatusOr<LlamaConfig> ParseLlamaConfig(std::string_view json_text,
+                                       std::string_view source_view) {
+  const absl::string_view source = ToAbsl(source_view);
+  json root = json::parse(json_text.data(), json_text.data() + json_text.size(), nullptr, false);
+  if (root.is_discarded()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": not valid JSON: ", JsonParseErrorMessage(json_text)));
+  }
+  if (!root.is_object()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": must be a JSON object, got ", JsonTypeName(root)));
+  }
+  const FieldReader fields(root, source);
+  LlamaConfig config;
+
+  // Architecture: "architectures" must list LlamaForCausalLM; without it, model_type decides.
+  std::string model_type;
+  QCAL_RETURN_IF_ERROR(fields.OptionalString("model_type", "", &model_type));
+  if (const json* architectures = fields.Get("architectures")) {
+    if (!architectures->is_array()) {
+      return fields.TypeError("architectures", "a list of strings", *architectures);
+    }
+    std::vector<std::string> names;
+    for (const json& element : *architectures) {
+      const auto* name = element.get_ptr<const json::string_t*>();
+      if (name == nullptr) return fields.TypeError("architectures", "a list of strings", element);
+      names.push_back(*name);
+    }
+    if (std::find(names.begin(), names.end(), kLlamaArchitecture) == names.end()) {
+      return Unsupported(source, names.empty() ? "(empty list)" : absl::StrJoin(names, ", "));
+    }
+  } else if (model_type != "llama") {
+    return Unsupported(source, model_type.empty() ? "(neither architectures nor model_type given)"
+                                                  : model_type);
+  }
+  config.architecture = kLlamaArchitecture;
+  config.model_type = model_type.empty() ? "llama" : model_type;
+
+  QCAL_RETURN_IF_ERROR(fields.RequiredSize("hidden_size", &config.hidden_size));
+  QCAL_RETURN_IF_ERROR(fields.RequiredSize("intermediate_size", &config.intermediate_size));
+  QCAL_RETURN_IF_ERROR(fields.RequiredSize("num_hidden_layers", &config.num_hidden_layers));
+  QCAL_RETURN_IF_ERROR(fields.RequiredSize("num_attention_heads", &config.num_attention_heads));
+  QCAL_RETURN_IF_ERROR(fields.RequiredSize("vocab_size", &config.vocab_size));
+  QCAL_RETURN_IF_ERROR(fields.OptionalSize("num_key_value_heads", config.num_attention_heads,
+                                           &config.num_key_value_heads));
+  if (config.num_attention_heads % config.num_key_value_heads != 0) {
+    return fields.Error(absl::StrCat("num_attention_heads ", config.num_attention_heads,
+                                     " is not divisible by num_key_value_heads ",
+                                     config.num_key_value_heads));
+  }
+  if (fields.Get("head_dim") != nullptr) {
+    QCAL_RETURN_IF_ERROR(fields.OptionalSize("head_dim", 0, &config.head_dim));
+  } else {
+    if (config.hidden_size % config.num_attention_heads != 0) {
+      return fields.Error(absl::StrCat("hidden_size ", config.hidden_size,
+                                       " is not divisible by num_attention_heads ",
+                                       config.num_attention_heads, " (and head_dim is absent)"));
+    }
+    config.head_dim = config.hidden_size / config.num_attention_heads;
+  }
+  QCAL_RETURN_IF_ERROR(
+      fields.OptionalPositiveNumber("rms_norm_eps", 1e-6, &config.rms_norm_eps));
+  QCAL_RETURN_IF_ERROR(fields.OptionalPositiveNumber("rope_theta", 10000.0, &config.rope_theta));
+  QCAL_RETURN_IF_ERROR(
+      fields.OptionalBool("tie_word_embeddings", false, &config.tie_word_embeddings));
+  QCAL_RETURN_IF_ERROR(fields.OptionalSize("max_position_embeddings", 2048,
+                                           &config.max_position_embeddings));
+  QCAL_RETURN_IF_ERROR(fields.OptionalString("torch_dtype", "float32", &config.torch_dtype));
+  QCAL_RETURN_IF_ERROR(fields.OptionalTokenId("bos_token_id", 1, &config.bos_token_id));
+  QCAL_RETURN_IF_ERROR(fields.OptionalTokenId("eos_token_id", 2, &config.eos_token_id));
+
+  // Features the Llama implementation does not have: refuse rather than compute wrong numbers.
+  if (const json* rope_scaling = fields.Get("rope_scaling")) {
+    std::string kind = JsonTypeName(*rope_scaling);
+    if (rope_scaling->is_object()) {
+      const auto type = rope_scaling->find("rope_type") != rope_scaling->end()
+                            ? rope_scaling->find("rope_type")
+                            : rope_scaling->find("type");
+      if (type != rope_scaling->end() && type->is_string()) {
+        kind = absl::StrCat("type '", Printable(*type->get_ptr<const json::string_t*>()), "'");
+      }
+    }
+    return fields.Error(absl::StrCat("rope_scaling is unsupported (qcal implements plain RoPE), got ",
+                                     kind));
+  }
+  for (const char* bias : {"attention_bias", "mlp_bias"}) {
+    bool enabled = false;
+    QCAL_RETURN_IF_ERROR(fields.OptionalBool(bias, false, &enabled));
+    if (enabled) return fields.Error(absl::StrCat(bias, "=true is unsupported"));
+  }
+  std::string hidden_act;
+  QCAL_RETURN_IF_ERROR(fields.OptionalString("hidden_act", "silu", &hidden_act));
+  if (hidden_act != "silu") {
+    return fields.Error(
+        absl::StrCat("hidden_act '", Printable(hidden_act), "' is unsupported (expected silu)"));
+  }
+
+  config.raw = std::move(root);
+  return config;
+}
+
+StatusOr<LlamaConfig> LoadLlamaConfig(const std::string& path) {
+  std::string file = path;
+  struct stat st;
+  if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
+    file = (!path.empty() && path.back() == '/') ? path + "config.json" : path + "/config.json";
+  }
+  QCAL_ASSIGN_OR_RETURN(std::string text, ReadFile(file));
+  return ParseLlamaConfig(text, file);
+}
+
+json LlamaConfigToJson(const LlamaConfig& config) {
+  json j = config.raw.is_object() ? config.raw : json::object();
+  j["architectures"] = json::array({config.architecture});
+  j["model_type"] = config.model_type;
+  j["hidden_size"] = config.hidden_size;
+  j["intermediate_size"] = config.intermediate_size;
+  j["num_hidden_layers"] = config.num_hidden_layers;
+  j["num_attention_heads"] = config.num_attention_heads;
+  j["num_key_value_heads"] = config.num_key_value_heads;
+  j["head_dim"] = config.head_dim;
+  j["rms_norm_eps"] = config.rms_norm_eps;
+  j["rope_theta"] = config.rope_theta;
+  j["vocab_size"] = config.vocab_size;
+  j["tie_word_embeddings"] = config.tie_word_embeddings;
+  j["max_position_embeddings"] = config.max_position_embeddings;
+  j["torch_dtype"] = config.torch_dtype;
+  j["bos_token_id"] = config.bos_token_id;
+  // Keep a list of eos ids (Llama 3) when its primary id is unchanged.
+  const auto eos = j.find("eos_token_id");
+  const bool keep_eos_list = eos != j.end() && eos->is_array() && !eos->empty() &&
+                             (*eos)[0].is_number_integer() &&
+                             (*eos)[0].get<int64_t>() == config.eos_token_id;
+  if (!keep_eos_list) j["eos_token_id"] = config.eos_token_id;
+  return j;
+}
+
+}  // namespace qcal

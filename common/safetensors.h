@@ -1,0 +1,143 @@
+// safetensors: reading (mmap, validated before any use), writing (atomic) and sharded checkpoints.
+//
+// File layout (https://github.com/huggingface/safetensors): 8-byte little-endian header length N,
+// N bytes of JSON header, then the data section. The header maps tensor names to
+// {"dtype", "shape", "data_offsets": [begin, end)} (offsets relative to the data section) and may
+// hold "__metadata__": a map of string to string.
+//
+// Validation performed by ParseSafetensors / SafetensorsFile::Open, each failure an
+// InvalidArgument (or DataLoss for truncation) whose message names the file and the problem:
+//   * the file holds at least the 8-byte length; header length within the file and <= 100 MB;
+//   * the header is a JSON object; every entry is an object with exactly known keys;
+//   * dtype is known; shape is a list of non-negative integers; data_offsets two integers,
+//     begin <= end; product(shape) * dtype size == end - begin (with overflow checks);
+//   * every range lies inside the data section; ranges do not overlap; together they cover the
+//     data section with no holes (as the reference implementation requires);
+//   * "__metadata__", when present, is an object whose values are all strings.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/dtype.h"
+#include "common/status.h"
+
+namespace qcal {
+
+inline constexpr uint64_t kMaxSafetensorsHeaderBytes = 100'000'000;
+
+struct TensorInfo {
+  std::string name;
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;
+  uint64_t begin = 0;  // byte offset within the data section
+  uint64_t end = 0;    // one past the last byte
+  int64_t numel() const;
+  uint64_t nbytes() const { return end - begin; }
+};
+
+struct SafetensorsHeader {
+  std::vector<TensorInfo> tensors;  // sorted by begin offset
+  std::map<std::string, std::string> metadata;
+  uint64_t data_offset = 0;  // where the data section starts in the file (8 + N)
+};
+
+// Validates a whole in-memory safetensors file (length prefix, header and ranges). `source`
+// names the file in error messages. Pure function: this is what the fuzzer drives.
+StatusOr<SafetensorsHeader> ParseSafetensors(const uint8_t* bytes, size_t size,
+                                             std::string_view source);
+
+// Validates only the JSON header given the data section's size.
+StatusOr<SafetensorsHeader> ParseSafetensorsHeader(std::string_view header_json,
+                                                   uint64_t data_size, std::string_view source);
+
+// A memory-mapped safetensors file. Immutable after Open; safe to read from many threads.
+class SafetensorsFile {
+ public:
+  static StatusOr<std::unique_ptr<SafetensorsFile>> Open(const std::string& path);
+  ~SafetensorsFile();
+  SafetensorsFile(const SafetensorsFile&) = delete;
+  SafetensorsFile& operator=(const SafetensorsFile&) = delete;
+
+  const std::string& path() const { return path_; }
+  const std::vector<TensorInfo>& tensors() const { return header_.tensors; }
+  const std::map<std::string, std::string>& metadata() const { return header_.metadata; }
+  // nullptr when absent.
+  const TensorInfo* Find(std::string_view name) const;
+  // The tensor's raw little-endian bytes; valid while this object lives.
+  const uint8_t* Data(const TensorInfo& info) const;
+  // Converts a floating tensor (F64/F32/F16/BF16) to float32. NotFound / InvalidArgument.
+  StatusOr<std::vector<float>> ReadF32(std::string_view name) const;
+
+ private:
+  SafetensorsFile() = default;
+  std::string path_;
+  SafetensorsHeader header_;
+  const uint8_t* map_ = nullptr;
+  size_t map_size_ = 0;
+  std::map<std::string, size_t, std::less<>> index_;
+};
+
+// Collects tensors (copied in) and writes one safetensors file atomically. Tensors are written
+// in the order added; the header is padded with spaces to a multiple of 8 bytes.
+class SafetensorsWriter {
+ public:
+  // InvalidArgument when the name is duplicate/empty or nbytes != product(shape) * dtype size.
+  Status Add(std::string name, DType dtype, std::vector<int64_t> shape, const void* data,
+             size_t nbytes);
+  Status AddF32(std::string name, std::vector<int64_t> shape, const float* data);
+  void SetMetadata(std::string key, std::string value);
+  // Total bytes of tensor data added so far.
+  uint64_t data_bytes() const { return data_bytes_; }
+  Status Write(const std::string& path) const;
+
+ private:
+  struct Entry {
+    std::string name;
+    DType dtype;
+    std::vector<int64_t> shape;
+    std::string bytes;
+  };
+  std::vector<Entry> entries_;
+  std::map<std::string, std::string> metadata_;
+  uint64_t data_bytes_ = 0;
+};
+
+// A checkpoint directory: either model.safetensors alone, or model.safetensors.index.json naming
+// the shard of every tensor ({"metadata": {...}, "weight_map": {name: file}}). Shards are opened
+// lazily on first access. Thread-compatible (external locking for concurrent first access).
+class CheckpointReader {
+ public:
+  static StatusOr<std::unique_ptr<CheckpointReader>> Open(const std::string& dir);
+
+  const std::string& dir() const { return dir_; }
+  bool Has(std::string_view name) const;
+  std::vector<std::string> TensorNames() const;  // sorted
+  // Info + the file holding it. NotFound naming the tensor and the directory.
+  StatusOr<std::pair<const SafetensorsFile*, const TensorInfo*>> Find(std::string_view name);
+  StatusOr<std::vector<float>> ReadF32(std::string_view name);
+  // Opens every shard now and checks that the index and the shards agree: every listed tensor is
+  // in its shard and no shard holds a tensor the index does not list for it. InvalidArgument
+  // (or the shard's own open/parse error) naming the file and the tensor.
+  Status Validate();
+
+ private:
+  // The opened shard `shard_name` (a file in dir_), opening and caching it on first use.
+  StatusOr<const SafetensorsFile*> Shard(const std::string& shard_name);
+
+  std::string dir_;
+  std::map<std::string, std::string, std::less<>> weight_map_;  // tensor -> shard file name
+  std::map<std::string, std::unique_ptr<SafetensorsFile>> shards_;
+};
+
+// Writes model.safetensors.index.json (atomically) for shards already written into `dir`:
+// `weight_map` maps tensor name -> shard file name; total_size is the sum of tensor bytes.
+Status WriteCheckpointIndex(const std::string& dir,
+                            const std::map<std::string, std::string>& weight_map,
+                            uint64_t total_size);
+
+}  // namespace qcal

@@ -1,0 +1,291 @@
+#include "kernels/linalg.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <limits>
+#include <string>
+#include <utility>
+
+// LAPACK (Fortran ABI; provided by OpenBLAS). The trailing size_t is the hidden length of the
+// character argument that gfortran passes.
+extern "C" {
+void dpotrf_(const char* uplo, const int* n, double* a, const int* lda, int* info, size_t);
+void dtrtri_(const char* uplo, const char* diag, const int* n, double* a, const int* lda, int* info,
+             size_t, size_t);
+}
+
+namespace qcal::kernels {
+namespace {
+
+Status CheckSquare(const double* a, int64_t n, const char* what) {
+  if (n <= 0) return absl::InvalidArgumentError(absl::StrCat(what, ": n = ", n, " must be > 0"));
+  if (n > std::numeric_limits<int>::max()) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": n = ", n, " too large for LAPACK"));
+  }
+  if (a == nullptr) return absl::InvalidArgumentError(absl::StrCat(what, ": null matrix"));
+  for (int64_t i = 0; i < n * n; ++i) {
+    if (!std::isfinite(a[i])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": non-finite entry at (", i / n, ", ", i % n, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// dpotrf on a row-major symmetric matrix, result C lower (H = C Cᵀ), strict upper zeroed.
+// `index_of` maps the LAPACK pivot (0-based, in a's own order) to the caller's description.
+Status PotrfLower(double* a, int64_t n, const std::string& what, bool reversed) {
+  const int ni = static_cast<int>(n);
+  int info = 0;
+  // Row-major lower == column-major upper.
+  dpotrf_("U", &ni, a, &ni, &info, 1);
+  if (info < 0) {
+    return absl::InternalError(absl::StrCat(what, ": dpotrf argument ", -info, " invalid"));
+  }
+  if (info > 0) {
+    const int64_t k = info;  // Leading minor of order k (of a) is not positive definite.
+    if (!reversed) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          what, ": matrix is not positive definite: Cholesky failed at pivot ", k - 1,
+          " (0-based; the leading ", k, "x", k,
+          " principal minor is not positive definite). Damp the Hessian (DampHessian, e.g. "
+          "delta = 0.01) or check it for rank deficiency."));
+    }
+    return absl::FailedPreconditionError(absl::StrCat(
+        what,
+        ": matrix is not positive definite: Cholesky of the index-reversed matrix failed at "
+        "original index ",
+        n - k, " (the trailing ", k, "x", k, " principal minor, indices ", n - k, "..", n - 1,
+        ", is not positive definite). Damp the Hessian (DampHessian, e.g. delta = 0.01) or check "
+        "it for rank deficiency."));
+  }
+  for (int64_t i = 0; i < n; ++i) std::fill(a + i * n + i + 1, a + (i + 1) * n, 0.0);
+  return absl::OkStatus();
+}
+
+// Turns a lower Cholesky factor C (in place) into the unit block lower L of L D Lᵀ for the block
+// partition `starts` (ascending, starts[0] = 0, plus n as sentinel), returning each D block
+// (w×w row-major) in `dblocks`.
+void BlockLdlFromCholesky(double* c, int64_t n, const std::vector<int64_t>& starts,
+                          std::vector<std::vector<double>>* dblocks) {
+  dblocks->clear();
+  std::vector<double> cb;
+  for (size_t b = 0; b + 1 < starts.size(); ++b) {
+    const int64_t s = starts[b], e = starts[b + 1], w = e - s;
+    cb.assign(w * w, 0.0);
+    for (int64_t i = 0; i < w; ++i) {
+      for (int64_t j = 0; j <= i; ++j) cb[i * w + j] = c[(s + i) * n + s + j];
+    }
+    // D_b = C_b C_bᵀ.
+    std::vector<double> db(w * w, 0.0);
+    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(w), static_cast<int>(w),
+                static_cast<int>(w), 1.0, cb.data(), static_cast<int>(w), cb.data(),
+                static_cast<int>(w), 0.0, db.data(), static_cast<int>(w));
+    for (int64_t i = 0; i < w; ++i) {  // Exactly symmetric.
+      for (int64_t j = 0; j < i; ++j) db[j * w + i] = db[i * w + j];
+    }
+    dblocks->push_back(std::move(db));
+    // L[s:n, s:e] = C[s:n, s:e] · C_b⁻¹.
+    cblas_dtrsm(CblasRowMajor, CblasRight, CblasLower, CblasNoTrans, CblasNonUnit,
+                static_cast<int>(n - s), static_cast<int>(w), 1.0, cb.data(), static_cast<int>(w),
+                c + s * n + s, static_cast<int>(n));
+    for (int64_t i = 0; i < w; ++i) {  // The diagonal block is I exactly.
+      for (int64_t j = 0; j < w; ++j) c[(s + i) * n + s + j] = (i == j) ? 1.0 : 0.0;
+    }
+  }
+}
+
+// a ← P a P (index reversal of rows and columns, a 180° rotation), in place.
+void Rotate180(double* a, int64_t n) {
+  const int64_t total = n * n;
+  for (int64_t i = 0; i < total / 2; ++i) std::swap(a[i], a[total - 1 - i]);
+}
+
+// a ← P aᵀ P, i.e. a[i][j] ↔ a[n-1-j][n-1-i] (transpose about the anti-diagonal), in place.
+// Tiled so both sides of each swap stay in cache.
+void AntiTranspose(double* a, int64_t n) {
+  constexpr int64_t kTile = 64;
+  for (int64_t ib = 0; ib < n; ib += kTile) {
+    for (int64_t jb = 0; jb < n - ib; jb += kTile) {
+      const int64_t ie = std::min(ib + kTile, n), je = std::min(jb + kTile, n);
+      for (int64_t i = ib; i < ie; ++i) {
+        for (int64_t j = jb; j < std::min(je, n - 1 - i); ++j) {
+          std::swap(a[i * n + j], a[(n - 1 - j) * n + (n - 1 - i)]);
+        }
+      }
+    }
+  }
+}
+
+// A row-major copy of P h P.
+std::vector<double> ReversedCopy(const double* h, int64_t n) {
+  std::vector<double> r(n * n);
+  for (int64_t i = 0; i < n; ++i) {
+    const double* src = h + (n - 1 - i) * n;
+    double* dst = r.data() + i * n;
+    for (int64_t j = 0; j < n; ++j) dst[j] = src[n - 1 - j];
+  }
+  return r;
+}
+
+}  // namespace
+
+StatusOr<double> DampHessian(double* h, int64_t n, double delta) {
+  if (n <= 0) return absl::InvalidArgumentError(absl::StrCat("damp: n = ", n, " must be > 0"));
+  if (h == nullptr) return absl::InvalidArgumentError("damp: null matrix");
+  if (!(delta >= 0.0) || !std::isfinite(delta)) {
+    return absl::InvalidArgumentError(absl::StrCat("damp: delta = ", delta, " must be >= 0"));
+  }
+  double mean = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(h[i * n + i])) {
+      return absl::InvalidArgumentError(absl::StrCat("damp: non-finite diagonal entry ", i));
+    }
+    mean += h[i * n + i];
+  }
+  mean /= static_cast<double>(n);
+  const double add = delta * mean;
+  for (int64_t i = 0; i < n; ++i) h[i * n + i] += add;
+  return add;
+}
+
+Status CholeskyInPlace(double* a, int64_t n) {
+  QCAL_RETURN_IF_ERROR(CheckSquare(a, n, "cholesky"));
+  return PotrfLower(a, n, "cholesky", /*reversed=*/false);
+}
+
+StatusOr<std::vector<double>> Cholesky(const double* h, int64_t n) {
+  QCAL_RETURN_IF_ERROR(CheckSquare(h, n, "cholesky"));
+  std::vector<double> c(h, h + n * n);
+  QCAL_RETURN_IF_ERROR(PotrfLower(c.data(), n, "cholesky", false));
+  return c;
+}
+
+std::vector<double> BlockLdl::DenseD() const {
+  std::vector<double> out(n * n, 0.0);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t s = BlockStart(i);
+    for (int64_t j = s; j < std::min(s + block, n); ++j) out[i * n + j] = d[i * block + (j - s)];
+  }
+  return out;
+}
+
+double BlockLdl::TraceD() const {
+  double t = 0.0;
+  for (int64_t i = 0; i < n; ++i) t += d[i * block + (i - BlockStart(i))];
+  return t;
+}
+
+StatusOr<BlockLdl> BlockLdlDecompose(const double* h, int64_t n, int64_t block, LdlForm form) {
+  const char* what = form == LdlForm::kLDLt ? "block LDL (H = L D L^T)" : "block LDL (H = L^T D L)";
+  if (block < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": block = ", block, " must be >= 1"));
+  }
+  QCAL_RETURN_IF_ERROR(CheckSquare(h, n, what));
+  BlockLdl f;
+  f.n = n;
+  f.block = std::min(block, n);
+  f.form = form;
+  const int64_t g = f.block;
+  f.d.assign(n * g, 0.0);
+  std::vector<std::vector<double>> dblocks;
+
+  if (form == LdlForm::kLDLt) {
+    f.L.assign(h, h + n * n);
+    QCAL_RETURN_IF_ERROR(PotrfLower(f.L.data(), n, what, false));
+    std::vector<int64_t> starts;
+    for (int64_t s = 0; s < n; s += g) starts.push_back(s);
+    starts.push_back(n);
+    BlockLdlFromCholesky(f.L.data(), n, starts, &dblocks);
+    for (size_t b = 0; b + 1 < starts.size(); ++b) {
+      const int64_t s = starts[b], w = starts[b + 1] - s;
+      for (int64_t i = 0; i < w; ++i) {
+        for (int64_t j = 0; j < w; ++j) f.d[(s + i) * g + j] = dblocks[b][i * w + j];
+      }
+    }
+    return f;
+  }
+
+  // kLtDL: factor P H P (index reversal) as L' D' L'ᵀ, then L = P L'ᵀ P, D = P D' P.
+  f.L = ReversedCopy(h, n);
+  QCAL_RETURN_IF_ERROR(PotrfLower(f.L.data(), n, what, /*reversed=*/true));
+  // Original blocks [s, e) become [n - e, n - s) in reversed order.
+  std::vector<int64_t> starts;
+  for (int64_t s = 0; s < n; s += g) starts.push_back(n - std::min(s + g, n));
+  std::reverse(starts.begin(), starts.end());
+  starts.push_back(n);
+  BlockLdlFromCholesky(f.L.data(), n, starts, &dblocks);
+  AntiTranspose(f.L.data(), n);  // L[i][j] = L'[n-1-j][n-1-i].
+  for (size_t b = 0; b + 1 < starts.size(); ++b) {
+    const int64_t rs = starts[b], w = starts[b + 1] - rs;
+    const int64_t s = n - (rs + w);  // Original start of this block.
+    for (int64_t i = 0; i < w; ++i) {
+      for (int64_t j = 0; j < w; ++j) {
+        // D(s+i, s+j) = D'(n-1-(s+i), n-1-(s+j)) = D'_b(w-1-i, w-1-j).
+        f.d[(s + i) * g + j] = dblocks[b][(w - 1 - i) * w + (w - 1 - j)];
+      }
+    }
+  }
+  return f;
+}
+
+StatusOr<std::vector<double>> InverseCholeskyUpper(const double* h, int64_t n) {
+  // GPTQ computes chol(H) -> H⁻¹ -> chol(H⁻¹, upper). The factor is unique (upper triangular,
+  // positive diagonal), so we get it more cheaply: with C' = chol(P H P) lower, H = U Uᵀ for the
+  // upper triangular U = P C' P, hence H⁻¹ = U⁻ᵀ U⁻¹ and R = U⁻¹ = P C'⁻¹ P.
+  // Cost n³/3 (potrf) + n³/3 (trtri) instead of 4n³/3.
+  const char* what = "GPTQ inverse Cholesky";
+  QCAL_RETURN_IF_ERROR(CheckSquare(h, n, what));
+  std::vector<double> a = ReversedCopy(h, n);
+  QCAL_RETURN_IF_ERROR(PotrfLower(a.data(), n, what, /*reversed=*/true));
+  const int ni = static_cast<int>(n);
+  int info = 0;
+  // Row-major lower C' == column-major upper C'ᵀ; its inverse in place is row-major C'⁻¹.
+  dtrtri_("U", "N", &ni, a.data(), &ni, &info, 1, 1);
+  if (info != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(what, ": dtrtri failed (info = ", info, "): H is singular"));
+  }
+  Rotate180(a.data(), n);
+  return a;
+}
+
+std::vector<double> MultiplyLLt(const std::vector<double>& c, int64_t n) {
+  std::vector<double> out(n * n, 0.0);
+  const int ni = static_cast<int>(n);
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, ni, ni, ni, 1.0, c.data(), ni, c.data(), ni,
+              0.0, out.data(), ni);
+  return out;
+}
+
+std::vector<double> ReconstructLdl(const BlockLdl& f) {
+  const int ni = static_cast<int>(f.n);
+  const std::vector<double> d = f.DenseD();
+  std::vector<double> tmp(f.n * f.n, 0.0), out(f.n * f.n, 0.0);
+  if (f.form == LdlForm::kLDLt) {  // (L D) Lᵀ.
+    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, ni, ni, ni, 1.0, f.L.data(), ni,
+                d.data(), ni, 0.0, tmp.data(), ni);
+    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, ni, ni, ni, 1.0, tmp.data(), ni,
+                f.L.data(), ni, 0.0, out.data(), ni);
+  } else {  // (Lᵀ D) L.
+    cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, ni, ni, ni, 1.0, f.L.data(), ni, d.data(),
+                ni, 0.0, tmp.data(), ni);
+    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, ni, ni, ni, 1.0, tmp.data(), ni,
+                f.L.data(), ni, 0.0, out.data(), ni);
+  }
+  return out;
+}
+
+double RelativeFrobeniusError(const double* a, const double* b, int64_t n) {
+  double num = 0.0, den = 0.0;
+  for (int64_t i = 0; i < n * n; ++i) {
+    num += (a[i] - b[i]) * (a[i] - b[i]);
+    den += b[i] * b[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+}  // namespace qcal::kernels

@@ -1,0 +1,504 @@
+#include "kernels/rounding.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "kernels/linalg.h"
+
+namespace qcal::kernels {
+namespace {
+
+Status CheckWeights(const double* w, int64_t rows, int64_t cols, const char* what) {
+  if (rows <= 0 || cols <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": shape [", rows, ", ", cols, "] must be positive"));
+  }
+  if (w == nullptr) return absl::InvalidArgumentError(absl::StrCat(what, ": null weights"));
+  for (int64_t i = 0; i < rows * cols; ++i) {
+    if (!std::isfinite(w[i])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": non-finite weight at (", i / cols, ", ", i % cols, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+Status CheckHessian(const double* h, int64_t n, const char* what) {
+  if (h == nullptr) return absl::InvalidArgumentError(absl::StrCat(what, ": null Hessian"));
+  for (int64_t i = 0; i < n * n; ++i) {
+    if (!std::isfinite(h[i])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": non-finite Hessian entry at (", i / n, ", ", i % n, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// W and H after GPTQ's preparation, in processing (permuted) order.
+struct Prepared {
+  std::vector<double> w;      // [m, n], permuted columns, dead columns zeroed.
+  std::vector<double> h;      // [n, n], permuted, dead diagonals 1, damped.
+  std::vector<int64_t> perm;  // perm[k] = original column at position k.
+};
+
+StatusOr<Prepared> Prepare(const double* w, int64_t m, int64_t n, const double* h, double damp,
+                           bool act_order, const char* what) {
+  Prepared p;
+  p.perm.resize(n);
+  std::iota(p.perm.begin(), p.perm.end(), int64_t{0});
+  std::vector<double> diag(n);
+  for (int64_t i = 0; i < n; ++i) diag[i] = h[i * n + i] == 0.0 ? 1.0 : h[i * n + i];
+  if (act_order) {
+    std::stable_sort(p.perm.begin(), p.perm.end(),
+                     [&](int64_t a, int64_t b) { return diag[a] > diag[b]; });
+  }
+  p.w.resize(m * n);
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t j = p.perm[k];
+      p.w[r * n + k] = h[j * n + j] == 0.0 ? 0.0 : w[r * n + j];
+    }
+  }
+  p.h.resize(n * n);
+  for (int64_t a = 0; a < n; ++a) {
+    const int64_t i = p.perm[a];
+    for (int64_t b = 0; b < n; ++b) p.h[a * n + b] = h[i * n + p.perm[b]];
+    if (h[i * n + i] == 0.0) p.h[a * n + a] = 1.0;
+  }
+  auto added = DampHessian(p.h.data(), n, damp);
+  if (!added.ok()) return Annotate(added.status(), what);
+  return p;
+}
+
+// The lazy block for grouped grids: a multiple of the group size so that a group never straddles
+// two lazy blocks (see the header).
+int64_t EffectiveLazyBlock(int64_t lazy, const ScalarQuantConfig& q, int64_t n) {
+  int64_t b = std::max<int64_t>(1, lazy);
+  if (q.granularity == QuantGranularity::kPerGroup) {
+    const int64_t g = std::min(q.group_size, n);
+    b = b >= g ? (b / g) * g : g;
+  }
+  return b;
+}
+
+Status ValidateScalarRounding(const double* w, int64_t m, int64_t n, const double* h,
+                              const ScalarRoundingConfig& c, const char* what) {
+  QCAL_RETURN_IF_ERROR(CheckWeights(w, m, n, what));
+  QCAL_RETURN_IF_ERROR(CheckHessian(h, n, what));
+  QCAL_RETURN_IF_ERROR(ValidateScalarQuantConfig(c.quant));
+  if (c.quant.granularity == QuantGranularity::kPerToken) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": per-token granularity is for activations; use per-channel for weights"));
+  }
+  if (!(c.damp >= 0.0) || !std::isfinite(c.damp)) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": damp = ", c.damp, " must be >= 0"));
+  }
+  if (c.lazy_block < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": lazy_block = ", c.lazy_block, " must be >= 1"));
+  }
+  return absl::OkStatus();
+}
+
+// Result skeleton with parameter shapes; per-tensor / per-channel parameters are filled from
+// the caller's (original) W, as GPTQ's find_params(W) before fasterquant.
+ScalarRoundingResult InitScalarResult(const double* w, int64_t m, int64_t n,
+                                      const ScalarQuantConfig& q, std::vector<int64_t> perm) {
+  ScalarRoundingResult res;
+  res.rows = m;
+  res.cols = n;
+  res.perm = std::move(perm);
+  res.g_idx.assign(n, 0);
+  switch (q.granularity) {
+    case QuantGranularity::kPerTensor: {
+      res.param_rows = 1;
+      res.param_cols = 1;
+      const ScalarQuantParams<double> p = ComputeScalarQuantParams(w, m * n, q);
+      res.scales = {p.scale};
+      res.zeros = {p.zero};
+      break;
+    }
+    case QuantGranularity::kPerChannel:
+    case QuantGranularity::kPerToken:
+      res.param_rows = m;
+      res.param_cols = 1;
+      res.scales.resize(m);
+      res.zeros.resize(m);
+      for (int64_t r = 0; r < m; ++r) {
+        const ScalarQuantParams<double> p = ComputeScalarQuantParams(w + r * n, n, q);
+        res.scales[r] = p.scale;
+        res.zeros[r] = p.zero;
+      }
+      break;
+    case QuantGranularity::kPerGroup: {
+      const int64_t g = std::min(q.group_size, n);
+      res.param_rows = m;
+      res.param_cols = (n + g - 1) / g;
+      res.scales.assign(m * res.param_cols, 1.0);
+      res.zeros.assign(m * res.param_cols, 0);
+      for (int64_t k = 0; k < n; ++k) res.g_idx[res.perm[k]] = static_cast<int32_t>(k / g);
+      break;
+    }
+  }
+  return res;
+}
+
+// Codes are produced in processing order; store them in original order and rebuild Ŵ.
+void FinishScalarResult(const std::vector<int32_t>& codes_perm, ScalarRoundingResult* res) {
+  const int64_t m = res->rows, n = res->cols;
+  res->codes.resize(m * n);
+  res->w_hat.resize(m * n);
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t j = res->perm[k];
+      const int32_t code = codes_perm[r * n + k];
+      res->codes[r * n + j] = code;
+      res->w_hat[r * n + j] = ScalarDequantizeCode(code, res->params(r, j));
+    }
+  }
+}
+
+ScalarQuantParams<double> ParamsAt(const ScalarRoundingResult& res, int64_t r, int64_t group) {
+  const int64_t k = (res.param_rows == 1 ? 0 : r) * res.param_cols + group;
+  return {res.scales[k], res.zeros[k], 1.0};
+}
+
+void SetParams(ScalarRoundingResult* res, int64_t r, int64_t group,
+               const ScalarQuantParams<double>& p) {
+  const int64_t k = r * res->param_cols + group;
+  res->scales[k] = p.scale;
+  res->zeros[k] = p.zero;
+}
+
+double RmsOf(const double* w, int64_t count) {
+  double s = 0.0;
+  for (int64_t i = 0; i < count; ++i) s += w[i] * w[i];
+  return std::sqrt(s / static_cast<double>(count));
+}
+
+Status ValidateVectorRounding(const double* w, int64_t m, int64_t n, const VectorCodebook& cb,
+                              int num_threads, const char* what) {
+  QCAL_RETURN_IF_ERROR(CheckWeights(w, m, n, what));
+  if (num_threads < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": num_threads = ", num_threads, " must be >= 0"));
+  }
+  const int g = cb.dim();
+  if (g < 1 || cb.code_words() < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": codebook '", cb.name(), "' has dim ", g,
+                                                   ", code_words ", cb.code_words()));
+  }
+  if (n % g != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": cols = ", n,
+                                                   " is not a multiple of the codebook dim ", g,
+                                                   " ('", cb.name(), "')"));
+  }
+  return absl::OkStatus();
+}
+
+StatusOr<double> ResolveScale(const double* w, int64_t count, const VectorCodebook& cb,
+                              double scale, const char* what) {
+  if (scale == 0.0) {
+    const double rms = RmsOf(w, count);
+    scale = rms > 0.0 ? rms / cb.default_scale() : 1.0;
+  }
+  if (!(scale > 0.0) || !std::isfinite(scale)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": scale = ", scale, " must be positive and finite"));
+  }
+  return scale;
+}
+
+// codebook.Quantize over `count` vectors, split into contiguous chunks across threads.
+void QuantizeVectors(const VectorCodebook& cb, const float* in, int64_t count, float* out,
+                     uint32_t* codes, int num_threads) {
+  constexpr int64_t kMinVectorsPerThread = 256;
+  int threads = num_threads > 0
+                    ? num_threads
+                    : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  threads = static_cast<int>(
+      std::min<int64_t>(threads, (count + kMinVectorsPerThread - 1) / kMinVectorsPerThread));
+  if (threads <= 1) {
+    cb.Quantize(in, count, out, codes);
+    return;
+  }
+  const int64_t dim = cb.dim(), cw = cb.code_words();
+  const int64_t chunk = (count + threads - 1) / threads;
+  auto run = [&](int64_t begin) {
+    const int64_t len = std::min(chunk, count - begin);
+    if (len > 0) {
+      cb.Quantize(in + begin * dim, len, out + begin * dim, codes ? codes + begin * cw : nullptr);
+    }
+  };
+  std::vector<std::thread> pool;
+  pool.reserve(threads - 1);
+  for (int t = 1; t < threads; ++t) pool.emplace_back(run, t * chunk);
+  run(0);
+  for (auto& th : pool) th.join();
+}
+
+}  // namespace
+
+double ProxyLoss(const double* w, const double* w_hat, const double* h, int64_t rows,
+                 int64_t cols) {
+  const int64_t chunk = 256;
+  const int n = static_cast<int>(cols);
+  std::vector<double> e, eh;
+  double total = 0.0;
+  for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
+    const int64_t rc = std::min(chunk, rows - r0);
+    e.resize(rc * cols);
+    eh.resize(rc * cols);
+    for (int64_t i = 0; i < rc * cols; ++i) e[i] = w_hat[r0 * cols + i] - w[r0 * cols + i];
+    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rc), n, n, 1.0,
+                e.data(), n, h, n, 0.0, eh.data(), n);
+    for (int64_t i = 0; i < rc * cols; ++i) total += e[i] * eh[i];
+  }
+  return total;
+}
+
+StatusOr<ScalarRoundingResult> RoundToNearest(const double* w, int64_t rows, int64_t cols,
+                                              const ScalarQuantConfig& quant) {
+  if (quant.granularity == QuantGranularity::kPerToken) {
+    return absl::InvalidArgumentError(
+        "rtn: per-token granularity is for activations; use per-channel for weights");
+  }
+  QCAL_ASSIGN_OR_RETURN(ScalarQuantized<double> q, QuantizeScalar(w, rows, cols, quant));
+  ScalarRoundingResult res;
+  res.rows = rows;
+  res.cols = cols;
+  res.param_rows = q.param_rows;
+  res.param_cols = q.param_cols;
+  res.w_hat = std::move(q.values);
+  res.codes = std::move(q.codes);
+  res.scales = std::move(q.scales);
+  res.zeros = std::move(q.zeros);
+  res.g_idx.resize(cols);
+  res.perm.resize(cols);
+  for (int64_t j = 0; j < cols; ++j) {
+    res.g_idx[j] = static_cast<int32_t>(j / q.group_cols);
+    res.perm[j] = j;
+  }
+  return res;
+}
+
+StatusOr<ScalarRoundingResult> Gptq(const double* w, int64_t m, int64_t n, const double* h,
+                                    const ScalarRoundingConfig& config) {
+  const char* what = "gptq";
+  QCAL_RETURN_IF_ERROR(ValidateScalarRounding(w, m, n, h, config, what));
+  const ScalarQuantConfig& qc = config.quant;
+  QCAL_ASSIGN_OR_RETURN(Prepared prep, Prepare(w, m, n, h, config.damp, config.act_order, what));
+  ScalarRoundingResult res = InitScalarResult(w, m, n, qc, prep.perm);
+  StatusOr<std::vector<double>> rinv = InverseCholeskyUpper(prep.h.data(), n);
+  if (!rinv.ok()) return Annotate(rinv.status(), what);
+  const std::vector<double>& R = *rinv;
+  prep.h = std::vector<double>();  // Free n² doubles.
+
+  std::vector<double>& W = prep.w;  // The running weights.
+  std::vector<int32_t> codes(m * n);
+  const int32_t cmin = ScalarCodeMin(qc), cmax = ScalarCodeMax(qc);
+  const bool grouped = qc.granularity == QuantGranularity::kPerGroup;
+  const int64_t g = grouped ? std::min(qc.group_size, n) : n;
+  const int64_t B = EffectiveLazyBlock(config.lazy_block, qc, n);
+  std::vector<double> err;  // [m, block], the scaled errors (w - q) / R_ii.
+
+  for (int64_t i1 = 0; i1 < n; i1 += B) {
+    const int64_t i2 = std::min(i1 + B, n), bw = i2 - i1;
+    err.assign(m * bw, 0.0);
+    for (int64_t i = i1; i < i2; ++i) {
+      if (grouped && i % g == 0) {
+        const int64_t len = std::min(g, n - i);
+        for (int64_t r = 0; r < m; ++r) {
+          SetParams(&res, r, i / g, ComputeScalarQuantParams(&W[r * n + i], len, qc));
+        }
+      }
+      const double d = R[i * n + i];
+      for (int64_t r = 0; r < m; ++r) {
+        const ScalarQuantParams<double> p = ParamsAt(res, r, grouped ? i / g : 0);
+        const double wv = W[r * n + i];
+        const int32_t code = ScalarQuantizeCode(wv, p, cmin, cmax);
+        codes[r * n + i] = code;
+        err[r * bw + (i - i1)] = (wv - ScalarDequantizeCode(code, p)) / d;
+      }
+      if (i + 1 < i2) {  // W[:, i+1:i2] -= err[:, i] ⊗ R[i, i+1:i2] (rank-1, in-block).
+        cblas_dger(CblasRowMajor, static_cast<int>(m), static_cast<int>(i2 - i - 1), -1.0,
+                   &err[i - i1], static_cast<int>(bw), &R[i * n + i + 1], 1, &W[i + 1],
+                   static_cast<int>(n));
+      }
+    }
+    if (i2 < n) {  // W[:, i2:] -= Err · R[i1:i2, i2:].
+      cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m),
+                  static_cast<int>(n - i2), static_cast<int>(bw), -1.0, err.data(),
+                  static_cast<int>(bw), &R[i1 * n + i2], static_cast<int>(n), 1.0, &W[i2],
+                  static_cast<int>(n));
+    }
+  }
+  FinishScalarResult(codes, &res);
+  return res;
+}
+
+StatusOr<ScalarRoundingResult> Ldlq(const double* w, int64_t m, int64_t n, const double* h,
+                                    const ScalarRoundingConfig& config) {
+  const char* what = "ldlq";
+  QCAL_RETURN_IF_ERROR(ValidateScalarRounding(w, m, n, h, config, what));
+  const ScalarQuantConfig& qc = config.quant;
+  QCAL_ASSIGN_OR_RETURN(Prepared prep, Prepare(w, m, n, h, config.damp, config.act_order, what));
+  ScalarRoundingResult res = InitScalarResult(w, m, n, qc, prep.perm);
+  StatusOr<BlockLdl> ldl = BlockLdlDecompose(prep.h.data(), n, 1, LdlForm::kLtDL);
+  if (!ldl.ok()) return Annotate(ldl.status(), what);
+  prep.h = std::vector<double>();
+  const std::vector<double>& L = ldl->L;  // U[j][k] = L[k][j] for j < k.
+
+  const std::vector<double>& W = prep.w;
+  std::vector<double> X = W;          // Targets X = W + (W − Ŵ)U, accumulated lazily.
+  std::vector<double> E(m * n, 0.0);  // W − Ŵ.
+  std::vector<int32_t> codes(m * n);
+  const int32_t cmin = ScalarCodeMin(qc), cmax = ScalarCodeMax(qc);
+  const bool grouped = qc.granularity == QuantGranularity::kPerGroup;
+  const int64_t g = grouped ? std::min(qc.group_size, n) : n;
+  const int64_t B = EffectiveLazyBlock(config.lazy_block, qc, n);
+  std::vector<double> u(B), state(g);
+
+  for (int64_t b0 = 0; b0 < n; b0 += B) {
+    const int64_t b1 = std::min(b0 + B, n), bw = b1 - b0;
+    if (b0 > 0) {  // X[:, b0:b1] += E[:, :b0] · U[:b0, b0:b1] = E[:, :b0] · L[b0:b1, :b0]ᵀ.
+      cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m),
+                  static_cast<int>(bw), static_cast<int>(b0), 1.0, E.data(), static_cast<int>(n),
+                  &L[b0 * n], static_cast<int>(n), 1.0, &X[b0], static_cast<int>(n));
+    }
+    for (int64_t k = b0; k < b1; ++k) {
+      if (grouped && k % g == 0) {
+        // The group's current targets: feedback recursion with zero error on its own columns.
+        const int64_t len = std::min(g, n - k);
+        for (int64_t r = 0; r < m; ++r) {
+          const double* xr = &X[r * n];
+          const double* wr = &W[r * n];
+          for (int64_t c = 0; c < len; ++c) {
+            const double* lrow = &L[(k + c) * n + k];
+            double s = xr[k + c];
+            for (int64_t i = 0; i < c; ++i) s += (wr[k + i] - state[i]) * lrow[i];
+            state[c] = s;
+          }
+          SetParams(&res, r, k / g, ComputeScalarQuantParams(state.data(), len, qc));
+        }
+      }
+      for (int64_t r = 0; r < m; ++r) {
+        const ScalarQuantParams<double> p = ParamsAt(res, r, grouped ? k / g : 0);
+        const int32_t code = ScalarQuantizeCode(X[r * n + k], p, cmin, cmax);
+        codes[r * n + k] = code;
+        E[r * n + k] = W[r * n + k] - ScalarDequantizeCode(code, p);
+      }
+      const int64_t rest = b1 - k - 1;
+      if (rest > 0) {  // X[:, k+1:b1] += E[:, k] ⊗ U[k, k+1:b1] (rank-1, in-block).
+        for (int64_t c = 0; c < rest; ++c) u[c] = L[(k + 1 + c) * n + k];
+        cblas_dger(CblasRowMajor, static_cast<int>(m), static_cast<int>(rest), 1.0, &E[k],
+                   static_cast<int>(n), u.data(), 1, &X[k + 1], static_cast<int>(n));
+      }
+    }
+  }
+  FinishScalarResult(codes, &res);
+  return res;
+}
+
+StatusOr<VectorRoundingResult> BlockLdlq(const double* w, int64_t m, int64_t n, const double* h,
+                                         const VectorCodebook& cb,
+                                         const VectorRoundingConfig& config) {
+  const char* what = "block ldlq";
+  QCAL_RETURN_IF_ERROR(ValidateVectorRounding(w, m, n, cb, config.num_threads, what));
+  QCAL_RETURN_IF_ERROR(CheckHessian(h, n, what));
+  if (!(config.damp >= 0.0) || !std::isfinite(config.damp)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": damp = ", config.damp, " must be >= 0"));
+  }
+  QCAL_ASSIGN_OR_RETURN(const double scale, ResolveScale(w, m * n, cb, config.scale, what));
+  QCAL_ASSIGN_OR_RETURN(Prepared prep, Prepare(w, m, n, h, config.damp, false, what));
+  const int64_t g = cb.dim();
+  const int cw = cb.code_words();
+  StatusOr<BlockLdl> ldl = BlockLdlDecompose(prep.h.data(), n, g, LdlForm::kLtDL);
+  if (!ldl.ok()) return Annotate(ldl.status(), what);
+  prep.h = std::vector<double>();
+  const std::vector<double>& L = ldl->L;
+
+  VectorRoundingResult res;
+  res.rows = m;
+  res.cols = n;
+  res.dim = static_cast<int>(g);
+  res.code_words = cw;
+  res.scale = scale;
+  res.w_hat.assign(m * n, 0.0);
+  res.codes.assign(m * (n / g) * cw, 0);
+
+  const std::vector<double>& W = prep.w;
+  std::vector<double> X = W;
+  std::vector<double> E(m * n, 0.0);
+  const int64_t B = ((std::max<int64_t>(1, config.lazy_block) + g - 1) / g) * g;
+  std::vector<float> in(m * g), out(m * g);
+  std::vector<uint32_t> codes(m * cw);
+
+  for (int64_t b0 = 0; b0 < n; b0 += B) {
+    const int64_t b1 = std::min(b0 + B, n), bw = b1 - b0;
+    if (b0 > 0) {
+      cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m),
+                  static_cast<int>(bw), static_cast<int>(b0), 1.0, E.data(), static_cast<int>(n),
+                  &L[b0 * n], static_cast<int>(n), 1.0, &X[b0], static_cast<int>(n));
+    }
+    for (int64_t k = b0; k < b1; k += g) {
+      for (int64_t r = 0; r < m; ++r) {
+        for (int64_t j = 0; j < g; ++j)
+          in[r * g + j] = static_cast<float>(X[r * n + k + j] / scale);
+      }
+      QuantizeVectors(cb, in.data(), m, out.data(), codes.data(), config.num_threads);
+      const int64_t kb = k / g;
+      for (int64_t r = 0; r < m; ++r) {
+        std::copy(codes.begin() + r * cw, codes.begin() + (r + 1) * cw,
+                  res.codes.begin() + (r * (n / g) + kb) * cw);
+        for (int64_t j = 0; j < g; ++j) {
+          const double q = scale * static_cast<double>(out[r * g + j]);
+          res.w_hat[r * n + k + j] = q;
+          E[r * n + k + j] = W[r * n + k + j] - q;
+        }
+      }
+      // Push this block's feedback to the rest of the lazy block:
+      // X[:, k+g:b1] += E[:, k:k+g] · U[k:k+g, k+g:b1] = E[:, k:k+g] · L[k+g:b1, k:k+g]ᵀ.
+      if (k + g < b1) {
+        cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m),
+                    static_cast<int>(b1 - k - g), static_cast<int>(g), 1.0, &E[k],
+                    static_cast<int>(n), &L[(k + g) * n + k], static_cast<int>(n), 1.0, &X[k + g],
+                    static_cast<int>(n));
+      }
+    }
+  }
+  return res;
+}
+
+StatusOr<VectorRoundingResult> NearestVectorRounding(const double* w, int64_t m, int64_t n,
+                                                     const VectorCodebook& cb,
+                                                     const VectorRoundingConfig& config) {
+  const char* what = "nearest vector rounding";
+  QCAL_RETURN_IF_ERROR(ValidateVectorRounding(w, m, n, cb, config.num_threads, what));
+  QCAL_ASSIGN_OR_RETURN(const double scale, ResolveScale(w, m * n, cb, config.scale, what));
+  const int64_t g = cb.dim();
+  const int cw = cb.code_words();
+  VectorRoundingResult res;
+  res.rows = m;
+  res.cols = n;
+  res.dim = static_cast<int>(g);
+  res.code_words = cw;
+  res.scale = scale;
+  res.w_hat.resize(m * n);
+  res.codes.resize(m * (n / g) * cw);
+  // Row-major [m, n] is already [m·n/g, g] vectors.
+  std::vector<float> in(m * n), out(m * n);
+  for (int64_t i = 0; i < m * n; ++i) in[i] = static_cast<float>(w[i] / scale);
+  QuantizeVectors(cb, in.data(), m * n / g, out.data(), res.codes.data(), config.num_threads);
+  for (int64_t i = 0; i < m * n; ++i) res.w_hat[i] = scale * static_cast<double>(out[i]);
+  return res;
+}
+
+}  // namespace qcal::kernels

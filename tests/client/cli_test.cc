@@ -1,0 +1,110 @@
+// The qcal CLI end to end: import, eval --json, generate, and clear errors on bad input.
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <string>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "tests/test_util.h"
+
+namespace qcal {
+namespace {
+
+struct Result {
+  int exit_code;
+  std::string out;  // stdout and stderr together
+};
+
+Result RunQcal(const std::string& args) {
+  const std::string cmd = testing::BuildDir() + "/client/qcal " + args + " 2>&1";
+  Result r{-1, ""};
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) return r;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
+  const int status = pclose(p);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+std::string LastLine(const std::string& s) {
+  std::string t = s;
+  while (!t.empty() && t.back() == '\n') t.pop_back();
+  const size_t pos = t.rfind('\n');
+  return pos == std::string::npos ? t : t.substr(pos + 1);
+}
+
+class CliTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    shared_ = testing::SharedDir();
+    dir_ = testing::MakeTempDir("cli") + "/stories";
+    Result r = RunQcal("import llama2c " + shared_ + "/models/stories260K/stories260K.bin " +
+                   shared_ + "/models/stories260K/tok512.bin --out " + dir_);
+    ASSERT_EQ(r.exit_code, 0) << r.out;
+    ASSERT_NE(r.out.find("parameters"), std::string::npos) << r.out;
+  }
+  std::string shared_, dir_;
+};
+
+TEST_F(CliTest, EvalJsonHasTheDocumentedKeys) {
+  Result r = RunQcal("eval --model " + dir_ + " --data " + shared_ +
+                 "/data/tinystories/TinyStories-valid.sample30k.txt --ctx 256 --max-tokens 2000"
+                 " --bos-per-window --json");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  auto j = nlohmann::json::parse(LastLine(r.out), nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.out;
+  for (const char* key : {"tokens", "mean_nll", "perplexity", "seconds", "tokens_per_s"}) {
+    EXPECT_TRUE(j.contains(key)) << key << " missing in " << r.out;
+  }
+  EXPECT_EQ(j["tokens"].get<int64_t>(), 2000);
+  EXPECT_GT(j["perplexity"].get<double>(), 1.0);
+  EXPECT_LT(j["perplexity"].get<double>(), 100.0);  // an in-domain story model
+  EXPECT_NEAR(std::exp(j["mean_nll"].get<double>()), j["perplexity"].get<double>(), 1e-6);
+}
+
+TEST_F(CliTest, HumanEvalOutputAndGenerate) {
+  Result r = RunQcal("eval --model " + dir_ + " --data " + shared_ +
+                 "/data/wikitext2/wiki.test.joined.txt --ctx 512 --max-tokens 3000");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  for (const char* word : {"perplexity", "mean NLL", "tokens/s", "wall time"}) {
+    EXPECT_NE(r.out.find(word), std::string::npos) << r.out;
+  }
+  r = RunQcal("generate --model " + dir_ + " --tokens 16 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  auto j = nlohmann::json::parse(LastLine(r.out), nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.out;
+  EXPECT_EQ(j["generated_ids"].size(), 16u);
+}
+
+TEST_F(CliTest, BadInputGivesAClearError) {
+  // A model directory whose config.json is broken.
+  const std::string broken = testing::MakeTempDir("cli-broken");
+  FILE* f = std::fopen((broken + "/config.json").c_str(), "w");
+  std::fputs("{\"hidden_size\": 64,", f);
+  std::fclose(f);
+  Result r = RunQcal("eval --model " + broken + " --data " + shared_ +
+                 "/data/tinystories/TinyStories-valid.sample30k.txt");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.out.find("config.json"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("error"), std::string::npos) << r.out;
+
+  // A model file that is not a llama2.c checkpoint.
+  r = RunQcal("import llama2c " + shared_ + "/models/stories260K/tok512.bin " + shared_ +
+          "/models/stories260K/tok512.bin --out " + broken + "/x");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.out.find("tok512.bin"), std::string::npos) << r.out;
+
+  // ctx beyond the model.
+  r = RunQcal("eval --model " + dir_ + " --data " + shared_ +
+          "/data/tinystories/TinyStories-valid.sample30k.txt --ctx 100000");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.out.find("max_position_embeddings"), std::string::npos) << r.out;
+}
+
+}  // namespace
+}  // namespace qcal

@@ -1,0 +1,56 @@
+// Helpers shared by qcal's tests.
+#pragma once
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <random>
+#include <string>
+
+#include <gtest/gtest.h>
+
+namespace qcal::testing {
+
+// ../shared beside the repository (ctest sets QCAL_SHARED_DIR).
+inline std::string SharedDir() {
+  if (const char* env = std::getenv("QCAL_SHARED_DIR")) return env;
+  if (const char* src = std::getenv("QCAL_SOURCE_DIR")) return std::string(src) + "/../shared";
+#ifdef QCAL_DEFAULT_SHARED_DIR
+  return QCAL_DEFAULT_SHARED_DIR;
+#else
+  return "../shared";
+#endif
+}
+
+// The build directory (for invoking built programs such as the qcal CLI).
+inline std::string BuildDir() {
+  if (const char* env = std::getenv("QCAL_BUILD_DIR")) return env;
+#ifdef QCAL_DEFAULT_BUILD_DIR
+  return QCAL_DEFAULT_BUILD_DIR;
+#else
+  return ".";
+#endif
+}
+
+// A fresh directory under the test temp dir, unique per process and call.
+inline std::string MakeTempDir(const std::string& prefix) {
+  std::string tmpl = ::testing::TempDir() + "/" + prefix + ".XXXXXX";
+  char* dir = mkdtemp(tmpl.data());
+  EXPECT_NE(dir, nullptr) << "mkdtemp " << tmpl;
+  return dir ? std::string(dir) : tmpl;
+}
+
+// A seed for randomized tests: QCAL_TEST_SEED if set, else fresh; printed so a failure can be
+// replayed.
+inline uint64_t TestSeed() {
+  uint64_t seed;
+  if (const char* env = std::getenv("QCAL_TEST_SEED")) {
+    seed = std::strtoull(env, nullptr, 10);
+  } else {
+    seed = (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
+  }
+  std::printf("[ seed     ] QCAL_TEST_SEED=%llu\n", static_cast<unsigned long long>(seed));
+  return seed;
+}
+
+}  // namespace qcal::testing

@@ -1,0 +1,120 @@
+#include "worker/eval/perplexity.h"
+
+#include <chrono>
+#include <cmath>
+
+#include <ATen/ATen.h>
+
+#include "absl/strings/str_cat.h"
+
+namespace qcal::eval {
+namespace {
+
+// A window of the stream; see the two conventions in perplexity.h.
+struct Window {
+  int64_t start;   // index into the stream
+  int64_t length;  // input length
+};
+
+}  // namespace
+
+StatusOr<PerplexityResult> EvaluatePerplexity(const model::LlamaModel& model,
+                                              const std::vector<int32_t>& text_tokens,
+                                              const PerplexityOptions& opt,
+                                              const ProgressFn& progress) {
+  if (opt.ctx < 2) return absl::InvalidArgumentError(absl::StrCat("--ctx ", opt.ctx, " < 2"));
+  const int64_t max_pos = model.config().max_position_embeddings;
+  if (opt.ctx > max_pos) {
+    return absl::InvalidArgumentError(absl::StrCat("--ctx ", opt.ctx,
+                                                   " exceeds the model's max_position_embeddings ",
+                                                   max_pos));
+  }
+  if (opt.batch < 1) return absl::InvalidArgumentError("batch must be >= 1");
+
+  // Build the stream the windows index into.
+  std::vector<int64_t> stream;
+  int64_t text_count = static_cast<int64_t>(text_tokens.size());
+  if (opt.max_tokens >= 0) text_count = std::min(text_count, opt.max_tokens);
+  if (!opt.bos_per_window) stream.push_back(opt.bos_id);
+  stream.insert(stream.end(), text_tokens.begin(), text_tokens.begin() + text_count);
+
+  // bos_per_window: Window.length is the number of targets (= inputs, BOS included).
+  // default: Window.length is ctx stream tokens (ctx - 1 targets).
+  std::vector<Window> windows;
+  if (opt.bos_per_window) {
+    for (int64_t s = 0; s < text_count; s += opt.ctx - 1) {
+      windows.push_back({s, std::min(opt.ctx - 1, text_count - s)});  // length = targets
+    }
+  } else {
+    const int64_t n = static_cast<int64_t>(stream.size()) / opt.ctx;
+    for (int64_t w = 0; w < n; ++w) windows.push_back({w * opt.ctx, opt.ctx});
+  }
+  if (windows.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("only ", text_count,
+                                                   " tokens: not one window of --ctx ", opt.ctx));
+  }
+
+  at::NoGradGuard no_grad;
+  const auto t0 = std::chrono::steady_clock::now();
+  double nll_sum = 0;
+  int64_t scored = 0;
+  const int64_t num_windows = static_cast<int64_t>(windows.size());
+  for (int64_t w0 = 0; w0 < num_windows;) {
+    // Batch consecutive windows of equal length.
+    int64_t w1 = w0 + 1;
+    while (w1 < num_windows && w1 - w0 < opt.batch && windows[w1].length == windows[w0].length) {
+      ++w1;
+    }
+    const int64_t nb = w1 - w0;
+    const int64_t len = windows[w0].length;
+    at::Tensor inputs, targets;
+    if (opt.bos_per_window) {
+      // inputs: BOS, t[s], ..., t[s+len-2]  (len inputs); targets: t[s], ..., t[s+len-1]
+      inputs = at::empty({nb, len}, at::kLong);
+      targets = at::empty({nb, len}, at::kLong);
+      auto in = inputs.accessor<int64_t, 2>();
+      auto tg = targets.accessor<int64_t, 2>();
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t s = windows[w0 + b].start;
+        in[b][0] = opt.bos_id;
+        for (int64_t j = 0; j < len; ++j) {
+          if (j + 1 < len) in[b][j + 1] = stream[s + j];
+          tg[b][j] = stream[s + j];
+        }
+      }
+    } else {
+      // inputs: stream[s .. s+len-2]; targets: stream[s+1 .. s+len-1]
+      inputs = at::empty({nb, len - 1}, at::kLong);
+      targets = at::empty({nb, len - 1}, at::kLong);
+      auto in = inputs.accessor<int64_t, 2>();
+      auto tg = targets.accessor<int64_t, 2>();
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t s = windows[w0 + b].start;
+        for (int64_t j = 0; j + 1 < len; ++j) {
+          in[b][j] = stream[s + j];
+          tg[b][j] = stream[s + j + 1];
+        }
+      }
+    }
+    at::Tensor logits = model.Forward(inputs);                      // [nb, T, V]
+    at::Tensor logp = at::log_softmax(logits, -1);
+    at::Tensor picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1);  // [nb, T]
+    nll_sum -= picked.to(at::kDouble).sum().item<double>();
+    scored += targets.numel();
+    w0 = w1;
+    if (progress) progress(w0, num_windows);
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  PerplexityResult r;
+  r.tokens_encoded = text_count;
+  r.tokens_scored = scored;
+  r.windows = num_windows;
+  r.mean_nll = nll_sum / static_cast<double>(scored);
+  r.perplexity = std::exp(r.mean_nll);
+  r.seconds = seconds;
+  r.tokens_per_s = seconds > 0 ? scored / seconds : 0;
+  return r;
+}
+
+}  // namespace qcal::eval

@@ -1,0 +1,241 @@
+#include "worker/model/llama.h"
+
+#include <cmath>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace qcal::model {
+
+DenseLinear::DenseLinear(at::Tensor weight) : weight_(weight.contiguous()) {}
+
+at::Tensor DenseLinear::Forward(const at::Tensor& x) const { return at::matmul(x, weight_.t()); }
+int64_t DenseLinear::in_features() const { return weight_.size(1); }
+int64_t DenseLinear::out_features() const { return weight_.size(0); }
+
+const char* LinearName(LinearKind kind) {
+  switch (kind) {
+    case LinearKind::kQ: return "self_attn.q_proj";
+    case LinearKind::kK: return "self_attn.k_proj";
+    case LinearKind::kV: return "self_attn.v_proj";
+    case LinearKind::kO: return "self_attn.o_proj";
+    case LinearKind::kGate: return "mlp.gate_proj";
+    case LinearKind::kUp: return "mlp.up_proj";
+    case LinearKind::kDown: return "mlp.down_proj";
+  }
+  return "?";
+}
+
+// [s, s] bool, true above the diagonal (future positions). Cached per length and device.
+at::Tensor CausalMask(int64_t s, const at::Device& device) {
+  static std::mutex mu;
+  static std::map<std::pair<int64_t, std::string>, at::Tensor> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  at::Tensor& mask = cache[{s, device.str()}];
+  if (!mask.defined()) {
+    mask = at::ones({s, s}, at::TensorOptions().dtype(at::kBool).device(device)).triu(1);
+  }
+  return mask;
+}
+
+at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor var = x.pow(2).mean(-1, /*keepdim=*/true);
+  return x * at::rsqrt(var + eps) * weight;
+}
+
+Rope::Rope(int64_t head_dim, double theta, int64_t max_positions)
+    : max_positions_(max_positions) {
+  // Computed in double, stored in float: matches references that build the tables in float64.
+  const int64_t half = head_dim / 2;
+  at::Tensor inv_freq = at::empty({half}, at::kDouble);
+  auto inv = inv_freq.accessor<double, 1>();
+  for (int64_t i = 0; i < half; ++i) inv[i] = std::pow(theta, -2.0 * i / head_dim);
+  at::Tensor pos = at::arange(max_positions, at::kDouble);
+  at::Tensor freqs = at::outer(pos, inv_freq);     // [P, half]
+  at::Tensor emb = at::cat({freqs, freqs}, -1);    // [P, head_dim]
+  cos_ = emb.cos().to(at::kFloat);
+  sin_ = emb.sin().to(at::kFloat);
+}
+
+at::Tensor Rope::Apply(const at::Tensor& x) const {
+  const int64_t seq = x.size(2);
+  const int64_t half = x.size(3) / 2;
+  at::Tensor cos = cos_.narrow(0, 0, seq).to(x.device());
+  at::Tensor sin = sin_.narrow(0, 0, seq).to(x.device());
+  at::Tensor x1 = x.narrow(-1, 0, half);
+  at::Tensor x2 = x.narrow(-1, half, half);
+  at::Tensor rotated = at::cat({-x2, x1}, -1);
+  return x * cos + rotated * sin;
+}
+
+DecoderBlock::DecoderBlock(const LlamaConfig& config, BlockWeights weights)
+    : heads_(config.num_attention_heads),
+      kv_heads_(config.num_key_value_heads),
+      head_dim_(config.head_dim),
+      eps_(config.rms_norm_eps),
+      weights_(std::move(weights)) {}
+
+at::Tensor DecoderBlock::Attention(const at::Tensor& h, const Rope& rope) const {
+  const int64_t b = h.size(0), s = h.size(1);
+  const int64_t rep = heads_ / kv_heads_;
+  // The 1/sqrt(d) scale is folded into q (a [b, s, H·d] tensor) rather than applied to the
+  // [b, H, s, s] scores: attention on CPU is bound by passes over the score tensor.
+  at::Tensor q = weights_.linear(LinearKind::kQ).Forward(h) * (1.0 / std::sqrt(double(head_dim_)));
+  at::Tensor k = weights_.linear(LinearKind::kK).Forward(h);
+  at::Tensor v = weights_.linear(LinearKind::kV).Forward(h);
+  q = rope.Apply(q.view({b, s, heads_, head_dim_}).transpose(1, 2));     // [b, H, s, d]
+  k = rope.Apply(k.view({b, s, kv_heads_, head_dim_}).transpose(1, 2));  // [b, KV, s, d]
+  v = v.view({b, s, kv_heads_, head_dim_}).transpose(1, 2);              // [b, KV, s, d]
+  // Grouped-query attention without copying K/V: query heads h = g·rep + r share KV head g, so
+  // view q as [b, KV, rep·s, d] and attend each group against its one K/V.
+  q = q.reshape({b, kv_heads_, rep * s, head_dim_});
+  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)).view({b, kv_heads_, rep, s, s});
+  scores.masked_fill_(CausalMask(s, h.device()), -std::numeric_limits<float>::infinity());
+  at::Tensor probs = at::softmax(scores.view({b, kv_heads_, rep * s, s}), -1);
+  at::Tensor out = at::matmul(probs, v)                         // [b, KV, rep·s, d]
+                       .view({b, heads_, s, head_dim_})
+                       .transpose(1, 2)
+                       .reshape({b, s, heads_ * head_dim_});
+  return weights_.linear(LinearKind::kO).Forward(out);
+}
+
+at::Tensor DecoderBlock::Mlp(const at::Tensor& h) const {
+  at::Tensor gate = weights_.linear(LinearKind::kGate).Forward(h);
+  at::Tensor up = weights_.linear(LinearKind::kUp).Forward(h);
+  return weights_.linear(LinearKind::kDown).Forward(at::silu(gate) * up);
+}
+
+at::Tensor DecoderBlock::Forward(const at::Tensor& x, const Rope& rope) const {
+  at::Tensor h = x + Attention(RmsNorm(x, weights_.input_norm, eps_), rope);
+  return h + Mlp(RmsNorm(h, weights_.post_norm, eps_));
+}
+
+StatusOr<at::Tensor> LoadTensorF32(CheckpointReader& ckpt, const std::string& name,
+                                   const std::vector<int64_t>& expected_shape) {
+  QCAL_ASSIGN_OR_RETURN(auto found, ckpt.Find(name));
+  const TensorInfo& info = *found.second;
+  if (info.shape != expected_shape) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(found.first->path(), ": tensor '", name, "' has shape [",
+                     absl::StrJoin(info.shape, ", "), "], expected [",
+                     absl::StrJoin(expected_shape, ", "), "] from config.json"));
+  }
+  QCAL_ASSIGN_OR_RETURN(std::vector<float> data, found.first->ReadF32(name));
+  return at::from_blob(data.data(), expected_shape, at::kFloat).clone();
+}
+
+StatusOr<BlockWeights> LoadBlockWeights(CheckpointReader& ckpt, const LlamaConfig& c,
+                                        int64_t layer) {
+  if (layer < 0 || layer >= c.num_hidden_layers) {
+    return absl::OutOfRangeError(absl::StrCat("block ", layer, " out of range [0, ",
+                                              c.num_hidden_layers, ")"));
+  }
+  const std::string p = absl::StrCat("model.layers.", layer, ".");
+  const int64_t hid = c.hidden_size, inter = c.intermediate_size;
+  const std::vector<int64_t> shapes[7] = {{c.q_dim(), hid}, {c.kv_dim(), hid}, {c.kv_dim(), hid},
+                                          {hid, c.q_dim()}, {inter, hid},      {inter, hid},
+                                          {hid, inter}};
+  BlockWeights w;
+  QCAL_ASSIGN_OR_RETURN(w.input_norm, LoadTensorF32(ckpt, p + "input_layernorm.weight", {hid}));
+  QCAL_ASSIGN_OR_RETURN(w.post_norm,
+                        LoadTensorF32(ckpt, p + "post_attention_layernorm.weight", {hid}));
+  for (LinearKind k : kAllLinears) {
+    const int i = static_cast<int>(k);
+    QCAL_ASSIGN_OR_RETURN(at::Tensor t,
+                          LoadTensorF32(ckpt, p + LinearName(k) + ".weight", shapes[i]));
+    w.linears[i] = std::make_unique<DenseLinear>(std::move(t));
+  }
+  return w;
+}
+
+LlamaModel::LlamaModel(LlamaConfig config, at::Tensor embed, std::vector<DecoderBlock> blocks,
+                       at::Tensor final_norm, std::unique_ptr<Linear> head)
+    : config_(std::move(config)),
+      embed_(std::move(embed)),
+      blocks_(std::move(blocks)),
+      final_norm_(std::move(final_norm)),
+      head_(std::move(head)),
+      rope_(config_.head_dim, config_.rope_theta, config_.max_position_embeddings) {}
+
+StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& dir) {
+  QCAL_ASSIGN_OR_RETURN(LlamaConfig config, LoadLlamaConfig(dir));
+  QCAL_ASSIGN_OR_RETURN(auto ckpt, CheckpointReader::Open(dir));
+  QCAL_ASSIGN_OR_RETURN(at::Tensor embed,
+                        LoadTensorF32(*ckpt, "model.embed_tokens.weight",
+                                      {config.vocab_size, config.hidden_size}));
+  std::vector<DecoderBlock> blocks;
+  blocks.reserve(config.num_hidden_layers);
+  for (int64_t l = 0; l < config.num_hidden_layers; ++l) {
+    QCAL_ASSIGN_OR_RETURN(BlockWeights w, LoadBlockWeights(*ckpt, config, l));
+    blocks.emplace_back(config, std::move(w));
+  }
+  QCAL_ASSIGN_OR_RETURN(at::Tensor norm,
+                        LoadTensorF32(*ckpt, "model.norm.weight", {config.hidden_size}));
+  at::Tensor head = embed;
+  if (!config.tie_word_embeddings || ckpt->Has("lm_head.weight")) {
+    QCAL_ASSIGN_OR_RETURN(head, LoadTensorF32(*ckpt, "lm_head.weight",
+                                              {config.vocab_size, config.hidden_size}));
+  }
+  return std::make_unique<LlamaModel>(std::move(config), std::move(embed), std::move(blocks),
+                                      std::move(norm), std::make_unique<DenseLinear>(head));
+}
+
+at::Tensor LlamaModel::Embed(const at::Tensor& ids) const {
+  return at::embedding(embed_, ids);
+}
+
+at::Tensor LlamaModel::Head(const at::Tensor& hidden) const {
+  return head_->Forward(RmsNorm(hidden, final_norm_, config_.rms_norm_eps));
+}
+
+at::Tensor LlamaModel::Forward(const at::Tensor& ids) const {
+  at::NoGradGuard no_grad;
+  at::Tensor h = Embed(ids);
+  for (const DecoderBlock& block : blocks_) h = block.Forward(h, rope_);
+  return Head(h);
+}
+
+std::vector<int32_t> GenerateGreedy(const LlamaModel& model, const std::vector<int32_t>& prompt,
+                                    int64_t max_new_tokens, int32_t stop_token) {
+  std::vector<int32_t> tokens = prompt;
+  const int64_t limit = model.config().max_position_embeddings;
+  for (int64_t step = 0; step < max_new_tokens; ++step) {
+    if (static_cast<int64_t>(tokens.size()) >= limit) break;
+    std::vector<int64_t> ids(tokens.begin(), tokens.end());
+    at::Tensor input = at::from_blob(ids.data(), {1, static_cast<int64_t>(ids.size())}, at::kLong)
+                           .clone();
+    at::Tensor logits = model.Forward(input);
+    const int32_t next = static_cast<int32_t>(logits[0][-1].argmax().item<int64_t>());
+    if (next == stop_token) break;
+    tokens.push_back(next);
+  }
+  return tokens;
+}
+
+namespace {
+int EnvThreads() {
+  const char* env = std::getenv("QCAL_NUM_THREADS");
+  return env ? std::atoi(env) : 0;
+}
+}  // namespace
+
+int AutoComputeThreads(const LlamaConfig& config) {
+  if (EnvThreads() > 0) return EnvThreads();
+  if (config.hidden_size < 512) return 1;
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+void SetComputeThreads(int threads) {
+  if (threads <= 0) threads = EnvThreads();
+  if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  at::set_num_threads(threads);
+}
+
+}  // namespace qcal::model

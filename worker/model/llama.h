@@ -1,0 +1,149 @@
+// The Llama-family forward pass in LibTorch (CPU float32; the same code runs on CUDA tensors),
+// organised per decoder block because the block is the unit of work that quantization jobs
+// distribute: a block can be loaded alone from the checkpoint shards and run on [batch, seq,
+// hidden] activations.
+//
+// Layout and maths follow Hugging Face's LlamaForCausalLM: RMSNorm (x * rsqrt(mean(x²) + eps) *
+// w), RoPE on half-split pairs (i, i + head_dim/2) with inv_freq = theta^(-2i/head_dim), grouped
+// query attention (query head h reads KV head h / (heads / kv_heads)), causal softmax attention,
+// SwiGLU MLP (down(silu(gate(x)) * up(x))), tied or separate head.
+//
+// Thread-safety: a loaded model is immutable during Forward and may be shared by threads.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "common/hf_config.h"
+#include "common/safetensors.h"
+#include "common/status.h"
+
+namespace qcal::model {
+
+// y = x Wᵀ for x [..., in_features] -> [..., out_features]. An interface, so that quantized
+// layers (decoded codebooks, integer weights, online transforms) replace dense ones in a block
+// without changing the block.
+class Linear {
+ public:
+  virtual ~Linear() = default;
+  virtual at::Tensor Forward(const at::Tensor& x) const = 0;
+  virtual int64_t in_features() const = 0;
+  virtual int64_t out_features() const = 0;
+  // The effective dense weight [out, in] in float32 (quantized layers decode theirs).
+  virtual at::Tensor DenseWeight() const = 0;
+};
+
+class DenseLinear final : public Linear {
+ public:
+  explicit DenseLinear(at::Tensor weight);  // [out, in] float32, contiguous
+  at::Tensor Forward(const at::Tensor& x) const override;
+  int64_t in_features() const override;
+  int64_t out_features() const override;
+  at::Tensor DenseWeight() const override { return weight_; }
+
+ private:
+  at::Tensor weight_;
+};
+
+// The seven linears of a decoder block, in Hugging Face naming.
+enum class LinearKind { kQ, kK, kV, kO, kGate, kUp, kDown };
+inline constexpr LinearKind kAllLinears[] = {LinearKind::kQ,    LinearKind::kK,  LinearKind::kV,
+                                             LinearKind::kO,    LinearKind::kGate,
+                                             LinearKind::kUp,   LinearKind::kDown};
+// "self_attn.q_proj", ..., "mlp.down_proj"
+const char* LinearName(LinearKind kind);
+
+struct BlockWeights {
+  at::Tensor input_norm;  // [hidden]
+  at::Tensor post_norm;   // [hidden]
+  std::unique_ptr<Linear> linears[7];  // indexed by LinearKind
+  Linear& linear(LinearKind k) const { return *linears[static_cast<int>(k)]; }
+};
+
+// Rotary embedding tables for positions [0, max_positions).
+class Rope {
+ public:
+  Rope(int64_t head_dim, double theta, int64_t max_positions);
+  // x [batch, heads, seq, head_dim] at positions [0, seq) -> rotated copy.
+  at::Tensor Apply(const at::Tensor& x) const;
+  int64_t max_positions() const { return max_positions_; }
+
+ private:
+  int64_t max_positions_;
+  at::Tensor cos_, sin_;  // [max_positions, head_dim]
+};
+
+class DecoderBlock {
+ public:
+  DecoderBlock(const LlamaConfig& config, BlockWeights weights);
+  // x [batch, seq, hidden] float -> [batch, seq, hidden]; positions are 0..seq-1, causal.
+  at::Tensor Forward(const at::Tensor& x, const Rope& rope) const;
+  const BlockWeights& weights() const { return weights_; }
+  BlockWeights& mutable_weights() { return weights_; }
+
+ private:
+  at::Tensor Attention(const at::Tensor& h, const Rope& rope) const;
+  at::Tensor Mlp(const at::Tensor& h) const;
+  int64_t heads_, kv_heads_, head_dim_;
+  double eps_;
+  BlockWeights weights_;
+};
+
+at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// Reads one tensor as float32 and checks its shape. Errors name the tensor and the checkpoint.
+StatusOr<at::Tensor> LoadTensorF32(CheckpointReader& ckpt, const std::string& name,
+                                   const std::vector<int64_t>& expected_shape);
+// Loads decoder block `layer` alone (only its tensors are read).
+StatusOr<BlockWeights> LoadBlockWeights(CheckpointReader& ckpt, const LlamaConfig& config,
+                                        int64_t layer);
+
+class LlamaModel {
+ public:
+  // Loads config.json and every tensor of a Hugging Face model directory.
+  static StatusOr<std::unique_ptr<LlamaModel>> Load(const std::string& dir);
+  LlamaModel(LlamaConfig config, at::Tensor embed, std::vector<DecoderBlock> blocks,
+             at::Tensor final_norm, std::unique_ptr<Linear> head);
+
+  const LlamaConfig& config() const { return config_; }
+  const Rope& rope() const { return rope_; }
+  int64_t num_blocks() const { return static_cast<int64_t>(blocks_.size()); }
+  const DecoderBlock& block(int64_t i) const { return blocks_[i]; }
+  DecoderBlock& mutable_block(int64_t i) { return blocks_[i]; }
+
+  // ids [batch, seq] int64 -> hidden [batch, seq, hidden].
+  at::Tensor Embed(const at::Tensor& ids) const;
+  // Final RMSNorm + head: [batch, seq, hidden] -> logits [batch, seq, vocab].
+  at::Tensor Head(const at::Tensor& hidden) const;
+  // Whole model: ids [batch, seq] int64 -> logits [batch, seq, vocab] float32.
+  at::Tensor Forward(const at::Tensor& ids) const;
+
+ private:
+  LlamaConfig config_;
+  at::Tensor embed_;
+  std::vector<DecoderBlock> blocks_;
+  at::Tensor final_norm_;
+  std::unique_ptr<Linear> head_;
+  Rope rope_;
+};
+
+// Greedy decoding from `prompt` (which should start with BOS): appends up to `max_new_tokens`
+// argmax tokens, stopping early when `stop_token` (BOS for llama2.c models, or EOS) is produced.
+// Returns prompt + generated tokens (a stop token is not appended).
+std::vector<int32_t> GenerateGreedy(const LlamaModel& model, const std::vector<int32_t>& prompt,
+                                    int64_t max_new_tokens, int32_t stop_token);
+
+// Sets LibTorch's intra-op threads. 0 means $QCAL_NUM_THREADS if set, else all hardware
+// threads (LibTorch itself defaults to 1 here).
+void SetComputeThreads(int threads);
+
+// The thread count that runs `config` fastest on CPU: $QCAL_NUM_THREADS if set; 1 for small
+// models (hidden_size < 512), whose per-op work is too small to split across threads (measured:
+// stories260K evaluates 2.4x faster on 1 thread than on 2); else all hardware threads.
+int AutoComputeThreads(const LlamaConfig& config);
+
+}  // namespace qcal::model
