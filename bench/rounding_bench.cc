@@ -2,6 +2,7 @@
 //
 //   build-quant/bench/bench_rounding --benchmark_filter='n:4096/'
 //   build-quant/bench/bench_rounding --benchmark_filter='n:11008'   # ~4.5 GB of fp64 buffers
+//   build/bench/bench_rounding --benchmark_filter='m:28672'          # Llama-2-70B gate/up_proj
 //
 // Arguments are {m = out_features, n = in_features}: W is [m, n], H is [n, n] (fp64). Every
 // benchmark runs once per repetition (the work is seconds long) and reports wall time (BLAS uses
@@ -9,9 +10,10 @@
 // [m, n] × [n, n] product in fp32 (2·m·n² flops), measured in the same process.
 //
 // H is synthetic and SPD: A Aᵀ / k + 0.01·I with A [n, k = 256] Gaussian, W Gaussian. The
-// rounding cost does not depend on H's spectrum. The 8192×28672 shape (Llama-2-70B down_proj;
-// H alone is 28672² fp64 = 6.6 GB, the LDL another 6.6 GB) is not registered: it does not fit the
-// development machines; the cost model is O(n³/3) for the factorization plus m·n² for the feedback.
+// rounding cost does not depend on H's spectrum. Llama-2-70B's gate/up_proj shape (m = 28672,
+// n = 8192) is registered; its down_proj (m = 8192, n = 28672: H alone is 28672² fp64 = 6.6 GB,
+// the LDL another 6.6 GB) is not: it does not fit a 24 GB development machine beside the rest.
+// The cost model is O(n³/3) for the factorization plus m·n² for the feedback.
 #include <benchmark/benchmark.h>
 #include <cblas.h>
 
@@ -216,7 +218,7 @@ void BM_BlockLdlq(benchmark::State& state) {
 // Registered shape by shape (Sgemm, Gptq act_order 0|1, Ldlq, BlockLdlq halfint grid | E8P) so
 // the synthetic problem is built once per shape.
 int main(int argc, char** argv) {
-  for (auto [m, n] : {std::pair<int64_t, int64_t>{4096, 4096}, {4096, 11008}}) {
+  for (auto [m, n] : {std::pair<int64_t, int64_t>{4096, 4096}, {4096, 11008}, {28672, 8192}}) {
     auto setup = [](benchmark::internal::Benchmark* b) {
       b->Iterations(1)->UseManualTime()->Unit(benchmark::kSecond);
     };
