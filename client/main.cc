@@ -2,6 +2,7 @@
 #include <CLI/CLI.hpp>
 
 #include "client/model_commands.h"
+#include "client/quantize_command.h"
 #include "common/log.h"
 
 int main(int argc, char** argv) {
@@ -13,6 +14,7 @@ int main(int argc, char** argv) {
   int exit_code = 0;
   app.parse_complete_callback([&] { qcal::SetLogLevel(qcal::ParseLogLevel(log_level)); });
   qcal::client::AddModelCommands(app, &exit_code);
+  qcal::client::AddQuantizeCommand(app, &exit_code);
   CLI11_PARSE(app, argc, argv);
   return exit_code;
 }

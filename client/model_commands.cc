@@ -15,6 +15,7 @@
 #include "common/tokenizer.h"
 #include "worker/eval/perplexity.h"
 #include "worker/model/llama.h"
+#include "worker/quant/quantized_checkpoint.h"
 
 namespace qcal::client {
 namespace {
@@ -55,7 +56,7 @@ int RunImport(const ImportOptions& o) {
 }
 
 int RunEval(const EvalOptions& o) {
-  auto model = model::LlamaModel::Load(o.model_dir);
+  auto model = quant::LoadAnyModel(o.model_dir);
   if (!model.ok()) return Fail(model.status());
   model::SetComputeThreads(o.threads > 0 ? o.threads
                                          : model::AutoComputeThreads((*model)->config()));
@@ -111,7 +112,7 @@ int RunEval(const EvalOptions& o) {
 }
 
 int RunGenerate(const GenerateOptions& o) {
-  auto model = model::LlamaModel::Load(o.model_dir);
+  auto model = quant::LoadAnyModel(o.model_dir);
   if (!model.ok()) return Fail(model.status());
   model::SetComputeThreads(o.threads > 0 ? o.threads
                                          : model::AutoComputeThreads((*model)->config()));

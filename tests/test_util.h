@@ -53,4 +53,15 @@ inline uint64_t TestSeed() {
   return seed;
 }
 
+// The source tree (for files checked in beside the code, such as jobs/*.yaml): ctest sets
+// QCAL_SOURCE_DIR; a test target may define QCAL_DEFAULT_SOURCE_DIR for runs outside ctest.
+inline std::string SourceDir() {
+  if (const char* env = std::getenv("QCAL_SOURCE_DIR")) return env;
+#ifdef QCAL_DEFAULT_SOURCE_DIR
+  return QCAL_DEFAULT_SOURCE_DIR;
+#else
+  return ".";
+#endif
+}
+
 }  // namespace qcal::testing

@@ -10,6 +10,14 @@ namespace qcal::calib {
 HessianAccumulator::HessianAccumulator(int64_t n)
     : n_(n), sum_(at::zeros({n, n}, at::kDouble)) {}
 
+HessianAccumulator HessianAccumulator::FromSum(at::Tensor sum, int64_t count) {
+  HessianAccumulator acc(0);
+  acc.n_ = sum.size(0);
+  acc.sum_ = sum.to(at::kDouble).contiguous();
+  acc.count_ = count;
+  return acc;
+}
+
 void HessianAccumulator::Add(const at::Tensor& x) {
   at::Tensor rows = x.reshape({-1, n_}).to(at::kDouble);
   sum_.addmm_(rows.t(), rows);

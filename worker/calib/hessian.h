@@ -19,7 +19,10 @@ namespace qcal::calib {
 // Sum of x xᵀ over rows and the number of rows, in fp64. Not thread-safe.
 class HessianAccumulator {
  public:
-  explicit HessianAccumulator(int64_t n = 0);
+  HessianAccumulator() : HessianAccumulator(0) {}
+  explicit HessianAccumulator(int64_t n);
+  // From stored sums ([n, n] double) and a row count (a cache or another rank's contribution).
+  static HessianAccumulator FromSum(at::Tensor sum, int64_t count);
   // x: [..., n] (any floating dtype); every row is one sample.
   void Add(const at::Tensor& x);
   // Adds another accumulator's sums (reduction across data-parallel ranks or shards).

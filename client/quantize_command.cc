@@ -1,0 +1,116 @@
+#include "client/quantize_command.h"
+
+#include <cmath>
+#include <cstdio>
+#include <memory>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "client/progress.h"
+#include "common/recipe.h"
+#include "worker/quant/quantize_job.h"
+
+namespace qcal::client {
+namespace {
+
+struct QuantizeOptions {
+  std::string recipe_path;
+  quant::QuantizeJobOptions job;
+  bool json = false;
+};
+
+int RunQuantize(const QuantizeOptions& o) {
+  auto recipe = LoadRecipe(o.recipe_path);
+  if (!recipe.ok()) {
+    std::fprintf(stderr, "qcal: error: %s\n", std::string(recipe.status().message()).c_str());
+    return 1;
+  }
+  std::unique_ptr<ProgressBar> bar;
+  std::string phase;
+  auto result = quant::RunQuantizeJob(*recipe, o.job, [&](const quant::JobEvent& e) {
+    if (e.phase != phase) {
+      if (bar) bar->Finish();
+      phase = e.phase;
+      bar = std::make_unique<ProgressBar>(e.phase, e.total);
+    }
+    bar->Update(e.done, e.total);
+  });
+  if (bar) bar->Finish();
+  if (!result.ok()) {
+    std::fprintf(stderr, "qcal: error: %s\n", std::string(result.status().message()).c_str());
+    return 1;
+  }
+  if (o.json) {
+    nlohmann::json blocks = nlohmann::json::array();
+    for (const auto& b : result->blocks) {
+      nlohmann::json linears = nlohmann::json::array();
+      for (const auto& m : b.linears) {
+        linears.push_back({{"name", m.name},
+                           {"proxy_loss", std::isnan(m.proxy_loss) ? nlohmann::json() : nlohmann::json(m.proxy_loss)},
+                           {"relative", std::isnan(m.relative) ? nlohmann::json() : nlohmann::json(m.relative)},
+                           {"code_bits", m.code_bits},
+                           {"stored_bits", m.stored_bits}});
+      }
+      blocks.push_back({{"layer", b.layer}, {"seconds", b.seconds}, {"resumed", b.resumed},
+                        {"linears", linears}});
+    }
+    nlohmann::json j = {{"recipe", recipe->name},
+                        {"out_dir", result->out_dir},
+                        {"code_bits_per_weight", result->code_bits},
+                        {"stored_bits_per_weight", result->stored_bits},
+                        {"calibration_tokens", result->calib_tokens},
+                        {"calibration_seconds", result->calib_seconds},
+                        {"hessians_from_cache", result->hessians_from_cache},
+                        {"blocks_resumed", result->blocks_resumed},
+                        {"seconds", result->seconds},
+                        {"blocks", blocks}};
+    std::printf("%s\n", j.dump().c_str());
+    return 0;
+  }
+  std::printf("recipe %s -> %s\n", recipe->name.c_str(), result->out_dir.c_str());
+  if (recipe->needs_hessians()) {
+    std::printf("calibration: %lld tokens, %.1f s%s\n", (long long)result->calib_tokens,
+                result->calib_seconds, result->hessians_from_cache ? " (cached Hessians)" : "");
+  }
+  std::printf("\n%-6s %-18s %14s %12s %8s\n", "block", "linear", "proxy loss", "relative",
+              "bits");
+  for (const auto& b : result->blocks) {
+    for (const auto& m : b.linears) {
+      std::printf("%-6lld %-18s %14.6g %12.4g %8.3f\n", (long long)b.layer, m.name.c_str(),
+                  m.proxy_loss, m.relative, m.stored_bits);
+    }
+    std::printf("%-6lld %-18s %s%.2f s\n", (long long)b.layer, "(block)",
+                b.resumed ? "resumed from journal, " : "", b.seconds);
+  }
+  std::printf("\nbits per weight: %.3f codes, %.3f stored (codes + signs + scales)\n",
+              result->code_bits, result->stored_bits);
+  std::printf("blocks resumed: %lld of %zu; wall time %.1f s\n", (long long)result->blocks_resumed,
+              result->blocks.size(), result->seconds);
+  return 0;
+}
+
+}  // namespace
+
+void AddQuantizeCommand(CLI::App& app, int* exit_code) {
+  auto* cmd = app.add_subcommand("quantize", "Quantize a model with a recipe (in this process)");
+  auto o = std::make_shared<QuantizeOptions>();
+  cmd->add_option("--recipe", o->recipe_path, "recipe YAML (jobs/*.yaml)")
+      ->required()
+      ->check(CLI::ExistingFile);
+  cmd->add_option("--model", o->job.model_dir, "float model directory (HF layout)")
+      ->required()
+      ->check(CLI::ExistingDirectory);
+  cmd->add_option("--out", o->job.out_dir, "output checkpoint directory")->required();
+  cmd->add_option("--job-dir", o->job.job_dir,
+                  "journal, Hessians and other resumable state (default: OUT.job)");
+  o->job.data_root = "../shared";
+  cmd->add_option("--data-root", o->job.data_root,
+                  "where the recipe's calibration files are resolved")
+      ->capture_default_str();
+  cmd->add_option("--threads", o->job.threads, "compute threads (0 = auto)");
+  cmd->add_flag("--json", o->json, "print one JSON object");
+  cmd->callback([o, exit_code] { *exit_code = RunQuantize(*o); });
+}
+
+}  // namespace qcal::client

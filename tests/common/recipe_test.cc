@@ -1,0 +1,493 @@
+// Recipe parsing: the bundled jobs/*.yaml, defaults, the JSON round trip, and the error messages
+// (each names the file, the key and its line).
+#include "common/recipe.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "tests/test_util.h"
+
+namespace qcal {
+namespace {
+
+constexpr char kSource[] = "jobs/bad.yaml";
+
+std::string JobsDir() { return qcal::testing::SourceDir() + "/jobs"; }
+
+std::vector<std::string> BundledRecipes() {
+  std::vector<std::string> paths;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(JobsDir(), ec)) {
+    if (entry.path().extension() == ".yaml") paths.push_back(entry.path().string());
+  }
+  std::sort(paths.begin(), paths.end());
+  return paths;
+}
+
+// Field-by-field equality, with a readable diff through the JSON form on failure.
+void ExpectSameRecipe(const Recipe& a, const Recipe& b, const std::string& what) {
+  SCOPED_TRACE(what);
+  EXPECT_EQ(a.name, b.name);
+  EXPECT_EQ(a.method, b.method);
+  EXPECT_EQ(a.bits, b.bits);
+  EXPECT_EQ(a.codebook, b.codebook);
+  EXPECT_EQ(a.incoherence, b.incoherence);
+  EXPECT_EQ(a.seed, b.seed);
+  EXPECT_EQ(a.damp, b.damp);
+  EXPECT_EQ(a.scalar.group_size, b.scalar.group_size);
+  EXPECT_EQ(a.scalar.symmetric, b.scalar.symmetric);
+  EXPECT_EQ(a.scalar.act_order, b.scalar.act_order);
+  EXPECT_EQ(a.scalar.clip_search, b.scalar.clip_search);
+  EXPECT_EQ(a.calibration.files, b.calibration.files);
+  EXPECT_EQ(a.calibration.num_sequences, b.calibration.num_sequences);
+  EXPECT_EQ(a.calibration.seq_len, b.calibration.seq_len);
+  EXPECT_EQ(a.calibration.seed, b.calibration.seed);
+  EXPECT_EQ(a.finetune.enabled, b.finetune.enabled);
+  for (const auto& [sa, sb] : {std::make_pair(&a.finetune.block, &b.finetune.block),
+                               std::make_pair(&a.finetune.end_to_end, &b.finetune.end_to_end)}) {
+    EXPECT_EQ(sa->enabled, sb->enabled);
+    EXPECT_EQ(sa->epochs, sb->epochs);
+    EXPECT_EQ(sa->lr, sb->lr);
+    EXPECT_EQ(sa->batch, sb->batch);
+    EXPECT_EQ(sa->holdout, sb->holdout);
+  }
+  EXPECT_EQ(a.ToJson(), b.ToJson()) << a.ToJson().dump(2) << "\nvs\n" << b.ToJson().dump(2);
+}
+
+void ExpectRoundTrip(const Recipe& recipe, const std::string& what) {
+  for (int indent : {-1, 2}) {
+    const std::string text = recipe.ToJson().dump(indent);
+    StatusOr<Recipe> again = ParseRecipe(text, what + ".json");
+    ASSERT_TRUE(again.ok()) << again.status() << "\n" << text;
+    ExpectSameRecipe(recipe, *again, what + " (json indent " + std::to_string(indent) + ")");
+  }
+}
+
+Recipe MustParse(const std::string& yaml, const std::string& source = "jobs/test.yaml") {
+  StatusOr<Recipe> recipe = ParseRecipe(yaml, source);
+  EXPECT_TRUE(recipe.ok()) << recipe.status() << "\n" << yaml;
+  return recipe.ok() ? *recipe : Recipe();
+}
+
+// Parses `yaml` as jobs/bad.yaml and expects InvalidArgument whose message holds every piece.
+void ExpectError(const std::string& yaml, std::initializer_list<std::string> pieces) {
+  StatusOr<Recipe> recipe = ParseRecipe(yaml, kSource);
+  ASSERT_FALSE(recipe.ok()) << "parsed without error:\n" << yaml;
+  EXPECT_EQ(recipe.status().code(), absl::StatusCode::kInvalidArgument) << recipe.status();
+  const std::string message(recipe.status().message());
+  EXPECT_EQ(message.rfind(std::string(kSource) + ": ", 0), 0u) << message;
+  for (const std::string& piece : pieces) {
+    EXPECT_NE(message.find(piece), std::string::npos)
+        << "missing \"" << piece << "\" in: " << message << "\nfor:\n" << yaml;
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Bundled recipes
+// ------------------------------------------------------------------------------------------
+
+TEST(BundledRecipes, AllExpectedFilesArePresent) {
+  const std::vector<std::string> expected = {
+      "gptq-2bit",       "gptq-3bit",        "gptq-4bit",         "quip-e8p-2bit",
+      "quip-e8p-2bit-ft", "quip-e8p-3bit",   "quip-e8p-3bit-ft",  "quip-e8p-4bit",
+      "quip-e8p-4bit-ft", "quip-halfint-2bit", "rtn-2bit",        "rtn-3bit",
+      "rtn-4bit"};
+  for (const std::string& name : expected) {
+    struct stat st;
+    EXPECT_EQ(stat((JobsDir() + "/" + name + ".yaml").c_str(), &st), 0) << JobsDir() << "/" << name;
+  }
+}
+
+TEST(BundledRecipes, EveryFileParsesAndRoundTripsThroughJson) {
+  const std::vector<std::string> paths = BundledRecipes();
+  ASSERT_GE(paths.size(), 13u) << "no recipes under " << JobsDir();
+  for (const std::string& path : paths) {
+    SCOPED_TRACE(path);
+    StatusOr<Recipe> recipe = LoadRecipe(path);
+    ASSERT_TRUE(recipe.ok()) << recipe.status();
+    EXPECT_EQ(recipe->name, std::filesystem::path(path).stem().string());
+    // Each file opens with a comment explaining it.
+    std::ifstream in(path);
+    std::string first_line;
+    std::getline(in, first_line);
+    EXPECT_EQ(first_line.rfind("# ", 0), 0u) << first_line;
+    // Bundled calibration defaults.
+    EXPECT_EQ(recipe->calibration.files,
+              std::vector<std::string>{"data/wikitext2/wiki.valid.tokens"});
+    EXPECT_EQ(recipe->calibration.num_sequences, 128);
+    EXPECT_EQ(recipe->calibration.seq_len, 128);
+    EXPECT_EQ(recipe->calibration.seed, 0u);
+    ExpectRoundTrip(*recipe, path);
+  }
+}
+
+TEST(BundledRecipes, SettingsMatchTheirNames) {
+  struct Expect {
+    const char* name;
+    QuantMethod method;
+    int bits;
+    const char* codebook;
+    bool finetune;
+  };
+  const Expect expects[] = {
+      {"quip-e8p-2bit", QuantMethod::kQuip, 2, "e8p", false},
+      {"quip-e8p-3bit", QuantMethod::kQuip, 3, "rvq3_e8p_e8", false},
+      {"quip-e8p-4bit", QuantMethod::kQuip, 4, "rvq4_e8p_e8p", false},
+      {"quip-e8p-2bit-ft", QuantMethod::kQuip, 2, "e8p", true},
+      {"quip-e8p-3bit-ft", QuantMethod::kQuip, 3, "rvq3_e8p_e8", true},
+      {"quip-e8p-4bit-ft", QuantMethod::kQuip, 4, "rvq4_e8p_e8p", true},
+      {"quip-halfint-2bit", QuantMethod::kQuip, 2, "halfint2", false},
+      {"rtn-2bit", QuantMethod::kRtn, 2, "", false},
+      {"rtn-3bit", QuantMethod::kRtn, 3, "", false},
+      {"rtn-4bit", QuantMethod::kRtn, 4, "", false},
+      {"gptq-2bit", QuantMethod::kGptq, 2, "", false},
+      {"gptq-3bit", QuantMethod::kGptq, 3, "", false},
+      {"gptq-4bit", QuantMethod::kGptq, 4, "", false},
+  };
+  for (const Expect& e : expects) {
+    SCOPED_TRACE(e.name);
+    StatusOr<Recipe> recipe = LoadRecipe(JobsDir() + "/" + e.name + ".yaml");
+    ASSERT_TRUE(recipe.ok()) << recipe.status();
+    EXPECT_EQ(recipe->method, e.method);
+    EXPECT_EQ(recipe->bits, e.bits);
+    EXPECT_EQ(recipe->codebook, e.codebook);
+    EXPECT_EQ(recipe->incoherence, e.method == QuantMethod::kQuip);
+    EXPECT_EQ(recipe->finetune.enabled, e.finetune);
+    EXPECT_EQ(recipe->finetune.block.enabled, e.finetune);
+    EXPECT_EQ(recipe->finetune.end_to_end.enabled, e.finetune);
+    if (e.finetune) {
+      // QuIP# Appendix F.6.
+      EXPECT_EQ(recipe->finetune.block.epochs, 5);
+      EXPECT_DOUBLE_EQ(recipe->finetune.block.lr, 5e-5);
+      EXPECT_EQ(recipe->finetune.block.batch, 8);
+      EXPECT_DOUBLE_EQ(recipe->finetune.end_to_end.lr, 5e-5);
+      EXPECT_EQ(recipe->finetune.end_to_end.batch, 1);
+    }
+    if (e.method != QuantMethod::kQuip) {
+      EXPECT_EQ(recipe->scalar.group_size, -1);
+      EXPECT_TRUE(recipe->scalar.symmetric);
+      EXPECT_TRUE(recipe->scalar.clip_search);
+      EXPECT_EQ(recipe->scalar.act_order, e.method == QuantMethod::kGptq);
+    }
+    EXPECT_EQ(recipe->needs_hessians(), e.method != QuantMethod::kRtn);
+  }
+}
+
+TEST(BundledRecipes, CalibrationFilesExistUnderTheDataRoot) {
+  const std::string shared = qcal::testing::SharedDir();
+  struct stat st;
+  if (stat((shared + "/data").c_str(), &st) != 0) {
+    GTEST_SKIP() << "no shared data at " << shared << "/data";
+  }
+  for (const std::string& path : BundledRecipes()) {
+    StatusOr<Recipe> recipe = LoadRecipe(path);
+    ASSERT_TRUE(recipe.ok()) << recipe.status();
+    for (const std::string& file : recipe->calibration.files) {
+      EXPECT_EQ(stat((shared + "/" + file).c_str(), &st), 0) << path << ": " << shared << "/" << file;
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Defaults and accepted forms
+// ------------------------------------------------------------------------------------------
+
+TEST(RecipeDefaults, OnlyMethodGiven) {
+  const Recipe r = MustParse("method: quip\n", "jobs/minimal.yaml");
+  EXPECT_EQ(r.name, "minimal");  // the file stem
+  EXPECT_EQ(r.method, QuantMethod::kQuip);
+  EXPECT_EQ(r.bits, 2);
+  EXPECT_EQ(r.codebook, "e8p");
+  EXPECT_TRUE(r.incoherence);
+  EXPECT_EQ(r.seed, 0u);
+  EXPECT_DOUBLE_EQ(r.damp, 0.01);
+  EXPECT_EQ(r.calibration.files, std::vector<std::string>{"data/wikitext2/wiki.valid.tokens"});
+  EXPECT_EQ(r.calibration.num_sequences, 64);
+  EXPECT_EQ(r.calibration.seq_len, 128);
+  EXPECT_EQ(r.calibration.seed, 0u);
+  EXPECT_FALSE(r.finetune.enabled);
+  EXPECT_FALSE(r.finetune.block.enabled);
+  EXPECT_EQ(r.finetune.block.epochs, 5);
+  EXPECT_DOUBLE_EQ(r.finetune.block.lr, 5e-5);
+  EXPECT_EQ(r.finetune.block.batch, 8);
+  EXPECT_DOUBLE_EQ(r.finetune.block.holdout, 0.1);
+  EXPECT_FALSE(r.finetune.end_to_end.enabled);
+  ExpectRoundTrip(r, "minimal");
+}
+
+TEST(RecipeDefaults, RtnAndGptqHaveNoCodebookOrIncoherence) {
+  for (const char* method : {"rtn", "gptq"}) {
+    const Recipe r = MustParse(std::string("method: ") + method + "\n");
+    EXPECT_EQ(r.bits, 2);
+    EXPECT_EQ(r.codebook, "");
+    EXPECT_FALSE(r.incoherence);
+    EXPECT_EQ(r.scalar.group_size, -1);
+    EXPECT_TRUE(r.scalar.symmetric);
+    EXPECT_FALSE(r.scalar.act_order);
+    EXPECT_FALSE(r.scalar.clip_search);
+    const nlohmann::json j = r.ToJson();
+    EXPECT_FALSE(j.contains("codebook")) << j;
+    EXPECT_TRUE(j.contains("scalar")) << j;
+    EXPECT_EQ(j.contains("damp"), std::string(method) == "gptq") << j;
+    ExpectRoundTrip(r, method);
+  }
+}
+
+TEST(RecipeDefaults, QuipCodebookFollowsBitsAndBitsFollowCodebook) {
+  EXPECT_EQ(MustParse("method: quip\nbits: 3\n").codebook, "rvq3_e8p_e8");
+  EXPECT_EQ(MustParse("method: quip\nbits: 4\n").codebook, "rvq4_e8p_e8p");
+  EXPECT_EQ(MustParse("method: quip\nbits: 2\n").codebook, "e8p");
+  EXPECT_EQ(MustParse("method: quip\ncodebook: halfint3\n").bits, 3);
+  EXPECT_EQ(MustParse("method: quip\ncodebook: halfint4\n").bits, 4);
+  EXPECT_EQ(MustParse("method: quip\ncodebook: rvq4_e8p_e8p\nbits: 4\n").bits, 4);
+}
+
+TEST(RecipeDefaults, ExplicitValuesAndForms) {
+  const Recipe r = MustParse(
+      "# comment\n"
+      "name: \"my recipe\"\n"
+      "method: gptq\n"
+      "bits: 8\n"
+      "seed: 18446744073709551615\n"
+      "damp: 1\n"
+      "scalar: {group_size: 128, symmetric: False, act_order: TRUE, clip_search: true}\n"
+      "calibration:\n"
+      "  files:\n"
+      "    - a.txt\n"
+      "    - /abs/b.txt\n"
+      "  num_sequences: 1\n"
+      "  seq_len: 2\n"
+      "  seed: 7\n"
+      "finetune:\n"
+      "  enabled: false\n"
+      "  end_to_end: {enabled: true, epochs: 1, lr: 1.0e-3, batch: 1, holdout: 0}\n");
+  EXPECT_EQ(r.name, "my recipe");
+  EXPECT_EQ(r.bits, 8);
+  EXPECT_EQ(r.seed, 18446744073709551615ull);
+  EXPECT_DOUBLE_EQ(r.damp, 1.0);
+  EXPECT_EQ(r.scalar.group_size, 128);
+  EXPECT_FALSE(r.scalar.symmetric);
+  EXPECT_TRUE(r.scalar.act_order);
+  EXPECT_TRUE(r.scalar.clip_search);
+  EXPECT_EQ(r.calibration.files, (std::vector<std::string>{"a.txt", "/abs/b.txt"}));
+  EXPECT_EQ(r.calibration.num_sequences, 1);
+  EXPECT_EQ(r.calibration.seq_len, 2);
+  EXPECT_EQ(r.calibration.seed, 7u);
+  // End to end alone, without the within-block stage, is allowed.
+  EXPECT_FALSE(r.finetune.enabled);
+  EXPECT_TRUE(r.finetune.end_to_end.enabled);
+  EXPECT_EQ(r.finetune.end_to_end.epochs, 1);
+  EXPECT_DOUBLE_EQ(r.finetune.end_to_end.lr, 1e-3);
+  EXPECT_DOUBLE_EQ(r.finetune.end_to_end.holdout, 0.0);
+  ExpectRoundTrip(r, "explicit");
+}
+
+TEST(RecipeDefaults, JsonIsCompleteForQuip) {
+  const nlohmann::json j = MustParse("method: quip\nfinetune: {enabled: true}\n").ToJson();
+  for (const char* key : {"name", "method", "bits", "codebook", "incoherence", "seed", "damp",
+                          "calibration", "finetune"}) {
+    EXPECT_TRUE(j.contains(key)) << key << " in " << j;
+  }
+  EXPECT_FALSE(j.contains("scalar")) << j;
+  EXPECT_EQ(j["method"], "quip");
+  EXPECT_EQ(j["finetune"]["enabled"], true);
+  EXPECT_EQ(j["finetune"]["block"].size(), 4u) << j;  // enabled lives at finetune.enabled
+  EXPECT_EQ(j["finetune"]["end_to_end"].size(), 5u) << j;
+  EXPECT_EQ(j["calibration"].size(), 4u) << j;
+}
+
+TEST(RecipeDefaults, QuantMethodNames) {
+  EXPECT_STREQ(QuantMethodName(QuantMethod::kQuip), "quip");
+  EXPECT_STREQ(QuantMethodName(QuantMethod::kRtn), "rtn");
+  EXPECT_STREQ(QuantMethodName(QuantMethod::kGptq), "gptq");
+}
+
+// ------------------------------------------------------------------------------------------
+// Errors
+// ------------------------------------------------------------------------------------------
+
+TEST(RecipeErrors, UnknownTopLevelKeySuggestsTheClosest) {
+  ExpectError("method: quip\nbitz: 2\n",
+              {"unknown key 'bitz' (line 2)", "did you mean 'bits'?"});
+  ExpectError("method: quip\nBits: 2\n", {"unknown key 'Bits' (line 2)", "did you mean 'bits'?"});
+  ExpectError("method: quip\nincoherance: true\n",
+              {"unknown key 'incoherance' (line 2)", "did you mean 'incoherence'?"});
+}
+
+TEST(RecipeErrors, UnknownKeyWithNothingCloseListsTheKnownKeys) {
+  ExpectError("method: quip\nwhatever: 1\n",
+              {"unknown key 'whatever' (line 2)", "known keys: name, method, bits"});
+}
+
+TEST(RecipeErrors, UnknownNestedKeys) {
+  ExpectError("method: quip\ncalibration:\n  files: [a]\n  seqlen: 64\n",
+              {"unknown key 'calibration.seqlen' (line 4)", "did you mean 'calibration.seq_len'?"});
+  ExpectError("method: gptq\nscalar:\n  grup_size: 64\n",
+              {"unknown key 'scalar.grup_size' (line 3)", "did you mean 'scalar.group_size'?"});
+  ExpectError("method: quip\nfinetune:\n  enabled: true\n  block:\n    epoch: 3\n",
+              {"unknown key 'finetune.block.epoch' (line 5)", "did you mean 'finetune.block.epochs'?"});
+  ExpectError("method: quip\nfinetune:\n  end_to_end: {enabled: true, lrr: 1}\n",
+              {"unknown key 'finetune.end_to_end.lrr' (line 3)", "did you mean 'finetune.end_to_end.lr'?"});
+  ExpectError("method: quip\nfinetune:\n  block: {enabled: true}\n",
+              {"unknown key 'finetune.block.enabled' (line 3)", "'finetune.enabled'"});
+}
+
+TEST(RecipeErrors, WrongTypes) {
+  ExpectError("name: x\nmethod: quip\nbits: two\n",
+              {"key 'bits' (line 3) must be an integer, got 'two'"});
+  ExpectError("method: quip\nbits: \"2\"\n",
+              {"key 'bits' (line 2) must be an integer, got the quoted string \"2\""});
+  ExpectError("method: quip\nbits: 2.0\n", {"key 'bits' (line 2) must be an integer, got '2.0'"});
+  ExpectError("method: quip\nbits:\n", {"key 'bits' (line 2) must be an integer, got an empty value"});
+  ExpectError("method: quip\nseed: -1\n",
+              {"key 'seed' (line 2) must be a non-negative integer, got '-1'"});
+  ExpectError("method: quip\nseed: 18446744073709551616\n", {"key 'seed' (line 2) is out of range"});
+  ExpectError("method: quip\nincoherence: yes\n",
+              {"key 'incoherence' (line 2) must be a boolean (true or false), got 'yes'"});
+  ExpectError("method: quip\ndamp: small\n", {"key 'damp' (line 2) must be a number, got 'small'"});
+  ExpectError("method: quip\ndamp: .nan\n", {"key 'damp' (line 2) must be a number"});
+  ExpectError("method: quip\nname: [a, b]\n", {"key 'name' (line 2) must be a string, got a list"});
+  ExpectError("method: quip\ncalibration: wikitext\n",
+              {"key 'calibration' (line 2) must be a mapping, got 'wikitext'"});
+  ExpectError("method: quip\ncalibration:\n  seq_len: long\n",
+              {"key 'calibration.seq_len' (line 3) must be an integer, got 'long'"});
+  ExpectError("method: quip\nfinetune:\n  block:\n    lr: fast\n",
+              {"key 'finetune.block.lr' (line 4) must be a number, got 'fast'"});
+  ExpectError("method: quip\nfinetune:\n  enabled: 1\n",
+              {"key 'finetune.enabled' (line 3) must be a boolean"});
+}
+
+TEST(RecipeErrors, YamlSyntaxErrorsCarryTheParserTextAndLine) {
+  ExpectError("method: quip\ncalibration:\n  files: [a, b\n", {"YAML error at line", "flow"});
+  ExpectError("method: quip\nbits: *missing\n", {"YAML error at line 2", "anchor"});
+  ExpectError("method: quip\n---\nmethod: rtn\n", {"more than one YAML document", "line 2"});
+  // yaml-cpp 0.7's LoadAll loops forever on these (jbeder/yaml-cpp#1040); they must fail fast.
+  ExpectError(",\n", {"YAML error"});
+  ExpectError("# comment\n, b\nmethod: quip\n", {"YAML error"});
+  ExpectError("method: quip\n---\n,\n", {"more than one YAML document"});
+  ExpectError("method: quip\ncalibration:\n\tseq_len: 64\n",
+              {"YAML error at line 3", "spaces, not tabs"});
+  ExpectError("just a string\n", {"must be a mapping"});
+  ExpectError("", {"empty", "'method'"});
+  ExpectError("# nothing but a comment\n", {"empty", "'method'"});
+}
+
+TEST(RecipeErrors, DuplicateKeys) {
+  ExpectError("method: quip\nbits: 2\nbits: 3\n",
+              {"duplicate key 'bits' (line 3, first at line 2)"});
+  ExpectError("method: quip\ncalibration:\n  seed: 1\n  seed: 2\n",
+              {"duplicate key 'calibration.seed' (line 4, first at line 3)"});
+}
+
+TEST(RecipeErrors, Method) {
+  ExpectError("bits: 2\n", {"missing required key 'method'"});
+  ExpectError("method: qiup\n",
+              {"key 'method' (line 1) must be one of quip, rtn, gptq, got 'qiup'",
+               "did you mean 'quip'?"});
+  ExpectError("method: awq\n", {"key 'method' (line 1) must be one of quip, rtn, gptq, got 'awq'"});
+}
+
+TEST(RecipeErrors, QuipCodebookAndBits) {
+  ExpectError("method: quip\ncodebook: e8\n",
+              {"key 'codebook' (line 2) must be one of e8p, rvq3_e8p_e8", "got 'e8'",
+               "did you mean 'e8p'?"});
+  ExpectError("method: quip\nbits: 3\ncodebook: e8p\n",
+              {"key 'bits' (line 2) is 3 but codebook 'e8p' (line 3) is a 2-bit codebook"});
+  ExpectError("method: quip\ncodebook: rvq4_e8p_e8p\nbits: 2\n",
+              {"key 'bits' (line 3) is 2 but codebook 'rvq4_e8p_e8p' (line 2) is a 4-bit"});
+  ExpectError("method: quip\nbits: 5\n", {"key 'bits' (line 2) must be 2, 3 or 4 for method quip, got 5"});
+  ExpectError("method: quip\nscalar: {group_size: 64}\n",
+              {"key 'scalar' (line 2) applies only to methods rtn and gptq"});
+}
+
+TEST(RecipeErrors, ScalarMethods) {
+  ExpectError("method: rtn\ncodebook: e8p\n", {"key 'codebook' (line 2) applies only to method quip"});
+  ExpectError("method: gptq\nbits: 9\n", {"key 'bits' (line 2) must be in 2..8 for method gptq, got 9"});
+  ExpectError("method: rtn\nbits: 1\n", {"key 'bits' (line 2) must be in 2..8 for method rtn, got 1"});
+  ExpectError("method: rtn\nscalar:\n  act_order: true\n",
+              {"key 'scalar.act_order' (line 3) applies only to method gptq"});
+  ExpectError("method: rtn\nincoherence: true\n",
+              {"key 'incoherence' (line 2) applies only to method quip"});
+  ExpectError("method: rtn\ndamp: 0.01\n", {"key 'damp' (line 2) does not apply to method rtn"});
+  // The "off" values are accepted (ToJson writes them).
+  EXPECT_FALSE(MustParse("method: rtn\nincoherence: false\nscalar: {act_order: false}\n")
+                   .scalar.act_order);
+}
+
+TEST(RecipeErrors, Ranges) {
+  ExpectError("method: quip\ndamp: 0\n", {"key 'damp' (line 2) must be in (0, 1], got 0"});
+  ExpectError("method: gptq\ndamp: 1.5\n", {"key 'damp' (line 2) must be in (0, 1], got 1.5"});
+  ExpectError("method: gptq\nscalar: {group_size: 0}\n",
+              {"key 'scalar.group_size' (line 2) must be -1 (per output channel) or a positive"});
+  ExpectError("method: gptq\nscalar:\n  group_size: -2\n", {"key 'scalar.group_size' (line 3)", "got -2"});
+  ExpectError("method: quip\ncalibration:\n  num_sequences: 0\n",
+              {"key 'calibration.num_sequences' (line 3) must be at least 1, got 0"});
+  ExpectError("method: quip\ncalibration:\n  seq_len: 1\n",
+              {"key 'calibration.seq_len' (line 3) must be at least 2, got 1"});
+  ExpectError("method: quip\nfinetune:\n  block: {epochs: 0}\n",
+              {"key 'finetune.block.epochs' (line 3) must be at least 1, got 0"});
+  ExpectError("method: quip\nfinetune:\n  block:\n    lr: 0\n",
+              {"key 'finetune.block.lr' (line 4) must be greater than 0, got 0"});
+  ExpectError("method: quip\nfinetune:\n  end_to_end:\n    lr: -1e-4\n",
+              {"key 'finetune.end_to_end.lr' (line 4) must be greater than 0"});
+  ExpectError("method: quip\nfinetune:\n  block:\n    batch: 0\n",
+              {"key 'finetune.block.batch' (line 4) must be at least 1, got 0"});
+  ExpectError("method: quip\nfinetune:\n  block:\n    holdout: 1\n",
+              {"key 'finetune.block.holdout' (line 4) must be in [0, 1), got 1"});
+  ExpectError("method: quip\nfinetune:\n  end_to_end: {holdout: -0.1}\n",
+              {"key 'finetune.end_to_end.holdout' (line 3) must be in [0, 1)"});
+}
+
+TEST(RecipeErrors, CalibrationFiles) {
+  ExpectError("method: quip\ncalibration:\n  files: []\n",
+              {"key 'calibration.files' (line 3) must list at least one file"});
+  ExpectError("method: quip\ncalibration:\n  files: data/x.txt\n",
+              {"key 'calibration.files' (line 3) must be a list of file paths, got 'data/x.txt'"});
+  ExpectError("method: quip\ncalibration:\n  files:\n    - a.txt\n    - {b: 1}\n",
+              {"key 'calibration.files' item 2 (line 5) must be a non-empty file path, got a mapping"});
+  ExpectError("method: quip\nname: \"\"\n", {"key 'name' (line 2) must not be empty"});
+}
+
+TEST(LoadRecipe, MissingFileNamesThePath) {
+  const std::string path = qcal::testing::MakeTempDir("recipe") + "/nope.yaml";
+  StatusOr<Recipe> recipe = LoadRecipe(path);
+  ASSERT_FALSE(recipe.ok());
+  EXPECT_EQ(recipe.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(recipe.status().message().find(path), absl::string_view::npos) << recipe.status();
+}
+
+TEST(LoadRecipe, DirectoryIsRejected) {
+  const std::string dir = qcal::testing::MakeTempDir("recipe");
+  StatusOr<Recipe> recipe = LoadRecipe(dir);
+  ASSERT_FALSE(recipe.ok());
+  EXPECT_NE(recipe.status().message().find("not a regular file"), absl::string_view::npos)
+      << recipe.status();
+}
+
+TEST(LoadRecipe, ErrorsNameTheFileAndNameDefaultsToTheStem) {
+  const std::string dir = qcal::testing::MakeTempDir("recipe");
+  {
+    std::ofstream(dir + "/typo.yaml") << "# a recipe with a typo\nmethod: quip\nbitz: 2\n";
+    StatusOr<Recipe> recipe = LoadRecipe(dir + "/typo.yaml");
+    ASSERT_FALSE(recipe.ok());
+    EXPECT_EQ(std::string(recipe.status().message()),
+              dir + "/typo.yaml: unknown key 'bitz' (line 3); did you mean 'bits'?");
+  }
+  {
+    std::ofstream(dir + "/my-job.yaml") << "method: rtn\nbits: 4\n";
+    StatusOr<Recipe> recipe = LoadRecipe(dir + "/my-job.yaml");
+    ASSERT_TRUE(recipe.ok()) << recipe.status();
+    EXPECT_EQ(recipe->name, "my-job");
+  }
+}
+
+}  // namespace
+}  // namespace qcal

@@ -1,0 +1,225 @@
+// The single-process quantization pipeline on stories260K: checkpoint round trip, resume without
+// losing finished blocks, Hessian reuse, and the perplexity orderings QuIP# reports.
+#include <cstdio>
+#include <fstream>
+#include <map>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "common/atomic_file.h"
+#include "common/llama2c.h"
+#include "common/recipe.h"
+#include "common/safetensors.h"
+#include "common/text.h"
+#include "common/tokenizer.h"
+#include "tests/test_util.h"
+#include "worker/eval/perplexity.h"
+#include "worker/quant/block_task.h"
+#include "worker/quant/quantize_job.h"
+#include "worker/quant/quantized_checkpoint.h"
+
+namespace qcal {
+namespace {
+
+Recipe MakeRecipe(const std::string& name, QuantMethod method, int bits,
+                  const std::string& codebook) {
+  Recipe r;
+  r.name = name;
+  r.method = method;
+  r.bits = bits;
+  r.codebook = codebook;
+  r.scalar.clip_search = true;
+  r.calibration.files = {"data/wikitext2/wiki.valid.tokens"};
+  r.calibration.num_sequences = 48;
+  r.calibration.seq_len = 128;
+  return r;
+}
+
+class QuantizeJobTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    model::SetComputeThreads(1);
+    root_ = new std::string(testing::MakeTempDir("qjob"));
+    const std::string src = testing::SharedDir() + "/models/stories260K";
+    auto r = ImportLlama2c(src + "/stories260K.bin", src + "/tok512.bin", *root_ + "/float");
+    ASSERT_TRUE(r.ok()) << r.status();
+    auto tok = LoadTokenizerFromModelDir(*root_ + "/float");
+    ASSERT_TRUE(tok.ok());
+    auto text = ReadTextFile(testing::SharedDir() +
+                             "/data/tinystories/TinyStories-valid.sample30k.txt");
+    ASSERT_TRUE(text.ok());
+    eval_tokens_ = new std::vector<int32_t>((*tok)->Encode(*text));
+  }
+  static void TearDownTestSuite() {
+    delete root_;
+    delete eval_tokens_;
+  }
+
+  quant::QuantizeJobOptions Options(const std::string& out) {
+    quant::QuantizeJobOptions o;
+    o.model_dir = *root_ + "/float";
+    o.out_dir = *root_ + "/" + out;
+    o.job_dir = *root_ + "/" + out + ".job";
+    o.data_root = testing::SharedDir();
+    o.threads = 1;
+    return o;
+  }
+
+  // Perplexity on the TinyStories sample (--bos-per-window, ctx 512).
+  double Perplexity(const std::string& dir) {
+    auto m = quant::LoadAnyModel(dir);
+    EXPECT_TRUE(m.ok()) << m.status();
+    if (!m.ok()) return 0;
+    eval::PerplexityOptions opt;
+    opt.ctx = 512;
+    opt.bos_per_window = true;
+    auto r = eval::EvaluatePerplexity(**m, *eval_tokens_, opt);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? r->perplexity : 0;
+  }
+
+  double QuantizeAndEval(const Recipe& recipe) {
+    auto result = quant::RunQuantizeJob(recipe, Options(recipe.name));
+    EXPECT_TRUE(result.ok()) << recipe.name << ": " << result.status();
+    if (!result.ok()) return 0;
+    const double ppl = Perplexity(result->out_dir);
+    std::printf("%-16s ppl %8.3f  bits %.3f codes / %.3f stored  (%.1f s)\n", recipe.name.c_str(),
+                ppl, result->code_bits, result->stored_bits, result->seconds);
+    return ppl;
+  }
+
+  static std::string* root_;
+  static std::vector<int32_t>* eval_tokens_;
+};
+
+std::string* QuantizeJobTest::root_ = nullptr;
+std::vector<int32_t>* QuantizeJobTest::eval_tokens_ = nullptr;
+
+TEST_F(QuantizeJobTest, PerplexityOrderingsHold) {
+  const double fp = Perplexity(*root_ + "/float");
+  std::printf("float            ppl %8.3f\n", fp);
+  const double quip2 = QuantizeAndEval(MakeRecipe("quip-e8p-2bit", QuantMethod::kQuip, 2, "e8p"));
+  const double half2 =
+      QuantizeAndEval(MakeRecipe("quip-halfint-2bit", QuantMethod::kQuip, 2, "halfint2"));
+  const double rtn2 = QuantizeAndEval(MakeRecipe("rtn-2bit", QuantMethod::kRtn, 2, ""));
+  EXPECT_GT(quip2, fp);
+  EXPECT_LT(quip2, half2) << "QuIP# E8P 2-bit should beat the half-integer grid";
+  EXPECT_LT(half2, rtn2) << "the half-integer grid (with IP + BlockLDLQ) should beat RTN 2-bit";
+  // Not asserted yet: QuIP# 4-bit within 5% of float. Measured 25.8 vs 14.8 (GPTQ 4-bit: 15.3);
+  // the RVQ 3/4-bit path is under investigation (see docs/results.md).
+}
+
+TEST_F(QuantizeJobTest, CheckpointRoundTripsAndJobResumes) {
+  Recipe recipe = MakeRecipe("roundtrip", QuantMethod::kQuip, 2, "e8p");
+  auto opt = Options("roundtrip");
+  auto first = quant::RunQuantizeJob(recipe, opt);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_FALSE(first->hessians_from_cache);
+  EXPECT_EQ(first->blocks_resumed, 0);
+  // Every linear is exactly 2 bits except down_proj, whose 172 inputs are padded to 176.
+  const double weights = 5 * 45312.0, down = 5 * 11008.0;
+  EXPECT_NEAR(first->code_bits, 2.0 * (weights - down + down * 176.0 / 172.0) / weights, 1e-9);
+
+  // Write / load / same outputs: the block quantized in memory equals the block read back.
+  auto config = LoadLlamaConfig(opt.out_dir);
+  ASSERT_TRUE(config.ok()) << config.status();
+  ASSERT_TRUE(config->raw.contains("quantization_config"));
+  auto ckpt = CheckpointReader::Open(opt.out_dir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  auto float_model = model::LlamaModel::Load(opt.model_dir);
+  ASSERT_TRUE(float_model.ok());
+  // Recompute block 1 exactly as the job did (same recipe, seed, Hessians from the cache).
+  auto tok = LoadTokenizerFromModelDir(opt.model_dir);
+  ASSERT_TRUE(tok.ok());
+  auto loaded = quant::LoadAnyBlockWeights(**ckpt, *config, 1);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  model::DecoderBlock from_disk(*config, std::move(*loaded));
+  at::manual_seed(7);
+  at::Tensor x = at::randn({2, 16, config->hidden_size});
+  at::Tensor y_disk = from_disk.Forward(x, (*float_model)->rope());
+  at::Tensor y_float = (*float_model)->block(1).Forward(x, (*float_model)->rope());
+  EXPECT_FALSE(at::allclose(y_disk, y_float));  // it is quantized...
+  EXPECT_LT((y_disk - y_float).pow(2).mean().item<double>(),
+            0.1 * y_float.pow(2).mean().item<double>());  // ...and close
+  // Loading twice gives identical results (deterministic decode).
+  auto model_a = quant::LoadAnyModel(opt.out_dir);
+  auto model_b = quant::LoadAnyModel(opt.out_dir);
+  ASSERT_TRUE(model_a.ok() && model_b.ok());
+  at::Tensor ids = at::arange(1, 60, at::kLong).unsqueeze(0);
+  EXPECT_TRUE(at::equal((*model_a)->Forward(ids), (*model_b)->Forward(ids)));
+
+  // Simulate a crash after block 2: its shard and the final config are lost.
+  const int64_t blocks = config->num_hidden_layers;
+  const std::string shard2 = opt.out_dir + "/" + quant::ShardName(3, blocks);
+  auto before = ReadFile(shard2);
+  ASSERT_TRUE(before.ok());
+  ASSERT_EQ(std::remove(shard2.c_str()), 0);
+  ASSERT_EQ(std::remove((opt.out_dir + "/config.json").c_str()), 0);
+  auto second = quant::RunQuantizeJob(recipe, opt);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_TRUE(second->hessians_from_cache);
+  EXPECT_EQ(second->blocks_resumed, blocks - 1);
+  auto after = ReadFile(shard2);
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(*before, *after) << "the redone block must be bit-identical";
+  auto model_c = quant::LoadAnyModel(opt.out_dir);
+  ASSERT_TRUE(model_c.ok()) << model_c.status();
+  EXPECT_TRUE(at::equal((*model_a)->Forward(ids), (*model_c)->Forward(ids)));
+
+  // A journal from another recipe is refused, with the job dir named.
+  Recipe other = MakeRecipe("other", QuantMethod::kQuip, 2, "halfint2");
+  auto refused = quant::RunQuantizeJob(other, opt);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("journal.jsonl"), std::string::npos)
+      << refused.status();
+}
+
+TEST_F(QuantizeJobTest, BadInputIsAClearError) {
+  Recipe recipe = MakeRecipe("bad", QuantMethod::kQuip, 2, "e8p");
+  auto opt = Options("bad");
+  opt.out_dir = opt.model_dir + "/inside";
+  auto r = quant::RunQuantizeJob(recipe, opt);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("inside the input model directory"), std::string::npos);
+
+  opt = Options("bad2");
+  recipe.calibration.files = {"data/does-not-exist.txt"};
+  r = quant::RunQuantizeJob(recipe, opt);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("does-not-exist.txt"), std::string::npos) << r.status();
+}
+
+}  // namespace
+}  // namespace qcal
+
+namespace qcal {
+namespace {
+
+// The quantized layer computes exactly the weights whose proxy loss the block task reports, for
+// every codebook and with or without incoherence processing.
+TEST(QuantizeLinearTest, LayerWeightsMatchReportedProxyLoss) {
+  model::SetComputeThreads(1);
+  at::manual_seed(3);
+  for (const char* codebook : {"e8p", "rvq4_e8p_e8p", "halfint2"}) {
+    for (bool incoherence : {true, false}) {
+      for (auto [out, in] : {std::pair<int64_t, int64_t>{64, 64}, {32, 64}, {172, 64}, {64, 172}}) {
+        Recipe r = MakeRecipe("x", QuantMethod::kQuip, 2, codebook);
+        r.incoherence = incoherence;
+        at::Tensor w = at::randn({out, in});
+        at::Tensor a = at::randn({in, 4 * in}, at::kDouble);
+        at::Tensor h = at::matmul(a, a.t()) / (4.0 * in);
+        auto q = quant::QuantizeLinear(r, 0, model::LinearKind::kQ, w, h);
+        ASSERT_TRUE(q.ok()) << q.status();
+        at::Tensor dense = q->layer->DenseWeight().to(at::kDouble);
+        at::Tensor e = dense - w.to(at::kDouble);
+        const double proxy = at::trace(at::matmul(at::matmul(e, h), e.t())).item<double>();
+        EXPECT_NEAR(proxy / q->metrics.proxy_loss, 1.0, 1e-4)
+            << codebook << " incoherence " << incoherence << " " << out << "x" << in;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace qcal

@@ -1,0 +1,240 @@
+#include "worker/quant/block_task.h"
+
+#include <chrono>
+#include <cmath>
+
+#include <ATen/ATen.h>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/codebook.h"
+#include "kernels/hadamard.h"
+#include "kernels/incoherence.h"
+#include "kernels/rounding.h"
+#include "worker/quant/quantized_linear.h"
+
+namespace qcal::quant {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+std::vector<double> ToDouble(const at::Tensor& t) {
+  at::Tensor c = t.to(at::kDouble).contiguous();
+  return std::vector<double>(c.data_ptr<double>(), c.data_ptr<double>() + c.numel());
+}
+
+uint64_t SplitMix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Smallest size >= n (and a multiple of `multiple`) that has an orthogonal transform.
+int64_t TransformSize(int64_t n, int64_t multiple) {
+  int64_t d = RoundUp(n, multiple);
+  while (PlanHadamard(d).kind == HadamardKind::kNone) d += multiple;
+  return d;
+}
+
+// tr(A H Aᵀ) for A [rows, cols].
+double QuadraticTrace(const std::vector<double>& a, const std::vector<double>& h, int64_t rows,
+                      int64_t cols) {
+  std::vector<double> zero(a.size(), 0.0);
+  return kernels::ProxyLoss(zero.data(), a.data(), h.data(), rows, cols);
+}
+
+kernels::ScalarQuantConfig ScalarConfig(const Recipe& r) {
+  kernels::ScalarQuantConfig q;
+  q.bits = r.bits;
+  q.symmetric = r.scalar.symmetric;
+  q.clip_search = r.scalar.clip_search;
+  if (r.scalar.group_size > 0) {
+    q.granularity = kernels::QuantGranularity::kPerGroup;
+    q.group_size = r.scalar.group_size;
+  } else {
+    q.granularity = kernels::QuantGranularity::kPerChannel;
+  }
+  return q;
+}
+
+StatusOr<QuantizedLinear> QuantizeQuip(const Recipe& recipe, int64_t layer,
+                                          model::LinearKind kind, const std::vector<double>& w,
+                                          int64_t out, int64_t in, const std::vector<double>& h) {
+  QCAL_ASSIGN_OR_RETURN(auto codebook, kernels::MakeCodebook(recipe.codebook));
+  const int64_t g = codebook->dim();
+  const int64_t in_pad = recipe.incoherence ? TransformSize(in, g) : RoundUp(in, g);
+  const int64_t out_pad = recipe.incoherence ? TransformSize(out, 1) : out;
+  // Zero-padded W [out_pad, in_pad] and H [in_pad, in_pad].
+  std::vector<double> wp(out_pad * in_pad, 0.0), hp(in_pad * in_pad, 0.0);
+  for (int64_t r = 0; r < out; ++r) {
+    std::copy(&w[r * in], &w[r * in] + in, &wp[r * in_pad]);
+  }
+  for (int64_t r = 0; r < in; ++r) std::copy(&h[r * in], &h[r * in] + in, &hp[r * in_pad]);
+  if (in_pad > in) {
+    // The padded inputs are always zero; give them the mean diagonal so H stays well
+    // conditioned (their weights multiply zeros, so any value is exact).
+    double mean_diag = 0;
+    for (int64_t i = 0; i < in; ++i) mean_diag += h[i * in + i];
+    mean_diag /= static_cast<double>(in);
+    for (int64_t i = in; i < in_pad; ++i) hp[i * in_pad + i] = mean_diag;
+  }
+
+  QuipLinearData data;
+  data.in_features = in;
+  data.out_features = out;
+  data.in_pad = in_pad;
+  data.out_pad = out_pad;
+  data.codebook = recipe.codebook;
+  data.incoherence = recipe.incoherence;
+  const std::vector<double>* w_round = &wp;
+  const std::vector<double>* h_round = &hp;
+  kernels::IncoherenceResult ip;
+  if (recipe.incoherence) {
+    QCAL_ASSIGN_OR_RETURN(
+        ip, kernels::IncoherenceProcess(wp.data(), out_pad, in_pad, hp.data(),
+                                        TransformSeed(recipe.seed, layer, kind, true),
+                                        TransformSeed(recipe.seed, layer, kind, false)));
+    data.t_u = ip.transforms.u;
+    data.t_v = ip.transforms.v;
+    w_round = &ip.w_hat;
+    h_round = &ip.h_hat;
+  }
+  kernels::VectorRoundingConfig vc;
+  vc.damp = recipe.damp;
+  QCAL_ASSIGN_OR_RETURN(auto rounded, kernels::BlockLdlq(w_round->data(), out_pad, in_pad,
+                                                         h_round->data(), *codebook, vc));
+  data.codes = std::move(rounded.codes);
+  data.scale = rounded.scale;
+
+  // Proxy loss in the original space: Ŵ = Uᵀ Ŵ_q V, sliced to [out, in].
+  std::vector<double> w_hat_pad = rounded.w_hat;
+  if (recipe.incoherence) {
+    QCAL_ASSIGN_OR_RETURN(w_hat_pad, kernels::RecoverWeights(ip.transforms, rounded.w_hat.data()));
+  }
+  std::vector<double> w_hat(out * in);
+  for (int64_t r = 0; r < out; ++r) {
+    std::copy(&w_hat_pad[r * in_pad], &w_hat_pad[r * in_pad] + in, &w_hat[r * in]);
+  }
+  QuantizedLinear result;
+  result.metrics.proxy_loss = kernels::ProxyLoss(w.data(), w_hat.data(), h.data(), out, in);
+  result.metrics.code_bits = codebook->bits_per_weight() * static_cast<double>(out_pad * in_pad) /
+                             static_cast<double>(out * in);
+  QCAL_ASSIGN_OR_RETURN(auto linear, QuipLinear::Create(std::move(data)));
+  SafetensorsWriter sizer;
+  QCAL_RETURN_IF_ERROR(linear->AppendTensors("x", &sizer));
+  result.metrics.stored_bits = 8.0 * sizer.data_bytes() / static_cast<double>(out * in);
+  result.layer = std::move(linear);
+  return result;
+}
+
+StatusOr<QuantizedLinear> QuantizeScalar(const Recipe& recipe, const std::vector<double>& w,
+                                            int64_t out, int64_t in, const std::vector<double>* h) {
+  kernels::ScalarRoundingResult rounded;
+  if (recipe.method == QuantMethod::kGptq) {
+    kernels::ScalarRoundingConfig sc;
+    sc.quant = ScalarConfig(recipe);
+    sc.damp = recipe.damp;
+    sc.act_order = recipe.scalar.act_order;
+    QCAL_ASSIGN_OR_RETURN(rounded, kernels::Gptq(w.data(), out, in, h->data(), sc));
+  } else {
+    QCAL_ASSIGN_OR_RETURN(rounded, kernels::RoundToNearest(w.data(), out, in, ScalarConfig(recipe)));
+  }
+  QuantizedLinear result;
+  if (h) result.metrics.proxy_loss = kernels::ProxyLoss(w.data(), rounded.w_hat.data(), h->data(),
+                                                        out, in);
+  ScalarLinearData data;
+  data.in_features = in;
+  data.out_features = out;
+  data.bits = recipe.bits;
+  data.symmetric = recipe.scalar.symmetric;
+  data.group_size = recipe.scalar.group_size;
+  data.codes = std::move(rounded.codes);
+  data.scales.assign(rounded.scales.begin(), rounded.scales.end());
+  data.zeros = std::move(rounded.zeros);
+  data.g_idx = std::move(rounded.g_idx);
+  const int64_t groups = rounded.param_cols;
+  // GPTQ layout: packed codes, fp16 scales and packed zeros per (group, output).
+  result.metrics.code_bits = recipe.bits;
+  result.metrics.stored_bits =
+      recipe.bits + static_cast<double>(groups * out * (16 + recipe.bits)) / (out * in);
+  QCAL_ASSIGN_OR_RETURN(auto linear, ScalarQuantLinear::Create(std::move(data)));
+  result.layer = std::move(linear);
+  return result;
+}
+
+}  // namespace
+
+uint64_t TransformSeed(uint64_t recipe_seed, int64_t layer, model::LinearKind linear,
+                       bool output) {
+  uint64_t x = SplitMix64(recipe_seed);
+  x = SplitMix64(x ^ static_cast<uint64_t>(layer));
+  x = SplitMix64(x ^ static_cast<uint64_t>(linear));
+  return SplitMix64(x ^ (output ? 1u : 2u));
+}
+
+StatusOr<QuantizedLinear> QuantizeLinear(const Recipe& recipe, int64_t layer,
+                                         model::LinearKind kind, const at::Tensor& weight,
+                                         const at::Tensor& hessian) {
+  const auto t1 = Clock::now();
+  const int64_t out = weight.size(0), in = weight.size(1);
+  const std::string where = absl::StrCat("block ", layer, " ", model::LinearName(kind));
+  if (recipe.needs_hessians() && !hessian.defined()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": method ",
+                                                   QuantMethodName(recipe.method),
+                                                   " needs a Hessian"));
+  }
+  std::vector<double> w = ToDouble(weight);
+  std::vector<double> h;
+  if (hessian.defined()) {
+    if (hessian.dim() != 2 || hessian.size(0) != in || hessian.size(1) != in) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": Hessian is not ", in, "x", in));
+    }
+    h = ToDouble(hessian);
+  }
+  StatusOr<QuantizedLinear> q = recipe.method == QuantMethod::kQuip
+                                    ? QuantizeQuip(recipe, layer, kind, w, out, in, h)
+                                    : QuantizeScalar(recipe, w, out, in, h.empty() ? nullptr : &h);
+  if (!q.ok()) return Annotate(q.status(), where);
+  q->metrics.name = model::LinearName(kind);
+  if (!h.empty()) {
+    q->metrics.relative = q->metrics.proxy_loss / QuadraticTrace(w, h, out, in);
+  } else {
+    q->metrics.proxy_loss = q->metrics.relative = std::nan("");
+  }
+  q->metrics.seconds = Seconds(t1);
+  return q;
+}
+
+StatusOr<BlockTaskResult> QuantizeBlock(const Recipe& recipe, const LlamaConfig& config,
+                                        int64_t layer, const model::BlockWeights& float_weights,
+                                        const calib::BlockHessians* hessians) {
+  const auto t0 = Clock::now();
+  if (recipe.needs_hessians() && hessians == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("block ", layer, ": method ",
+                                                   QuantMethodName(recipe.method),
+                                                   " needs Hessians"));
+  }
+  BlockTaskResult result;
+  result.layer = layer;
+  result.weights.input_norm = float_weights.input_norm.clone();
+  result.weights.post_norm = float_weights.post_norm.clone();
+  for (model::LinearKind kind : model::kAllLinears) {
+    at::Tensor h;
+    if (hessians) h = hessians->at(calib::HessianKindOf(kind)).Mean();
+    QCAL_ASSIGN_OR_RETURN(QuantizedLinear q,
+                          QuantizeLinear(recipe, layer, kind,
+                                         float_weights.linear(kind).DenseWeight(), h));
+    result.weights.linears[static_cast<int>(kind)] = std::move(q.layer);
+    result.linears.push_back(q.metrics);
+  }
+  result.seconds = Seconds(t0);
+  return result;
+}
+
+}  // namespace qcal::quant
