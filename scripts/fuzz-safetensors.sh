@@ -78,15 +78,18 @@ cat > "$WORK/safetensors.dict" <<'DICT'
 "{}"
 DICT
 
-echo "fuzzing $FUZZER for ${DURATION}s (corpus $WORK/corpus)"
+LOG="$WORK/fuzz.log"
+echo "fuzzing $FUZZER for ${DURATION}s (corpus $WORK/corpus, log $LOG)"
 # libFuzzer exits non-zero on any crash, sanitizer report, leak or timeout.
 set +e
 "$FUZZER" -max_total_time="$DURATION" -timeout=10 -rss_limit_mb=4096 -print_final_stats=1 \
   -dict="$WORK/safetensors.dict" -artifact_prefix="$WORK/artifacts/" \
-  "$WORK/corpus" "$WORK/seeds"
+  "$WORK/corpus" "$WORK/seeds" > "$LOG" 2>&1
 status=$?
 set -e
+grep -E "^(Done|stat::number_of_executed_units|stat::peak_rss_mb)" "$LOG" || true
 if (( status != 0 )); then
+  tail -n 60 "$LOG" >&2
   echo "safetensors_fuzz FAILED (exit $status); reproducer(s) in $WORK/artifacts/" >&2
   exit "$status"
 fi
