@@ -19,9 +19,23 @@ HessianAccumulator HessianAccumulator::FromSum(at::Tensor sum, int64_t count) {
 }
 
 void HessianAccumulator::Add(const at::Tensor& x) {
-  at::Tensor rows = x.reshape({-1, n_}).to(at::kDouble);
-  sum_.addmm_(rows.t(), rows);
-  count_ += rows.size(0);
+  at::NoGradGuard no_grad;
+  if (x.scalar_type() == at::kDouble) {
+    at::Tensor rows = x.reshape({-1, n_});
+    sum_.addmm_(rows.t(), rows);
+    count_ += rows.size(0);
+    return;
+  }
+  // Products in fp32 (fp32 GEMM runs at twice the fp64 rate on CPU, and TF32/fp32 on GPU), one
+  // partial sum per sequence, accumulated in fp64. Partials are per sequence (not per chunk of
+  // rows) so that the result does not depend on how sequences are batched or split across ranks.
+  at::Tensor seqs = x.dim() >= 3 ? x.reshape({-1, x.size(-2), n_}) : x.reshape({1, -1, n_});
+  seqs = seqs.to(at::kFloat).contiguous();
+  for (int64_t s = 0; s < seqs.size(0); ++s) {
+    at::Tensor rows = seqs[s];
+    sum_.add_(at::mm(rows.t(), rows));  // promotes to fp64 in place, no temporary
+    count_ += rows.size(0);
+  }
 }
 
 void HessianAccumulator::Merge(const HessianAccumulator& other) {
@@ -31,7 +45,9 @@ void HessianAccumulator::Merge(const HessianAccumulator& other) {
 
 at::Tensor HessianAccumulator::Mean() const {
   if (count_ == 0) return at::zeros_like(sum_);
-  return sum_ / static_cast<double>(count_);
+  // fp32 products are symmetric only up to rounding (BLAS computes the two triangles
+  // separately); the factorizations downstream expect an exactly symmetric H.
+  return (sum_ + sum_.t()) / (2.0 * static_cast<double>(count_));
 }
 
 const char* HessianKindName(HessianKind kind) {

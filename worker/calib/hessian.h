@@ -23,14 +23,15 @@ class HessianAccumulator {
   explicit HessianAccumulator(int64_t n);
   // From stored sums ([n, n] double) and a row count (a cache or another rank's contribution).
   static HessianAccumulator FromSum(at::Tensor sum, int64_t count);
-  // x: [..., n] (any floating dtype); every row is one sample.
+  // x: [..., n]; every row is one sample. Float inputs: x xᵀ of each sequence (x [seqs, seq, n],
+  // or all rows of a 2-D x) in fp32, summed in fp64; double inputs: fp64 throughout.
   void Add(const at::Tensor& x);
   // Adds another accumulator's sums (reduction across data-parallel ranks or shards).
   void Merge(const HessianAccumulator& other);
   int64_t dim() const { return n_; }
   int64_t count() const { return count_; }
   const at::Tensor& sum() const { return sum_; }  // [n, n] double
-  // sum / count ([n, n] double); zeros when empty.
+  // (sum + sumᵀ) / (2 count) ([n, n] double, exactly symmetric); zeros when empty.
   at::Tensor Mean() const;
 
  private:
