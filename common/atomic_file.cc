@@ -11,36 +11,17 @@
 #include <memory>
 
 #include "absl/strings/str_cat.h"
+#include "common/io_util.h"
 
 namespace qcal {
 namespace {
 
-std::string ErrnoText(int error) {
-  char buffer[256];
-  // GNU strerror_r (glibc with _GNU_SOURCE, which both g++ and clang++ define for C++).
-  return std::string(strerror_r(error, buffer, sizeof(buffer)));
-}
-
-// "<path>: <what>: <strerror>" with the code abseil maps errno to (ENOENT -> NotFound, ...).
-Status ErrnoError(int error, absl::string_view path, absl::string_view what) {
-  return Status(absl::ErrnoToStatusCode(error),
-                absl::StrCat(path, ": ", what, ": ", ErrnoText(error)));
-}
-
-// Closes a file descriptor when it goes out of scope.
-class ScopedFd {
- public:
-  explicit ScopedFd(int fd) : fd_(fd) {}
-  ~ScopedFd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  ScopedFd(const ScopedFd&) = delete;
-  ScopedFd& operator=(const ScopedFd&) = delete;
-  int get() const { return fd_; }
-
- private:
-  int fd_;
-};
+using io::ErrnoError;
+using io::ErrnoText;
+using io::JsonParseErrorMessage;
+using io::Printable;
+using io::ScopedFd;
+using io::ToAbsl;
 
 std::string DirName(const std::string& path) {
   const size_t slash = path.find_last_of('/');

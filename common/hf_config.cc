@@ -9,11 +9,19 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/io_util.h"
 #include "absl/strings/str_join.h"
 #include "common/atomic_file.h"
 
 namespace qcal {
 namespace {
+
+using io::ErrnoError;
+using io::ErrnoText;
+using io::JsonParseErrorMessage;
+using io::Printable;
+using io::ScopedFd;
+using io::ToAbsl;
 
 using json = nlohmann::json;
 
@@ -25,54 +33,6 @@ std::string JsonTypeName(const json& value) {
   if (value.is_number_integer()) return "integer";
   if (value.is_number_float()) return "number";
   return value.type_name();
-}
-
-// Debian's abseil is built with its own absl::string_view (not std::string_view), and the two do
-// not convert implicitly; public qcal headers use std::string_view.
-absl::string_view ToAbsl(std::string_view s) { return absl::string_view(s.data(), s.size()); }
-
-std::string Printable(absl::string_view text, size_t max_len = 120) {
-  std::string out;
-  for (char c : text.substr(0, max_len)) {
-    const unsigned char u = static_cast<unsigned char>(c);
-    out.push_back(u >= 0x20 && u < 0x7f ? c : '?');
-  }
-  if (text.size() > max_len) out += "...";
-  return out;
-}
-
-// Records the parser's message (nlohmann's non-throwing parse only says "discarded").
-class JsonErrorCollector {
- public:
-  bool null() { return true; }
-  bool boolean(bool) { return true; }
-  bool number_integer(json::number_integer_t) { return true; }
-  bool number_unsigned(json::number_unsigned_t) { return true; }
-  bool number_float(json::number_float_t, const json::string_t&) { return true; }
-  bool string(json::string_t&) { return true; }
-  bool binary(json::binary_t&) { return true; }
-  bool start_object(std::size_t) { return true; }
-  bool key(json::string_t&) { return true; }
-  bool end_object() { return true; }
-  bool start_array(std::size_t) { return true; }
-  bool end_array() { return true; }
-  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& error) {
-    message = error.what();
-    return false;
-  }
-  std::string message;
-};
-
-std::string JsonParseErrorMessage(std::string_view text) {
-  JsonErrorCollector collector;
-  json::sax_parse(text.data(), text.data() + text.size(), &collector);
-  std::string message = collector.message;
-  if (!message.empty() && message[0] == '[') {  // drop "[json.exception.parse_error.101] "
-    const size_t close = message.find("] ");
-    if (close != std::string::npos) message.erase(0, close + 2);
-  }
-  if (message.empty()) message = "parse error";
-  return Printable(message, 300);
 }
 
 // Field readers. Each returns InvalidArgument "<source>: field '<key>' ..." on a wrong type.

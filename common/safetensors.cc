@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "common/io_util.h"
 #include "absl/strings/str_join.h"
 #include "common/atomic_file.h"
 
@@ -27,6 +28,13 @@
 namespace qcal {
 namespace {
 
+using io::ErrnoError;
+using io::ErrnoText;
+using io::JsonParseErrorMessage;
+using io::Printable;
+using io::ScopedFd;
+using io::ToAbsl;
+
 using json = nlohmann::json;
 
 constexpr char kIndexFileName[] = "model.safetensors.index.json";
@@ -36,35 +44,7 @@ constexpr char kSingleFileName[] = "model.safetensors";
 // Small helpers
 // ---------------------------------------------------------------------------------------------
 
-std::string ErrnoText(int error) {
-  char buffer[256];
-  return std::string(strerror_r(error, buffer, sizeof(buffer)));
-}
-
-// Debian's abseil is built with its own absl::string_view (not std::string_view), and the two do
-// not convert implicitly; public qcal headers use std::string_view.
-absl::string_view ToAbsl(std::string_view s) { return absl::string_view(s.data(), s.size()); }
-
 absl::string_view DTypeStr(DType dtype) { return ToAbsl(DTypeName(dtype)); }
-
-Status ErrnoError(int error, absl::string_view path, absl::string_view what) {
-  return Status(absl::ErrnoToStatusCode(error),
-                absl::StrCat(path, ": ", what, ": ", ErrnoText(error)));
-}
-
-class ScopedFd {
- public:
-  explicit ScopedFd(int fd) : fd_(fd) {}
-  ~ScopedFd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  ScopedFd(const ScopedFd&) = delete;
-  ScopedFd& operator=(const ScopedFd&) = delete;
-  int get() const { return fd_; }
-
- private:
-  int fd_;
-};
 
 std::string JoinPath(absl::string_view dir, absl::string_view name) {
   if (dir.empty()) return std::string(name);
@@ -80,60 +60,11 @@ std::string RangeString(uint64_t begin, uint64_t end) {
   return absl::StrCat("[", begin, ", ", end, ")");
 }
 
-// Makes text that came from an untrusted file safe to put in an error message: control and
-// non-ASCII bytes become '?', and long text is cut.
-std::string Printable(absl::string_view text, size_t max_len = 120) {
-  std::string out;
-  for (char c : text.substr(0, max_len)) {
-    const unsigned char u = static_cast<unsigned char>(c);
-    out.push_back(u >= 0x20 && u < 0x7f ? c : '?');
-  }
-  if (text.size() > max_len) out += "...";
-  return out;
-}
-
 // nlohmann's type names, plus the distinction between integers and other numbers.
 std::string JsonTypeName(const json& value) {
   if (value.is_number_integer()) return "integer";
   if (value.is_number_float()) return "number";
   return value.type_name();
-}
-
-// SAX consumer that only remembers the parser's message. nlohmann's non-throwing parse returns a
-// "discarded" value without saying why; re-running the parse through this (which never throws)
-// recovers the reason for the error message.
-class JsonErrorCollector {
- public:
-  bool null() { return true; }
-  bool boolean(bool) { return true; }
-  bool number_integer(json::number_integer_t) { return true; }
-  bool number_unsigned(json::number_unsigned_t) { return true; }
-  bool number_float(json::number_float_t, const json::string_t&) { return true; }
-  bool string(json::string_t&) { return true; }
-  bool binary(json::binary_t&) { return true; }
-  bool start_object(std::size_t) { return true; }
-  bool key(json::string_t&) { return true; }
-  bool end_object() { return true; }
-  bool start_array(std::size_t) { return true; }
-  bool end_array() { return true; }
-  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& error) {
-    message = error.what();
-    return false;
-  }
-  std::string message;
-};
-
-std::string JsonParseErrorMessage(std::string_view text) {
-  JsonErrorCollector collector;
-  json::sax_parse(text.data(), text.data() + text.size(), &collector);
-  std::string message = collector.message;
-  // Drop the "[json.exception.parse_error.101] " prefix: it says nothing to a user.
-  if (!message.empty() && message[0] == '[') {
-    const size_t close = message.find("] ");
-    if (close != std::string::npos) message.erase(0, close + 2);
-  }
-  if (message.empty()) message = "parse error";
-  return Printable(message, 300);
 }
 
 bool IsValidUtf8(std::string_view s) {

@@ -1,0 +1,71 @@
+#include "common/io_util.h"
+
+#include <cstring>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+
+namespace qcal::io {
+namespace {
+
+using json = nlohmann::json;
+
+// SAX consumer that only remembers the parser's message; it never throws.
+class JsonErrorCollector {
+ public:
+  bool null() { return true; }
+  bool boolean(bool) { return true; }
+  bool number_integer(json::number_integer_t) { return true; }
+  bool number_unsigned(json::number_unsigned_t) { return true; }
+  bool number_float(json::number_float_t, const json::string_t&) { return true; }
+  bool string(json::string_t&) { return true; }
+  bool binary(json::binary_t&) { return true; }
+  bool start_object(std::size_t) { return true; }
+  bool key(json::string_t&) { return true; }
+  bool end_object() { return true; }
+  bool start_array(std::size_t) { return true; }
+  bool end_array() { return true; }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& error) {
+    message = error.what();
+    return false;
+  }
+  std::string message;
+};
+
+}  // namespace
+
+std::string Printable(absl::string_view text, size_t max_len) {
+  std::string out;
+  for (char c : text.substr(0, max_len)) {
+    const unsigned char u = static_cast<unsigned char>(c);
+    out.push_back(u >= 0x20 && u < 0x7f ? c : '?');
+  }
+  if (text.size() > max_len) out += "...";
+  return out;
+}
+
+std::string ErrnoText(int error) {
+  char buffer[256];
+  // GNU strerror_r (glibc with _GNU_SOURCE, which both g++ and clang++ define for C++).
+  return std::string(strerror_r(error, buffer, sizeof(buffer)));
+}
+
+Status ErrnoError(int error, absl::string_view path, absl::string_view what) {
+  return Status(absl::ErrnoToStatusCode(error),
+                absl::StrCat(path, ": ", what, ": ", ErrnoText(error)));
+}
+
+std::string JsonParseErrorMessage(std::string_view text) {
+  JsonErrorCollector collector;
+  json::sax_parse(text.data(), text.data() + text.size(), &collector);
+  std::string message = collector.message;
+  if (!message.empty() && message[0] == '[') {
+    const size_t close = message.find("] ");
+    if (close != std::string::npos) message.erase(0, close + 2);
+  }
+  if (message.empty()) message = "parse error";
+  return Printable(message, 300);
+}
+
+}  // namespace qcal::io

@@ -1,0 +1,47 @@
+// Small helpers shared by the parsers and file code in common/ (not a public API).
+#pragma once
+
+#include <unistd.h>
+
+#include <cstddef>
+#include <string>
+#include <string_view>
+
+#include "absl/strings/string_view.h"
+#include "common/status.h"
+
+namespace qcal::io {
+
+// Debian's abseil is built with its own absl::string_view (not std::string_view), and the two do
+// not convert implicitly; public qcal headers use std::string_view.
+inline absl::string_view ToAbsl(std::string_view s) { return absl::string_view(s.data(), s.size()); }
+
+// `text` with control and non-ASCII bytes replaced by '?', cut to max_len (for error messages).
+std::string Printable(absl::string_view text, size_t max_len = 120);
+
+// strerror for `error`, thread-safe.
+std::string ErrnoText(int error);
+
+// "<path>: <what>: <strerror>" with the code abseil maps errno to (ENOENT -> NotFound, ...).
+Status ErrnoError(int error, absl::string_view path, absl::string_view what);
+
+// The reason nlohmann's parser rejects `text` (its non-throwing parse only says "discarded"),
+// without the "[json.exception.parse_error.N] " prefix, printable and at most 300 characters.
+std::string JsonParseErrorMessage(std::string_view text);
+
+// Closes a file descriptor when it goes out of scope.
+class ScopedFd {
+ public:
+  explicit ScopedFd(int fd) : fd_(fd) {}
+  ~ScopedFd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  ScopedFd(const ScopedFd&) = delete;
+  ScopedFd& operator=(const ScopedFd&) = delete;
+  int get() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+}  // namespace qcal::io
