@@ -371,8 +371,8 @@ json StageJson(const FinetuneStage& stage, bool with_enabled) {
 StatusOr<Recipe> ParseDocument(const YAML::Node& root, const std::string& source) {
   Section top(source, "");
   QCAL_RETURN_IF_ERROR(top.Load(
-      root, {"name", "method", "bits", "codebook", "incoherence", "seed", "damp", "scalar",
-             "calibration", "finetune"}));
+      root, {"name", "method", "bits", "codebook", "incoherence", "scale", "seed", "damp",
+             "scalar", "calibration", "finetune"}));
   Recipe recipe;
 
   // --- method (required) ---
@@ -466,6 +466,24 @@ StatusOr<Recipe> ParseDocument(const YAML::Node& root, const std::string& source
                                        "set it to false)"));
     }
     recipe.incoherence = false;
+  }
+
+  // --- scale (quip) ---
+  if (is_quip) {
+    QCAL_RETURN_IF_ERROR(top.ReadString("scale", &recipe.scale_mode));
+    if (recipe.scale_mode != "row" && recipe.scale_mode != "matrix") {
+      std::string message = absl::StrCat("must be row or matrix, got '",
+                                         Printable(recipe.scale_mode), "'");
+      const std::string suggestion = ClosestWithin2(recipe.scale_mode, {"row", "matrix"});
+      if (!suggestion.empty()) absl::StrAppend(&message, "; did you mean '", suggestion, "'?");
+      return top.KeyError("scale", message);
+    }
+  } else {
+    if (top.Has("scale")) {
+      return top.KeyError("scale", absl::StrCat("applies only to method quip, not ", method,
+                                                " (rtn and gptq set their scales in 'scalar')"));
+    }
+    recipe.scale_mode.clear();
   }
 
   // --- seed, damp ---
@@ -605,8 +623,8 @@ const char* QuantMethodName(QuantMethod method) {
 
 nlohmann::json Recipe::ToJson() const {
   // Every setting that applies to the method; settings that do not apply are left out, exactly
-  // as ParseRecipe would reject them (codebook for rtn/gptq, damp for rtn, scalar for quip), so
-  // ParseRecipe(ToJson().dump()) gives back this recipe.
+  // as ParseRecipe would reject them (codebook and scale for rtn/gptq, damp for rtn, scalar for
+  // quip), so ParseRecipe(ToJson().dump()) gives back this recipe.
   json j = {
       {"name", name},
       {"method", QuantMethodName(method)},
@@ -614,7 +632,10 @@ nlohmann::json Recipe::ToJson() const {
       {"incoherence", incoherence},
       {"seed", seed},
   };
-  if (method == QuantMethod::kQuip) j["codebook"] = codebook;
+  if (method == QuantMethod::kQuip) {
+    j["codebook"] = codebook;
+    j["scale"] = scale_mode;
+  }
   if (method != QuantMethod::kRtn) j["damp"] = damp;
   if (method != QuantMethod::kQuip) {
     j["scalar"] = {{"group_size", scalar.group_size},

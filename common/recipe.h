@@ -8,6 +8,8 @@
 //   bits: 2                 # quip: 2 (e8p, halfint2), 3 (rvq3), 4 (rvq4); rtn/gptq: 2..8
 //   codebook: e8p           # quip only: e8p | rvq3_e8p_e8 | rvq4_e8p_e8p | halfint2|3|4
 //   incoherence: true       # quip only: randomized Hadamard (RFFT fallback) on W and H
+//   scale: row              # quip only: row (one scale per row of the rotated W, RMS(row)/ρ) |
+//                           #   matrix (QuIP#'s one scale per matrix, RMS(W)/ρ)
 //   seed: 0
 //   damp: 0.01              # δ of H + δ·mean(diag H)·I (quip, gptq)
 //   scalar:                 # rtn / gptq grid
@@ -73,6 +75,9 @@ struct Recipe {
   int bits = 2;
   std::string codebook = "e8p";  // quip only
   bool incoherence = true;       // quip only
+  // quip only: "row" = one codebook scale per row of the rotated weight (RMS(row)/ρ), "matrix" =
+  // one per matrix (RMS(W)/ρ, the QuIP# paper's rule). Empty for rtn/gptq.
+  std::string scale_mode = "row";
   uint64_t seed = 0;
   double damp = 0.01;
   ScalarGridSpec scalar;

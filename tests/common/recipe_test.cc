@@ -40,6 +40,7 @@ void ExpectSameRecipe(const Recipe& a, const Recipe& b, const std::string& what)
   EXPECT_EQ(a.bits, b.bits);
   EXPECT_EQ(a.codebook, b.codebook);
   EXPECT_EQ(a.incoherence, b.incoherence);
+  EXPECT_EQ(a.scale_mode, b.scale_mode);
   EXPECT_EQ(a.seed, b.seed);
   EXPECT_EQ(a.damp, b.damp);
   EXPECT_EQ(a.scalar.group_size, b.scalar.group_size);
@@ -207,6 +208,7 @@ TEST(RecipeDefaults, OnlyMethodGiven) {
   EXPECT_EQ(r.bits, 2);
   EXPECT_EQ(r.codebook, "e8p");
   EXPECT_TRUE(r.incoherence);
+  EXPECT_EQ(r.scale_mode, "row");
   EXPECT_EQ(r.seed, 0u);
   EXPECT_DOUBLE_EQ(r.damp, 0.01);
   EXPECT_EQ(r.calibration.files, std::vector<std::string>{"data/wikitext2/wiki.valid.tokens"});
@@ -235,6 +237,7 @@ TEST(RecipeDefaults, RtnAndGptqHaveNoCodebookOrIncoherence) {
     EXPECT_FALSE(r.scalar.clip_search);
     const nlohmann::json j = r.ToJson();
     EXPECT_FALSE(j.contains("codebook")) << j;
+    EXPECT_FALSE(j.contains("scale")) << j;
     EXPECT_TRUE(j.contains("scalar")) << j;
     EXPECT_EQ(j.contains("damp"), std::string(method) == "gptq") << j;
     ExpectRoundTrip(r, method);
@@ -292,8 +295,8 @@ TEST(RecipeDefaults, ExplicitValuesAndForms) {
 
 TEST(RecipeDefaults, JsonIsCompleteForQuip) {
   const nlohmann::json j = MustParse("method: quip\nfinetune: {enabled: true}\n").ToJson();
-  for (const char* key : {"name", "method", "bits", "codebook", "incoherence", "seed", "damp",
-                          "calibration", "finetune"}) {
+  for (const char* key : {"name", "method", "bits", "codebook", "incoherence", "scale", "seed",
+                          "damp", "calibration", "finetune"}) {
     EXPECT_TRUE(j.contains(key)) << key << " in " << j;
   }
   EXPECT_FALSE(j.contains("scalar")) << j;
@@ -302,6 +305,18 @@ TEST(RecipeDefaults, JsonIsCompleteForQuip) {
   EXPECT_EQ(j["finetune"]["block"].size(), 4u) << j;  // enabled lives at finetune.enabled
   EXPECT_EQ(j["finetune"]["end_to_end"].size(), 5u) << j;
   EXPECT_EQ(j["calibration"].size(), 4u) << j;
+}
+
+TEST(RecipeDefaults, QuipScaleModes) {
+  for (const char* mode : {"row", "matrix"}) {
+    const Recipe r = MustParse(std::string("method: quip\nscale: ") + mode + "\n");
+    EXPECT_EQ(r.scale_mode, mode);
+    EXPECT_EQ(r.ToJson()["scale"], mode);
+    ExpectRoundTrip(r, mode);
+  }
+  ExpectError("method: quip\nscale: rows\n",
+              {"key 'scale' (line 2) must be row or matrix, got 'rows'", "did you mean 'row'?"});
+  ExpectError("method: gptq\nscale: row\n", {"key 'scale' (line 2) applies only to method quip"});
 }
 
 TEST(RecipeDefaults, QuantMethodNames) {

@@ -3,8 +3,9 @@
 // Random inputs are fresh per run; the seed is printed and can be pinned with QCAL_TEST_SEED.
 // Tolerances, all relative to the reference's largest entry (max|diff| / max|ref|):
 //   * LibTorch transforms vs kernels' CPU transforms: 1e-5 in fp32, 1e-12 in fp64;
-//   * QuipLinear: DenseWeight vs kernels::RecoverWeights(Ŵ) (fp64) 1e-5; Forward vs
-//     x @ DenseWeight()ᵀ 1e-5 (both float32);
+//   * QuipLinear (one scale per matrix, and one per row: BlockLDLQ on D⁻¹W at scale 1, Ŵ = D·Q):
+//     DenseWeight vs kernels::RecoverWeights(Ŵ) (fp64) 1e-5; Forward vs x @ DenseWeight()ᵀ 1e-5
+//     (both float32);
 //   * ScalarQuantLinear: DenseWeight vs w_hat 1e-6 (float32 rounding of scale·(code − zero));
 //     Forward vs x @ w_hatᵀ 1e-5;
 //   * checkpoint round trips: bit-identical (at::equal);
@@ -187,11 +188,45 @@ struct QuipCase {
   int64_t out, in;
   std::string codebook;
   bool incoherence;
+  bool row_scales = false;  // one scale per row of the rotated weight (QuipLinearData::row_scales)
 };
 
 std::string CaseName(const ::testing::TestParamInfo<QuipCase>& info) {
   return absl::StrCat(info.param.out, "x", info.param.in, "_", info.param.codebook,
-                      info.param.incoherence ? "_ip" : "_noip");
+                      info.param.incoherence ? "_ip" : "_noip",
+                      info.param.row_scales ? "_rowscale" : "");
+}
+
+// Per-row scales for `w` [rows, cols] (RMS(row) / ρ, as float; rows of very different size so the
+// scales differ) and w divided by them row by row.
+std::vector<float> RowScales(const std::vector<double>& w, int64_t rows, int64_t cols, double rho,
+                             std::vector<double>* w_unit) {
+  std::vector<float> s(rows);
+  w_unit->resize(rows * cols);
+  for (int64_t r = 0; r < rows; ++r) {
+    double ss = 0;
+    for (int64_t j = 0; j < cols; ++j) ss += w[r * cols + j] * w[r * cols + j];
+    s[r] = static_cast<float>(std::sqrt(ss / cols) / rho);
+    for (int64_t j = 0; j < cols; ++j) (*w_unit)[r * cols + j] = w[r * cols + j] / s[r];
+  }
+  return s;
+}
+
+// Row-scaled rounding: BlockLDLQ on D⁻¹W at scale 1, then Ŵ = D·result (D = diag(row scales)).
+StatusOr<kernels::VectorRoundingResult> RowScaledLdlq(const std::vector<double>& w, int64_t rows,
+                                                      int64_t cols, const double* h,
+                                                      const kernels::VectorCodebook& cb,
+                                                      kernels::VectorRoundingConfig vcfg,
+                                                      std::vector<float>* scales) {
+  std::vector<double> w_unit;
+  *scales = RowScales(w, rows, cols, cb.default_scale(), &w_unit);
+  vcfg.scale = 1.0;
+  QCAL_ASSIGN_OR_RETURN(kernels::VectorRoundingResult q,
+                        kernels::BlockLdlq(w_unit.data(), rows, cols, h, cb, vcfg));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < cols; ++j) q.w_hat[r * cols + j] *= (*scales)[r];
+  }
+  return q;
 }
 
 struct BuiltQuip {
@@ -209,6 +244,12 @@ void BuildQuip(const QuipCase& c, uint64_t salt, BuiltQuip* built) {
   const int64_t out = c.out, in = c.in;
   const int64_t in_pad = (in + dim - 1) / dim * dim, out_pad = out;
   std::vector<double> w = Gaussian(out * in, salt + 1, 0.05);
+  if (c.row_scales) {
+    // Rows of very different norms (as in the nearly rank-1 q/k_proj), so the scales differ.
+    for (int64_t r = 0; r < out; ++r) {
+      for (int64_t j = 0; j < in; ++j) w[r * in + j] *= 1.0 + 9.0 * (r % 7) / 6.0;
+    }
+  }
   std::vector<double> a = Gaussian(in * (in + 8), salt + 2);
   std::vector<double> w_pad(out * in_pad, 0.0), h_pad(in_pad * in_pad, 0.0);
   for (int64_t r = 0; r < out; ++r) {
@@ -235,23 +276,28 @@ void BuildQuip(const QuipCase& c, uint64_t salt, BuiltQuip* built) {
     StatusOr<kernels::IncoherenceResult> ip = kernels::IncoherenceProcess(
         w_pad.data(), out_pad, in_pad, h_pad.data(), Rng(salt + 3)(), Rng(salt + 4)());
     ASSERT_TRUE(ip.ok()) << ip.status();
-    StatusOr<kernels::VectorRoundingResult> q = kernels::BlockLdlq(
-        ip->w_hat.data(), out_pad, in_pad, ip->h_hat.data(), **cb, vcfg);
+    StatusOr<kernels::VectorRoundingResult> q =
+        c.row_scales ? RowScaledLdlq(ip->w_hat, out_pad, in_pad, ip->h_hat.data(), **cb, vcfg,
+                                     &data.row_scales)
+                     : kernels::BlockLdlq(ip->w_hat.data(), out_pad, in_pad, ip->h_hat.data(),
+                                          **cb, vcfg);
     ASSERT_TRUE(q.ok()) << q.status();
     StatusOr<std::vector<double>> rec = kernels::RecoverWeights(ip->transforms, q->w_hat.data());
     ASSERT_TRUE(rec.ok()) << rec.status();
     expected = *std::move(rec);
     data.codes = q->codes;
-    data.scale = q->scale;
+    data.scale = c.row_scales ? 1.0 : q->scale;
     data.t_u = ip->transforms.u;
     data.t_v = ip->transforms.v;
   } else {
     StatusOr<kernels::VectorRoundingResult> q =
-        kernels::BlockLdlq(w_pad.data(), out_pad, in_pad, h_pad.data(), **cb, vcfg);
+        c.row_scales
+            ? RowScaledLdlq(w_pad, out_pad, in_pad, h_pad.data(), **cb, vcfg, &data.row_scales)
+            : kernels::BlockLdlq(w_pad.data(), out_pad, in_pad, h_pad.data(), **cb, vcfg);
     ASSERT_TRUE(q.ok()) << q.status();
     expected = q->w_hat;
     data.codes = q->codes;
-    data.scale = q->scale;
+    data.scale = c.row_scales ? 1.0 : q->scale;
   }
   StatusOr<std::unique_ptr<QuipLinear>> layer = QuipLinear::Create(std::move(data));
   ASSERT_TRUE(layer.ok()) << layer.status();
@@ -324,6 +370,12 @@ TEST_P(QuipLinearTest, CheckpointRoundTripIsBitIdentical) {
     EXPECT_EQ(dtype_of(prefix + ".su"), DType::kF32);
     EXPECT_EQ(dtype_of(prefix + ".sv"), DType::kF32);
     EXPECT_EQ(dtype_of(prefix + ".scale"), DType::kF32);
+    {
+      auto f = (*ckpt)->Find(prefix + ".scale");
+      ASSERT_TRUE(f.ok());
+      EXPECT_EQ(f->second->shape, c.row_scales ? std::vector<int64_t>{layer.data().out_pad}
+                                               : std::vector<int64_t>{});
+    }
     EXPECT_EQ(dtype_of(prefix + ".shape"), DType::kI64);
     const DType code_dtype = dtype_of(prefix + ".codes");
     const uint32_t max_code =
@@ -341,6 +393,7 @@ TEST_P(QuipLinearTest, CheckpointRoundTripIsBitIdentical) {
     EXPECT_TRUE(at::equal((*loaded)->su(), layer.su()));
     EXPECT_TRUE(at::equal((*loaded)->sv(), layer.sv()));
     EXPECT_EQ((*loaded)->data().codes, layer.data().codes);
+    EXPECT_EQ((*loaded)->data().row_scales, layer.data().row_scales);
     EXPECT_TRUE(at::equal((*loaded)->RotatedWeight(), layer.RotatedWeight()));
     EXPECT_TRUE(at::equal((*loaded)->Forward(x), layer.Forward(x))) << "round " << round;
     EXPECT_TRUE(at::equal((*loaded)->DenseWeight(), layer.DenseWeight())) << "round " << round;
@@ -416,7 +469,13 @@ INSTANTIATE_TEST_SUITE_P(
                       QuipCase{64, 172, "halfint2", true},       // dim 1: in_pad 172 = H_172
                       QuipCase{64, 64, "halfint2", true},
                       QuipCase{64, 172, "e8p", false},           // identity transforms
-                      QuipCase{172, 64, "halfint2", false}),
+                      QuipCase{172, 64, "halfint2", false},
+                      // One scale per row of the rotated weight.
+                      QuipCase{64, 172, "e8p", true, true},
+                      QuipCase{172, 64, "e8p", true, true},
+                      QuipCase{172, 64, "rvq4_e8p_e8p", true, true},
+                      QuipCase{64, 172, "halfint2", true, true},
+                      QuipCase{172, 64, "rvq3_e8p_e8", false, true}),
     CaseName);
 
 // ---------------------------------------------------------------------------------------------
@@ -486,6 +545,20 @@ TEST(QuipLinearErrors, RejectsBadData) {
     QuipLinearData d = ValidQuipData();
     d.scale = 0;
     ExpectError(QuipLinear::Create(d).status(), absl::StatusCode::kInvalidArgument, "scale");
+  }
+  {
+    QuipLinearData d = ValidQuipData();
+    d.row_scales.assign(31, 0.5f);
+    ExpectError(QuipLinear::Create(d).status(), absl::StatusCode::kInvalidArgument,
+                "31 row scales given, expected 32");
+    d.row_scales.assign(32, 0.5f);
+    EXPECT_TRUE(QuipLinear::Create(d).ok());
+    d.row_scales[7] = 0;
+    ExpectError(QuipLinear::Create(d).status(), absl::StatusCode::kInvalidArgument,
+                "row scale 7 = 0");
+    d.row_scales[7] = std::nanf("");
+    ExpectError(QuipLinear::Create(d).status(), absl::StatusCode::kInvalidArgument,
+                "row scale 7");
   }
   {
     QuipLinearData d = ValidQuipData();

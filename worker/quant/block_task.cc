@@ -107,10 +107,53 @@ StatusOr<QuantizedLinear> QuantizeQuip(const Recipe& recipe, int64_t layer,
   }
   kernels::VectorRoundingConfig vc;
   vc.damp = recipe.damp;
-  QCAL_ASSIGN_OR_RETURN(auto rounded, kernels::BlockLdlq(w_round->data(), out_pad, in_pad,
+  if (recipe.scale_mode != "row" && recipe.scale_mode != "matrix") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown QuIP# scale mode '", recipe.scale_mode, "' (row or matrix)"));
+  }
+  const bool per_row = recipe.scale_mode == "row";
+  std::vector<double> w_unit;
+  if (per_row) {
+    // One scale per row of the rotated W: s_r = RMS(row r)/ρ (ρ = the codebook's default scale),
+    // rounded to float since the layer stores F32. LDLQ's feedback W·U acts within each row, so
+    // BlockLDLQ on D⁻¹W at scale 1 (D = diag(s)) followed by Ŵ = D·result is exactly BlockLDLQ
+    // with scale s_r on row r. All-zero rows take the matrix scale (RMS(W)/ρ, or 1 when W = 0).
+    const double rho = codebook->default_scale();
+    const std::vector<double>& wr = *w_round;
+    double total = 0;
+    for (double v : wr) total += v * v;
+    const double rms_all = std::sqrt(total / static_cast<double>(out_pad * in_pad));
+    const double matrix_scale = rms_all > 0 ? rms_all / rho : 1.0;
+    auto usable = [](float s) { return std::isnormal(s) && s > 0; };
+    const float fallback = usable(static_cast<float>(matrix_scale))
+                               ? static_cast<float>(matrix_scale) : 1.0f;
+    data.row_scales.resize(out_pad);
+    w_unit.resize(out_pad * in_pad);
+    for (int64_t r = 0; r < out_pad; ++r) {
+      const double* row = &wr[r * in_pad];
+      double ss = 0;
+      for (int64_t j = 0; j < in_pad; ++j) ss += row[j] * row[j];
+      const double rms = std::sqrt(ss / static_cast<double>(in_pad));
+      const float s = static_cast<float>(rms / rho);
+      data.row_scales[r] = rms > 0 && usable(s) ? s : fallback;
+      const double inv = 1.0 / static_cast<double>(data.row_scales[r]);
+      for (int64_t j = 0; j < in_pad; ++j) w_unit[r * in_pad + j] = row[j] * inv;
+    }
+    vc.scale = 1.0;
+  }
+  const double* w_ldlq = per_row ? w_unit.data() : w_round->data();
+  QCAL_ASSIGN_OR_RETURN(auto rounded, kernels::BlockLdlq(w_ldlq, out_pad, in_pad,
                                                          h_round->data(), *codebook, vc));
   data.codes = std::move(rounded.codes);
-  data.scale = rounded.scale;
+  if (per_row) {
+    data.scale = 1.0;  // unused: row_scales apply
+    for (int64_t r = 0; r < out_pad; ++r) {
+      const double s = data.row_scales[r];
+      for (int64_t j = 0; j < in_pad; ++j) rounded.w_hat[r * in_pad + j] *= s;
+    }
+  } else {
+    data.scale = rounded.scale;
+  }
 
   // Proxy loss in the original space: Ŵ = Uᵀ Ŵ_q V, sliced to [out, in].
   std::vector<double> w_hat_pad = rounded.w_hat;

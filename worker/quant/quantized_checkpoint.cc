@@ -89,6 +89,7 @@ nlohmann::json MakeQuantizationConfig(const Recipe& recipe, double code_bits,
     q["format"] = "quip";
     q["codebook"] = recipe.codebook;
     q["incoherence"] = recipe.incoherence;
+    q["scale"] = recipe.scale_mode;  // "row" | "matrix" (P.scale [out_pad] or [])
   } else {
     q["format"] = "scalar";
     q["group_size"] = recipe.scalar.group_size;

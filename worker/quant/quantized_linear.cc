@@ -151,7 +151,7 @@ std::vector<int8_t> SignsOf(const std::vector<float>& v) {
 struct QuipLinear::Impl {
   QuipLinearData data;
   int dim = 0, code_words = 0;
-  at::Tensor weight;  // float(scale)·Ŵ, [out_pad, in_pad] float32
+  at::Tensor weight;  // S·Ŵ (float(scale) or row_scales[r] per row), [out_pad, in_pad] float32
   OrthogonalTransformOp tu, tv;
   at::Tensor su, sv;  // [out_pad], [in_pad] float32 leaves
 };
@@ -188,10 +188,25 @@ StatusOr<std::unique_ptr<QuipLinear>> QuipLinear::Create(QuipLinearData data) {
                                                      data.codes[i], " does not fit 16 bits"));
     }
   }
-  if (!(data.scale > 0) || !std::isfinite(data.scale) ||
-      !std::isfinite(static_cast<float>(data.scale)) || static_cast<float>(data.scale) == 0.0f) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("QuipLinear: scale ", data.scale, " is not a positive finite float"));
+  if (data.row_scales.empty()) {
+    if (!(data.scale > 0) || !std::isfinite(data.scale) ||
+        !std::isfinite(static_cast<float>(data.scale)) || static_cast<float>(data.scale) == 0.0f) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("QuipLinear: scale ", data.scale, " is not a positive finite float"));
+    }
+  } else {
+    if (static_cast<int64_t>(data.row_scales.size()) != data.out_pad) {
+      return absl::InvalidArgumentError(absl::StrCat("QuipLinear: ", data.row_scales.size(),
+                                                     " row scales given, expected ", data.out_pad,
+                                                     " (out_pad)"));
+    }
+    for (size_t r = 0; r < data.row_scales.size(); ++r) {
+      if (!(data.row_scales[r] > 0) || !std::isfinite(data.row_scales[r])) {
+        return absl::InvalidArgumentError(absl::StrCat("QuipLinear: row scale ", r, " = ",
+                                                       data.row_scales[r],
+                                                       " is not a positive finite float"));
+      }
+    }
   }
 
   auto impl = std::make_shared<Impl>();
@@ -220,7 +235,11 @@ StatusOr<std::unique_ptr<QuipLinear>> QuipLinear::Create(QuipLinearData data) {
   // Decode Ŵ: the codes of row r are in_pad/dim consecutive vectors of `dim` weights.
   impl->weight = at::empty({data.out_pad, data.in_pad}, at::kFloat);
   (*codebook)->Decode(data.codes.data(), vectors, impl->weight.data_ptr<float>());
-  impl->weight.mul_(static_cast<float>(data.scale));
+  if (data.row_scales.empty()) {
+    impl->weight.mul_(static_cast<float>(data.scale));
+  } else {
+    impl->weight.mul_(FloatTensor(data.row_scales).unsqueeze(1));
+  }
 
   impl->data = std::move(data);
   std::unique_ptr<QuipLinear> layer(new QuipLinear());
@@ -282,8 +301,12 @@ Status QuipLinear::AppendTensors(const std::string& prefix, SafetensorsWriter* w
   }
   QCAL_RETURN_IF_ERROR(writer->AddF32(prefix + ".su", {d.out_pad}, su.data()));
   QCAL_RETURN_IF_ERROR(writer->AddF32(prefix + ".sv", {d.in_pad}, sv.data()));
-  const float scale = static_cast<float>(d.scale);
-  QCAL_RETURN_IF_ERROR(writer->AddF32(prefix + ".scale", {}, &scale));
+  if (d.row_scales.empty()) {
+    const float scale = static_cast<float>(d.scale);
+    QCAL_RETURN_IF_ERROR(writer->AddF32(prefix + ".scale", {}, &scale));
+  } else {
+    QCAL_RETURN_IF_ERROR(writer->AddF32(prefix + ".scale", {d.out_pad}, d.row_scales.data()));
+  }
   auto add_phases = [&](const kernels::RandomizedTransform& t, const std::string& name) {
     if (!d.incoherence || t.kind() != HadamardKind::kRfft) return absl::OkStatus();
     std::vector<double> re_im(2 * t.phases.size());
@@ -338,9 +361,20 @@ StatusOr<std::unique_ptr<QuipLinear>> QuipLinear::Load(CheckpointReader& ckpt,
   if (!su.ok()) return fail(su.status());
   StatusOr<std::vector<float>> sv = ReadF32Checked(ckpt, prefix + ".sv", {d.in_pad});
   if (!sv.ok()) return fail(sv.status());
-  StatusOr<std::vector<float>> scale = ReadF32Checked(ckpt, prefix + ".scale", {});
+  // prefix.scale: [] (one scale per matrix) or [out_pad] (one per row).
+  StatusOr<std::pair<const SafetensorsFile*, const TensorInfo*>> scale_info =
+      ckpt.Find(prefix + ".scale");
+  if (!scale_info.ok()) return fail(scale_info.status());
+  const bool row_scales = !scale_info->second->shape.empty();
+  StatusOr<std::vector<float>> scale =
+      ReadF32Checked(ckpt, prefix + ".scale",
+                     row_scales ? std::vector<int64_t>{d.out_pad} : std::vector<int64_t>{});
   if (!scale.ok()) return fail(scale.status());
-  d.scale = (*scale)[0];
+  if (row_scales) {
+    d.row_scales = *std::move(scale);
+  } else {
+    d.scale = (*scale)[0];
+  }
   if (incoherence) {
     auto rebuild = [&](int64_t n, const std::vector<float>& signs,
                        const std::string& phase_name) -> StatusOr<kernels::RandomizedTransform> {

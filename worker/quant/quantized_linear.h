@@ -1,8 +1,9 @@
 // Quantized linear layers: drop-in model::Linear implementations that compute y from stored codes
 // exactly as the inference engines would, plus their checkpoint (de)serialisation.
 //
-// QuipLinear (QuIP# Algorithm 2): W ≈ diag(su) · T_uᵀ · (scale · Ŵ) · T_v · diag(sv), where
+// QuipLinear (QuIP# Algorithm 2): W ≈ diag(su) · T_uᵀ · (S · Ŵ) · T_v · diag(sv), where
 //   * Ŵ [out_pad, in_pad] is decoded from codebook codes (E8P, RVQ, half-integer grid),
+//   * S is one scale for the whole matrix (QuIP#'s rule) or diag(row_scales), one per row of Ŵ,
 //   * T_u (out_pad) and T_v (in_pad) are the fixed orthogonal parts of the transforms of
 //     kernels/incoherence.h: the normalized Hadamard H_{2^k}⊗H_m, or for RFFT sizes F·diag(phases),
 //   * su [out_pad], sv [in_pad] are the sign vectors: for Hadamard sizes S_U/S_V (so that
@@ -10,7 +11,7 @@
 //     numbers after fine-tuning (QuIP# §5),
 //   * inputs are zero-padded from in_features to in_pad (a multiple of the codebook dimension)
 //     and outputs sliced from out_pad to out_features.
-// Forward(x): x → pad → ·sv → T_v → matmul with scale·Ŵᵀ → T_uᵀ → ·su → slice. The decoded Ŵ is
+// Forward(x): x → pad → ·sv → T_v → matmul with (S·Ŵ)ᵀ → T_uᵀ → ·su → slice. The decoded S·Ŵ is
 // cached as a float tensor (decoding again is pure overhead on CPU). Every step is a LibTorch op,
 // so gradients flow to su, sv (and to x) for fine-tuning.
 //
@@ -51,7 +52,11 @@ struct QuipLinearData {
   std::vector<uint32_t> codes;
   // Ŵ = scale · decoded codebook points (VectorRoundingResult::scale). Positive and finite. The
   // layer computes with float(scale) (the checkpoint stores F32), so a reload is bit-identical.
+  // Used only when row_scales is empty.
   double scale = 1.0;
+  // Per-row scales [out_pad]: row r of Ŵ = row_scales[r] · decoded points. Each positive and
+  // finite. Empty: the single `scale` above.
+  std::vector<float> row_scales;
   // U and V of kernels::IncoherenceProcess (sizes out_pad, in_pad). Their signs (Hadamard sizes)
   // initialise su/sv; their phases (RFFT sizes) are part of the fixed T. Ignored (may be left
   // default) when incoherence is false.
@@ -66,14 +71,14 @@ class QuipLinear final : public model::Linear {
   // features, an unknown codebook, in_pad not a multiple of the codebook dimension, a code count
   // other than out_pad·(in_pad/dim)·code_words, a code word >= 2^16, a non-positive scale, or
   // (incoherence) transforms whose dimension is not out_pad / in_pad or whose signs/phases do
-  // not match their kind.
+  // not match their kind, or row_scales neither empty nor out_pad positive finite values.
   static StatusOr<std::unique_ptr<QuipLinear>> Create(QuipLinearData data);
 
   // x [..., in_features] float32 (float64 computes in float64) -> [..., out_features].
   at::Tensor Forward(const at::Tensor& x) const override;
   int64_t in_features() const override;
   int64_t out_features() const override;
-  at::Tensor DenseWeight() const override;  // [out, in] float32, = diag(su)·T_uᵀ·scale·Ŵ·T_v·diag(sv)
+  at::Tensor DenseWeight() const override;  // [out, in] float32, = diag(su)·T_uᵀ·S·Ŵ·T_v·diag(sv)
 
   // Fine-tuning (QuIP# §5): the sign vectors as real-valued leaf tensors (requires_grad off
   // until the caller sets it; assigning a new tensor of the same shape is allowed). su/sv are
@@ -81,13 +86,13 @@ class QuipLinear final : public model::Linear {
   at::Tensor& su();  // [out_pad] float32
   at::Tensor& sv();  // [in_pad]  float32
   const QuipLinearData& data() const;
-  // scale·Ŵ [out_pad, in_pad] float32: the decoded weights in the rotated basis (no grad).
+  // S·Ŵ [out_pad, in_pad] float32: the decoded, scaled weights in the rotated basis (no grad).
   const at::Tensor& RotatedWeight() const;
 
   // Checkpoint tensors under `prefix` (e.g. "model.layers.3.self_attn.q_proj"):
   //   prefix.codes [out_pad, in_pad/dim, code_words] U16 when any code word > 255, else U8
   //   prefix.su [out_pad] F32, prefix.sv [in_pad] F32 (the current, possibly fine-tuned values)
-  //   prefix.scale [] F32
+  //   prefix.scale [] F32 (one scale per matrix) or [out_pad] F32 (row_scales); Load accepts both
   //   prefix.phase_u [out_pad/2, 2] / prefix.phase_v [in_pad/2, 2] F64 (re, im), only for RFFT
   //     sizes with incoherence (Hadamard sizes need none: their signs are su/sv)
   //   prefix.shape [4] I64 = {out_features, in_features, out_pad, in_pad}
