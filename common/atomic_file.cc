@@ -18,10 +18,7 @@ namespace {
 
 using io::ErrnoError;
 using io::ErrnoText;
-using io::JsonParseErrorMessage;
-using io::Printable;
 using io::ScopedFd;
-using io::ToAbsl;
 
 std::string DirName(const std::string& path) {
   const size_t slash = path.find_last_of('/');

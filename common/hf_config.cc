@@ -16,11 +16,8 @@
 namespace qcal {
 namespace {
 
-using io::ErrnoError;
-using io::ErrnoText;
 using io::JsonParseErrorMessage;
 using io::Printable;
-using io::ScopedFd;
 using io::ToAbsl;
 
 using json = nlohmann::json;

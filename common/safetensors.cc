@@ -29,7 +29,6 @@ namespace qcal {
 namespace {
 
 using io::ErrnoError;
-using io::ErrnoText;
 using io::JsonParseErrorMessage;
 using io::Printable;
 using io::ScopedFd;

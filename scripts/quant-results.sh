@@ -19,7 +19,7 @@ json_field() { /usr/bin/python3 -c "import json,sys; print(json.loads(sys.stdin.
 
 echo "| model | recipe | bits (codes / stored) | TinyStories ppl | WikiText-2 ppl | quantize s | eval s |"
 echo "|---|---|---|---|---|---|---|"
-for model in stories260K aidreams260K; do
+for model in ${QCAL_MODELS:-stories260K aidreams260K}; do
   ctx=512; [ "$model" = aidreams260K ] && ctx=128
   fdir="$OUT/$model"
   [ -f "$fdir/config.json" ] || $Q import llama2c "$SHARED/models/$model/$model.bin" \

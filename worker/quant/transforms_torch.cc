@@ -102,28 +102,19 @@ at::Tensor OrthogonalTransformOp::Like(const at::Tensor& c64, const at::Tensor& 
   return c.device() == x.device() ? c : c.to(x.device());
 }
 
-at::Tensor OrthogonalTransformOp::Forward(const at::Tensor& x) const {
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == dim_, "orthogonal transform of dimension ", dim_,
-              " applied to a tensor of shape ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble,
-              "orthogonal transform: float32 or float64 expected, got ", x.scalar_type());
-  switch (kind_) {
-    case Kind::kIdentity: return x;
-    case Kind::kHadamard: return ApplyHadamard(x, /*transpose=*/false);
-    case Kind::kRfft: return ApplyRfft(x, /*inverse=*/false);
-  }
-  return x;
-}
+at::Tensor OrthogonalTransformOp::Forward(const at::Tensor& x) const { return Run(x, false); }
 
-at::Tensor OrthogonalTransformOp::Inverse(const at::Tensor& x) const {
+at::Tensor OrthogonalTransformOp::Inverse(const at::Tensor& x) const { return Run(x, true); }
+
+at::Tensor OrthogonalTransformOp::Run(const at::Tensor& x, bool inverse) const {
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == dim_, "orthogonal transform of dimension ", dim_,
               " applied to a tensor of shape ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble,
               "orthogonal transform: float32 or float64 expected, got ", x.scalar_type());
   switch (kind_) {
     case Kind::kIdentity: return x;
-    case Kind::kHadamard: return ApplyHadamard(x, /*transpose=*/true);
-    case Kind::kRfft: return ApplyRfft(x, /*inverse=*/true);
+    case Kind::kHadamard: return ApplyHadamard(x, /*transpose=*/inverse);
+    case Kind::kRfft: return ApplyRfft(x, inverse);
   }
   return x;
 }

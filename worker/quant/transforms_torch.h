@@ -73,6 +73,7 @@ class OrthogonalTransformOp {
   }
 
  private:
+  at::Tensor Run(const at::Tensor& x, bool inverse) const;  // checks x, then dispatches on kind_
   at::Tensor ApplyHadamard(const at::Tensor& x, bool transpose) const;
   at::Tensor ApplyRfft(const at::Tensor& x, bool inverse) const;
   // Constant `c64` (float64 / complex128) or `c32` in x's dtype family, on x's device.
