@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
+#include "common/hash.h"
 #include "common/safetensors.h"
 #include "common/text.h"
 
@@ -25,15 +26,6 @@ std::string Resolve(const std::string& data_root, const std::string& file) {
 int64_t FileSize(const std::string& path) {
   struct stat st;
   return ::stat(path.c_str(), &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
-}
-
-uint64_t Fnv1a(const std::string& s) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : s) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  return h;
 }
 
 }  // namespace
@@ -80,9 +72,7 @@ std::string CalibrationKey(const std::string& model_dir, const LlamaConfig& conf
     absl::StrAppend(&canon, "|data:", f, "=", FileSize(Resolve(data_root, f)));
   }
   absl::StrAppend(&canon, "|n=", spec.num_sequences, "|len=", seq_len, "|seed=", spec.seed);
-  char hex[17];
-  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(Fnv1a(canon)));
-  return hex;
+  return Fnv1aHex(canon);
 }
 
 Status SaveBlockHessians(const std::string& path, const BlockHessians& h, const std::string& key) {

@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
+#include "common/hash.h"
 #include "common/log.h"
 #include "common/safetensors.h"
 #include "common/tokenizer.h"
@@ -26,21 +27,6 @@ namespace qcal::quant {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-std::string Hex64(uint64_t v) {
-  char buf[17];
-  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(v));
-  return buf;
-}
-
-uint64_t Fnv1a(const std::string& bytes) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : bytes) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  return h;
-}
 
 std::string RealPath(const std::string& p) {
   char buf[PATH_MAX];
@@ -240,7 +226,7 @@ StatusOr<QuantizeJobResult> RunQuantizeJob(const Recipe& recipe, const QuantizeJ
   model::SetComputeThreads(opt.threads > 0 ? opt.threads : model::AutoComputeThreads(config));
   QCAL_ASSIGN_OR_RETURN(auto float_ckpt, CheckpointReader::Open(opt.model_dir));
   const int64_t blocks = config.num_hidden_layers;
-  const std::string recipe_hash = Hex64(Fnv1a(recipe.ToJson().dump()));
+  const std::string recipe_hash = Fnv1aHex((recipe.ToJson().dump()));
 
   QCAL_ASSIGN_OR_RETURN(Journal journal, Journal::Open(opt.job_dir + "/journal.jsonl"));
   std::map<int64_t, nlohmann::json> done;  // layer -> block_done entry
@@ -275,7 +261,7 @@ StatusOr<QuantizeJobResult> RunQuantizeJob(const Recipe& recipe, const QuantizeJ
     for (int64_t shard = 0; shard <= blocks && e2e_finished; ++shard) {
       const std::string name = ShardName(shard, blocks);
       auto bytes = ReadFile(opt.out_dir + "/" + name);
-      e2e_finished = bytes.ok() && e2e_done["checksums"].value(name, "") == Hex64(Fnv1a(*bytes));
+      e2e_finished = bytes.ok() && e2e_done["checksums"].value(name, "") == Fnv1aHex(*bytes);
     }
     if (e2e_finished) {
       finished.assign(blocks, true);
@@ -288,7 +274,7 @@ StatusOr<QuantizeJobResult> RunQuantizeJob(const Recipe& recipe, const QuantizeJ
   for (const auto& [layer, e] : done) {
     if (e2e_finished || layer < 0 || layer >= blocks) continue;
     auto bytes = ReadFile(opt.out_dir + "/" + ShardName(layer + 1, blocks));
-    finished[layer] = bytes.ok() && Hex64(Fnv1a(*bytes)) == e.value("checksum", "");
+    finished[layer] = bytes.ok() && Fnv1aHex(*bytes) == e.value("checksum", "");
     if (!finished[layer]) {
       QCAL_LOG_WARN("block {}: journal says done but its shard is missing or changed; redoing",
                     layer);
@@ -373,7 +359,7 @@ StatusOr<QuantizeJobResult> RunQuantizeJob(const Recipe& recipe, const QuantizeJ
                                            {"layer", l},
                                            {"shard", shard},
                                            {"bytes", bytes.size()},
-                                           {"checksum", Hex64(Fnv1a(bytes))},
+                                           {"checksum", Fnv1aHex(bytes)},
                                            {"seconds", task.seconds},
                                            {"mse_before_ft", FiniteOrNull(task.mse_before_ft)},
                                            {"mse_after_ft", FiniteOrNull(task.mse_after_ft)},
@@ -437,11 +423,11 @@ StatusOr<QuantizeJobResult> RunQuantizeJob(const Recipe& recipe, const QuantizeJ
       QCAL_RETURN_IF_ERROR(
           WriteBlockShard(opt.out_dir + "/" + name, l, tuned.model->block(l).weights()).status());
       QCAL_ASSIGN_OR_RETURN(std::string bytes, ReadFile(opt.out_dir + "/" + name));
-      checksums[name] = Hex64(Fnv1a(bytes));
+      checksums[name] = Fnv1aHex(bytes);
     }
     QCAL_RETURN_IF_ERROR(WriteTunedNonBlockShard(shard0, *float_ckpt, tuned));
     QCAL_ASSIGN_OR_RETURN(std::string bytes0, ReadFile(shard0));
-    checksums[ShardName(0, blocks)] = Hex64(Fnv1a(bytes0));
+    checksums[ShardName(0, blocks)] = Fnv1aHex(bytes0);
     QCAL_RETURN_IF_ERROR(journal.Append({{"event", "e2e_done"},
                                          {"checksums", checksums},
                                          {"kl_before", FiniteOrNull(e2e.heldout_kl_before)},
