@@ -226,7 +226,7 @@ StatusOr<QuantizeJobResult> RunQuantizeJob(const Recipe& recipe, const QuantizeJ
   model::SetComputeThreads(opt.threads > 0 ? opt.threads : model::AutoComputeThreads(config));
   QCAL_ASSIGN_OR_RETURN(auto float_ckpt, CheckpointReader::Open(opt.model_dir));
   const int64_t blocks = config.num_hidden_layers;
-  const std::string recipe_hash = Fnv1aHex((recipe.ToJson().dump()));
+  const std::string recipe_hash = Fnv1aHex(recipe.ToJson().dump());
 
   QCAL_ASSIGN_OR_RETURN(Journal journal, Journal::Open(opt.job_dir + "/journal.jsonl"));
   std::map<int64_t, nlohmann::json> done;  // layer -> block_done entry
