@@ -3,6 +3,8 @@
 
 #include "client/model_commands.h"
 #include "client/quantize_command.h"
+#include "client/service_commands.h"
+#include "client/tool_commands.h"
 #include "common/log.h"
 
 int main(int argc, char** argv) {
@@ -15,6 +17,8 @@ int main(int argc, char** argv) {
   app.parse_complete_callback([&] { qcal::SetLogLevel(qcal::ParseLogLevel(log_level)); });
   qcal::client::AddModelCommands(app, &exit_code);
   qcal::client::AddQuantizeCommand(app, &exit_code);
+  qcal::client::AddServiceCommands(app, &exit_code);
+  qcal::client::AddToolCommands(app, &exit_code);
   CLI11_PARSE(app, argc, argv);
   return exit_code;
 }

@@ -368,16 +368,132 @@ json StageJson(const FinetuneStage& stage, bool with_enabled) {
   return j;
 }
 
+// A string key restricted to `allowed`, with a suggestion for near misses.
+Status ReadChoice(const Section& section, const std::string& name,
+                  const std::vector<std::string>& allowed, std::string* out) {
+  QCAL_RETURN_IF_ERROR(section.ReadString(name, out));
+  for (const std::string& a : allowed) {
+    if (*out == a) return Status();
+  }
+  std::string message = absl::StrCat("must be ", absl::StrJoin(allowed, " or "), ", got '",
+                                     Printable(*out), "'");
+  const std::string suggestion = ClosestWithin2(*out, allowed);
+  if (!suggestion.empty()) absl::StrAppend(&message, "; did you mean '", suggestion, "'?");
+  return section.KeyError(name, message);
+}
+
+// rotation, activations and kv_cache (method quarot).
+Status ReadQuarotSections(const Section& top, Recipe* recipe) {
+  // --- rotation ---
+  QCAL_ASSIGN_OR_RETURN(
+      Section rotation,
+      top.ReadSection("rotation", {"enabled", "r1", "r2", "r3", "r4", "seed"}));
+  RotationSpec& rot = recipe->rotation;
+  QCAL_RETURN_IF_ERROR(rotation.ReadBool("enabled", &rot.enabled));
+  QCAL_RETURN_IF_ERROR(rotation.ReadBool("r1", &rot.r1));
+  QCAL_RETURN_IF_ERROR(rotation.ReadBool("r2", &rot.r2));
+  QCAL_RETURN_IF_ERROR(rotation.ReadBool("r3", &rot.r3));
+  QCAL_RETURN_IF_ERROR(rotation.ReadBool("r4", &rot.r4));
+  QCAL_RETURN_IF_ERROR(rotation.ReadUint("seed", &rot.seed));
+
+  // --- activations ---
+  QCAL_ASSIGN_OR_RETURN(
+      Section act, top.ReadSection("activations",
+                                   {"bits", "clip", "granularity", "static", "symmetric"}));
+  ActivationQuantSpec& a = recipe->activations;
+  if (top.Has("activations") && !act.Has("bits")) {
+    return top.KeyError("activations", "needs 'bits' (2..8, or 16 for float activations)");
+  }
+  int64_t bits = a.bits;
+  QCAL_RETURN_IF_ERROR(act.ReadInt("bits", &bits));
+  QCAL_RETURN_IF_ERROR(act.RequireRange("bits", (bits >= 2 && bits <= 8) || bits == 16,
+                                        "2..8, or 16 (not quantized)", std::to_string(bits)));
+  a.bits = static_cast<int>(bits);
+  QCAL_RETURN_IF_ERROR(act.ReadDouble("clip", &a.clip));
+  QCAL_RETURN_IF_ERROR(act.RequireRange("clip", a.clip > 0 && a.clip <= 1, "in (0, 1]",
+                                        FormatDouble(a.clip)));
+  QCAL_RETURN_IF_ERROR(ReadChoice(act, "granularity", {"per_token", "per_tensor"},
+                                  &a.granularity));
+  QCAL_RETURN_IF_ERROR(act.ReadBool("static", &a.is_static));
+  if (a.is_static && a.granularity != "per_tensor") {
+    return act.KeyError("static", "applies only to granularity per_tensor (per-token scales are "
+                                  "computed from each token)");
+  }
+  QCAL_RETURN_IF_ERROR(act.ReadBool("symmetric", &a.symmetric));
+
+  // --- kv_cache ---
+  QCAL_ASSIGN_OR_RETURN(
+      Section kv, top.ReadSection("kv_cache", {"bits", "format", "granularity", "group", "clip",
+                                               "symmetric", "static", "k_sort"}));
+  KvCacheSpec& k = recipe->kv_cache;
+  if (top.Has("kv_cache") && !kv.Has("bits")) {
+    return top.KeyError("kv_cache", "needs 'bits' (2..8, or 16 for a float cache)");
+  }
+  QCAL_RETURN_IF_ERROR(ReadChoice(kv, "format", {"int", "bfp"}, &k.format));
+  const bool bfp = k.format == "bfp";
+  bits = k.bits;
+  QCAL_RETURN_IF_ERROR(kv.ReadInt("bits", &bits));
+  QCAL_RETURN_IF_ERROR(kv.RequireRange(
+      "bits", (bits >= 2 && bits <= 8) || bits == 16,
+      bfp ? "2..8 (mantissa bits, sign included), or 16 (not quantized)"
+          : "2..8, or 16 (not quantized)",
+      std::to_string(bits)));
+  k.bits = static_cast<int>(bits);
+  QCAL_RETURN_IF_ERROR(kv.ReadInt("group", &k.group));
+  QCAL_RETURN_IF_ERROR(kv.RequireRange("group", k.group >= 0,
+                                       "0 (= head_dim) or a positive channel count",
+                                       std::to_string(k.group)));
+  if (bfp) {
+    for (const char* key : {"granularity", "clip", "symmetric", "static"}) {
+      if (kv.Has(key)) {
+        return kv.KeyError(key, "applies only to format int (bfp blocks of 'group' channels "
+                                "share one exponent)");
+      }
+    }
+    k.granularity = "per_group";
+  } else {
+    QCAL_RETURN_IF_ERROR(ReadChoice(kv, "granularity", {"per_group", "per_token", "per_tensor"},
+                                    &k.granularity));
+    QCAL_RETURN_IF_ERROR(kv.ReadDouble("clip", &k.clip));
+    QCAL_RETURN_IF_ERROR(kv.RequireRange("clip", k.clip > 0 && k.clip <= 1, "in (0, 1]",
+                                         FormatDouble(k.clip)));
+    QCAL_RETURN_IF_ERROR(kv.ReadBool("symmetric", &k.symmetric));
+    QCAL_RETURN_IF_ERROR(kv.ReadBool("static", &k.is_static));
+    if (k.granularity == "per_tensor" && !k.is_static && k.enabled()) {
+      return kv.KeyError("granularity", "per_tensor needs 'static: true' (a dynamic per-tensor "
+                                        "scale would let later tokens change cached entries)");
+    }
+    if (k.is_static && k.granularity != "per_tensor") {
+      return kv.KeyError("static", "applies only to granularity per_tensor");
+    }
+    if (kv.Has("group") && k.granularity != "per_group") {
+      return kv.KeyError("group", "applies only to granularity per_group");
+    }
+  }
+  QCAL_RETURN_IF_ERROR(kv.ReadBool("k_sort", &k.k_sort));
+  if (k.k_sort && !bfp) {
+    return kv.KeyError("k_sort", "applies only to format bfp");
+  }
+  if (k.k_sort && rot.enabled && rot.r3) {
+    return kv.KeyError("k_sort", absl::StrCat(
+        "cannot be combined with rotation.r3 (R3's Hadamard mixes every channel of a head after "
+        "RoPE, so the sorted order never reaches the cache); set r3: false",
+        rotation.Has("r3") ? absl::StrCat(" (line ", rotation.Line("r3"), ")") : ""));
+  }
+  return Status();
+}
+
 StatusOr<Recipe> ParseDocument(const YAML::Node& root, const std::string& source) {
   Section top(source, "");
   QCAL_RETURN_IF_ERROR(top.Load(
       root, {"name", "method", "bits", "codebook", "incoherence", "scale", "seed", "damp",
-             "scalar", "calibration", "finetune"}));
+             "scalar", "calibration", "finetune", "weights", "rotation", "activations",
+             "kv_cache"}));
   Recipe recipe;
 
   // --- method (required) ---
   if (!top.Has("method")) {
-    return top.Error("missing required key 'method' (quip, rtn or gptq)");
+    return top.Error("missing required key 'method' (quip, rtn, gptq or quarot)");
   }
   std::string method;
   QCAL_RETURN_IF_ERROR(top.ReadString("method", &method));
@@ -387,14 +503,37 @@ StatusOr<Recipe> ParseDocument(const YAML::Node& root, const std::string& source
     recipe.method = QuantMethod::kRtn;
   } else if (method == "gptq") {
     recipe.method = QuantMethod::kGptq;
+  } else if (method == "quarot") {
+    recipe.method = QuantMethod::kQuarot;
   } else {
-    std::string message = absl::StrCat("must be one of quip, rtn, gptq, got '", Printable(method),
-                                       "'");
-    const std::string suggestion = ClosestWithin2(method, {"quip", "rtn", "gptq"});
+    std::string message = absl::StrCat("must be one of quip, rtn, gptq, quarot, got '",
+                                       Printable(method), "'");
+    const std::string suggestion = ClosestWithin2(method, {"quip", "rtn", "gptq", "quarot"});
     if (!suggestion.empty()) absl::StrAppend(&message, "; did you mean '", suggestion, "'?");
     return top.KeyError("method", message);
   }
   const bool is_quip = recipe.method == QuantMethod::kQuip;
+  const bool is_quarot = recipe.method == QuantMethod::kQuarot;
+
+  // --- weights (quarot): the rounding of the rotated weights ---
+  if (is_quarot) {
+    recipe.weights = "gptq";
+    QCAL_RETURN_IF_ERROR(top.ReadString("weights", &recipe.weights));
+    if (recipe.weights != "rtn" && recipe.weights != "gptq" && recipe.weights != "none") {
+      std::string message = absl::StrCat("must be rtn, gptq or none, got '",
+                                         Printable(recipe.weights), "'");
+      const std::string suggestion = ClosestWithin2(recipe.weights, {"rtn", "gptq", "none"});
+      if (!suggestion.empty()) absl::StrAppend(&message, "; did you mean '", suggestion, "'?");
+      return top.KeyError("weights", message);
+    }
+  } else {
+    for (const char* key : {"weights", "rotation", "activations", "kv_cache"}) {
+      if (top.Has(key)) {
+        return top.KeyError(key, absl::StrCat("applies only to method quarot, not ", method));
+      }
+    }
+  }
+  const bool float_weights = is_quarot && recipe.weights == "none";
 
   // --- name ---
   recipe.name = FileStem(source);
@@ -439,6 +578,17 @@ StatusOr<Recipe> ParseDocument(const YAML::Node& root, const std::string& source
       recipe.bits = has_bits ? static_cast<int>(bits) : 2;
       recipe.codebook = DefaultCodebookForBits(recipe.bits);
     }
+  } else if (float_weights) {
+    if (top.Has("codebook")) {
+      return top.KeyError("codebook", "applies only to method quip");
+    }
+    if (has_bits) {
+      return top.KeyError("bits", absl::StrCat("does not apply with 'weights: none' (line ",
+                                               top.Line("weights"),
+                                               "): the weights stay in float"));
+    }
+    recipe.bits = 16;
+    recipe.codebook.clear();
   } else {
     if (top.Has("codebook")) {
       return top.KeyError("codebook",
@@ -491,6 +641,10 @@ StatusOr<Recipe> ParseDocument(const YAML::Node& root, const std::string& source
   if (recipe.method == QuantMethod::kRtn && top.Has("damp")) {
     return top.KeyError("damp", "does not apply to method rtn, which uses no Hessian");
   }
+  if (is_quarot && recipe.weights != "gptq" && top.Has("damp")) {
+    return top.KeyError("damp", absl::StrCat("does not apply with 'weights: ", recipe.weights,
+                                             "', which uses no Hessian"));
+  }
   QCAL_RETURN_IF_ERROR(top.ReadDouble("damp", &recipe.damp));
   QCAL_RETURN_IF_ERROR(top.RequireRange("damp", recipe.damp > 0 && recipe.damp <= 1, "in (0, 1]",
                                         FormatDouble(recipe.damp)));
@@ -499,19 +653,33 @@ StatusOr<Recipe> ParseDocument(const YAML::Node& root, const std::string& source
   if (is_quip && top.Has("scalar")) {
     return top.KeyError("scalar", "applies only to methods rtn and gptq; quip uses 'codebook'");
   }
+  if (float_weights && top.Has("scalar")) {
+    return top.KeyError("scalar", "does not apply with 'weights: none' (float weights)");
+  }
   QCAL_ASSIGN_OR_RETURN(
       Section scalar,
-      top.ReadSection("scalar", {"group_size", "symmetric", "act_order", "clip_search"}));
+      top.ReadSection("scalar",
+                      {"group_size", "symmetric", "act_order", "clip_search", "per_tensor"}));
   QCAL_RETURN_IF_ERROR(scalar.ReadInt("group_size", &recipe.scalar.group_size));
   QCAL_RETURN_IF_ERROR(scalar.RequireRange(
       "group_size", recipe.scalar.group_size == -1 || recipe.scalar.group_size > 0,
       "-1 (per output channel) or a positive group size", std::to_string(recipe.scalar.group_size)));
   QCAL_RETURN_IF_ERROR(scalar.ReadBool("symmetric", &recipe.scalar.symmetric));
   QCAL_RETURN_IF_ERROR(scalar.ReadBool("act_order", &recipe.scalar.act_order));
-  if (recipe.scalar.act_order && recipe.method != QuantMethod::kGptq) {
-    return scalar.KeyError("act_order", absl::StrCat("applies only to method gptq, not ", method));
+  if (recipe.scalar.act_order && recipe.method != QuantMethod::kGptq &&
+      !(is_quarot && recipe.weights == "gptq")) {
+    return scalar.KeyError("act_order",
+                           is_quarot ? absl::StrCat("applies only to 'weights: gptq', not ",
+                                                    recipe.weights)
+                                     : absl::StrCat("applies only to method gptq, not ", method));
   }
   QCAL_RETURN_IF_ERROR(scalar.ReadBool("clip_search", &recipe.scalar.clip_search));
+  QCAL_RETURN_IF_ERROR(scalar.ReadBool("per_tensor", &recipe.scalar.per_tensor));
+  if (recipe.scalar.per_tensor && recipe.scalar.group_size != -1) {
+    return scalar.KeyError("per_tensor", absl::StrCat("cannot be combined with group_size ",
+                                                      recipe.scalar.group_size, " (line ",
+                                                      scalar.Line("group_size"), ")"));
+  }
 
   // --- calibration ---
   QCAL_ASSIGN_OR_RETURN(Section calibration,
@@ -559,6 +727,15 @@ StatusOr<Recipe> ParseDocument(const YAML::Node& root, const std::string& source
   QCAL_ASSIGN_OR_RETURN(Section end_to_end, finetune.ReadSection("end_to_end", kEndToEndKeys));
   QCAL_RETURN_IF_ERROR(ReadStage(end_to_end, &recipe.finetune.end_to_end));
 
+  if (is_quarot) {
+    if (recipe.finetune.enabled) {
+      return finetune.KeyError("enabled", "is not supported with method quarot");
+    }
+    if (recipe.finetune.end_to_end.enabled) {
+      return end_to_end.KeyError("enabled", "is not supported with method quarot");
+    }
+    QCAL_RETURN_IF_ERROR(ReadQuarotSections(top, &recipe));
+  }
   return recipe;
 }
 
@@ -617,6 +794,7 @@ const char* QuantMethodName(QuantMethod method) {
     case QuantMethod::kQuip: return "quip";
     case QuantMethod::kRtn: return "rtn";
     case QuantMethod::kGptq: return "gptq";
+    case QuantMethod::kQuarot: return "quarot";
   }
   return "unknown";
 }
@@ -636,12 +814,18 @@ nlohmann::json Recipe::ToJson() const {
     j["codebook"] = codebook;
     j["scale"] = scale_mode;
   }
-  if (method != QuantMethod::kRtn) j["damp"] = damp;
-  if (method != QuantMethod::kQuip) {
+  const bool quarot = method == QuantMethod::kQuarot;
+  if (quarot) {
+    j["weights"] = weights;
+    if (weights == "none") j.erase("bits");
+  }
+  if (quarot ? weights == "gptq" : method != QuantMethod::kRtn) j["damp"] = damp;
+  if (method != QuantMethod::kQuip && !(quarot && weights == "none")) {
     j["scalar"] = {{"group_size", scalar.group_size},
                    {"symmetric", scalar.symmetric},
                    {"act_order", scalar.act_order},
                    {"clip_search", scalar.clip_search}};
+    if (scalar.per_tensor) j["scalar"]["per_tensor"] = true;  // left out when off (older JSON)
   }
   j["calibration"] = {{"files", calibration.files},
                       {"num_sequences", calibration.num_sequences},
@@ -650,6 +834,26 @@ nlohmann::json Recipe::ToJson() const {
   j["finetune"] = {{"enabled", finetune.enabled},
                    {"block", StageJson(finetune.block, /*with_enabled=*/false)},
                    {"end_to_end", StageJson(finetune.end_to_end, /*with_enabled=*/true)}};
+  if (quarot) {
+    j["rotation"] = {{"enabled", rotation.enabled}, {"r1", rotation.r1}, {"r2", rotation.r2},
+                     {"r3", rotation.r3},           {"r4", rotation.r4}, {"seed", rotation.seed}};
+    j["activations"] = {{"bits", activations.bits},
+                        {"clip", activations.clip},
+                        {"granularity", activations.granularity},
+                        {"static", activations.is_static},
+                        {"symmetric", activations.symmetric}};
+    json kv = {{"bits", kv_cache.bits}, {"format", kv_cache.format}, {"k_sort", kv_cache.k_sort}};
+    if (kv_cache.format == "bfp" || kv_cache.granularity == "per_group") {
+      kv["group"] = kv_cache.group;
+    }
+    if (kv_cache.format != "bfp") {
+      kv["granularity"] = kv_cache.granularity;
+      kv["clip"] = kv_cache.clip;
+      kv["symmetric"] = kv_cache.symmetric;
+      kv["static"] = kv_cache.is_static;
+    }
+    j["kv_cache"] = kv;
+  }
   return j;
 }
 

@@ -26,6 +26,18 @@
 //     enabled: false
 //     block: {epochs: 5, lr: 5.0e-5, batch: 8, holdout: 0.1}
 //     end_to_end: {enabled: false, epochs: 3, lr: 5.0e-5, batch: 8, holdout: 0.1}
+//
+// QuaRot (method quarot; jobs/README.md "method quarot"): rotations fused into the weights and
+// applied online, simulated activation and KV-cache quantization, weights by RTN or GPTQ:
+//
+//   method: quarot
+//   weights: gptq           # rtn | gptq | none (float weights)
+//   bits: 4                 # weight bits 2..8 (not with weights: none)
+//   scalar: {group_size: -1, symmetric: true, act_order: false, clip_search: true}
+//   rotation: {enabled: true, r1: true, r2: true, r3: true, r4: true, seed: 0}
+//   activations: {bits: 4, clip: 0.9, granularity: per_token, static: false}
+//   kv_cache: {bits: 4, format: int, granularity: per_group, group: 0, clip: 0.95,
+//              symmetric: false, static: false, k_sort: false}
 #pragma once
 
 #include <cstdint>
@@ -38,7 +50,7 @@
 
 namespace qcal {
 
-enum class QuantMethod { kQuip, kRtn, kGptq };
+enum class QuantMethod { kQuip, kRtn, kGptq, kQuarot };
 const char* QuantMethodName(QuantMethod method);
 
 struct ScalarGridSpec {
@@ -46,6 +58,7 @@ struct ScalarGridSpec {
   bool symmetric = true;
   bool act_order = false;
   bool clip_search = false;
+  bool per_tensor = false;  // one scale for the whole matrix (needs group_size -1)
 };
 
 struct CalibrationSpec {
@@ -69,6 +82,40 @@ struct FinetuneSpec {
   FinetuneStage end_to_end;
 };
 
+// QuaRot rotations (method quarot). R1: randomized Hadamard of the hidden size fused into the
+// embeddings, every block's input and output weights and the head (RMSNorm scales fused first);
+// R2: per-head Hadamard fused into v_proj / o_proj; R3: online per-head Hadamard on queries and
+// keys after RoPE; R4: online Hadamard on the down_proj input (its inverse fused into W_down).
+struct RotationSpec {
+  bool enabled = true;  // false: no rotation at all (the unrotated twin of a recipe)
+  bool r1 = true, r2 = true, r3 = true, r4 = true;
+  uint64_t seed = 0;    // random signs of R1
+  bool any() const { return enabled && (r1 || r2 || r3 || r4); }
+};
+
+// Simulated quantization of every decoder-block linear input (method quarot).
+struct ActivationQuantSpec {
+  int bits = 16;                          // 16: not quantized; else 2..8
+  double clip = 0.9;                      // (0, 1]: scale = clip·max|x| / qmax
+  std::string granularity = "per_token";  // per_token | per_tensor
+  bool is_static = false;                 // per_tensor only: scales calibrated once ("static")
+  bool symmetric = true;
+  bool enabled() const { return bits < 16; }
+};
+
+// Simulated quantization of the KV cache (method quarot): keys after RoPE (and R3), values.
+struct KvCacheSpec {
+  int bits = 16;                          // 16: not quantized. int: 2..8; bfp: mantissa bits 2..8
+  std::string format = "int";             // int | bfp (block floating point)
+  std::string granularity = "per_group";  // int: per_group | per_token | per_tensor
+  int64_t group = 0;                      // per_group channels (0 = head_dim); bfp block size
+  double clip = 0.95;                     // int only, (0, 1]
+  bool symmetric = false;                 // int only (QuaRot: asymmetric)
+  bool is_static = false;                 // int per_tensor only: ranges calibrated once
+  bool k_sort = false;                    // bfp only: K-sort channel permutation of the keys
+  bool enabled() const { return bits < 16; }
+};
+
 struct Recipe {
   std::string name;
   QuantMethod method = QuantMethod::kQuip;
@@ -83,9 +130,20 @@ struct Recipe {
   ScalarGridSpec scalar;
   CalibrationSpec calibration;
   FinetuneSpec finetune;
+  // method quarot only: weight rounding ("rtn", "gptq", or "none" for float weights; empty for
+  // other methods), rotations, activation and KV-cache quantization.
+  std::string weights;
+  RotationSpec rotation;
+  ActivationQuantSpec activations;
+  KvCacheSpec kv_cache;
 
-  // Whether the method needs Hessians (quip, gptq) — rtn does not calibrate unless fine-tuning.
-  bool needs_hessians() const { return method != QuantMethod::kRtn; }
+  // Whether the method needs Hessians (quip, gptq, quarot with gptq weights) — rtn does not
+  // calibrate unless fine-tuning.
+  bool needs_hessians() const {
+    return method == QuantMethod::kQuarot ? weights == "gptq" : method != QuantMethod::kRtn;
+  }
+  // The rounding of the weights: quarot's `weights` mapped onto rtn/gptq (kQuip for quip).
+  bool quantizes_weights() const { return method != QuantMethod::kQuarot || weights != "none"; }
   nlohmann::json ToJson() const;
 };
 

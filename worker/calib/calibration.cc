@@ -13,6 +13,7 @@
 #include "common/atomic_file.h"
 #include "common/hash.h"
 #include "common/safetensors.h"
+#include "common/log.h"
 #include "common/text.h"
 
 namespace qcal::calib {
@@ -27,6 +28,9 @@ int64_t FileSize(const std::string& path) {
   struct stat st;
   return ::stat(path.c_str(), &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
 }
+
+// The cache format written by SaveBlockHessians (files without it hold fp64 sums: stale).
+constexpr char kHessianFormat[] = "2";
 
 }  // namespace
 
@@ -75,18 +79,32 @@ std::string CalibrationKey(const std::string& model_dir, const LlamaConfig& conf
   return Fnv1aHex(canon);
 }
 
+std::string HessianPath(const std::string& job_dir, int64_t block) {
+  return absl::StrCat(job_dir, "/hessians/block_", block, ".safetensors");
+}
+
+std::string ActivationPath(const std::string& job_dir, int64_t boundary) {
+  return absl::StrCat(job_dir, "/activations/block_", boundary, ".safetensors");
+}
+
 Status SaveBlockHessians(const std::string& path, const BlockHessians& h, const std::string& key) {
+  static_assert(sizeof(Fixed128) == 2 * sizeof(int64_t), "int128 is two int64 words");
   SafetensorsWriter writer;
   writer.SetMetadata("calibration_key", key);
+  writer.SetMetadata("hessian_format", kHessianFormat);
+  writer.SetMetadata("hessian_frac_bits", std::to_string(kHessianFracBits));
   for (HessianKind k : kAllHessianKinds) {
     const HessianAccumulator& acc = h.at(k);
+    const std::string base = HessianKindName(k);
+    const std::vector<Fixed128>& packed = acc.packed();
+    QCAL_RETURN_IF_ERROR(writer.Add(base + ".fixed", DType::kI64,
+                                    {static_cast<int64_t>(packed.size()), 2}, packed.data(),
+                                    packed.size() * sizeof(Fixed128)));
     at::Tensor sum = acc.sum().contiguous();
-    QCAL_RETURN_IF_ERROR(writer.Add(std::string(HessianKindName(k)) + ".sum", DType::kF64,
-                                    {acc.dim(), acc.dim()}, sum.data_ptr<double>(),
-                                    sum.numel() * sizeof(double)));
+    QCAL_RETURN_IF_ERROR(writer.Add(base + ".sum", DType::kF64, {acc.dim(), acc.dim()},
+                                    sum.data_ptr<double>(), sum.numel() * sizeof(double)));
     const int64_t count = acc.count();
-    QCAL_RETURN_IF_ERROR(writer.Add(std::string(HessianKindName(k)) + ".count", DType::kI64, {},
-                                    &count, sizeof(count)));
+    QCAL_RETURN_IF_ERROR(writer.Add(base + ".count", DType::kI64, {}, &count, sizeof(count)));
   }
   return writer.Write(path);
 }
@@ -100,63 +118,250 @@ StatusOr<BlockHessians> LoadBlockHessians(const std::string& path, const std::st
         absl::StrCat(path, ": cached Hessians were computed for calibration key '",
                      it == file->metadata().end() ? "" : it->second, "', not '", key, "'"));
   }
+  auto format = file->metadata().find("hessian_format");
+  if (format == file->metadata().end() || format->second != kHessianFormat) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        path, ": cached Hessians are in format '",
+        format == file->metadata().end() ? "1 (fp64 sums)" : format->second, "', not '",
+        kHessianFormat, "' (exact fixed-point sums); recomputing"));
+  }
   BlockHessians h;
   for (HessianKind k : kAllHessianKinds) {
     const std::string base = HessianKindName(k);
+    const TensorInfo* fixed = file->Find(base + ".fixed");
     const TensorInfo* sum = file->Find(base + ".sum");
     const TensorInfo* count = file->Find(base + ".count");
-    if (!sum || !count || sum->dtype != DType::kF64 || sum->shape.size() != 2 ||
-        sum->shape[0] != sum->shape[1] || count->dtype != DType::kI64) {
+    if (!fixed || !sum || !count || fixed->dtype != DType::kI64 || fixed->shape.size() != 2 ||
+        fixed->shape[1] != 2 || sum->dtype != DType::kF64 || sum->shape.size() != 2 ||
+        sum->shape[0] != sum->shape[1] || count->dtype != DType::kI64 || count->numel() != 1) {
       return absl::DataLossError(absl::StrCat(path, ": missing or malformed '", base, "'"));
     }
     const int64_t n = sum->shape[0];
+    if (fixed->shape[0] != n * (n + 1) / 2) {
+      return absl::DataLossError(absl::StrCat(path, ": '", base, ".fixed' has ", fixed->shape[0],
+                                              " values, expected ", n * (n + 1) / 2));
+    }
     int64_t c;
     std::memcpy(&c, file->Data(*count), sizeof(c));
-    at::Tensor s = at::from_blob(const_cast<uint8_t*>(file->Data(*sum)), {n, n}, at::kDouble);
-    h.at(k) = HessianAccumulator::FromSum(s.clone(), c);
+    std::vector<Fixed128> packed(fixed->shape[0]);
+    std::memcpy(packed.data(), file->Data(*fixed), packed.size() * sizeof(Fixed128));
+    auto acc = HessianAccumulator::FromFixed(n, std::move(packed), c);
+    if (!acc.ok()) return Annotate(acc.status(), path);
+    h.at(k) = std::move(*acc);
   }
   return h;
 }
 
-StatusOr<CalibrationResult> CollectModelHessians(
-    model::LlamaModel& model, const at::Tensor& tokens, const std::string& job_dir,
-    const std::string& key, int64_t batch, const std::function<void(int64_t, int64_t)>& progress) {
+Status AllReduceHessians(runtime::Comm& comm, BlockHessians* h) {
+  if (comm.size() == 1) return absl::OkStatus();
+  // Counts and dimensions first. Every rank sees the same sums, so all agree whether the
+  // dimensions match (they all do iff size·Σd² = (Σd)²).
+  std::vector<int64_t> head;
+  for (HessianKind k : kAllHessianKinds) {
+    head.push_back(h->at(k).count());
+    head.push_back(h->at(k).dim());
+    head.push_back(h->at(k).dim() * h->at(k).dim());
+  }
+  QCAL_RETURN_IF_ERROR(comm.AllReduceSum(head.data(), head.size()));
+  for (size_t ki = 0; ki < 4; ++ki) {
+    const int64_t sum = head[3 * ki + 1], sum_sq = head[3 * ki + 2];
+    if (comm.size() * sum_sq != sum * sum) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "Hessian reduction: ranks hold ", HessianKindName(kAllHessianKinds[ki]),
+          " Hessians of different dimensions (this rank: ", h->at(kAllHessianKinds[ki]).dim(),
+          ")"));
+    }
+  }
+  // The sums, in pieces (4 int64 limbs per value: 32 bytes per value in flight).
+  constexpr size_t kPiece = size_t{1} << 20;
+  std::vector<int64_t> limbs;
+  for (size_t ki = 0; ki < 4; ++ki) {
+    HessianAccumulator& acc = h->at(kAllHessianKinds[ki]);
+    std::vector<Fixed128> total = acc.packed();
+    for (size_t off = 0; off < total.size(); off += kPiece) {
+      const size_t m = std::min(kPiece, total.size() - off);
+      limbs.resize(4 * m);
+      HessianAccumulator::SplitDigits(total.data() + off, m, limbs.data());
+      QCAL_RETURN_IF_ERROR(comm.AllReduceSum(limbs.data(), limbs.size()));
+      QCAL_RETURN_IF_ERROR(Annotate(
+          HessianAccumulator::CombineDigits(limbs.data(), m, total.data() + off),
+          HessianKindName(kAllHessianKinds[ki])));
+    }
+    QCAL_ASSIGN_OR_RETURN(acc, HessianAccumulator::FromFixed(acc.dim(), std::move(total),
+                                                             head[3 * ki]));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+// The opened file and its "hidden" tensor. NotFound when absent, FailedPrecondition for another
+// calibration key, DataLoss when malformed.
+StatusOr<std::pair<std::unique_ptr<SafetensorsFile>, const TensorInfo*>> OpenActivation(
+    const std::string& path, const std::string& key, const std::vector<int64_t>& shape) {
+  if (FileSize(path) < 0) return absl::NotFoundError(path + ": no cached activations");
+  QCAL_ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open(path));
+  auto it = file->metadata().find("calibration_key");
+  if (it == file->metadata().end() || it->second != key) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(path, ": cached activations belong to another calibration"));
+  }
+  const TensorInfo* t = file->Find("hidden");
+  if (t == nullptr || t->dtype != DType::kF32 || t->shape != shape) {
+    return absl::DataLossError(absl::StrCat(path, ": missing or misshapen tensor 'hidden'"));
+  }
+  return std::make_pair(std::move(file), t);
+}
+
+// Every rank learns whether every rank succeeded: the failing rank keeps its own error, the
+// others get Aborted naming `what`. A collective: every rank must call it at the same point.
+Status AgreeOk(runtime::Comm& comm, const Status& local, const std::string& what) {
+  int64_t failed = local.ok() ? 0 : 1;
+  QCAL_RETURN_IF_ERROR(comm.AllReduceSum(&failed, 1));
+  if (!local.ok()) return local;
+  if (failed > 0) {
+    return absl::AbortedError(absl::StrCat(what, ": another rank failed (see its error)"));
+  }
+  return absl::OkStatus();
+}
+
+// Gathers every rank's rows of x (its sequences, in rank = sequence order) to rank 0, which
+// saves them. Collective.
+Status GatherAndSaveActivation(runtime::Comm& comm, const at::Tensor& x,
+                               const std::vector<int64_t>& full_shape, const std::string& path,
+                               const std::string& key) {
+  const at::Tensor c = x.detach().to(at::kFloat).contiguous();
+  std::vector<char> all;
+  QCAL_RETURN_IF_ERROR(comm.Gather(c.data_ptr(), c.numel() * sizeof(float), 0, &all));
+  if (comm.rank() != 0) return absl::OkStatus();
+  int64_t numel = 1;
+  for (int64_t d : full_shape) numel *= d;
+  if (all.size() != static_cast<size_t>(numel) * sizeof(float)) {
+    return absl::InternalError(absl::StrCat(path, ": gathered ", all.size(),
+                                            " bytes of activations, expected ",
+                                            numel * sizeof(float)));
+  }
+  return SaveActivation(path, at::from_blob(all.data(), full_shape, at::kFloat), key);
+}
+
+}  // namespace
+
+StatusOr<at::Tensor> LoadActivation(const std::string& path, const std::string& key,
+                                    const std::vector<int64_t>& shape) {
+  QCAL_ASSIGN_OR_RETURN(auto opened, OpenActivation(path, key, shape));
+  return at::from_blob(const_cast<uint8_t*>(opened.first->Data(*opened.second)), shape,
+                       at::kFloat)
+      .clone();
+}
+
+Status SaveActivation(const std::string& path, const at::Tensor& hidden, const std::string& key) {
+  SafetensorsWriter writer;
+  writer.SetMetadata("calibration_key", key);
+  const at::Tensor c = hidden.detach().to(at::kFloat).contiguous();
+  QCAL_RETURN_IF_ERROR(writer.AddF32("hidden", c.sizes().vec(), c.data_ptr<float>()));
+  return writer.Write(path);
+}
+
+StatusOr<CalibrationResult> Calibrate(runtime::Comm& comm, model::LlamaModel& model,
+                                      const at::Tensor& tokens, const std::string& job_dir,
+                                      const std::string& key, const CalibrationOptions& options,
+                                      const std::function<void(int64_t, int64_t)>& progress) {
   const auto t0 = std::chrono::steady_clock::now();
+  if (options.batch < 1) return absl::InvalidArgumentError("calibration batch must be >= 1");
+  if (tokens.dim() != 2) {
+    return absl::InvalidArgumentError("calibration tokens must be [sequences, seq_len]");
+  }
   CalibrationResult result;
   const int64_t blocks = model.num_blocks();
-  const std::string dir = job_dir + "/hessians";
-  QCAL_RETURN_IF_ERROR(MakeDirs(dir));
-  auto path = [&](int64_t l) { return absl::StrCat(dir, "/block_", l, ".safetensors"); };
+  const int64_t num_seqs = tokens.size(0);
+  const std::vector<int64_t> act_shape = {num_seqs, tokens.size(1), model.config().hidden_size};
+  const bool root = comm.rank() == 0;
 
-  // All blocks cached with this key: no forward pass needed.
-  bool all_cached = true;
-  for (int64_t l = 0; l < blocks && all_cached; ++l) {
-    auto h = LoadBlockHessians(path(l), key);
-    if (!h.ok()) {
-      all_cached = false;
-      break;
+  // Rank 0 looks at the caches and tells everybody, so every rank takes the same path.
+  int64_t cached[2] = {0, 0};  // hessians, activations
+  Status local;
+  if (root) {
+    local = [&]() -> Status {
+      QCAL_RETURN_IF_ERROR(MakeDirs(job_dir + "/hessians"));
+      if (options.activations) QCAL_RETURN_IF_ERROR(MakeDirs(job_dir + "/activations"));
+      bool h_ok = options.hessians;
+      for (int64_t l = 0; l < blocks && h_ok; ++l) {
+        auto h = LoadBlockHessians(HessianPath(job_dir, l), key);
+        h_ok = h.ok();
+        if (!h.ok() && !absl::IsNotFound(h.status())) QCAL_LOG_INFO("{}", h.status().ToString());
+      }
+      bool a_ok = options.activations;
+      for (int64_t l = 0; l <= blocks && a_ok; ++l) {
+        a_ok = OpenActivation(ActivationPath(job_dir, l), key, act_shape).ok();
+      }
+      cached[0] = h_ok;
+      cached[1] = a_ok;
+      return absl::OkStatus();
+    }();
+  }
+  QCAL_RETURN_IF_ERROR(AgreeOk(comm, local, "calibration setup"));
+  QCAL_RETURN_IF_ERROR(comm.Broadcast(cached, sizeof(cached), 0));
+  const bool walk_hessians = options.hessians && !cached[0];
+  const bool walk_activations = options.activations && !cached[1];
+  result.from_cache = options.hessians && cached[0];
+  result.activations_from_cache = options.activations && cached[1];
+
+  if (walk_hessians || walk_activations) {
+    // This rank's canonical chunks.
+    const int64_t chunks = (num_seqs + options.batch - 1) / options.batch;
+    const runtime::Range mine = runtime::SliceForRank(chunks, comm.rank(), comm.size());
+    const int64_t s0 = std::min(num_seqs, mine.begin * options.batch);
+    const int64_t s1 = std::min(num_seqs, mine.end * options.batch);
+    at::NoGradGuard no_grad;
+    at::Tensor x = model.Embed(tokens.narrow(0, s0, s1 - s0));
+    if (walk_hessians && options.keep_hessians) result.hessians.assign(blocks, BlockHessians{});
+    for (int64_t l = 0; l < blocks; ++l) {
+      const std::string where = absl::StrCat("calibration, block ", l);
+      if (walk_activations) {
+        local = GatherAndSaveActivation(comm, x, act_shape, ActivationPath(job_dir, l), key);
+        QCAL_RETURN_IF_ERROR(AgreeOk(comm, local, where));
+      }
+      BlockHessians h;
+      auto y = ForwardCollectingHessians(model.mutable_block(l), x, model.rope(), options.batch,
+                                         walk_hessians ? &h : nullptr);
+      QCAL_RETURN_IF_ERROR(AgreeOk(comm, Annotate(y.status(), where), where));
+      x = std::move(*y);
+      if (walk_hessians) {
+        QCAL_RETURN_IF_ERROR(Annotate(AllReduceHessians(comm, &h), where));
+        if (root) local = Annotate(SaveBlockHessians(HessianPath(job_dir, l), h, key), where);
+        QCAL_RETURN_IF_ERROR(AgreeOk(comm, local, where));
+        result.tokens = h.at(HessianKind::kQkv).count();
+        if (options.keep_hessians) result.hessians[l] = std::move(h);
+      }
+      if (progress) progress(l + 1, blocks);
     }
-    result.hessians.push_back(std::move(*h));
+    if (walk_activations) {
+      local = GatherAndSaveActivation(comm, x, act_shape, ActivationPath(job_dir, blocks), key);
+      QCAL_RETURN_IF_ERROR(AgreeOk(comm, local, "calibration, final activations"));
+    }
   }
-  if (all_cached) {
-    result.from_cache = true;
-    result.tokens = result.hessians.empty() ? 0 : result.hessians[0].at(HessianKind::kQkv).count();
-    result.seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    return result;
+  if (result.from_cache && options.keep_hessians) {
+    for (int64_t l = 0; l < blocks; ++l) {
+      QCAL_ASSIGN_OR_RETURN(BlockHessians h, LoadBlockHessians(HessianPath(job_dir, l), key));
+      result.hessians.push_back(std::move(h));
+    }
   }
-  result.hessians.assign(blocks, BlockHessians{});
-  at::NoGradGuard no_grad;
-  at::Tensor x = model.Embed(tokens);
-  for (int64_t l = 0; l < blocks; ++l) {
-    QCAL_ASSIGN_OR_RETURN(x, ForwardCollectingHessians(model.mutable_block(l), x, model.rope(),
-                                                       batch, &result.hessians[l]));
-    QCAL_RETURN_IF_ERROR(SaveBlockHessians(path(l), result.hessians[l], key));
-    if (progress) progress(l + 1, blocks);
+  if (result.tokens == 0 && !result.hessians.empty()) {
+    result.tokens = result.hessians[0].at(HessianKind::kQkv).count();
   }
-  result.tokens = tokens.numel();
+  if (result.tokens == 0) result.tokens = tokens.numel();
+  QCAL_RETURN_IF_ERROR(comm.Barrier());
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return result;
+}
+
+StatusOr<CalibrationResult> CollectModelHessians(
+    runtime::Comm& comm, model::LlamaModel& model, const at::Tensor& tokens,
+    const std::string& job_dir, const std::string& key, int64_t batch,
+    const std::function<void(int64_t, int64_t)>& progress) {
+  CalibrationOptions options;
+  options.batch = batch;
+  return Calibrate(comm, model, tokens, job_dir, key, options, progress);
 }
 
 }  // namespace qcal::calib

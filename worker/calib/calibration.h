@@ -1,12 +1,24 @@
-// Calibration data and per-block Hessians for a quantization job (QuIP# §F / GPTQ convention).
+// Calibration data, per-block Hessians and block-boundary activations for a quantization job
+// (QuIP# §F / GPTQ convention), data-parallel over the ranks of a Comm.
 //
 // Sequences: the recipe's text files are read (newlines normalised), concatenated with "\n\n",
 // tokenized once, and num_sequences windows of seq_len − 1 tokens are taken at offsets drawn
 // uniformly with std::mt19937_64(seed) (GPTQ's sampling); each sequence is BOS + its window.
-// Hessians: the float model is walked block by block over all sequences; each block's four input
-// Hessians are accumulated in fp64 (calib/hessian.h) and saved in the job directory as
-// hessians/block_<l>.safetensors with the calibration key in the metadata, so that a later run
-// with the same model, data and sampling reuses them.
+//
+// Canonical chunks: the sequences are processed in chunks of `batch` sequences, chunk k =
+// sequences [k·batch, (k+1)·batch) (the last may be shorter). A rank owns the contiguous chunks
+// SliceForRank(num_chunks, rank, size), so every forward op sees exactly the inputs (and GEMM
+// shapes) it sees in a single process, and the exact fixed-point Hessian sums (hessian.h) make
+// the reduced Hessians bit-identical for any number of ranks.
+//
+// Files (job_dir): hessians/block_<l>.safetensors, per kind "<kind>.fixed" (I64 [n(n+1)/2, 2]:
+// the exact int128 sums T as little-endian (low, high) words), "<kind>.sum" (F64 [n, n], the
+// symmetrised sum derived from T, for readers that want plain floats) and "<kind>.count" (I64),
+// metadata calibration_key and hessian_format "2". Files of the old fp64-only format (no
+// hessian_format) are treated as stale and recomputed. activations/block_<l>.safetensors:
+// tensor "hidden" [N, S, hidden] F32 = the float model's input of block l (l = num_blocks: the
+// last block's output), all N sequences in order, metadata calibration_key. Rank 0 writes every
+// file; the others read them from the shared job directory when they need them.
 #pragma once
 
 #include <cstdint>
@@ -21,6 +33,7 @@
 #include "common/tokenizer.h"
 #include "worker/calib/hessian.h"
 #include "worker/model/llama.h"
+#include "worker/runtime/comm.h"
 
 namespace qcal::calib {
 
@@ -37,21 +50,55 @@ std::string CalibrationKey(const std::string& model_dir, const LlamaConfig& conf
                            const CalibrationSpec& spec, const std::string& data_root,
                            int64_t seq_len);
 
-// Saves / loads one block's Hessians (F64 sums + token counts) under job_dir/hessians/.
+std::string HessianPath(const std::string& job_dir, int64_t block);
+std::string ActivationPath(const std::string& job_dir, int64_t boundary);
+
+// Saves / loads one block's Hessians (exact sums + counts) under job_dir/hessians/.
 Status SaveBlockHessians(const std::string& path, const BlockHessians& h, const std::string& key);
-// NotFound when absent; FailedPrecondition when present with another key (stale cache).
+// NotFound when absent; FailedPrecondition when present with another key or in the old format
+// (stale cache); DataLoss when malformed.
 StatusOr<BlockHessians> LoadBlockHessians(const std::string& path, const std::string& key);
 
+// Sums every rank's accumulators (exactly: fixed-point digits through AllReduceSum(int64)); every
+// rank ends with the total. The accumulators must have the same dimensions on every rank.
+Status AllReduceHessians(runtime::Comm& comm, BlockHessians* h);
+
+// One boundary's activations [N, S, hidden] F32. NotFound when absent, FailedPrecondition for
+// another calibration key, DataLoss when malformed or of another shape.
+StatusOr<at::Tensor> LoadActivation(const std::string& path, const std::string& key,
+                                    const std::vector<int64_t>& shape);
+Status SaveActivation(const std::string& path, const at::Tensor& hidden, const std::string& key);
+
+struct CalibrationOptions {
+  int64_t batch = 8;              // sequences per canonical chunk
+  bool hessians = true;           // compute (or reuse) every block's Hessians
+  bool activations = false;       // compute (or reuse) every block boundary's activations
+  bool keep_hessians = true;      // return the Hessians in CalibrationResult::hessians
+};
+
 struct CalibrationResult {
-  std::vector<BlockHessians> hessians;  // one per block
-  int64_t tokens = 0;                   // calibration tokens per Hessian
-  bool from_cache = false;
+  std::vector<BlockHessians> hessians;  // one per block when kept (the reduced totals)
+  int64_t tokens = 0;                   // calibration tokens per Hessian (all ranks)
+  bool from_cache = false;              // Hessians reused from job_dir
+  bool activations_from_cache = false;  // activations reused from job_dir
   double seconds = 0;
 };
 
-// Computes (or loads from job_dir/hessians when the key matches) every block's Hessians by
-// walking the float model over `tokens` in chunks of `batch` sequences. progress(block, blocks).
-StatusOr<CalibrationResult> CollectModelHessians(model::LlamaModel& model,
+// Collective: every rank of `comm` calls it with the same model, all `tokens`
+// [num_sequences, seq_len] and the same options. Reuses cached products whose key matches (rank
+// 0 decides and tells the others); otherwise each rank walks the float model block by block over
+// its chunks, Hessians are summed over ranks and saved by rank 0, activations are gathered to
+// rank 0 and saved in sequence order. Ends with a barrier, so the files are complete when any
+// rank returns. A failure on any rank makes every rank return an error (the failing rank its own,
+// naming the block and Hessian; the others Aborted). progress(block, blocks) on every rank.
+StatusOr<CalibrationResult> Calibrate(runtime::Comm& comm, model::LlamaModel& model,
+                                      const at::Tensor& tokens, const std::string& job_dir,
+                                      const std::string& key, const CalibrationOptions& options,
+                                      const std::function<void(int64_t, int64_t)>& progress =
+                                          nullptr);
+
+// Hessians only (Calibrate with hessians = true, activations = false, keep_hessians = true).
+StatusOr<CalibrationResult> CollectModelHessians(runtime::Comm& comm, model::LlamaModel& model,
                                                  const at::Tensor& tokens,
                                                  const std::string& job_dir,
                                                  const std::string& key, int64_t batch,

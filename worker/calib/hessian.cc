@@ -1,53 +1,214 @@
 #include "worker/calib/hessian.h"
 
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 
 namespace qcal::calib {
 
-HessianAccumulator::HessianAccumulator(int64_t n)
-    : n_(n), sum_(at::zeros({n, n}, at::kDouble)) {}
+namespace {
 
-HessianAccumulator HessianAccumulator::FromSum(at::Tensor sum, int64_t count) {
-  HessianAccumulator acc(0);
-  acc.n_ = sum.size(0);
-  acc.sum_ = sum.to(at::kDouble).contiguous();
+constexpr double kScale = 0x1p50;  // 2^kHessianFracBits
+static_assert(kHessianFracBits == 50, "kScale must be 2^kHessianFracBits");
+constexpr double kUnscale = 0x1p-51;  // 2^-(F+1): T holds two rounded copies of each product
+
+// round(v · 2^F) (to nearest, ties to even) into *out; false when |v · 2^F| ≥ 2^123 or v is not
+// finite. Multiplying by a power of two is exact, so the only rounding is the final one.
+inline bool ToFixed(double v, Fixed128* out) {
+  const double d = v * kScale;
+  if (std::fabs(d) < 0x1p62) {
+#if defined(__x86_64__)
+    *out = _mm_cvtsd_si64(_mm_set_sd(d));  // MXCSR default: round to nearest even
+#else
+    *out = static_cast<int64_t>(std::nearbyint(d));
+#endif
+    return true;
+  }
+  if (!(std::fabs(d) < 0x1p123)) return false;
+  *out = static_cast<Fixed128>(d);  // |d| ≥ 2^62 > 2^53: already an integer, converted exactly
+  return true;
+}
+
+inline bool AddChecked(Fixed128* acc, Fixed128 v) { return !__builtin_add_overflow(*acc, v, acc); }
+
+inline double ToDouble(Fixed128 v) { return static_cast<double>(v); }  // round to nearest
+
+// packed[(i, j)] += q(P[i][j]) + q(P[j][i]) for i <= j; P is [n, n] row-major. In 64x64 tiles so
+// both the row and the column reads stay in cache; tile rows are paired (k, last − k) so every
+// parallel work item has the same amount of work. Returns false on overflow.
+template <typename T>
+bool AccumulateSymmetric(const T* p, int64_t n, Fixed128* packed) {
+  constexpr int64_t kTile = 64;
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  std::atomic<bool> ok{true};
+  auto tile_row = [&](int64_t ti) {
+    const int64_t i0 = ti * kTile, i1 = std::min(n, i0 + kTile);
+    for (int64_t tj = ti; tj < tiles; ++tj) {
+      const int64_t j0 = tj * kTile, j1 = std::min(n, j0 + kTile);
+      for (int64_t i = i0; i < i1; ++i) {
+        Fixed128* row = packed + (i * n - i * (i - 1) / 2 - i);  // row[j] = T(i, j)
+        const T* pi = p + i * n;
+        for (int64_t j = std::max(j0, i); j < j1; ++j) {
+          Fixed128 a, b;
+          if (!ToFixed(static_cast<double>(pi[j]), &a) ||
+              !ToFixed(static_cast<double>(p[j * n + i]), &b) || !AddChecked(&row[j], a + b)) {
+            ok.store(false, std::memory_order_relaxed);
+            return;
+          }
+        }
+      }
+    }
+  };
+  at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end && ok.load(std::memory_order_relaxed); ++k) {
+      tile_row(k);
+      if (tiles - 1 - k != k) tile_row(tiles - 1 - k);
+    }
+  });
+  return ok.load();
+}
+
+Status OverflowError(int64_t n) {
+  return absl::OutOfRangeError(absl::StrCat(
+      "Hessian [", n, "x", n, "]: an input product is not finite or the fixed-point sum left its ",
+      "range (|sum| < 2^76 per entry, resolution 2^-", kHessianFracBits, ")"));
+}
+
+}  // namespace
+
+HessianAccumulator::HessianAccumulator(int64_t n)
+    : n_(n), packed_(static_cast<size_t>(n * (n + 1) / 2), 0) {}
+
+StatusOr<HessianAccumulator> HessianAccumulator::FromSum(const at::Tensor& sum, int64_t count) {
+  if (sum.dim() != 2 || sum.size(0) != sum.size(1)) {
+    return absl::InvalidArgumentError("HessianAccumulator::FromSum: sum must be [n, n]");
+  }
+  HessianAccumulator acc(sum.size(0));
+  const at::Tensor s = sum.to(at::kDouble).contiguous();
+  if (!AccumulateSymmetric(s.data_ptr<double>(), acc.n_, acc.packed_.data())) {
+    return OverflowError(acc.n_);
+  }
   acc.count_ = count;
   return acc;
 }
 
-void HessianAccumulator::Add(const at::Tensor& x) {
+StatusOr<HessianAccumulator> HessianAccumulator::FromFixed(int64_t n, std::vector<Fixed128> packed,
+                                                           int64_t count) {
+  if (n < 0 || packed.size() != static_cast<size_t>(n * (n + 1) / 2) || count < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("HessianAccumulator::FromFixed: ",
+                                                   packed.size(), " packed values for n = ", n,
+                                                   " (want n(n+1)/2), count ", count));
+  }
+  HessianAccumulator acc(0);
+  acc.n_ = n;
+  acc.packed_ = std::move(packed);
+  acc.count_ = count;
+  return acc;
+}
+
+Status HessianAccumulator::Add(const at::Tensor& x) {
   at::NoGradGuard no_grad;
   if (x.scalar_type() == at::kDouble) {
     at::Tensor rows = x.reshape({-1, n_});
-    sum_.addmm_(rows.t(), rows);
+    const at::Tensor p = at::mm(rows.t(), rows).contiguous();
+    if (!AccumulateSymmetric(p.data_ptr<double>(), n_, packed_.data())) return OverflowError(n_);
     count_ += rows.size(0);
-    return;
+    return absl::OkStatus();
   }
   // Products in fp32 (fp32 GEMM runs at twice the fp64 rate on CPU, and TF32/fp32 on GPU), one
-  // partial sum per sequence, accumulated in fp64. Partials are per sequence (not per chunk of
-  // rows) so that the result does not depend on how sequences are batched or split across ranks.
+  // product per sequence, so that every product has the same shape whatever the batching or the
+  // split over ranks; each entry is then rounded once into the exact integer sum.
   at::Tensor seqs = x.dim() >= 3 ? x.reshape({-1, x.size(-2), n_}) : x.reshape({1, -1, n_});
   seqs = seqs.to(at::kFloat).contiguous();
   for (int64_t s = 0; s < seqs.size(0); ++s) {
     at::Tensor rows = seqs[s];
-    sum_.add_(at::mm(rows.t(), rows));  // promotes to fp64 in place, no temporary
+    const at::Tensor p = at::mm(rows.t(), rows).contiguous();
+    if (!AccumulateSymmetric(p.data_ptr<float>(), n_, packed_.data())) return OverflowError(n_);
     count_ += rows.size(0);
   }
+  return absl::OkStatus();
 }
 
-void HessianAccumulator::Merge(const HessianAccumulator& other) {
-  sum_.add_(other.sum_);
+Status HessianAccumulator::Merge(const HessianAccumulator& other) {
+  if (other.n_ != n_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot merge a ", other.n_, "-dim Hessian into a ", n_, "-dim one"));
+  }
+  for (size_t i = 0; i < packed_.size(); ++i) {
+    if (!AddChecked(&packed_[i], other.packed_[i])) return OverflowError(n_);
+  }
   count_ += other.count_;
+  return absl::OkStatus();
+}
+
+at::Tensor HessianAccumulator::sum() const {
+  at::Tensor out = at::empty({n_, n_}, at::kDouble);
+  double* o = out.data_ptr<double>();
+  const int64_t n = n_;
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const Fixed128* row = packed_.data() + (i * n - i * (i - 1) / 2 - i);
+      for (int64_t j = i; j < n; ++j) o[i * n + j] = ToDouble(row[j]) * kUnscale;
+    }
+  });
+  // Mirror (separate pass: the lower triangle of row i is written by other rows' owners).
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      for (int64_t j = 0; j < i; ++j) o[i * n + j] = o[j * n + i];
+    }
+  });
+  return out;
 }
 
 at::Tensor HessianAccumulator::Mean() const {
-  if (count_ == 0) return at::zeros_like(sum_);
-  // fp32 products are symmetric only up to rounding (BLAS computes the two triangles
-  // separately); the factorizations downstream expect an exactly symmetric H.
-  return (sum_ + sum_.t()) / (2.0 * static_cast<double>(count_));
+  if (count_ == 0) return at::zeros({n_, n_}, at::kDouble);
+  return sum().div_(static_cast<double>(count_));
+}
+
+void HessianAccumulator::SplitDigits(const Fixed128* values, size_t n, int64_t* limbs) {
+  for (size_t i = 0; i < n; ++i) {
+    const unsigned __int128 u = static_cast<unsigned __int128>(values[i]);
+    limbs[4 * i + 0] = static_cast<int64_t>(static_cast<uint64_t>(u) & 0xffffffffu);
+    limbs[4 * i + 1] = static_cast<int64_t>(static_cast<uint64_t>(u >> 32) & 0xffffffffu);
+    limbs[4 * i + 2] = static_cast<int64_t>(static_cast<uint64_t>(u >> 64) & 0xffffffffu);
+    limbs[4 * i + 3] = static_cast<int64_t>(values[i] >> 96);  // arithmetic: in [-2^31, 2^31)
+  }
+}
+
+Status HessianAccumulator::CombineDigits(const int64_t* limbs, size_t n, Fixed128* values) {
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t* s = limbs + 4 * i;
+    // Digits 0..2 are sums of values in [0, 2^32): non-negative, so >> is a floor division.
+    int64_t t = s[0];
+    const uint64_t d0 = static_cast<uint64_t>(t) & 0xffffffffu;
+    t = s[1] + (t >> 32);
+    const uint64_t d1 = static_cast<uint64_t>(t) & 0xffffffffu;
+    t = s[2] + (t >> 32);
+    const uint64_t d2 = static_cast<uint64_t>(t) & 0xffffffffu;
+    const int64_t top = s[3] + (t >> 32);
+    if (s[0] < 0 || s[1] < 0 || s[2] < 0 || top < -(int64_t{1} << 31) ||
+        top >= (int64_t{1} << 31)) {
+      return absl::OutOfRangeError(absl::StrCat(
+          "reduced Hessian value ", i, " leaves the 128-bit fixed-point range (or its digits are "
+          "malformed)"));
+    }
+    const unsigned __int128 u = (static_cast<unsigned __int128>(static_cast<uint64_t>(top))
+                                 << 96) |
+                                (static_cast<unsigned __int128>(d2) << 64) |
+                                (static_cast<unsigned __int128>(d1) << 32) | d0;
+    values[i] = static_cast<Fixed128>(u);
+  }
+  return absl::OkStatus();
 }
 
 const char* HessianKindName(HessianKind kind) {
@@ -81,9 +242,12 @@ class RecordingLinear final : public model::Linear {
   RecordingLinear(std::unique_ptr<model::Linear> inner, HessianAccumulator* acc)
       : inner_(std::move(inner)), acc_(acc) {}
   at::Tensor Forward(const at::Tensor& x) const override {
-    if (acc_) acc_->Add(x);
+    // The first error sticks (the accumulator is unusable after it); the forward goes on and
+    // the caller reports it after the pass.
+    if (acc_ && status_.ok()) status_ = acc_->Add(x);
     return inner_->Forward(x);
   }
+  const Status& status() const { return status_; }
   int64_t in_features() const override { return inner_->in_features(); }
   int64_t out_features() const override { return inner_->out_features(); }
   at::Tensor DenseWeight() const override { return inner_->DenseWeight(); }
@@ -92,6 +256,7 @@ class RecordingLinear final : public model::Linear {
  private:
   std::unique_ptr<model::Linear> inner_;
   HessianAccumulator* acc_;
+  mutable Status status_;
 };
 
 }  // namespace
@@ -104,6 +269,19 @@ StatusOr<at::Tensor> ForwardCollectingHessians(model::DecoderBlock& block, const
         absl::StrCat("block inputs must be [seqs, seq, hidden], got ", x.dim(), " dims"));
   }
   if (batch < 1) return absl::InvalidArgumentError("batch must be >= 1");
+  at::NoGradGuard no_grad;
+  auto forward = [&]() -> StatusOr<at::Tensor> {
+    std::vector<at::Tensor> outs;
+    try {
+      for (int64_t s = 0; s < x.size(0); s += batch) {
+        outs.push_back(block.Forward(x.narrow(0, s, std::min(batch, x.size(0) - s)), rope));
+      }
+    } catch (const std::exception& e) {
+      return absl::InternalError(absl::StrCat("block forward failed: ", e.what()));
+    }
+    return at::cat(outs, 0);
+  };
+  if (hessians == nullptr) return x.size(0) == 0 ? x : forward();
   model::BlockWeights& w = block.mutable_weights();
   for (model::LinearKind k : model::kAllLinears) {
     HessianAccumulator& acc = hessians->at(HessianKindOf(k));
@@ -114,28 +292,28 @@ StatusOr<at::Tensor> ForwardCollectingHessians(model::DecoderBlock& block, const
                                                      " has dim ", acc.dim(), ", expected ", n));
     }
   }
+  if (x.size(0) == 0) return x;  // a rank without sequences still has sized accumulators
   // Wrap: only one linear per distinct input records (q records for k and v).
+  std::array<RecordingLinear*, 4> recorders{};
   for (model::LinearKind k : model::kAllLinears) {
     const bool records = k == model::LinearKind::kQ || k == model::LinearKind::kO ||
                          k == model::LinearKind::kGate || k == model::LinearKind::kDown;
     auto& slot = w.linears[static_cast<int>(k)];
-    slot = std::make_unique<RecordingLinear>(std::move(slot),
-                                             records ? &hessians->at(HessianKindOf(k)) : nullptr);
+    auto rec = std::make_unique<RecordingLinear>(
+        std::move(slot), records ? &hessians->at(HessianKindOf(k)) : nullptr);
+    if (records) recorders[static_cast<int>(HessianKindOf(k))] = rec.get();
+    slot = std::move(rec);
   }
   // Unwrap on every exit path, so the block is left as it was.
   auto unwrap = absl::MakeCleanup([&w] {
     for (auto& slot : w.linears) slot = static_cast<RecordingLinear*>(slot.get())->Release();
   });
-  at::NoGradGuard no_grad;
-  std::vector<at::Tensor> outs;
-  try {
-    for (int64_t s = 0; s < x.size(0); s += batch) {
-      outs.push_back(block.Forward(x.narrow(0, s, std::min(batch, x.size(0) - s)), rope));
-    }
-  } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat("block forward failed: ", e.what()));
+  QCAL_ASSIGN_OR_RETURN(at::Tensor out, forward());
+  for (HessianKind k : kAllHessianKinds) {
+    const Status& s = recorders[static_cast<int>(k)]->status();
+    if (!s.ok()) return Annotate(s, absl::StrCat(HessianKindName(k), " input"));
   }
-  return at::cat(outs, 0);
+  return out;
 }
 
 }  // namespace qcal::calib

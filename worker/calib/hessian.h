@@ -1,13 +1,34 @@
-// Hessians of linear-layer inputs, H = E[x xᵀ], accumulated in fp64 (QuIP# §2, GPTQ): the proxy
-// loss tr((Ŵ − W) H (Ŵ − W)ᵀ) of a rounding is the expected squared output error of the layer.
+// Hessians of linear-layer inputs, H = E[x xᵀ] (QuIP# §2, GPTQ): the proxy loss
+// tr((Ŵ − W) H (Ŵ − W)ᵀ) of a rounding is the expected squared output error of the layer.
 //
 // A decoder block has four distinct linear inputs: q/k/v share the attention input, o_proj reads
 // the attention output, gate/up share the MLP input, down_proj reads silu(gate)·up. Collection
 // wraps the block's linears in recorders for one pass over the calibration activations.
+//
+// Exact, order-independent accumulation. Each sequence's product P = xᵀx is computed in fp32
+// (BLAS), then every entry is rounded once to a fixed-point integer q(p) = round(p · 2^F),
+// F = kHessianFracBits = 50, and summed as 128-bit integers. Integer addition is associative, so
+// the sum does not depend on how sequences are split across ranks or in which order partial sums
+// are reduced: a 1-, 2- or 3-rank calibration gives the same bits (given the same per-sequence
+// products, i.e. the same inputs and GEMM shapes; see calibration.h for the canonical chunks).
+//
+//  * What is stored: T = Σ_seq (q(P) + q(Pᵀ)) on the upper triangle (packed, row-major), i.e.
+//    2^(F+1)·(S + Sᵀ)/2 — the symmetrised sum, so Mean() is exactly symmetric by construction.
+//  * Resolution 2^-50 ≈ 8.9e-16 absolute per entry per sequence. Rounding is to nearest, ties to
+//    even. An entry |p| ≤ 2^-51 ≈ 4.4e-16 contributes 0; relative to the fp32 product's own
+//    rounding (2^-24 of the magnitude of the terms it sums) the fixed-point rounding is
+//    negligible unless |p| < ~1e-8, and even then its absolute error (≤ 2^-51 per sequence) is
+//    far below the damping added before any factorization (δ·mean(diag H), δ ~ 1e-2).
+//  * Range: |T| < 2^127, i.e. |Σ p| < 2^76 ≈ 7.6e22 per entry — e.g. 10^4 sequences of 4096
+//    tokens with activations of magnitude 4·10^7. Products of |p| ≥ 2^73 are refused. Anything
+//    out of range is an OutOfRange error (never a silent wrap); callers name the block and input.
+//  * fp64 views (sum(), Mean()) are derived from T deterministically: double(T) (round to
+//    nearest) · 2^-(F+1) [/ count].
 #pragma once
 
 #include <array>
 #include <cstdint>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -16,28 +37,50 @@
 
 namespace qcal::calib {
 
-// Sum of x xᵀ over rows and the number of rows, in fp64. Not thread-safe.
+inline constexpr int kHessianFracBits = 50;
+using Fixed128 = __int128;
+
+// Sum of x xᵀ over rows and the number of rows, in exact fixed point. Not thread-safe.
 class HessianAccumulator {
  public:
   HessianAccumulator() : HessianAccumulator(0) {}
   explicit HessianAccumulator(int64_t n);
-  // From stored sums ([n, n] double) and a row count (a cache or another rank's contribution).
-  static HessianAccumulator FromSum(at::Tensor sum, int64_t count);
-  // x: [..., n]; every row is one sample. Float inputs: x xᵀ of each sequence (x [seqs, seq, n],
-  // or all rows of a 2-D x) in fp32, summed in fp64; double inputs: fp64 throughout.
-  void Add(const at::Tensor& x);
-  // Adds another accumulator's sums (reduction across data-parallel ranks or shards).
-  void Merge(const HessianAccumulator& other);
+  // From an fp64 sum ([n, n], symmetrised and rounded to fixed point) and a row count: for
+  // synthetic Hessians (benchmarks, tests). Not exact below 2^-50; OutOfRange when too large.
+  static StatusOr<HessianAccumulator> FromSum(const at::Tensor& sum, int64_t count);
+  // From the exact packed sums T (n(n+1)/2 values, see above) and a row count (cache files).
+  static StatusOr<HessianAccumulator> FromFixed(int64_t n, std::vector<Fixed128> packed,
+                                                int64_t count);
+
+  // x: [..., n]; every row is one sample. Float inputs: xᵀx of each sequence (x [seqs, seq, n],
+  // or all rows of a 2-D x as one sequence) in fp32, each entry rounded to fixed point; double
+  // inputs: products in fp64, then rounded the same way. OutOfRange on overflow or a non-finite
+  // product; the accumulator is then unusable.
+  Status Add(const at::Tensor& x);
+  // Adds another accumulator's sums (ranks, shards). InvalidArgument for another dimension,
+  // OutOfRange on overflow (the accumulator is then unusable).
+  Status Merge(const HessianAccumulator& other);
+
   int64_t dim() const { return n_; }
   int64_t count() const { return count_; }
-  const at::Tensor& sum() const { return sum_; }  // [n, n] double
-  // (sum + sumᵀ) / (2 count) ([n, n] double, exactly symmetric); zeros when empty.
+  // T, packed upper triangle, row-major: entry (i, j), i <= j, at PackedIndex(i, j).
+  const std::vector<Fixed128>& packed() const { return packed_; }
+  int64_t PackedIndex(int64_t i, int64_t j) const { return i * n_ - i * (i - 1) / 2 + (j - i); }
+  // (S + Sᵀ)/2 in fp64 ([n, n], exactly symmetric), derived from T.
+  at::Tensor sum() const;
+  // (S + Sᵀ) / (2 count) ([n, n] double, exactly symmetric); zeros when empty.
   at::Tensor Mean() const;
+
+  // For reductions over Comm::AllReduceSum(int64_t*): each value as 4 base-2^32 digits in int64
+  // limbs (digits 0..2 in [0, 2^32), digit 3 signed), so summing the limbs of < 2^31 ranks cannot
+  // overflow int64. Combine propagates carries; OutOfRange when the total leaves 128 bits.
+  static void SplitDigits(const Fixed128* values, size_t n, int64_t* limbs);
+  static Status CombineDigits(const int64_t* limbs, size_t n, Fixed128* values);
 
  private:
   int64_t n_;
   int64_t count_ = 0;
-  at::Tensor sum_;
+  std::vector<Fixed128> packed_;
 };
 
 enum class HessianKind { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3 };
@@ -56,7 +99,9 @@ struct BlockHessians {
 
 // Runs x [num_seqs, seq, hidden] through `block` in chunks of `batch` sequences, accumulating the
 // block's four input Hessians into *hessians (initialised to the right sizes when empty), and
-// returns the block's outputs [num_seqs, seq, hidden]. The block is left as it was.
+// returns the block's outputs [num_seqs, seq, hidden]. The block is left as it was. With
+// hessians == nullptr it only runs the block (same chunks, same outputs). An overflow is
+// OutOfRange naming the Hessian ("gate_up input: ...").
 StatusOr<at::Tensor> ForwardCollectingHessians(model::DecoderBlock& block, const at::Tensor& x,
                                                const model::Rope& rope, int64_t batch,
                                                BlockHessians* hessians);

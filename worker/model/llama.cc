@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "worker/quarot/kv_quantizer.h"
 
 namespace qcal::model {
 
@@ -75,6 +76,25 @@ at::Tensor Rope::Apply(const at::Tensor& x) const {
   return x * cos + rotated * sin;
 }
 
+at::Tensor Rope::Apply(const at::Tensor& x, const at::Tensor& perm) const {
+  if (!perm.defined()) return Apply(x);
+  const int64_t heads = x.size(1), seq = x.size(2), d = x.size(3), half = d / 2;
+  const at::Tensor p = perm.to(x.device(), at::kLong);
+  // cos/sin [heads, seq, d]: the column of channel j is that of its half-split channel p[h][j].
+  at::Tensor cos = cos_.narrow(0, 0, seq).to(x.device()).index_select(1, p.reshape(-1))
+                       .view({seq, heads, d}).transpose(0, 1);
+  at::Tensor sin = sin_.narrow(0, 0, seq).to(x.device()).index_select(1, p.reshape(-1))
+                       .view({seq, heads, d}).transpose(0, 1);
+  // rotate_half in the half-split layout: rot[c] = -x[c + half] (c < half), x[c - half] (c >=
+  // half); here read through the permutation.
+  at::Tensor inv = at::empty_like(p).scatter_(1, p, at::arange(d, p.options()).expand({heads, d}));
+  at::Tensor partner = inv.gather(1, (p + half).remainder(d));  // new index of the partner
+  at::Tensor sign = (p < half).to(x.scalar_type()) * -2 + 1;     // -1 for c < half, else +1
+  at::Tensor rotated = x.gather(3, partner.view({1, heads, 1, d}).expand_as(x).contiguous()) *
+                       sign.view({1, heads, 1, d});
+  return x * cos + rotated * sin;
+}
+
 DecoderBlock::DecoderBlock(const LlamaConfig& config, BlockWeights weights)
     : heads_(config.num_attention_heads),
       kv_heads_(config.num_key_value_heads),
@@ -90,9 +110,25 @@ at::Tensor DecoderBlock::Attention(const at::Tensor& h, const Rope& rope) const 
   at::Tensor q = weights_.linear(LinearKind::kQ).Forward(h) * (1.0 / std::sqrt(double(head_dim_)));
   at::Tensor k = weights_.linear(LinearKind::kK).Forward(h);
   at::Tensor v = weights_.linear(LinearKind::kV).Forward(h);
-  q = rope.Apply(q.view({b, s, heads_, head_dim_}).transpose(1, 2));     // [b, H, s, d]
-  k = rope.Apply(k.view({b, s, kv_heads_, head_dim_}).transpose(1, 2));  // [b, KV, s, d]
+  if (!weights_.rope_perm.defined()) {
+    q = rope.Apply(q.view({b, s, heads_, head_dim_}).transpose(1, 2));     // [b, H, s, d]
+    k = rope.Apply(k.view({b, s, kv_heads_, head_dim_}).transpose(1, 2));  // [b, KV, s, d]
+  } else {  // K-sorted channels (worker/quarot/ksort.h)
+    const at::Tensor& kp = weights_.rope_perm;
+    q = rope.Apply(q.view({b, s, heads_, head_dim_}).transpose(1, 2), kp.repeat_interleave(rep, 0));
+    k = rope.Apply(k.view({b, s, kv_heads_, head_dim_}).transpose(1, 2), kp);
+  }
   v = v.view({b, s, kv_heads_, head_dim_}).transpose(1, 2);              // [b, KV, s, d]
+  if (hooks_.qk_rotation.defined()) {  // QuaRot R3, after RoPE; cancels in q·kᵀ
+    const at::Tensor m = hooks_.qk_rotation.to(q.device());
+    q = at::matmul(q, m);
+    k = at::matmul(k, m);
+  }
+  if (hooks_.kv_quantizer) {  // what attention reads back from a quantized cache
+    q = hooks_.kv_quantizer->Apply(q, quarot::KvRole::kQuery);
+    k = hooks_.kv_quantizer->Apply(k, quarot::KvRole::kKey);
+    v = hooks_.kv_quantizer->Apply(v, quarot::KvRole::kValue);
+  }
   // Grouped-query attention without copying K/V: query heads h = g·rep + r share KV head g, so
   // view q as [b, KV, rep·s, d] and attend each group against its one K/V.
   q = q.reshape({b, kv_heads_, rep * s, head_dim_});

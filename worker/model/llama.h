@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -21,6 +22,10 @@
 #include "common/hf_config.h"
 #include "common/safetensors.h"
 #include "common/status.h"
+
+namespace qcal::quarot {
+class KvQuantizer;  // worker/quarot/kv_quantizer.h
+}  // namespace qcal::quarot
 
 namespace qcal::model {
 
@@ -61,6 +66,14 @@ struct BlockWeights {
   at::Tensor input_norm;  // [hidden]
   at::Tensor post_norm;   // [hidden]
   std::unique_ptr<Linear> linears[7];  // indexed by LinearKind
+  // K-sort (worker/quarot/ksort.h): channel j of KV head g holds the half-split RoPE channel
+  // rope_perm[g][j]; query heads use their KV head's row. [kv_heads, head_dim] int64, or
+  // undefined for the identity (every model not K-sorted).
+  at::Tensor rope_perm;
+  // Further per-block tensors of quantized inference, stored in the block's shard as
+  // model.layers.N.<key> (QuaRot's calibrated static ranges: worker/quarot/checkpoint.h). The
+  // float forward pass ignores them.
+  std::map<std::string, at::Tensor> extra;
   Linear& linear(LinearKind k) const { return *linears[static_cast<int>(k)]; }
 };
 
@@ -70,11 +83,28 @@ class Rope {
   Rope(int64_t head_dim, double theta, int64_t max_positions);
   // x [batch, heads, seq, head_dim] at positions [0, seq) -> rotated copy.
   at::Tensor Apply(const at::Tensor& x) const;
+  // As Apply, with the channels of each head permuted: channel j of head h holds the half-split
+  // channel perm[h][j]. perm [heads, head_dim] int64; undefined = Apply(x).
+  at::Tensor Apply(const at::Tensor& x, const at::Tensor& perm) const;
   int64_t max_positions() const { return max_positions_; }
 
  private:
   int64_t max_positions_;
   at::Tensor cos_, sin_;  // [max_positions, head_dim]
+};
+
+// Optional per-block steps of the simulated quantized inference (QuaRot, worker/quarot/). The
+// default (empty) hooks leave the forward pass exactly the float one. Activation quantization and
+// the online Hadamard before down_proj (R4) are not hooks: they wrap the block's Linears
+// (quarot::ActQuantLinear).
+struct BlockHooks {
+  // QuaRot R3: an orthogonal [head_dim, head_dim] matrix M applied to every query and key head
+  // after RoPE, q_h ← q_h·M and k_h ← k_h·M (M = Tᵀ for the normalized Hadamard T); it cancels
+  // in q·kᵀ. Undefined: none.
+  at::Tensor qk_rotation;
+  // Quantizes keys (after RoPE and R3) and values as the KV cache would store them (see
+  // worker/quarot/kv_quantizer.h). Null: a float cache.
+  std::shared_ptr<const quarot::KvQuantizer> kv_quantizer;
 };
 
 class DecoderBlock {
@@ -84,6 +114,9 @@ class DecoderBlock {
   at::Tensor Forward(const at::Tensor& x, const Rope& rope) const;
   const BlockWeights& weights() const { return weights_; }
   BlockWeights& mutable_weights() { return weights_; }
+  const BlockHooks& hooks() const { return hooks_; }
+  void set_hooks(BlockHooks hooks) { hooks_ = std::move(hooks); }
+  int64_t head_dim() const { return head_dim_; }
 
  private:
   at::Tensor Attention(const at::Tensor& h, const Rope& rope) const;
@@ -91,6 +124,7 @@ class DecoderBlock {
   int64_t heads_, kv_heads_, head_dim_;
   double eps_;
   BlockWeights weights_;
+  BlockHooks hooks_;
 };
 
 at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps);
@@ -121,6 +155,14 @@ class LlamaModel {
   at::Tensor Head(const at::Tensor& hidden) const;
   // Whole model: ids [batch, seq] int64 -> logits [batch, seq, vocab] float32.
   at::Tensor Forward(const at::Tensor& ids) const;
+
+  // The non-block weights, for whole-model transforms (QuaRot's norm fusion and rotation).
+  const at::Tensor& embed_weight() const { return embed_; }  // [vocab, hidden]
+  const at::Tensor& final_norm() const { return final_norm_; }  // [hidden]
+  const Linear& head() const { return *head_; }
+  void set_embed_weight(at::Tensor embed) { embed_ = std::move(embed); }
+  void set_final_norm(at::Tensor norm) { final_norm_ = std::move(norm); }
+  void set_head(std::unique_ptr<Linear> head) { head_ = std::move(head); }
 
  private:
   LlamaConfig config_;

@@ -11,6 +11,8 @@
 #include "kernels/incoherence.h"
 #include "kernels/rounding.h"
 #include "worker/quant/quantized_linear.h"
+#include "worker/quarot/act_quant.h"
+#include "worker/quarot/quarot_model.h"
 
 namespace qcal::quant {
 namespace {
@@ -54,7 +56,9 @@ kernels::ScalarQuantConfig ScalarConfig(const Recipe& r) {
   q.bits = r.bits;
   q.symmetric = r.scalar.symmetric;
   q.clip_search = r.scalar.clip_search;
-  if (r.scalar.group_size > 0) {
+  if (r.scalar.per_tensor) {
+    q.granularity = kernels::QuantGranularity::kPerTensor;
+  } else if (r.scalar.group_size > 0) {
     q.granularity = kernels::QuantGranularity::kPerGroup;
     q.group_size = r.scalar.group_size;
   } else {
@@ -179,7 +183,9 @@ StatusOr<QuantizedLinear> QuantizeQuip(const Recipe& recipe, int64_t layer,
 StatusOr<QuantizedLinear> QuantizeScalar(const Recipe& recipe, const std::vector<double>& w,
                                             int64_t out, int64_t in, const std::vector<double>* h) {
   kernels::ScalarRoundingResult rounded;
-  if (recipe.method == QuantMethod::kGptq) {
+  const bool gptq = recipe.method == QuantMethod::kGptq ||
+                    (recipe.method == QuantMethod::kQuarot && recipe.weights == "gptq");
+  if (gptq) {
     kernels::ScalarRoundingConfig sc;
     sc.quant = ScalarConfig(recipe);
     sc.damp = recipe.damp;
@@ -198,14 +204,34 @@ StatusOr<QuantizedLinear> QuantizeScalar(const Recipe& recipe, const std::vector
   data.symmetric = recipe.scalar.symmetric;
   data.group_size = recipe.scalar.group_size;
   data.codes = std::move(rounded.codes);
-  data.scales.assign(rounded.scales.begin(), rounded.scales.end());
-  data.zeros = std::move(rounded.zeros);
+  if (rounded.param_rows == 1 && out > 1) {
+    // Per-tensor grid: the one scale (and zero) repeated for every output channel.
+    data.scales.assign(out * rounded.param_cols, 0.0f);
+    data.zeros.assign(out * rounded.param_cols, 0);
+    for (int64_t r = 0; r < out; ++r) {
+      for (int64_t g = 0; g < rounded.param_cols; ++g) {
+        data.scales[r * rounded.param_cols + g] = static_cast<float>(rounded.scales[g]);
+        data.zeros[r * rounded.param_cols + g] = rounded.zeros[g];
+      }
+    }
+  } else {
+    data.scales.assign(rounded.scales.begin(), rounded.scales.end());
+    data.zeros = std::move(rounded.zeros);
+  }
   data.g_idx = std::move(rounded.g_idx);
-  const int64_t groups = rounded.param_cols;
+  // QuaRot checkpoints store 2..4-bit codes packed two per byte.
+  data.pack_int4 = recipe.method == QuantMethod::kQuarot && recipe.bits <= 4;
+  const int64_t groups = recipe.scalar.per_tensor ? 0 : rounded.param_cols;
   // GPTQ layout: packed codes, fp16 scales and packed zeros per (group, output).
   result.metrics.code_bits = recipe.bits;
-  result.metrics.stored_bits =
-      recipe.bits + static_cast<double>(groups * out * (16 + recipe.bits)) / (out * in);
+  if (data.pack_int4) {
+    // Packed codes (a padding nibble per row when in is odd) + F32 scales per channel/group.
+    result.metrics.stored_bits =
+        (8.0 * out * ((in + 1) / 2) + 32.0 * out * rounded.param_cols) / (out * in);
+  } else {
+    result.metrics.stored_bits =
+        recipe.bits + static_cast<double>(groups * out * (16 + recipe.bits)) / (out * in);
+  }
   QCAL_ASSIGN_OR_RETURN(auto linear, ScalarQuantLinear::Create(std::move(data)));
   result.layer = std::move(linear);
   return result;
@@ -254,10 +280,78 @@ StatusOr<QuantizedLinear> QuantizeLinear(const Recipe& recipe, int64_t layer,
   return q;
 }
 
+namespace {
+
+// QuaRot: the block's weights were already rotated (worker/quarot/rotate.h); a linear may be an
+// ActQuantLinear carrying an online transform T (R4 on down_proj) around its dense weight. The
+// dense weight is rounded per the recipe (rtn / gptq / none) with the Hessian of what it really
+// multiplies, T·H·Tᵀ, and the result is wrapped again with the same transform.
+StatusOr<BlockTaskResult> QuantizeQuarotBlock(const Recipe& recipe, int64_t layer,
+                                              const model::BlockWeights& rotated,
+                                              const calib::BlockHessians* hessians) {
+  const auto t0 = Clock::now();
+  BlockTaskResult result;
+  result.layer = layer;
+  result.weights.input_norm = rotated.input_norm.clone();
+  result.weights.post_norm = rotated.post_norm.clone();
+  result.weights.rope_perm = rotated.rope_perm;
+  result.weights.extra = rotated.extra;
+  for (model::LinearKind kind : model::kAllLinears) {
+    const model::Linear& linear = rotated.linear(kind);
+    const auto* wrapped = dynamic_cast<const quarot::ActQuantLinear*>(&linear);
+    std::shared_ptr<const quarot::OnlineHadamard> transform =
+        wrapped ? wrapped->rotation() : nullptr;
+    const at::Tensor weight = quarot::WeightCarrier(linear).DenseWeight();
+    std::unique_ptr<model::Linear> layer_out;
+    LinearMetrics metrics;
+    if (recipe.weights == "none") {
+      const auto t1 = Clock::now();
+      layer_out = std::make_unique<model::DenseLinear>(weight.to(at::kFloat).contiguous().clone());
+      metrics.name = model::LinearName(kind);
+      metrics.proxy_loss = metrics.relative = std::nan("");
+      metrics.code_bits = metrics.stored_bits = 32;
+      metrics.seconds = Seconds(t1);
+    } else {
+      at::Tensor h;
+      if (hessians) {
+        h = hessians->at(calib::HessianKindOf(kind)).Mean();
+        if (transform) {
+          QCAL_ASSIGN_OR_RETURN(h, quarot::RotateHessian(h, *transform));
+        }
+      }
+      QCAL_ASSIGN_OR_RETURN(QuantizedLinear q, QuantizeLinear(recipe, layer, kind, weight, h));
+      layer_out = std::move(q.layer);
+      metrics = q.metrics;
+    }
+    if (transform) {
+      layer_out = std::make_unique<quarot::ActQuantLinear>(std::move(layer_out), transform,
+                                                           nullptr);
+    }
+    result.weights.linears[static_cast<int>(kind)] = std::move(layer_out);
+    result.linears.push_back(metrics);
+  }
+  result.seconds = Seconds(t0);
+  return result;
+}
+
+}  // namespace
+
 StatusOr<BlockTaskResult> QuantizeBlock(const Recipe& recipe, const LlamaConfig& config,
                                         int64_t layer, const model::BlockWeights& float_weights,
                                         const calib::BlockHessians* hessians) {
   const auto t0 = Clock::now();
+  if (recipe.method == QuantMethod::kQuarot) {
+    if (float_weights.extra.count(quarot::kRotationsKey) == 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "block ", layer, ": method quarot needs the block rotated by quarot::RotateBlockWeights "
+          "first (worker/quarot/quarot_model.h QuantizeModel drives the whole QuaRot pipeline)"));
+    }
+    if (recipe.needs_hessians() && hessians == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("block ", layer, ": quarot with gptq weights needs Hessians"));
+    }
+    return QuantizeQuarotBlock(recipe, layer, float_weights, hessians);
+  }
   if (recipe.needs_hessians() && hessians == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("block ", layer, ": method ",
                                                    QuantMethodName(recipe.method),

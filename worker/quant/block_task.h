@@ -10,6 +10,15 @@
 // BlockLDLQ with the recipe's codebook (E8P, RVQ, half-integer grid) at scale RMS(W)/ρ; the
 // result is a quant::QuipLinear. Baselines: rtn (kernels::RoundToNearest) and gptq
 // (kernels::Gptq) on the scalar grid of the recipe, giving quant::ScalarQuantLinear.
+//
+// QuaRot (method quarot): `float_weights` are the *rotated* float block (worker/quarot/rotate.h:
+// norms fused, R1/R2/R4 fused; down_proj an ActQuantLinear carrying the online R4 Hadamard T) and
+// `hessians` were collected on that block (recorders outside the wrappers, so down_proj's is the
+// Hessian before T; it is turned into T·H·Tᵀ here). Each dense weight is rounded by recipe.weights
+// (rtn, gptq; none keeps it float) on the recipe's scalar grid (QuaRot: per channel, symmetric,
+// clip search), codes packed two per byte at <= 4 bits, and re-wrapped with its transform. The
+// activation / KV quantizers are not part of the block task: quarot::InstallQuantizedInference
+// adds them when the model is assembled.
 #pragma once
 
 #include <cstdint>

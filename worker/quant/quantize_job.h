@@ -1,6 +1,9 @@
-// A whole quantization job in one process, as a sequence of block tasks (the service later farms
-// the same tasks out to MPI ranks): plan → calibrate (Hessians, cached in the job directory) →
-// quantize each block into its own shard → finalize (index, config.json, tokenizer).
+// A whole quantization job in one process, as a sequence of block tasks: plan → calibrate
+// (Hessians, cached in the job directory) → quantize each block into its own shard → finalize
+// (index, config.json, tokenizer). The steps live in worker/quant/job_steps.h and the job
+// directory / journal / finalization code in common/job_layout.h; the service worker
+// (worker/runtime/task_loop.h) runs the same steps on MPI ranks, so a service job writes the same
+// bytes (this is a world of one: runtime::SelfComm).
 //
 // Resume: the job directory's journal.jsonl records each finished block (shard name, size,
 // checksum, metrics). A rerun with the same recipe skips every block whose shard is intact, and

@@ -1,14 +1,11 @@
 #include "worker/quant/quantized_checkpoint.h"
 
-#include <sys/stat.h>
-
-#include <cstdio>
-
 #include <ATen/ATen.h>
 
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
 #include "worker/quant/quantized_linear.h"
+#include "worker/quarot/checkpoint.h"
 
 namespace qcal::quant {
 namespace {
@@ -18,19 +15,7 @@ Status AddF32(SafetensorsWriter* w, const std::string& name, const at::Tensor& t
   return w->AddF32(name, c.sizes().vec(), c.data_ptr<float>());
 }
 
-bool Exists(const std::string& path) {
-  struct stat st;
-  return ::stat(path.c_str(), &st) == 0;
-}
-
 }  // namespace
-
-std::string ShardName(int64_t shard, int64_t num_blocks) {
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "model-%05lld-of-%05lld.safetensors",
-                static_cast<long long>(shard), static_cast<long long>(num_blocks));
-  return buf;
-}
 
 StatusOr<std::vector<std::string>> WriteBlockShard(const std::string& path, int64_t layer,
                                                    const model::BlockWeights& weights) {
@@ -60,75 +45,13 @@ StatusOr<std::vector<std::string>> WriteBlockShard(const std::string& path, int6
   return names;
 }
 
-StatusOr<std::vector<std::string>> WriteNonBlockShard(const std::string& path,
-                                                      CheckpointReader& ckpt,
-                                                      const LlamaConfig& config) {
-  SafetensorsWriter writer;
-  writer.SetMetadata("format", "pt");
-  std::vector<std::string> names = {"model.embed_tokens.weight", "model.norm.weight"};
-  if (ckpt.Has("lm_head.weight")) names.push_back("lm_head.weight");
-  for (const std::string& name : names) {
-    QCAL_ASSIGN_OR_RETURN(auto found, ckpt.Find(name));
-    QCAL_ASSIGN_OR_RETURN(std::vector<float> data, found.first->ReadF32(name));
-    QCAL_RETURN_IF_ERROR(writer.AddF32(name, found.second->shape, data.data()));
-  }
-  QCAL_RETURN_IF_ERROR(writer.Write(path));
-  return names;
-}
-
-nlohmann::json MakeQuantizationConfig(const Recipe& recipe, double code_bits,
-                                      double stored_bits) {
-  nlohmann::json q = {{"quant_method", "qcal"},
-                      {"format_version", 1},
-                      {"method", QuantMethodName(recipe.method)},
-                      {"bits", recipe.bits},
-                      {"bits_per_weight", {{"codes", code_bits}, {"stored", stored_bits}}},
-                      {"modules_not_quantized", {"model.embed_tokens", "model.norm", "lm_head"}},
-                      {"recipe", recipe.ToJson()}};
-  if (recipe.method == QuantMethod::kQuip) {
-    q["format"] = "quip";
-    q["codebook"] = recipe.codebook;
-    q["incoherence"] = recipe.incoherence;
-    q["scale"] = recipe.scale_mode;  // "row" | "matrix" (P.scale [out_pad] or [])
-  } else {
-    q["format"] = "scalar";
-    q["group_size"] = recipe.scalar.group_size;
-    q["symmetric"] = recipe.scalar.symmetric;
-    q["desc_act"] = recipe.scalar.act_order;
-  }
-  return q;
-}
-
-Status FinalizeCheckpoint(const std::string& out_dir, const std::string& model_dir,
-                          const LlamaConfig& config, const nlohmann::json& quantization_config) {
-  std::map<std::string, std::string> weight_map;
-  uint64_t total = 0;
-  const int64_t blocks = config.num_hidden_layers;
-  for (int64_t shard = 0; shard <= blocks; ++shard) {
-    const std::string name = ShardName(shard, blocks);
-    QCAL_ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open(out_dir + "/" + name));
-    for (const TensorInfo& t : file->tensors()) {
-      weight_map[t.name] = name;
-      total += t.nbytes();
-    }
-  }
-  QCAL_RETURN_IF_ERROR(WriteCheckpointIndex(out_dir, weight_map, total));
-  for (const char* f : {"tokenizer.model", "tokenizer_config.json", "generation_config.json",
-                        "tokenizer.json", "special_tokens_map.json"}) {
-    const std::string src = model_dir + "/" + f;
-    if (!Exists(src)) continue;
-    QCAL_ASSIGN_OR_RETURN(std::string bytes, ReadFile(src));
-    QCAL_RETURN_IF_ERROR(WriteFileAtomic(out_dir + "/" + f, bytes));
-  }
-  LlamaConfig out = config;
-  out.raw["quantization_config"] = quantization_config;
-  return WriteFileAtomic(out_dir + "/config.json", LlamaConfigToJson(out).dump(2) + "\n");
-}
-
 StatusOr<model::BlockWeights> LoadAnyBlockWeights(CheckpointReader& ckpt,
                                                   const LlamaConfig& config, int64_t layer) {
   if (!config.raw.contains("quantization_config")) {
     return model::LoadBlockWeights(ckpt, config, layer);
+  }
+  if (quarot::IsQuarotCheckpoint(config)) {
+    return quarot::LoadQuarotBlockWeights(ckpt, config, layer);
   }
   const nlohmann::json& q = config.raw["quantization_config"];
   if (!q.is_object() || q.value("quant_method", "") != "qcal") {
@@ -169,6 +92,8 @@ StatusOr<model::BlockWeights> LoadAnyBlockWeights(CheckpointReader& ckpt,
 
 StatusOr<std::unique_ptr<model::LlamaModel>> LoadAnyModel(const std::string& dir) {
   QCAL_ASSIGN_OR_RETURN(LlamaConfig config, LoadLlamaConfig(dir));
+  // QuaRot checkpoints carry rotations and activation / KV quantizers to install (worker/quarot).
+  if (quarot::IsQuarotCheckpoint(config)) return quarot::LoadQuarotModel(dir);
   if (!config.raw.contains("quantization_config")) return model::LlamaModel::Load(dir);
   QCAL_ASSIGN_OR_RETURN(auto ckpt, CheckpointReader::Open(dir));
   QCAL_ASSIGN_OR_RETURN(at::Tensor embed,

@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/hf_config.h"
+#include "common/job_layout.h"
 #include "common/recipe.h"
 #include "common/safetensors.h"
 #include "common/status.h"
@@ -22,26 +23,17 @@
 
 namespace qcal::quant {
 
-// "model-00003-of-00006.safetensors": shard 0 holds the non-block tensors, shard l+1 block l.
-std::string ShardName(int64_t shard, int64_t num_blocks);
+// Shard naming, the non-block shard, quantization_config and finalization are torch-free and
+// shared with the coordinator: common/job_layout.h.
+using ::qcal::FinalizeCheckpoint;
+using ::qcal::MakeQuantizationConfig;
+using ::qcal::ShardName;
+using ::qcal::WriteNonBlockShard;
 
 // Writes one block's tensors (norms as F32, each linear as its own format: QuipLinear,
 // ScalarQuantLinear, or a dense F32 weight) atomically to `path`. Returns the tensor names.
 StatusOr<std::vector<std::string>> WriteBlockShard(const std::string& path, int64_t layer,
                                                    const model::BlockWeights& weights);
-
-// Copies the embeddings, final norm and (untied) head from the float checkpoint.
-StatusOr<std::vector<std::string>> WriteNonBlockShard(const std::string& path,
-                                                      CheckpointReader& float_ckpt,
-                                                      const LlamaConfig& config);
-
-// The "quantization_config" object written into config.json.
-nlohmann::json MakeQuantizationConfig(const Recipe& recipe, double code_bits, double stored_bits);
-
-// Writes the index, config.json (last: its presence marks a complete checkpoint) and copies the
-// tokenizer files from `model_dir`.
-Status FinalizeCheckpoint(const std::string& out_dir, const std::string& model_dir,
-                          const LlamaConfig& config, const nlohmann::json& quantization_config);
 
 // Loads a block whose linears may be quantized, according to config.raw["quantization_config"].
 StatusOr<model::BlockWeights> LoadAnyBlockWeights(CheckpointReader& ckpt,

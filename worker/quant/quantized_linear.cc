@@ -449,6 +449,9 @@ StatusOr<std::unique_ptr<ScalarQuantLinear>> ScalarQuantLinear::Create(ScalarLin
   if (data.group_size != -1 && data.group_size <= 0) {
     return invalid(absl::StrCat("group_size = ", data.group_size, " (expected -1 or > 0)"));
   }
+  if (data.pack_int4 && data.bits > 4) {
+    return invalid(absl::StrCat("pack_int4 with ", data.bits, " bits (at most 4)"));
+  }
   const int64_t in = data.in_features, out = data.out_features, groups = NumGroups(data);
   if (static_cast<int64_t>(data.codes.size()) != out * in) {
     return invalid(absl::StrCat(data.codes.size(), " codes given, expected ", out * in, " (= ",
@@ -522,6 +525,7 @@ const ScalarLinearData& ScalarQuantLinear::data() const { return impl_->data; }
 
 bool ScalarQuantLinear::GptqExportable() const {
   const ScalarLinearData& d = impl_->data;
+  if (d.pack_int4) return false;
   const int b = d.bits;
   return (b == 2 || b == 3 || b == 4 || b == 8) && (d.in_features * b) % 32 == 0 &&
          (d.out_features * b) % 32 == 0;
@@ -575,7 +579,18 @@ Status ScalarQuantLinear::AppendTensors(const std::string& prefix,
   const ScalarLinearData& d = impl_->data;
   const int64_t in = d.in_features, out = d.out_features, groups = NumGroups(d);
   const std::vector<int64_t> code_shape = {out, in};
-  if (d.bits <= 8) {
+  if (d.pack_int4) {
+    const int64_t half = (in + 1) / 2;
+    std::vector<uint8_t> packed(out * half, 0);
+    for (int64_t r = 0; r < out; ++r) {
+      for (int64_t j = 0; j < in; ++j) {
+        const uint8_t nibble = static_cast<uint8_t>(d.codes[r * in + j]) & 0xF;  // two's compl.
+        packed[r * half + j / 2] |= static_cast<uint8_t>(j % 2 == 0 ? nibble : nibble << 4);
+      }
+    }
+    QCAL_RETURN_IF_ERROR(writer->Add(prefix + ".codes_int4", DType::kU8, {out, half},
+                                     packed.data(), packed.size()));
+  } else if (d.bits <= 8) {
     std::vector<uint8_t> c(d.codes.size());
     for (size_t i = 0; i < c.size(); ++i) c[i] = static_cast<uint8_t>(d.codes[i]);  // two's compl.
     QCAL_RETURN_IF_ERROR(writer->Add(prefix + ".codes", d.symmetric ? DType::kI8 : DType::kU8,
@@ -625,10 +640,26 @@ StatusOr<std::unique_ptr<ScalarQuantLinear>> ScalarQuantLinear::Load(CheckpointR
   const bool wide = d.bits > 8;
   const DType code_dtype =
       d.symmetric ? (wide ? DType::kI16 : DType::kI8) : (wide ? DType::kU16 : DType::kU8);
-  StatusOr<std::vector<int64_t>> codes =
-      ReadInts(ckpt, prefix + ".codes", {code_dtype}, {d.out_features, d.in_features});
-  if (!codes.ok()) return fail(codes.status());
-  d.codes.assign(codes->begin(), codes->end());
+  if (ckpt.Has(prefix + ".codes_int4")) {
+    const int64_t in = d.in_features, half = (in + 1) / 2;
+    StatusOr<std::vector<int64_t>> packed =
+        ReadInts(ckpt, prefix + ".codes_int4", {DType::kU8}, {d.out_features, half});
+    if (!packed.ok()) return fail(packed.status());
+    d.pack_int4 = true;
+    d.codes.resize(d.out_features * in);
+    for (int64_t r = 0; r < d.out_features; ++r) {
+      for (int64_t j = 0; j < in; ++j) {
+        int32_t v = static_cast<int32_t>(((*packed)[r * half + j / 2] >> (j % 2 ? 4 : 0)) & 0xF);
+        if (d.symmetric && v >= 8) v -= 16;  // sign-extend the nibble
+        d.codes[r * in + j] = v;
+      }
+    }
+  } else {
+    StatusOr<std::vector<int64_t>> codes =
+        ReadInts(ckpt, prefix + ".codes", {code_dtype}, {d.out_features, d.in_features});
+    if (!codes.ok()) return fail(codes.status());
+    d.codes.assign(codes->begin(), codes->end());
+  }
   StatusOr<std::vector<float>> scales =
       ReadF32Checked(ckpt, prefix + ".scales", {d.out_features, groups});
   if (!scales.ok()) return fail(scales.status());

@@ -123,6 +123,9 @@ struct ScalarLinearData {
   std::vector<int32_t> zeros;       // [out, groups]; 0 for symmetric grids
   std::vector<int32_t> g_idx;       // [in]: group of each input column (act-order permutes);
                                     // empty = column j in group j / group_size (or 0)
+  // Checkpoint storage: codes packed two per byte (bits <= 4 only) instead of one per byte, and
+  // no GPTQ layout (QuaRot checkpoints, whose rotated weights need the online transforms anyway).
+  bool pack_int4 = false;
 };
 
 // GPTQ's packed tensors (AutoGPTQ "gptq" checkpoint format, a.k.a. v1). Codes are stored
@@ -162,15 +165,19 @@ class ScalarQuantLinear final : public model::Linear {
   bool GptqExportable() const;
 
   // qcal tensors: prefix.codes [out, in] I8/I16 (signed, symmetric) or U8/U16 (asymmetric) by
-  // bits <= 8 / > 8, prefix.scales [out, groups] F32, prefix.zeros [out, groups] I32,
+  // bits <= 8 / > 8 — or, with data().pack_int4, prefix.codes_int4 [out, ceil(in/2)] U8 holding
+  // codes 2j (low nibble) and 2j+1 (high nibble) of each row, two's complement for symmetric
+  // grids, unsigned for asymmetric ones, a zero high nibble when in is odd —, prefix.scales
+  // [out, groups] F32, prefix.zeros [out, groups] I32,
   // prefix.g_idx [in] I32, prefix.qconfig [5] I64 = {out_features, in_features, bits,
   // group_size (-1 per channel), symmetric (1/0)}; and, when GptqExportable(), the GPTQ layout
   // inference engines load: prefix.qweight [in·bits/32, out] I32, prefix.qzeros
   // [groups, out·bits/32] I32, prefix.scales_gptq [groups, out] F16 (prefix.g_idx is shared:
-  // same name, same meaning in both layouts).
+  // same name, same meaning in both layouts); never with pack_int4.
   Status AppendTensors(const std::string& prefix, SafetensorsWriter* writer) const;
-  // Rebuilds from the qcal tensors (the GPTQ ones are not read). NotFound naming the missing
-  // tensor; InvalidArgument for a wrong dtype/shape or anything Create rejects.
+  // Rebuilds from the qcal tensors (the GPTQ ones are not read; codes_int4 when present, which
+  // sets pack_int4). NotFound naming the missing tensor; InvalidArgument for a wrong dtype/shape
+  // or anything Create rejects.
   static StatusOr<std::unique_ptr<ScalarQuantLinear>> Load(CheckpointReader& ckpt,
                                                            const std::string& prefix);
 

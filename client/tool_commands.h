@@ -1,0 +1,65 @@
+// `qcal tool ...`: developer tools that work on a model directory in this process.
+//   plant-outliers  function-preserving variant with planted activation outliers
+//                   (worker/quarot/plant_outliers.h)
+//   outlier-stats   max/median channel ratios of the down_proj input, o_proj input and K
+//                   (worker/quarot/outlier_stats.h)
+//   kv-eval         perplexity with a BFP K cache (BFP12 keys, BFP16 queries), with or without
+//                   K-sort (worker/quarot/bfp_kv.h, ksort.h)
+// Each Run* returns the process exit code.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace CLI {
+class App;
+}
+
+namespace qcal::client {
+
+struct PlantOutliersCliOptions {
+  std::string model_dir;
+  std::string out_dir;
+  double alpha = 50;
+  double beta = 50;
+  int64_t channels = 2;  // down_proj-input and o_proj-input channels per layer
+  int64_t k_pairs = 1;   // K RoPE pairs per KV head
+  uint64_t seed = 0;
+  bool json = false;
+};
+
+struct OutlierStatsOptions {
+  std::string model_dir;
+  std::string data_path;
+  int64_t tokens = 4096;
+  int64_t ctx = 128;
+  bool json = false;
+};
+
+struct KvEvalOptions {
+  std::string model_dir;
+  std::string data_path;
+  int64_t ctx = 2048;
+  int64_t max_tokens = -1;
+  int64_t batch = 1;
+  bool bos_per_window = false;
+  int key_bits = 4;                    // BFP key mantissa bits (4 = BFP12); 16 = float keys
+  int query_bits = 8;                  // BFP query mantissa bits (8 = BFP16); 16 = float queries
+  int64_t block = 0;                   // BFP block size along head_dim (0 = head_dim)
+  std::string key_point = "pre-rope";  // pre-rope (the paper) | post-rope
+  bool k_sort = false;
+  std::string k_sort_order = "channels";  // channels (Algorithm 1) | pairs
+  bool sort_values = true;
+  bool kl = false;  // also evaluate the float model: its perplexity and KL(float || quantized)
+  int threads = 0;
+  bool json = false;
+};
+
+// Registers `tool` and its subcommands on `app`; callbacks store their exit code in *exit_code.
+void AddToolCommands(CLI::App& app, int* exit_code);
+
+int RunPlantOutliers(const PlantOutliersCliOptions& options);
+int RunOutlierStats(const OutlierStatsOptions& options);
+int RunKvEval(const KvEvalOptions& options);
+
+}  // namespace qcal::client

@@ -1,0 +1,374 @@
+#include "common/job_layout.h"
+
+#include <fcntl.h>
+#include <limits.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "common/atomic_file.h"
+#include "common/hash.h"
+#include "common/log.h"
+
+namespace qcal {
+namespace {
+
+std::string RealPath(const std::string& p) {
+  char buf[PATH_MAX];
+  return ::realpath(p.c_str(), buf) ? std::string(buf) : p;
+}
+
+bool Exists(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+// Fills the journal-derived fields of *plan (config, num_blocks and job_dir already set). The
+// last block_done per layer counts; the last e2e_done counts only if no block_done follows it
+// (a redone block invalidates the end-to-end stage).
+Status EvaluateJournal(const Recipe& recipe, const std::string& out_dir,
+                       const std::vector<nlohmann::json>& entries, const std::string& journal_path,
+                       JobPlan* plan) {
+  const int64_t blocks = plan->num_blocks;
+  std::map<int64_t, nlohmann::json> done;
+  nlohmann::json e2e_done;
+  for (const auto& e : entries) {
+    const std::string event = e.value("event", "");
+    if (event == "job_start" && e.value("recipe_hash", "") != plan->recipe_hash) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          journal_path, " belongs to another recipe ('", e.value("recipe", std::string("?")),
+          "'); use a fresh --job-dir or --out"));
+    }
+    if (event == "block_done") {
+      done[e.value("layer", int64_t{-1})] = e;
+      e2e_done = nlohmann::json();
+    }
+    if (event == "e2e_done") e2e_done = e;
+  }
+  plan->e2e_enabled = recipe.finetune.end_to_end.enabled;
+  plan->e2e_finished = false;
+  plan->e2e_done = nlohmann::json();
+  plan->block_finished.assign(blocks, false);
+  plan->block_done.clear();
+  if (plan->e2e_enabled && e2e_done.is_object()) {
+    // Every shard was rewritten by the end-to-end stage; its checksums are the ones to match.
+    bool ok = e2e_done.contains("checksums") && e2e_done["checksums"].is_object() &&
+              e2e_done["checksums"].size() == static_cast<size_t>(blocks + 1);
+    for (int64_t shard = 0; shard <= blocks && ok; ++shard) {
+      const std::string name = ShardName(shard, blocks);
+      auto sum = FileChecksum(out_dir + "/" + name);
+      ok = sum.ok() && e2e_done["checksums"].value(name, "") == *sum;
+    }
+    for (int64_t l = 0; l < blocks && ok; ++l) ok = done.count(l) > 0;
+    if (ok) {
+      plan->e2e_finished = true;
+      plan->e2e_done = e2e_done;
+      plan->block_finished.assign(blocks, true);
+      for (int64_t l = 0; l < blocks; ++l) plan->block_done[l] = done[l];
+      return absl::OkStatus();
+    }
+    QCAL_LOG_WARN("journal says end-to-end fine-tuning is done but a shard is missing or "
+                  "changed; redoing every block and the end-to-end stage");
+    return absl::OkStatus();
+  }
+  for (const auto& [layer, e] : done) {
+    if (layer < 0 || layer >= blocks) continue;
+    auto sum = FileChecksum(out_dir + "/" + ShardName(layer + 1, blocks));
+    plan->block_finished[layer] = sum.ok() && *sum == e.value("checksum", "");
+    if (plan->block_finished[layer]) {
+      plan->block_done[layer] = e;
+    } else {
+      QCAL_LOG_WARN("block {}: journal says done but its shard is missing or changed; redoing",
+                    layer);
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string ShardName(int64_t shard, int64_t num_blocks) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "model-%05lld-of-%05lld.safetensors",
+                static_cast<long long>(shard), static_cast<long long>(num_blocks));
+  return buf;
+}
+
+// ---- Journal
+
+StatusOr<Journal> Journal::Open(const std::string& path) {
+  Journal j;
+  j.path_ = path;
+  std::ifstream in(path);
+  std::string line;
+  int64_t lineno = 0;
+  while (std::getline(in, line)) {
+    ++lineno;
+    if (line.empty()) continue;
+    auto e = nlohmann::json::parse(line, nullptr, false);
+    if (e.is_discarded() || !e.is_object()) {
+      // A torn last line (crash mid-append) is ignored; anything else is corruption.
+      if (in.peek() == EOF) break;
+      return absl::DataLossError(absl::StrCat(path, ": line ", lineno, " is not JSON"));
+    }
+    j.entries_.push_back(std::move(e));
+  }
+  return j;
+}
+
+Status Journal::Append(const nlohmann::json& entry) {
+  const std::string line = entry.dump() + "\n";
+  const int fd = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (fd < 0) return absl::InternalError(absl::StrCat(path_, ": cannot open for append"));
+  const bool ok = ::write(fd, line.data(), line.size()) == static_cast<ssize_t>(line.size()) &&
+                  ::fsync(fd) == 0;
+  ::close(fd);
+  if (!ok) return absl::InternalError(absl::StrCat(path_, ": write failed"));
+  entries_.push_back(entry);
+  return absl::OkStatus();
+}
+
+// ---- Plan
+
+bool JobPlan::all_blocks_finished() const {
+  for (bool f : block_finished) {
+    if (!f) return false;
+  }
+  return true;
+}
+
+std::vector<int64_t> JobPlan::pending_blocks() const {
+  std::vector<int64_t> out;
+  for (int64_t l = 0; l < static_cast<int64_t>(block_finished.size()); ++l) {
+    if (!block_finished[l]) out.push_back(l);
+  }
+  return out;
+}
+
+bool JobPlan::needs_calibration(const Recipe& recipe) const {
+  const bool blocks_left = !all_blocks_finished();
+  return (recipe.needs_hessians() && blocks_left) || (recipe.finetune.enabled && blocks_left) ||
+         (e2e_enabled && !e2e_finished);
+}
+
+StatusOr<JobPlan> PlanJob(const Recipe& recipe, const std::string& model_dir,
+                          const std::string& out_dir, const std::string& job_dir) {
+  JobPlan plan;
+  QCAL_ASSIGN_OR_RETURN(plan.config, LoadLlamaConfig(model_dir));
+  const std::string model_real = RealPath(model_dir);
+  QCAL_RETURN_IF_ERROR(MakeDirs(out_dir));
+  const std::string out_real = RealPath(out_dir);
+  if (out_real == model_real || out_real.rfind(model_real + "/", 0) == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("output directory ", out_dir,
+                                                   " is inside the input model directory ",
+                                                   model_dir));
+  }
+  plan.job_dir = job_dir.empty() ? out_dir + ".job" : job_dir;
+  QCAL_RETURN_IF_ERROR(MakeDirs(plan.job_dir));
+  plan.num_blocks = plan.config.num_hidden_layers;
+  plan.recipe_hash = Fnv1aHex(recipe.ToJson().dump());
+  const std::string journal_path = plan.job_dir + "/journal.jsonl";
+  QCAL_ASSIGN_OR_RETURN(Journal journal, Journal::Open(journal_path));
+  QCAL_RETURN_IF_ERROR(EvaluateJournal(recipe, out_dir, journal.entries(), journal_path, &plan));
+  return plan;
+}
+
+nlohmann::json JobStartEntry(const Recipe& recipe, const std::string& recipe_hash,
+                             const std::string& model_dir) {
+  return {{"event", "job_start"},
+          {"recipe", recipe.name},
+          {"recipe_hash", recipe_hash},
+          {"model", RealPath(model_dir)}};
+}
+
+// ---- Checkpoint files
+
+StatusOr<std::vector<std::string>> WriteNonBlockShard(const std::string& path,
+                                                      CheckpointReader& ckpt,
+                                                      const LlamaConfig& config) {
+  SafetensorsWriter writer;
+  writer.SetMetadata("format", "pt");
+  std::vector<std::string> names = {"model.embed_tokens.weight", "model.norm.weight"};
+  if (ckpt.Has("lm_head.weight")) names.push_back("lm_head.weight");
+  for (const std::string& name : names) {
+    QCAL_ASSIGN_OR_RETURN(auto found, ckpt.Find(name));
+    QCAL_ASSIGN_OR_RETURN(std::vector<float> data, found.first->ReadF32(name));
+    QCAL_RETURN_IF_ERROR(writer.AddF32(name, found.second->shape, data.data()));
+  }
+  QCAL_RETURN_IF_ERROR(writer.Write(path));
+  return names;
+}
+
+nlohmann::json MakeQuantizationConfig(const Recipe& recipe, double code_bits,
+                                      double stored_bits) {
+  nlohmann::json q = {{"quant_method", "qcal"},
+                      {"format_version", 1},
+                      {"method", QuantMethodName(recipe.method)},
+                      {"bits", recipe.bits},
+                      {"bits_per_weight", {{"codes", code_bits}, {"stored", stored_bits}}},
+                      {"modules_not_quantized", {"model.embed_tokens", "model.norm", "lm_head"}},
+                      {"recipe", recipe.ToJson()}};
+  if (recipe.method == QuantMethod::kQuip) {
+    q["format"] = "quip";
+    q["codebook"] = recipe.codebook;
+    q["incoherence"] = recipe.incoherence;
+    q["scale"] = recipe.scale_mode;  // "row" | "matrix" (P.scale [out_pad] or [])
+  } else {
+    q["format"] = "scalar";
+    q["group_size"] = recipe.scalar.group_size;
+    q["symmetric"] = recipe.scalar.symmetric;
+    q["desc_act"] = recipe.scalar.act_order;
+  }
+  return q;
+}
+
+BitsPerWeight AggregateBits(const LlamaConfig& config,
+                            const std::map<int64_t, nlohmann::json>& block_done) {
+  // The seven linears of a block in the worker's order (model::kAllLinears) with their sizes.
+  const int64_t h = config.hidden_size, ff = config.intermediate_size;
+  const struct {
+    const char* name;
+    int64_t in, out;
+  } linears[] = {{"self_attn.q_proj", h, config.q_dim()},  {"self_attn.k_proj", h, config.kv_dim()},
+                 {"self_attn.v_proj", h, config.kv_dim()}, {"self_attn.o_proj", config.q_dim(), h},
+                 {"mlp.gate_proj", h, ff},                 {"mlp.up_proj", h, ff},
+                 {"mlp.down_proj", ff, h}};
+  constexpr size_t kLinears = sizeof(linears) / sizeof(linears[0]);
+  double code_sum = 0, stored_sum = 0, weights = 0;
+  for (const auto& [layer, entry] : block_done) {
+    if (!entry.contains("metrics") || !entry["metrics"].is_array()) continue;
+    const nlohmann::json& metrics = entry["metrics"];
+    for (size_t i = 0; i < metrics.size(); ++i) {
+      const nlohmann::json& m = metrics[i];
+      // By name; a metric without a known name falls back to its position.
+      size_t k = i < kLinears ? i : kLinears;
+      const std::string name = m.is_object() ? m.value("name", "") : "";
+      for (size_t j = 0; j < kLinears; ++j) {
+        if (name == linears[j].name) k = j;
+      }
+      if (k >= kLinears) continue;
+      const double n = static_cast<double>(linears[k].in * linears[k].out);
+      code_sum += m.value("code_bits", 0.0) * n;
+      stored_sum += m.value("stored_bits", 0.0) * n;
+      weights += n;
+    }
+  }
+  BitsPerWeight bits;
+  if (weights > 0) {
+    bits.code_bits = code_sum / weights;
+    bits.stored_bits = stored_sum / weights;
+  }
+  return bits;
+}
+
+Status WriteShardIndex(const std::string& out_dir, int64_t num_blocks) {
+  std::map<std::string, std::string> weight_map;
+  uint64_t total = 0;
+  for (int64_t shard = 0; shard <= num_blocks; ++shard) {
+    const std::string name = ShardName(shard, num_blocks);
+    QCAL_ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open(out_dir + "/" + name));
+    for (const TensorInfo& t : file->tensors()) {
+      weight_map[t.name] = name;
+      total += t.nbytes();
+    }
+  }
+  return WriteCheckpointIndex(out_dir, weight_map, total);
+}
+
+StatusOr<std::string> FileChecksum(const std::string& path) {
+  QCAL_ASSIGN_OR_RETURN(std::string bytes, ReadFile(path));
+  return Fnv1aHex(bytes);
+}
+
+Status CheckBlockDoneEntry(const nlohmann::json& entry, const std::string& out_dir,
+                           int64_t num_blocks) {
+  if (!entry.is_object() || entry.value("event", "") != "block_done") {
+    return absl::InvalidArgumentError("block result is not a block_done journal entry");
+  }
+  if (!entry.contains("layer") || !entry["layer"].is_number_integer()) {
+    return absl::InvalidArgumentError("block_done entry has no integer 'layer'");
+  }
+  const int64_t layer = entry["layer"].get<int64_t>();
+  if (layer < 0 || layer >= num_blocks) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block_done entry names layer ", layer, " of ", num_blocks));
+  }
+  const std::string shard = ShardName(layer + 1, num_blocks);
+  if (entry.value("shard", "") != shard) {
+    return absl::InvalidArgumentError(absl::StrCat("block_done entry for layer ", layer,
+                                                   " names shard '", entry.value("shard", ""),
+                                                   "', expected ", shard));
+  }
+  const std::string path = out_dir + "/" + shard;
+  QCAL_ASSIGN_OR_RETURN(std::string sum, FileChecksum(path));
+  if (sum != entry.value("checksum", "")) {
+    return absl::DataLossError(absl::StrCat(path, ": checksum ", sum,
+                                            " does not match the block_done entry's ",
+                                            entry.value("checksum", "")));
+  }
+  return absl::OkStatus();
+}
+
+Status FinalizeCheckpoint(const std::string& out_dir, const std::string& model_dir,
+                          const LlamaConfig& config, const nlohmann::json& quantization_config) {
+  QCAL_RETURN_IF_ERROR(WriteShardIndex(out_dir, config.num_hidden_layers));
+  for (const char* f : {"tokenizer.model", "tokenizer_config.json", "generation_config.json",
+                        "tokenizer.json", "special_tokens_map.json"}) {
+    const std::string src = model_dir + "/" + f;
+    if (!Exists(src)) continue;
+    QCAL_ASSIGN_OR_RETURN(std::string bytes, ReadFile(src));
+    QCAL_RETURN_IF_ERROR(WriteFileAtomic(out_dir + "/" + f, bytes));
+  }
+  LlamaConfig out = config;
+  out.raw["quantization_config"] = quantization_config;
+  return WriteFileAtomic(out_dir + "/config.json", LlamaConfigToJson(out).dump(2) + "\n");
+}
+
+StatusOr<nlohmann::json> FinalizeJob(const Recipe& recipe, const std::string& model_dir,
+                                     const std::string& out_dir, Journal* journal) {
+  JobPlan plan;
+  QCAL_ASSIGN_OR_RETURN(plan.config, LoadLlamaConfig(model_dir));
+  plan.num_blocks = plan.config.num_hidden_layers;
+  plan.recipe_hash = Fnv1aHex(recipe.ToJson().dump());
+  QCAL_RETURN_IF_ERROR(
+      EvaluateJournal(recipe, out_dir, journal->entries(), journal->path(), &plan));
+  const std::vector<int64_t> pending = plan.pending_blocks();
+  if (!pending.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        journal->path(), ": cannot finalize: block ", pending.front(), " (", pending.size(),
+        " in all) has no block_done entry with an intact shard in ", out_dir));
+  }
+  if (plan.e2e_enabled && !plan.e2e_finished) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        journal->path(), ": cannot finalize: end-to-end fine-tuning has no valid e2e_done entry"));
+  }
+  const BitsPerWeight bits = AggregateBits(plan.config, plan.block_done);
+  const nlohmann::json quant_config = MakeQuantizationConfig(recipe, bits.code_bits,
+                                                             bits.stored_bits);
+  // With end-to-end fine-tuning shard 0 already holds the tuned final norm (and head).
+  if (!plan.e2e_enabled) {
+    QCAL_ASSIGN_OR_RETURN(auto float_ckpt, CheckpointReader::Open(model_dir));
+    QCAL_RETURN_IF_ERROR(
+        WriteNonBlockShard(out_dir + "/" + ShardName(0, plan.num_blocks), *float_ckpt,
+                           plan.config)
+            .status());
+  }
+  QCAL_RETURN_IF_ERROR(FinalizeCheckpoint(out_dir, model_dir, plan.config, quant_config));
+  QCAL_RETURN_IF_ERROR(journal->Append({{"event", "job_done"}}));
+  nlohmann::json summary = {{"out_dir", out_dir},
+                            {"blocks", plan.num_blocks},
+                            {"code_bits", bits.code_bits},
+                            {"stored_bits", bits.stored_bits},
+                            {"e2e", plan.e2e_enabled}};
+  if (plan.e2e_finished) {
+    summary["e2e_kl_before"] = plan.e2e_done.value("kl_before", nlohmann::json());
+    summary["e2e_kl_after"] = plan.e2e_done.value("kl_after", nlohmann::json());
+  }
+  return summary;
+}
+
+}  // namespace qcal

@@ -1,0 +1,114 @@
+// The job directory and the quantized checkpoint layout, free of LibTorch so that both the
+// single-process `qcal quantize` (worker/quant/quantize_job) and the coordinator (which plans,
+// journals and finalizes service jobs) share one implementation — the service writes exactly
+// the files the single-process path writes.
+//
+//   OUT/config.json                      model config + "quantization_config" (written last)
+//   OUT/model.safetensors.index.json     weight_map over the shards
+//   OUT/model-00000-of-0000N.safetensors embeddings, final norm, head
+//   OUT/model-0000l-of-0000N.safetensors block l-1
+//   JOB/journal.jsonl                    append-only, fsynced: job_start, block_done, e2e_done,
+//                                        job_done (docs/formats.md)
+//   JOB/hessians/, JOB/activations/      calibration products (worker side)
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "common/hf_config.h"
+#include "common/recipe.h"
+#include "common/safetensors.h"
+#include "common/status.h"
+
+namespace qcal {
+
+// "model-00003-of-00006.safetensors": shard 0 holds the non-block tensors, shard l+1 block l.
+std::string ShardName(int64_t shard, int64_t num_blocks);
+
+// Append-only journal of finished work; each Append is one JSON line, written and fsynced before
+// it returns. A torn last line (crash mid-append) is ignored on Open; other garbage is DataLoss.
+// Not thread-safe: one writer per job (the single process, or the coordinator).
+class Journal {
+ public:
+  static StatusOr<Journal> Open(const std::string& path);
+  const std::vector<nlohmann::json>& entries() const { return entries_; }
+  Status Append(const nlohmann::json& entry);
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  std::vector<nlohmann::json> entries_;
+};
+
+// What is left to do for a job, from its journal and the shards on disk.
+struct JobPlan {
+  LlamaConfig config;
+  int64_t num_blocks = 0;
+  std::string recipe_hash;            // Fnv1aHex(recipe.ToJson().dump())
+  std::string job_dir;                // resolved (default out_dir + ".job")
+  std::vector<bool> block_finished;   // shard present and its checksum matches block_done
+  std::map<int64_t, nlohmann::json> block_done;  // layer -> its journal entry (finished ones)
+  bool e2e_enabled = false;
+  bool e2e_finished = false;          // e2e_done valid and every shard it lists intact
+  nlohmann::json e2e_done;            // its journal entry when finished
+  bool all_blocks_finished() const;
+  std::vector<int64_t> pending_blocks() const;
+  bool needs_calibration(const Recipe& recipe) const;  // Hessians / activations still needed
+};
+
+// Validates inputs (model config readable, output directory not inside the model directory,
+// recipe consistent with any existing journal) and reads the journal. Creates out_dir and
+// job_dir. Errors name the file and the problem. Appends nothing.
+StatusOr<JobPlan> PlanJob(const Recipe& recipe, const std::string& model_dir,
+                          const std::string& out_dir, const std::string& job_dir);
+
+// The journal's "job_start" entry for this recipe / model.
+nlohmann::json JobStartEntry(const Recipe& recipe, const std::string& recipe_hash,
+                             const std::string& model_dir);
+
+// Copies the embeddings, final norm and (untied) head from the float checkpoint.
+StatusOr<std::vector<std::string>> WriteNonBlockShard(const std::string& path,
+                                                      CheckpointReader& float_ckpt,
+                                                      const LlamaConfig& config);
+
+// The "quantization_config" object written into config.json.
+nlohmann::json MakeQuantizationConfig(const Recipe& recipe, double code_bits, double stored_bits);
+
+// Bits per weight over all quantized linears, weighting each block_done entry's per-linear
+// code_bits / stored_bits by the linear's size (from config), blocks in layer order.
+struct BitsPerWeight {
+  double code_bits = 0, stored_bits = 0;
+};
+BitsPerWeight AggregateBits(const LlamaConfig& config,
+                            const std::map<int64_t, nlohmann::json>& block_done);
+
+// Writes the index (from the shards' headers), config.json (last: its presence marks a complete
+// checkpoint) and copies the tokenizer files from `model_dir`.
+Status FinalizeCheckpoint(const std::string& out_dir, const std::string& model_dir,
+                          const LlamaConfig& config, const nlohmann::json& quantization_config);
+
+// Writes model.safetensors.index.json over shards 0..num_blocks already in out_dir (from their
+// headers). Used before end-to-end fine-tuning (so out_dir reads as a checkpoint) and by
+// FinalizeCheckpoint.
+Status WriteShardIndex(const std::string& out_dir, int64_t num_blocks);
+
+// Fnv1aHex of the file's bytes (the checksum journaled for shards); the read error otherwise.
+StatusOr<std::string> FileChecksum(const std::string& path);
+
+// Checks a block_done entry produced by a worker before it is journaled: an object with
+// event "block_done", layer in [0, num_blocks), shard == ShardName(layer + 1, num_blocks), and the
+// shard in out_dir present with the entry's checksum. InvalidArgument / DataLoss naming the shard.
+Status CheckBlockDoneEntry(const nlohmann::json& entry, const std::string& out_dir,
+                           int64_t num_blocks);
+
+// Finishes a job whose block shards are all written and journaled (and, with end-to-end
+// fine-tuning, e2e_done journaled): shard 0 when not fine-tuned end to end, index, config.json,
+// tokenizer files; appends job_done. Returns a summary (bits per weight, blocks).
+StatusOr<nlohmann::json> FinalizeJob(const Recipe& recipe, const std::string& model_dir,
+                                     const std::string& out_dir, Journal* journal);
+
+}  // namespace qcal

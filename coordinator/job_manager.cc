@@ -1,0 +1,701 @@
+#include "coordinator/job_manager.h"
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/log.h"
+#include "coordinator/planner.h"
+#include "coordinator/validation.h"
+
+namespace qcal::coordinator {
+
+bool IsFinal(v1::JobState state) {
+  return state == v1::JOB_STATE_SUCCEEDED || state == v1::JOB_STATE_FAILED ||
+         state == v1::JOB_STATE_CANCELLED;
+}
+
+const char* JobStateName(v1::JobState state) {
+  switch (state) {
+    case v1::JOB_STATE_QUEUED: return "QUEUED";
+    case v1::JOB_STATE_RUNNING: return "RUNNING";
+    case v1::JOB_STATE_SUCCEEDED: return "SUCCEEDED";
+    case v1::JOB_STATE_FAILED: return "FAILED";
+    case v1::JOB_STATE_CANCELLED: return "CANCELLED";
+    default: return "UNSPECIFIED";
+  }
+}
+
+JobManager::JobManager(ManagerOptions options, const Clock* clock, Launcher* launcher,
+                       WorkspaceFactory workspaces, std::unique_ptr<JobStore> store)
+    : options_(std::move(options)),
+      clock_(clock),
+      launcher_(launcher),
+      workspaces_(std::move(workspaces)),
+      store_(std::move(store)),
+      registry_(clock, options_.heartbeat_timeout_s) {}
+
+JobManager::~JobManager() { Shutdown(); }
+
+Status JobManager::Start() {
+  Lock lock(mu_);
+  if (started_) return absl::FailedPreconditionError("the job manager is already started");
+  started_ = true;
+  for (const std::string& w : store_->load_warnings()) QCAL_LOG_WARN("job store: {}", w);
+  for (const v1::Job& job : store_->List()) {
+    auto rt = std::make_shared<JobRuntime>();
+    rt->job = job;
+    jobs_[job.id()] = rt;
+    if (!IsFinal(job.state())) {
+      FailLocked(*rt, absl::StrCat("the coordinator restarted while the job was ",
+                                   JobStateName(job.state()),
+                                   "; resubmit it to resume from its journal"));
+    } else {
+      // The events of a previous life are not kept; a watcher sees the final state.
+      EmitLocked(*rt, v1::JOB_EVENT_KIND_STATE, "");
+    }
+  }
+  if (options_.tick_s > 0) {
+    monitor_ = std::thread([this] {
+      Lock lock(mu_);
+      while (!shutting_down_) {
+        monitor_cv_.wait_for(lock, std::chrono::duration<double>(options_.tick_s));
+        if (shutting_down_) break;
+        lock.unlock();
+        Tick();
+        lock.lock();
+      }
+    });
+  }
+  return absl::OkStatus();
+}
+
+void JobManager::SetWorkerAddress(const std::string& address) {
+  Lock lock(mu_);
+  worker_address_ = address;
+}
+
+void JobManager::Shutdown() {
+  std::vector<std::shared_ptr<JobRuntime>> all;
+  {
+    Lock lock(mu_);
+    if (shutting_down_) return;
+    shutting_down_ = true;
+    for (auto& [id, rt] : jobs_) {
+      if (!IsFinal(rt->job.state())) {
+        FailLocked(*rt, "the coordinator shut down while the job was running; resubmit it to "
+                        "resume from its journal");
+      }
+      rt->cv.notify_all();
+      all.push_back(rt);
+    }
+  }
+  monitor_cv_.notify_all();
+  if (monitor_.joinable()) monitor_.join();
+  for (auto& rt : all) {
+    if (rt->driver.joinable()) rt->driver.join();
+  }
+  // Stop the worker groups: SIGTERM, then SIGKILL for those that outlive the grace period.
+  Lock lock(mu_);
+  bool any = false;
+  for (auto& rt : all) {
+    if (rt->group && !rt->group->Poll()) {
+      rt->group->Terminate();
+      any = true;
+    }
+  }
+  // Real time, whatever clock_ is: this waits for real processes.
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(options_.kill_grace_s));
+  while (any && std::chrono::steady_clock::now() < deadline) {
+    any = false;
+    for (auto& rt : all) any |= rt->group && !rt->group->Poll();
+    if (any) {
+      lock.unlock();
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      lock.lock();
+    }
+  }
+  for (auto& rt : all) {
+    if (rt->group && !rt->group->Poll()) rt->group->Kill();
+    rt->group.reset();  // reaps
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Helpers (mu_ held)
+
+std::shared_ptr<JobManager::JobRuntime> JobManager::FindLocked(const std::string& job_id) {
+  auto it = jobs_.find(job_id);
+  return it == jobs_.end() ? nullptr : it->second;
+}
+
+v1::JobEvent& JobManager::EmitLocked(JobRuntime& rt, v1::JobEventKind kind,
+                                     const std::string& message) {
+  v1::JobEvent e;
+  e.set_job_id(rt.job.id());
+  e.set_seq(rt.next_seq++);
+  e.set_time_unix(clock_->UnixSeconds());
+  e.set_kind(kind);
+  e.set_state(rt.job.state());
+  e.set_phase(rt.job.phase());
+  e.set_done(rt.job.blocks_done());
+  e.set_total(rt.job.blocks_total());
+  e.set_eta_seconds(rt.job.eta_seconds());
+  e.set_message(message);
+  rt.events.push_back(std::move(e));
+  while (rt.events.size() > options_.max_events_per_job) rt.events.pop_front();
+  rt.cv.notify_all();
+  return rt.events.back();
+}
+
+void JobManager::SaveLocked(JobRuntime& rt) {
+  rt.job.set_updated_unix(clock_->UnixSeconds());
+  Status s = store_->Put(rt.job);
+  if (!s.ok()) {
+    // The job goes on; the record on disk is stale until the next successful write.
+    QCAL_LOG_ERROR("job {}: cannot persist its record: {}", rt.job.id(), std::string(s.message()));
+  }
+}
+
+void JobManager::SetPhaseLocked(JobRuntime& rt, const std::string& phase) {
+  if (rt.job.phase() == phase) return;
+  rt.job.set_phase(phase);
+  rt.phase_started_at = clock_->MonotonicSeconds();
+  if (phase == kPhaseQuantize) rt.quantize_started_at = rt.phase_started_at;
+  UpdateEtaLocked(rt);
+  EmitLocked(rt, v1::JOB_EVENT_KIND_PHASE, absl::StrCat("phase ", phase));
+  SaveLocked(rt);
+}
+
+void JobManager::SetStateLocked(JobRuntime& rt, v1::JobState state, const std::string& error) {
+  if (IsFinal(rt.job.state())) return;  // a final state is final
+  rt.job.set_state(state);
+  if (!error.empty()) rt.job.set_error(error);
+  if (IsFinal(state)) {
+    rt.ended_at = clock_->MonotonicSeconds();
+    rt.job.set_eta_seconds(state == v1::JOB_STATE_SUCCEEDED ? 0 : -1);
+    QCAL_LOG_INFO("job {}: {}{}{}", rt.job.id(), JobStateName(state), error.empty() ? "" : ": ",
+                  error);
+  }
+  EmitLocked(rt, v1::JOB_EVENT_KIND_STATE,
+             error.empty() ? JobStateName(state)
+                           : absl::StrCat(JobStateName(state), ": ", error));
+  SaveLocked(rt);
+  rt.cv.notify_all();
+}
+
+void JobManager::FailLocked(JobRuntime& rt, const std::string& error) {
+  SetStateLocked(rt, v1::JOB_STATE_FAILED, error);
+}
+
+void JobManager::ApplySchedulerErrorLocked(JobRuntime& rt) {
+  if (rt.scheduler && !rt.scheduler->error().empty()) FailLocked(rt, rt.scheduler->error());
+}
+
+void JobManager::WarnRequeuesLocked(JobRuntime& rt,
+                                    const std::vector<JobScheduler::Requeue>& requeues,
+                                    const std::string& why) {
+  for (const auto& r : requeues) {
+    const std::string msg = absl::StrCat(why, ": ", r.what, " returns to the queue (attempt ",
+                                         r.next_attempt, ")");
+    QCAL_LOG_WARN("job {}: {}", rt.job.id(), msg);
+    EmitLocked(rt, v1::JOB_EVENT_KIND_WARNING, msg);
+  }
+}
+
+void JobManager::UpdateEtaLocked(JobRuntime& rt) {
+  double eta = -1;
+  if (rt.job.phase() == kPhaseQuantize && rt.blocks_done_this_run > 0) {
+    const double elapsed = clock_->MonotonicSeconds() - rt.quantize_started_at;
+    const int64_t left = rt.job.blocks_total() - rt.job.blocks_done();
+    eta = elapsed / rt.blocks_done_this_run * static_cast<double>(left);
+  }
+  rt.job.set_eta_seconds(eta);
+}
+
+v1::Task JobManager::ShutdownTask(const JobRuntime& rt) const {
+  v1::Task t;
+  t.set_kind(v1::TASK_KIND_SHUTDOWN);
+  t.set_job_id(rt.job.id());
+  t.set_reason(rt.job.error().empty()
+                   ? absl::StrCat("job ", rt.job.id(), " is ", JobStateName(rt.job.state()))
+                   : absl::StrCat("job ", rt.job.id(), " is ", JobStateName(rt.job.state()),
+                                  ": ", rt.job.error()));
+  return t;
+}
+
+StatusOr<std::pair<WorkerInfo, std::shared_ptr<JobManager::JobRuntime>>>
+JobManager::WorkerAndJobLocked(const std::string& worker_id) {
+  QCAL_ASSIGN_OR_RETURN(WorkerInfo w, registry_.Touch(worker_id));
+  std::shared_ptr<JobRuntime> rt = FindLocked(w.job_id);
+  if (!rt) return absl::NotFoundError(absl::StrCat("unknown job '", w.job_id, "'"));
+  rt->job.set_workers_alive(registry_.AliveCount(w.job_id));
+  return std::make_pair(w, rt);
+}
+
+// ------------------------------------------------------------------------------------------
+// Driver thread: plan → launch → wait for the tasks → finalize.
+
+void JobManager::Drive(const std::shared_ptr<JobRuntime>& rt) {
+  try {
+    DriveUnsafe(rt);
+  } catch (const std::exception& e) {
+    Lock lock(mu_);
+    FailLocked(*rt, absl::StrCat("internal error: ", e.what()));
+  }
+}
+
+void JobManager::DriveUnsafe(const std::shared_ptr<JobRuntime>& rt) {
+  Lock lock(mu_);
+  const v1::JobSpec spec = rt->job.spec();
+  const Recipe recipe = rt->recipe;
+  JobWorkspace* workspace = rt->workspace.get();
+  lock.unlock();
+  StatusOr<JobPlan> plan = workspace->Open(recipe, spec);  // reads checkpoints: no lock
+  lock.lock();
+  if (IsFinal(rt->job.state())) return;  // cancelled (or shut down) while planning
+  if (!plan.ok()) {
+    FailLocked(*rt, std::string(plan.status().message()));
+    return;
+  }
+  const TaskPlan tasks = MakeTaskPlan(recipe, *plan);
+  rt->job.set_blocks_total(tasks.num_blocks);
+  rt->job.set_blocks_done(static_cast<int64_t>(tasks.resumed.size()));
+  for (int64_t l : tasks.resumed) {
+    v1::BlockMetrics* b = rt->job.add_blocks();
+    b->set_block(l);
+    b->set_resumed(true);
+    b->set_rank(-1);
+    auto it = plan->block_done.find(l);
+    if (it != plan->block_done.end()) {
+      b->set_metrics_json(it->second.dump());
+      b->set_seconds(it->second.value("seconds", 0.0));
+    }
+  }
+  if (!tasks.resumed.empty()) {
+    EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG,
+               absl::StrCat("resuming: ", tasks.resumed.size(), " of ", tasks.num_blocks,
+                            " blocks were finished by an earlier run"));
+  }
+  rt->scheduler = std::make_unique<JobScheduler>(rt->job.id(), spec.workers(), tasks,
+                                                 options_.max_attempts, options_.wait_ms);
+  if (tasks.needs_workers()) {
+    if (worker_address_.empty()) {
+      FailLocked(*rt, "the coordinator does not know the address its workers should dial");
+      return;
+    }
+    LaunchSpec ls;
+    ls.job_id = rt->job.id();
+    ls.workers = spec.workers();
+    ls.threads_per_worker = spec.threads_per_worker();
+    ls.coordinator_address = worker_address_;
+    ls.auth_token_file = options_.auth_token_file;
+    ls.tls_ca_file = options_.worker_tls_ca;
+    ls.log_path = plan->job_dir + "/workers.log";
+    StatusOr<std::unique_ptr<WorkerGroup>> group = launcher_->Launch(ls);
+    if (!group.ok()) {
+      FailLocked(*rt, absl::StrCat("cannot start the workers: ", group.status().message()));
+      return;
+    }
+    rt->group = std::move(*group);
+    EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG,
+               absl::StrCat("started ", spec.workers(), " worker rank(s): ",
+                            rt->group->Describe()));
+    SetStateLocked(*rt, v1::JOB_STATE_RUNNING, "");
+    SetPhaseLocked(*rt, rt->scheduler->phase());
+    rt->cv.wait(lock, [&] {
+      return IsFinal(rt->job.state()) || rt->scheduler->done() || shutting_down_;
+    });
+    if (IsFinal(rt->job.state()) || shutting_down_) return;
+  } else {
+    SetStateLocked(*rt, v1::JOB_STATE_RUNNING, "");
+  }
+
+  SetPhaseLocked(*rt, kPhaseFinalize);
+  lock.unlock();
+  StatusOr<nlohmann::json> summary = workspace->Finalize(recipe, spec);
+  lock.lock();
+  if (IsFinal(rt->job.state())) return;
+  if (!summary.ok()) {
+    FailLocked(*rt, absl::StrCat("finalize: ", summary.status().message()));
+    return;
+  }
+  rt->job.set_result_json(summary->dump());
+  SetPhaseLocked(*rt, kPhaseDone);
+  SetStateLocked(*rt, v1::JOB_STATE_SUCCEEDED, "");
+}
+
+// ------------------------------------------------------------------------------------------
+// JobService
+
+StatusOr<std::string> JobManager::Submit(v1::JobSpec spec) {
+  QCAL_ASSIGN_OR_RETURN(Recipe recipe, ValidateJobSpec(&spec));
+  Lock lock(mu_);
+  if (shutting_down_) return absl::UnavailableError("the coordinator is shutting down");
+  if (!started_) return absl::UnavailableError("the coordinator is not started");
+  const std::string job_dir = JobDirOf(spec);
+  for (const auto& [id, other] : jobs_) {
+    if (IsFinal(other->job.state())) continue;
+    const v1::JobSpec& o = other->job.spec();
+    if (o.out_dir() == spec.out_dir() || JobDirOf(o) == job_dir) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "job ", id, " (", JobStateName(other->job.state()), ") already writes ",
+          o.out_dir() == spec.out_dir() ? "out_dir '" + spec.out_dir() : "job_dir '" + job_dir,
+          "'; cancel it or wait for it to end"));
+    }
+  }
+  auto rt = std::make_shared<JobRuntime>();
+  rt->recipe = std::move(recipe);
+  rt->workspace = workspaces_();
+  v1::Job& job = rt->job;
+  job.set_id(store_->NewJobId());
+  *job.mutable_spec() = spec;
+  job.set_state(v1::JOB_STATE_QUEUED);
+  job.set_phase(kPhasePlan);
+  job.set_created_unix(clock_->UnixSeconds());
+  job.set_updated_unix(job.created_unix());
+  job.set_eta_seconds(-1);
+  QCAL_RETURN_IF_ERROR(store_->Put(job));
+  jobs_[job.id()] = rt;
+  rt->phase_started_at = clock_->MonotonicSeconds();
+  EmitLocked(*rt, v1::JOB_EVENT_KIND_STATE, "QUEUED");
+  QCAL_LOG_INFO("job {}: submitted ({} -> {}, {} worker(s))", job.id(), spec.model_dir(),
+                spec.out_dir(), spec.workers());
+  rt->driver = std::thread([this, rt] { Drive(rt); });
+  return job.id();
+}
+
+StatusOr<v1::Job> JobManager::Get(const std::string& job_id) {
+  Lock lock(mu_);
+  std::shared_ptr<JobRuntime> rt = FindLocked(job_id);
+  if (!rt) return absl::NotFoundError(absl::StrCat("unknown job '", job_id, "'"));
+  return rt->job;
+}
+
+std::vector<v1::Job> JobManager::List() {
+  Lock lock(mu_);
+  std::vector<v1::Job> out;
+  out.reserve(jobs_.size());
+  for (const v1::Job& job : store_->List()) {
+    std::shared_ptr<JobRuntime> rt = FindLocked(job.id());
+    out.push_back(rt ? rt->job : job);
+  }
+  return out;
+}
+
+StatusOr<v1::Job> JobManager::Cancel(const std::string& job_id) {
+  Lock lock(mu_);
+  std::shared_ptr<JobRuntime> rt = FindLocked(job_id);
+  if (!rt) return absl::NotFoundError(absl::StrCat("unknown job '", job_id, "'"));
+  if (!IsFinal(rt->job.state())) {
+    SetStateLocked(*rt, v1::JOB_STATE_CANCELLED, "");
+    monitor_cv_.notify_all();
+  }
+  return rt->job;
+}
+
+Status JobManager::Watch(const std::string& job_id, int64_t after_seq,
+                         const std::function<bool(const v1::JobEvent&)>& send,
+                         const std::function<bool()>& cancelled) {
+  Lock lock(mu_);
+  std::shared_ptr<JobRuntime> rt = FindLocked(job_id);
+  if (!rt) return absl::NotFoundError(absl::StrCat("unknown job '", job_id, "'"));
+  int64_t last = std::max<int64_t>(after_seq, 0);
+  std::vector<v1::JobEvent> batch;
+  while (true) {
+    batch.clear();
+    if (!rt->events.empty() && rt->events.back().seq() > last) {
+      const int64_t first = rt->events.front().seq();
+      for (size_t i = static_cast<size_t>(std::max<int64_t>(0, last + 1 - first));
+           i < rt->events.size(); ++i) {
+        batch.push_back(rt->events[i]);
+      }
+    }
+    if (batch.empty()) {
+      if (IsFinal(rt->job.state())) return absl::OkStatus();
+      if (shutting_down_) return absl::UnavailableError("the coordinator is shutting down");
+      rt->cv.wait_for(lock, std::chrono::milliseconds(250));
+      if (cancelled && cancelled()) return absl::CancelledError("the watcher went away");
+      continue;
+    }
+    lock.unlock();
+    for (const v1::JobEvent& e : batch) {
+      if (!send(e)) return absl::CancelledError("the watcher went away");
+      last = e.seq();
+    }
+    lock.lock();
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// WorkerService
+
+StatusOr<v1::RegisterWorkerResponse> JobManager::RegisterWorker(
+    const v1::RegisterWorkerRequest& request) {
+  Lock lock(mu_);
+  std::shared_ptr<JobRuntime> rt = FindLocked(request.job_id());
+  if (!rt) return absl::NotFoundError(absl::StrCat("unknown job '", request.job_id(), "'"));
+  if (IsFinal(rt->job.state())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job ", request.job_id(), " is ", JobStateName(rt->job.state()), "; no workers needed"));
+  }
+  if (request.world_size() != rt->job.spec().workers()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "job ", request.job_id(), " runs ", rt->job.spec().workers(),
+        " rank(s) but this worker is in a world of ", request.world_size()));
+  }
+  QCAL_ASSIGN_OR_RETURN(WorkerInfo w, registry_.Register(request));
+  rt->job.set_workers_alive(registry_.AliveCount(w.job_id));
+  EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG,
+             absl::StrCat("rank ", w.rank, " registered: ", w.worker_id, ", pid ", w.pid, " on ",
+                          w.hostname, w.device.empty() ? "" : ", " + w.device));
+  v1::RegisterWorkerResponse response;
+  response.set_worker_id(w.worker_id);
+  response.set_heartbeat_interval_ms(options_.heartbeat_interval_ms);
+  *response.mutable_spec() = rt->job.spec();
+  return response;
+}
+
+StatusOr<v1::Task> JobManager::NextTask(const std::string& worker_id) {
+  Lock lock(mu_);
+  QCAL_ASSIGN_OR_RETURN(auto wj, WorkerAndJobLocked(worker_id));
+  auto& [w, rt] = wj;
+  if (IsFinal(rt->job.state())) return ShutdownTask(*rt);
+  if (!rt->scheduler || rt->scheduler->done()) {
+    v1::Task t;  // still planning, or finalizing: the job is not over yet
+    t.set_kind(v1::TASK_KIND_WAIT);
+    t.set_job_id(rt->job.id());
+    t.set_retry_after_ms(options_.wait_ms);
+    return t;
+  }
+  const auto before = rt->scheduler->running();
+  v1::Task task = rt->scheduler->Next(w.worker_id, w.rank);
+  auto held = before.find(w.worker_id);
+  if (held != before.end()) {
+    EmitLocked(*rt, v1::JOB_EVENT_KIND_WARNING,
+               absl::StrCat("rank ", w.rank, " asked for a new task while holding ", held->second,
+                            "; that task returns to the queue"));
+  }
+  ApplySchedulerErrorLocked(*rt);
+  if (IsFinal(rt->job.state())) return ShutdownTask(*rt);
+  if (task.kind() == v1::TASK_KIND_QUANTIZE_BLOCK && task.attempt() > 1) {
+    EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG,
+               absl::StrCat("block ", task.block(), " attempt ", task.attempt(), " -> rank ",
+                            w.rank));
+  }
+  return task;
+}
+
+StatusOr<bool> JobManager::ReportProgress(const v1::ReportProgressRequest& request) {
+  Lock lock(mu_);
+  QCAL_ASSIGN_OR_RETURN(auto wj, WorkerAndJobLocked(request.worker_id()));
+  auto& [w, rt] = wj;
+  const bool stop = IsFinal(rt->job.state()) && rt->job.state() != v1::JOB_STATE_SUCCEEDED;
+  if (IsFinal(rt->job.state())) return stop;
+  v1::JobEvent& e = EmitLocked(
+      *rt, v1::JOB_EVENT_KIND_PROGRESS,
+      request.message().empty() ? absl::StrCat("rank ", w.rank, ": ", request.phase())
+                                : absl::StrCat("rank ", w.rank, ": ", request.message()));
+  if (!request.phase().empty()) e.set_phase(request.phase());
+  e.set_done(request.done());
+  e.set_total(request.total());
+  // ETA within a phase reported in steps (calibration): rate so far times what is left.
+  if (request.total() > 0 && request.done() > 0 && rt->job.phase() == kPhaseCalibrate) {
+    const double elapsed = clock_->MonotonicSeconds() - rt->phase_started_at;
+    e.set_eta_seconds(elapsed / request.done() * (request.total() - request.done()));
+  }
+  return stop;
+}
+
+Status JobManager::CompleteTask(const v1::CompleteTaskRequest& request) {
+  Lock lock(mu_);
+  QCAL_ASSIGN_OR_RETURN(auto wj, WorkerAndJobLocked(request.worker_id()));
+  const WorkerInfo w = wj.first;
+  const std::shared_ptr<JobRuntime> rt = wj.second;
+  if (IsFinal(rt->job.state()) || !rt->scheduler) return absl::OkStatus();  // nothing to record
+
+  // Results of block and e2e tasks are journal entries: check them before accepting. A bad
+  // result counts as a failed attempt (the block returns to the queue).
+  const std::string& task_id = request.task_id();
+  const std::optional<int64_t> block = JobScheduler::BlockOfTaskId(task_id);
+  const bool is_e2e = task_id.rfind("e2e.", 0) == 0;
+  nlohmann::json entry;
+  Status valid = absl::OkStatus();
+  if (block || is_e2e) {
+    entry = nlohmann::json::parse(request.result_json(), nullptr, /*allow_exceptions=*/false);
+    const char* expected = block ? "block_done" : "e2e_done";
+    if (!entry.is_object() || entry.value("event", "") != expected) {
+      valid = absl::InvalidArgumentError(
+          absl::StrCat("result_json is not the journal's ", expected, " entry"));
+    } else if (block && (!entry.contains("layer") || !entry["layer"].is_number_integer() ||
+                         entry["layer"].get<int64_t>() != *block)) {
+      valid = absl::InvalidArgumentError(
+          absl::StrCat("the block_done entry is for layer ",
+                       entry.value("layer", nlohmann::json()).dump(), ", not ", *block));
+    }
+    if (valid.ok() && block) {
+      JobWorkspace* workspace = rt->workspace.get();
+      lock.unlock();
+      valid = workspace->CheckResult(entry);  // reads the shard: not under the lock
+      lock.lock();
+      if (IsFinal(rt->job.state())) return absl::OkStatus();
+    }
+  }
+  if (!valid.ok()) {
+    const std::string msg = absl::StrCat("invalid result for ", task_id, ": ", valid.message());
+    StatusOr<std::vector<JobScheduler::Requeue>> requeues =
+        rt->scheduler->Fail(w.worker_id, w.rank, task_id, msg, /*retryable=*/true);
+    if (requeues.ok()) {
+      WarnRequeuesLocked(*rt, *requeues, absl::StrCat("rank ", w.rank, " returned an ", msg));
+    }
+    ApplySchedulerErrorLocked(*rt);
+    return absl::InvalidArgumentError(msg);
+  }
+  QCAL_ASSIGN_OR_RETURN(JobScheduler::Completion c,
+                        rt->scheduler->Complete(w.worker_id, w.rank, task_id));
+  if (c.duplicate) {
+    EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG,
+               absl::StrCat("rank ", w.rank, " also completed ", task_id, " (ignored)"));
+    return absl::OkStatus();
+  }
+  if (c.kind == v1::TASK_KIND_CALIBRATE) {
+    EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG,
+               absl::StrCat("rank ", w.rank, " finished calibration (",
+                            rt->scheduler->calibrate_ranks_done(), " of ",
+                            rt->job.spec().workers(), ")"));
+  } else if (c.kind == v1::TASK_KIND_QUANTIZE_BLOCK) {
+    Status appended = rt->workspace->Append(entry);
+    if (!appended.ok()) {
+      FailLocked(*rt, absl::StrCat("journal: ", appended.message()));
+      return appended;
+    }
+    v1::BlockMetrics* b = rt->job.add_blocks();
+    b->set_block(c.block);
+    b->set_seconds(entry.contains("seconds") && entry["seconds"].is_number()
+                       ? entry["seconds"].get<double>()
+                       : 0.0);
+    b->set_metrics_json(request.result_json());
+    b->set_rank(w.rank);
+    rt->job.set_blocks_done(rt->job.blocks_done() + 1);
+    ++rt->blocks_done_this_run;
+    UpdateEtaLocked(*rt);
+    v1::JobEvent& e = EmitLocked(
+        *rt, v1::JOB_EVENT_KIND_BLOCK_DONE,
+        absl::StrFormat("block %d done by rank %d in %.2f s", c.block, w.rank, b->seconds()));
+    *e.mutable_block() = *b;
+    SaveLocked(*rt);
+  } else if (c.kind == v1::TASK_KIND_FINETUNE_E2E) {
+    Status appended = rt->workspace->Append(entry);
+    if (!appended.ok()) {
+      FailLocked(*rt, absl::StrCat("journal: ", appended.message()));
+      return appended;
+    }
+    EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG,
+               absl::StrCat("end-to-end fine-tuning done by rank ", w.rank));
+  }
+  if (c.phase_finished && !rt->scheduler->done()) SetPhaseLocked(*rt, rt->scheduler->phase());
+  if (rt->scheduler->done()) rt->cv.notify_all();  // the driver finalizes
+  return absl::OkStatus();
+}
+
+Status JobManager::FailTask(const v1::FailTaskRequest& request) {
+  Lock lock(mu_);
+  QCAL_ASSIGN_OR_RETURN(auto wj, WorkerAndJobLocked(request.worker_id()));
+  auto& [w, rt] = wj;
+  if (IsFinal(rt->job.state()) || !rt->scheduler) return absl::OkStatus();
+  QCAL_LOG_WARN("job {}: rank {} failed task {}: {}", rt->job.id(), w.rank, request.task_id(),
+                request.error());
+  QCAL_ASSIGN_OR_RETURN(std::vector<JobScheduler::Requeue> requeues,
+                        rt->scheduler->Fail(w.worker_id, w.rank, request.task_id(),
+                                            request.error(), request.retryable()));
+  WarnRequeuesLocked(*rt, requeues,
+                     absl::StrCat("rank ", w.rank, " failed ", request.task_id(), " (",
+                                  request.error(), ")"));
+  ApplySchedulerErrorLocked(*rt);
+  return absl::OkStatus();
+}
+
+StatusOr<bool> JobManager::Heartbeat(const std::string& worker_id) {
+  Lock lock(mu_);
+  QCAL_ASSIGN_OR_RETURN(auto wj, WorkerAndJobLocked(worker_id));
+  const v1::JobState state = wj.second->job.state();
+  return IsFinal(state) && state != v1::JOB_STATE_SUCCEEDED;
+}
+
+// ------------------------------------------------------------------------------------------
+// Monitor
+
+void JobManager::Tick() {
+  Lock lock(mu_);
+  for (const WorkerInfo& dead : registry_.Expire()) {
+    std::shared_ptr<JobRuntime> rt = FindLocked(dead.job_id);
+    if (!rt) continue;
+    rt->job.set_workers_alive(registry_.AliveCount(dead.job_id));
+    if (IsFinal(rt->job.state()) || !rt->scheduler) continue;
+    const std::string why =
+        absl::StrCat("rank ", dead.rank, " (worker ", dead.worker_id, ", pid ", dead.pid, " on ",
+                     dead.hostname, ") sent no heartbeat for ",
+                     absl::SixDigits(registry_.timeout_s()), " s");
+    QCAL_LOG_WARN("job {}: {}", rt->job.id(), why);
+    EmitLocked(*rt, v1::JOB_EVENT_KIND_WARNING, why);
+    WarnRequeuesLocked(*rt, rt->scheduler->WorkerLost(dead.worker_id, dead.rank), why);
+    ApplySchedulerErrorLocked(*rt);
+  }
+  const double now = clock_->MonotonicSeconds();
+  for (auto& [id, rt] : jobs_) {
+    if (!rt->group) continue;
+    std::optional<std::string> exit = rt->group->Poll();
+    if (exit) {
+      if (!IsFinal(rt->job.state())) {
+        const std::string log = JobDirOf(rt->job.spec()) + "/workers.log";
+        FailLocked(*rt, absl::StrCat("the worker processes exited before the job finished (",
+                                     rt->group->Describe(), ": ", *exit, "); last lines of ",
+                                     log, ":\n", rt->group->LogTail(20)));
+      }
+      EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG, absl::StrCat("worker processes exited: ", *exit));
+      rt->group.reset();
+      registry_.RemoveJob(id);
+      rt->job.set_workers_alive(0);
+      continue;
+    }
+    if (!IsFinal(rt->job.state())) continue;
+    if (rt->stop_stage == 0 && now - rt->ended_at >= options_.kill_grace_s) {
+      rt->stop_stage = 1;
+      EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG,
+                 absl::StrCat("workers still running ", absl::SixDigits(options_.kill_grace_s),
+                              " s after the job ended: SIGTERM to ", rt->group->Describe()));
+      rt->group->Terminate();
+    } else if (rt->stop_stage == 1 && now - rt->ended_at >= 2 * options_.kill_grace_s) {
+      rt->stop_stage = 2;
+      EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG,
+                 absl::StrCat("workers survived SIGTERM: SIGKILL to ", rt->group->Describe()));
+      rt->group->Kill();
+    }
+  }
+}
+
+void JobManager::WaitForDrivers() {
+  std::vector<std::shared_ptr<JobRuntime>> all;
+  {
+    Lock lock(mu_);
+    for (auto& [id, rt] : jobs_) all.push_back(rt);
+  }
+  for (auto& rt : all) {
+    {
+      Lock lock(mu_);
+      rt->cv.wait(lock, [&] { return IsFinal(rt->job.state()) || shutting_down_; });
+    }
+    if (rt->driver.joinable()) rt->driver.join();
+  }
+}
+
+std::vector<WorkerInfo> JobManager::WorkersOf(const std::string& job_id) {
+  Lock lock(mu_);
+  return registry_.OfJob(job_id);
+}
+
+}  // namespace qcal::coordinator

@@ -1,0 +1,158 @@
+// The JobManager owns every job of the coordinator: their records (JobStore), their events,
+// the per-job schedulers, the worker registry and the worker groups (Launcher). The gRPC layer
+// (service.h) is a thin shell over it; tests drive it directly with fakes.
+//
+// Job life:
+//   SubmitJob validates the spec (InvalidArgument with a precise message otherwise), stores the
+//   job QUEUED and starts its driver thread, which plans it (JobWorkspace::Open, MakeTaskPlan),
+//   launches the workers (state RUNNING), waits until the scheduler reports every task done,
+//   finalizes the checkpoint and marks the job SUCCEEDED. Any error along the way marks only
+//   that job FAILED with the message; the coordinator keeps serving the others.
+//   CancelJob marks the job CANCELLED at once: Heartbeat/ReportProgress answer cancelled=true,
+//   NextTask answers SHUTDOWN, and a worker group still running `kill_grace_s` after the job
+//   ended gets SIGTERM, then SIGKILL after as long again.
+//   A worker silent for heartbeat_timeout_s is dead: its task returns to the queue (or, during
+//   the collective calibration, the job fails). If the group's launcher process exits before the
+//   job ended, the job fails with the tail of JOB/workers.log.
+//
+// Thread-safety: every public method is thread-safe (one mutex). Watch blocks the calling thread
+// until events arrive; it wakes on a per-job condition variable, and returns when the job ended,
+// the caller's `cancelled()` turns true, or the manager shuts down.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/recipe.h"
+#include "common/status.h"
+#include "coordinator/clock.h"
+#include "coordinator/job_store.h"
+#include "coordinator/launcher.h"
+#include "coordinator/scheduler.h"
+#include "coordinator/worker_registry.h"
+#include "coordinator/workspace.h"
+#include "proto/qcal.pb.h"
+
+namespace qcal::coordinator {
+
+struct ManagerOptions {
+  std::string auth_token_file;        // handed to the workers (--auth-token-file)
+  std::string worker_tls_ca;          // handed to the workers (--tls-ca); empty: plaintext
+  double heartbeat_timeout_s = 10;    // silence after which a worker is dead
+  int64_t heartbeat_interval_ms = 1000;  // told to workers at registration
+  double kill_grace_s = 5;            // see the class comment
+  int max_attempts = 3;               // hand-outs of one block before the job fails
+  int64_t wait_ms = 200;              // WAIT tasks: ask again after this long
+  double tick_s = 0.2;                // monitor period; 0: no monitor thread (tests call Tick)
+  size_t max_events_per_job = 20000;  // older events are dropped from memory
+};
+
+bool IsFinal(v1::JobState state);
+const char* JobStateName(v1::JobState state);  // "QUEUED", "RUNNING", ...
+
+class JobManager {
+ public:
+  // `clock` and `launcher` must outlive the manager.
+  JobManager(ManagerOptions options, const Clock* clock, Launcher* launcher,
+             WorkspaceFactory workspaces, std::unique_ptr<JobStore> store);
+  ~JobManager();  // Shutdown()
+  JobManager(const JobManager&) = delete;
+  JobManager& operator=(const JobManager&) = delete;
+
+  // Jobs a previous coordinator left QUEUED or RUNNING become FAILED (their workers are gone;
+  // resubmitting resumes from the journal). Starts the monitor thread.
+  Status Start();
+  // The address workers dial (known once the server listens). Call before the first Submit.
+  void SetWorkerAddress(const std::string& address);
+  // Fails unfinished jobs ("the coordinator shut down"), wakes every Watch, joins the threads,
+  // stops every worker group. Idempotent.
+  void Shutdown();
+
+  // --- JobService
+  StatusOr<std::string> Submit(v1::JobSpec spec);
+  StatusOr<v1::Job> Get(const std::string& job_id);
+  std::vector<v1::Job> List();
+  StatusOr<v1::Job> Cancel(const std::string& job_id);
+  // Calls `send` for every event with seq > after_seq, in order, as they happen, until the job
+  // ends (OK), `send` returns false or `cancelled()` returns true (Cancelled), or the manager
+  // shuts down (Unavailable). `send` runs without the lock held.
+  Status Watch(const std::string& job_id, int64_t after_seq,
+               const std::function<bool(const v1::JobEvent&)>& send,
+               const std::function<bool()>& cancelled);
+
+  // --- WorkerService
+  StatusOr<v1::RegisterWorkerResponse> RegisterWorker(const v1::RegisterWorkerRequest& request);
+  StatusOr<v1::Task> NextTask(const std::string& worker_id);
+  StatusOr<bool> ReportProgress(const v1::ReportProgressRequest& request);  // cancelled
+  Status CompleteTask(const v1::CompleteTaskRequest& request);
+  Status FailTask(const v1::FailTaskRequest& request);
+  StatusOr<bool> Heartbeat(const std::string& worker_id);                    // cancelled
+
+  // One monitor step: expire silent workers, poll worker groups, stop the groups of ended jobs.
+  void Tick();
+
+  // Test hooks.
+  void WaitForDrivers();  // joins the driver threads of every job that reached a final state
+  std::vector<WorkerInfo> WorkersOf(const std::string& job_id);
+
+ private:
+  struct JobRuntime {
+    v1::Job job;
+    std::deque<v1::JobEvent> events;
+    int64_t next_seq = 1;
+    std::condition_variable cv;  // new event, or the scheduler finished
+    Recipe recipe;
+    std::unique_ptr<JobWorkspace> workspace;
+    std::unique_ptr<JobScheduler> scheduler;
+    std::unique_ptr<WorkerGroup> group;
+    std::thread driver;
+    double ended_at = -1;          // monotonic, when the job reached a final state
+    int stop_stage = 0;            // 1: SIGTERM sent to the group, 2: SIGKILL sent
+    double phase_started_at = 0;   // monotonic
+    double quantize_started_at = -1;
+    int64_t blocks_done_this_run = 0;
+  };
+  using Lock = std::unique_lock<std::mutex>;
+
+  void Drive(const std::shared_ptr<JobRuntime>& rt);
+  void DriveUnsafe(const std::shared_ptr<JobRuntime>& rt);
+  std::shared_ptr<JobRuntime> FindLocked(const std::string& job_id);
+  // The worker (touched: counts as a heartbeat) and its job's runtime.
+  StatusOr<std::pair<WorkerInfo, std::shared_ptr<JobRuntime>>> WorkerAndJobLocked(
+      const std::string& worker_id);
+  v1::JobEvent& EmitLocked(JobRuntime& rt, v1::JobEventKind kind, const std::string& message);
+  void SaveLocked(JobRuntime& rt);
+  void SetPhaseLocked(JobRuntime& rt, const std::string& phase);
+  void SetStateLocked(JobRuntime& rt, v1::JobState state, const std::string& error);
+  void FailLocked(JobRuntime& rt, const std::string& error);
+  void ApplySchedulerErrorLocked(JobRuntime& rt);
+  void WarnRequeuesLocked(JobRuntime& rt, const std::vector<JobScheduler::Requeue>& requeues,
+                          const std::string& why);
+  void UpdateEtaLocked(JobRuntime& rt);
+  v1::Task ShutdownTask(const JobRuntime& rt) const;
+
+  const ManagerOptions options_;
+  const Clock* clock_;
+  Launcher* launcher_;
+  WorkspaceFactory workspaces_;
+
+  std::mutex mu_;
+  std::unique_ptr<JobStore> store_;  // guarded by mu_
+  WorkerRegistry registry_;          // guarded by mu_
+  std::map<std::string, std::shared_ptr<JobRuntime>> jobs_;  // guarded by mu_
+  std::string worker_address_;       // guarded by mu_
+  bool started_ = false;             // guarded by mu_
+  bool shutting_down_ = false;       // guarded by mu_
+  std::condition_variable monitor_cv_;
+  std::thread monitor_;
+};
+
+}  // namespace qcal::coordinator

@@ -1,0 +1,189 @@
+// qcal-coordinator: the job service (gRPC control plane). No LibTorch.
+//
+//   qcal-coordinator --listen 127.0.0.1:50051 --state /var/lib/qcal --auth-token-file token
+//
+// SIGINT / SIGTERM: unfinished jobs fail ("resubmit to resume"), their workers are stopped,
+// the server drains and the process exits 0.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "common/atomic_file.h"
+#include "common/log.h"
+#include "coordinator/auth.h"
+#include "coordinator/job_manager.h"
+#include "coordinator/job_store.h"
+#include "coordinator/launcher.h"
+#include "coordinator/service.h"
+#include "coordinator/state_fs.h"
+
+namespace {
+
+int Fail(const std::string& message) {
+  std::fprintf(stderr, "qcal-coordinator: error: %s\n", message.c_str());
+  return 1;
+}
+
+std::string SelfDir() {
+  char buf[PATH_MAX];
+  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n <= 0) return ".";
+  std::string path(buf, n);
+  return path.substr(0, path.rfind('/'));
+}
+
+bool Executable(const std::string& path) { return ::access(path.c_str(), X_OK) == 0; }
+
+// qcal-worker beside this executable, in the build tree's worker/ folder, or on PATH.
+std::string FindWorkerBinary() {
+  const std::string dir = SelfDir();
+  for (const std::string& candidate : {dir + "/qcal-worker", dir + "/../worker/qcal-worker"}) {
+    if (Executable(candidate)) return candidate;
+  }
+  if (const char* path = std::getenv("PATH")) {
+    std::string p = path;
+    size_t start = 0;
+    while (start <= p.size()) {
+      const size_t end = p.find(':', start);
+      const std::string d = p.substr(start, end == std::string::npos ? std::string::npos
+                                                                     : end - start);
+      if (!d.empty() && Executable(d + "/qcal-worker")) return d + "/qcal-worker";
+      if (end == std::string::npos) break;
+      start = end + 1;
+    }
+  }
+  return dir + "/../worker/qcal-worker";
+}
+
+// The address workers dial: the listening host (or this host's name for a wildcard) and the
+// bound port.
+std::string AdvertisedAddress(const std::string& listen, int port) {
+  std::string host = listen.substr(0, listen.rfind(':'));
+  if (host.empty() || host == "0.0.0.0" || host == "[::]" || host == "::") {
+    char name[256] = {0};
+    host = ::gethostname(name, sizeof(name) - 1) == 0 ? name : "localhost";
+  }
+  return absl::StrCat(host, ":", port);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace qcal::coordinator;
+  CLI::App app{"qcal-coordinator: the qcal job service (gRPC)"};
+  ServerOptions server_options;
+  ManagerOptions manager_options;
+  LocalMpiLauncherOptions launcher_options;
+  std::string state_dir, token_file, advertise, address_file, log_level = "info", log_file;
+  server_options.listen = "127.0.0.1:50051";
+  app.add_option("--listen", server_options.listen, "host:port to serve on (port 0: any free)")
+      ->capture_default_str();
+  app.add_option("--state", state_dir, "state directory (job records, log)")->required();
+  app.add_option("--auth-token-file", token_file,
+                 "file holding the bearer token every RPC must carry")
+      ->required()
+      ->check(CLI::ExistingFile);
+  app.add_option("--tls-cert", server_options.tls_cert_file, "serve TLS with this certificate")
+      ->check(CLI::ExistingFile);
+  app.add_option("--tls-key", server_options.tls_key_file, "private key of --tls-cert")
+      ->check(CLI::ExistingFile);
+  app.add_option("--tls-client-ca", server_options.tls_client_ca_file,
+                 "require client certificates signed by this CA (mutual TLS)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--worker-tls-ca", manager_options.worker_tls_ca,
+                 "CA the workers verify the coordinator with (default: --tls-cert)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--advertise", advertise,
+                 "address the workers dial (default: the listening host and port)");
+  app.add_option("--address-file", address_file,
+                 "write the bound host:port here once serving (for scripts and `qcal run`)");
+  app.add_option("--worker-binary", launcher_options.worker_binary,
+                 "qcal-worker executable (default: beside this program or in ../worker)");
+  app.add_option("--mpirun", launcher_options.mpirun, "mpirun to launch workers with")
+      ->capture_default_str();
+  app.add_option("--heartbeat-timeout", manager_options.heartbeat_timeout_s,
+                 "seconds of silence after which a worker is dead")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--kill-grace", manager_options.kill_grace_s,
+                 "seconds the workers of an ended job get before SIGTERM (and again before "
+                 "SIGKILL)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--log-level", log_level, "debug, info, warn, error, off")->capture_default_str();
+  app.add_option("--log-file", log_file, "log file (default: STATE/coordinator.log)");
+  CLI11_PARSE(app, argc, argv);
+
+  qcal::SetLogLevel(qcal::ParseLogLevel(log_level));
+  if (auto s = qcal::MakeDirs(state_dir); !s.ok()) return Fail(std::string(s.message()));
+  qcal::SetLogFile(log_file.empty() ? state_dir + "/coordinator.log" : log_file);
+
+  // One coordinator per state directory.
+  const std::string lock_path = state_dir + "/coordinator.lock";
+  const int lock_fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (lock_fd < 0 || ::flock(lock_fd, LOCK_EX | LOCK_NB) != 0) {
+    return Fail(absl::StrCat(lock_path, ": another coordinator is using this state directory"));
+  }
+
+  auto token = ReadTokenFile(token_file);
+  if (!token.ok()) return Fail(std::string(token.status().message()));
+  server_options.token = *token;
+  manager_options.auth_token_file = token_file;
+  if (manager_options.worker_tls_ca.empty()) {
+    manager_options.worker_tls_ca = server_options.tls_cert_file;
+  }
+  if (launcher_options.worker_binary.empty()) launcher_options.worker_binary = FindWorkerBinary();
+  if (!Executable(launcher_options.worker_binary)) {
+    QCAL_LOG_WARN("worker binary {} is not executable: jobs will fail until it is built",
+                  launcher_options.worker_binary);
+  }
+
+  // Signals are taken by sigwait below; block them before any thread starts.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  ::signal(SIGPIPE, SIG_IGN);
+
+  auto state_fs = MakeLocalStateFs();
+  auto store = JobStore::Open(state_fs.get(), state_dir);
+  if (!store.ok()) return Fail(std::string(store.status().message()));
+  auto launcher = MakeLocalMpiLauncher(launcher_options);
+  JobManager manager(manager_options, SystemClock(), launcher.get(),
+                     [] { return MakeDiskWorkspace(); }, std::move(*store));
+  if (auto s = manager.Start(); !s.ok()) return Fail(std::string(s.message()));
+  auto server = CoordinatorServer::Start(server_options, &manager);
+  if (!server.ok()) return Fail(std::string(server.status().message()));
+  const int port = (*server)->port();
+  const std::string worker_address =
+      advertise.empty() ? AdvertisedAddress(server_options.listen, port) : advertise;
+  manager.SetWorkerAddress(worker_address);
+  const std::string bound =
+      absl::StrCat(server_options.listen.substr(0, server_options.listen.rfind(':')), ":", port);
+  if (!address_file.empty()) {
+    if (auto s = qcal::WriteFileAtomic(address_file, bound + "\n"); !s.ok()) {
+      return Fail(std::string(s.message()));
+    }
+  }
+  QCAL_LOG_INFO("qcal-coordinator listening on {} ({}), workers dial {}, worker binary {}",
+                bound, server_options.tls_cert_file.empty() ? "plaintext" : "TLS",
+                worker_address, launcher_options.worker_binary);
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  QCAL_LOG_INFO("signal {}: shutting down", sig);
+  manager.Shutdown();
+  (*server)->Shutdown();
+  (*server)->Wait();
+  return 0;
+}

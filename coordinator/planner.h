@@ -1,0 +1,43 @@
+// The planner: recipe + the job directory's state (common/job_layout's JobPlan) → the phases of
+// a service job and its tasks. Pure: no I/O, so it is unit-tested on hand-made JobPlans.
+//
+//   plan → [calibrate] → quantize (one QUANTIZE_BLOCK task per pending block) → [finetune]
+//        → finalize → done
+//
+// calibrate is present when some pending work still needs Hessians or activations
+// (JobPlan::needs_calibration); finetune (FINETUNE_E2E) when the recipe enables end-to-end
+// fine-tuning and the journal holds no valid e2e_done (or any block is redone, since the stage
+// rewrites every block shard).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/job_layout.h"
+#include "common/recipe.h"
+
+namespace qcal::coordinator {
+
+inline constexpr char kPhasePlan[] = "plan";
+inline constexpr char kPhaseCalibrate[] = "calibrate";
+inline constexpr char kPhaseQuantize[] = "quantize";
+inline constexpr char kPhaseFinetune[] = "finetune";
+inline constexpr char kPhaseFinalize[] = "finalize";
+inline constexpr char kPhaseDone[] = "done";
+
+struct TaskPlan {
+  int64_t num_blocks = 0;
+  bool calibrate = false;             // one collective CALIBRATE task for every rank, first
+  std::vector<int64_t> blocks;        // QUANTIZE_BLOCK tasks, ascending layer order
+  std::vector<int64_t> resumed;       // blocks finished by an earlier run (journal + shard)
+  bool finetune_e2e = false;          // one FINETUNE_E2E task after the last block
+  std::vector<std::string> phases;    // in order, from kPhasePlan to kPhaseDone
+
+  // No task for the workers: the job goes straight from plan to finalize (no launch).
+  bool needs_workers() const { return calibrate || !blocks.empty() || finetune_e2e; }
+};
+
+TaskPlan MakeTaskPlan(const Recipe& recipe, const JobPlan& plan);
+
+}  // namespace qcal::coordinator

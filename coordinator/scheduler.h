@@ -1,0 +1,126 @@
+// The scheduler of one job: which task a worker gets when it asks (NextTask), and what happens
+// when a task completes, fails, or its worker dies. Pure logic, no clock and no I/O.
+//
+// Policy
+//  * CALIBRATE is collective: every rank of the world receives the same task and the phase ends
+//    when every rank completed it. Meanwhile ranks that are done (or ask early) get WAIT. If a
+//    rank dies or fails during it, the job fails (the MPI collective cannot go on without it;
+//    a resubmitted job resumes from the journal and the cached calibration products).
+//  * QUANTIZE_BLOCK tasks are pulled: whichever rank asks gets the next pending block (lowest
+//    layer first). Fast ranks therefore take more blocks than slow ones; nothing is assigned to
+//    a rank in advance (no round-robin). A dead rank's block, or a block that failed with
+//    `retryable`, returns to the front of the queue with attempt + 1, for any rank; after
+//    `max_attempts` hand-outs the job fails.
+//  * FINETUNE_E2E is one task for one rank, after the last block; requeued like a block.
+//  * A task completed twice (a rank declared dead that was only slow, and the rank that took
+//    over) counts once: the result is deterministic, the second completion is a duplicate.
+//
+// Not thread-safe: the JobManager calls it under its lock.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "coordinator/planner.h"
+#include "proto/qcal.pb.h"
+
+namespace qcal::coordinator {
+
+class JobScheduler {
+ public:
+  JobScheduler(std::string job_id, int world_size, const TaskPlan& plan, int max_attempts = 3,
+               int64_t wait_ms = 200);
+
+  // kPhaseCalibrate, kPhaseQuantize, kPhaseFinetune, or kPhaseFinalize once every task is done.
+  const std::string& phase() const { return phase_; }
+  bool done() const { return phase_ == kPhaseFinalize; }
+  // Non-empty when the job must fail (collective broken, attempts exhausted, protocol error).
+  const std::string& error() const { return error_; }
+
+  // The next task for `worker_id` (of `rank`). A worker asking while it holds a block or e2e
+  // task abandoned it: that task is requeued first. Returns WAIT when nothing is ready and
+  // SHUTDOWN once the job failed.
+  v1::Task Next(const std::string& worker_id, int rank);
+
+  struct Completion {
+    v1::TaskKind kind = v1::TASK_KIND_UNSPECIFIED;
+    int64_t block = -1;             // QUANTIZE_BLOCK
+    bool duplicate = false;         // already completed: ignore the result
+    bool phase_finished = false;    // this completion ended the phase
+  };
+  // NotFound for a task id this job never handed out; FailedPrecondition when `rank` did not
+  // receive the collective task it completes.
+  StatusOr<Completion> Complete(const std::string& worker_id, int rank, const std::string& task_id);
+
+  struct Requeue {
+    std::string task_id;  // the task that returns to the queue
+    std::string what;     // "block 3" / "end-to-end fine-tuning"
+    int next_attempt = 0;
+  };
+  // A task failed on the worker. Retryable failures requeue it (returned); otherwise, or when the
+  // attempts are used up, error() is set.
+  StatusOr<std::vector<Requeue>> Fail(const std::string& worker_id, int rank,
+                                      const std::string& task_id, const std::string& message,
+                                      bool retryable);
+
+  // `worker_id` (of `rank`) is gone. Its block / e2e task returns to the queue; during the
+  // collective calibration error() is set instead.
+  std::vector<Requeue> WorkerLost(const std::string& worker_id, int rank);
+
+  int64_t blocks_total() const { return static_cast<int64_t>(blocks_.size()); }
+  int64_t blocks_done() const { return static_cast<int64_t>(blocks_done_.size()); }
+  int64_t blocks_pending() const { return static_cast<int64_t>(pending_.size()); }
+  // Tasks currently held by workers, by worker id.
+  std::map<std::string, std::string> running() const;
+  int calibrate_ranks_done() const { return static_cast<int>(calibrate_done_.size()); }
+
+  // The layer of a QUANTIZE_BLOCK task id ("block-<layer>.a<attempt>"); nullopt for others.
+  static std::optional<int64_t> BlockOfTaskId(const std::string& task_id);
+
+ private:
+  struct Assignment {
+    v1::TaskKind kind;
+    int64_t block = -1;
+    int attempt = 1;
+    std::string worker_id;
+  };
+  v1::Task MakeTask(v1::TaskKind kind, const std::string& task_id, int64_t block, int attempt);
+  v1::Task Wait();
+  void SetError(const std::string& message);
+  void AdvancePhase();
+  // Moves `task_id` (held by a worker) back to the queue. Returns false when attempts are used.
+  bool RequeueAssignment(const std::string& task_id, const std::string& reason, Requeue* out);
+  std::string BlockTaskId(int64_t block, int attempt) const;
+
+  std::string job_id_;
+  int world_size_;
+  int max_attempts_;
+  int64_t wait_ms_;
+  std::string phase_;
+  std::string error_;
+
+  bool calibrate_ = false;
+  std::set<int> calibrate_given_;  // ranks that received CALIBRATE
+  std::set<int> calibrate_done_;
+
+  std::vector<int64_t> blocks_;          // all blocks this run quantizes
+  std::deque<int64_t> pending_;          // not handed out (or requeued)
+  std::set<int64_t> blocks_done_;
+  std::map<int64_t, int> attempts_;      // hand-outs so far per block
+
+  bool e2e_ = false;
+  bool e2e_pending_ = false;
+  bool e2e_done_ = false;
+  int e2e_attempts_ = 0;
+
+  std::map<std::string, Assignment> assigned_;  // task id -> holder (block and e2e tasks)
+  std::set<std::string> finished_ids_;          // completed or superseded attempts
+};
+
+}  // namespace qcal::coordinator

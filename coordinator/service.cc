@@ -1,0 +1,207 @@
+#include "coordinator/service.h"
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include "absl/strings/str_cat.h"
+#include "common/atomic_file.h"
+#include "common/log.h"
+#include "coordinator/auth.h"
+#include "coordinator/grpc_status.h"
+#include "proto/qcal.grpc.pb.h"
+
+namespace qcal::coordinator {
+
+grpc::Status Authorize(const grpc::ServerContext& context, const std::string& token) {
+  const auto& metadata = context.client_metadata();
+  auto it = metadata.find("authorization");
+  if (it == metadata.end()) {
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                        "missing 'authorization: Bearer <token>' metadata");
+  }
+  const std::string value(it->second.data(), it->second.size());
+  static const std::string kBearer = "Bearer ";
+  if (value.compare(0, kBearer.size(), kBearer) != 0) {
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                        "the authorization metadata is not a bearer token");
+  }
+  if (token.empty() || !ConstantTimeEquals(value.substr(kBearer.size()), token)) {
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "invalid bearer token");
+  }
+  return grpc::Status::OK;
+}
+
+namespace {
+
+// Runs `body` (returning absl::Status) after the auth check; exceptions become INTERNAL.
+template <typename Body>
+grpc::Status Guarded(const grpc::ServerContext* context, const std::string& token,
+                     const char* method, Body&& body) {
+  grpc::Status auth = Authorize(*context, token);
+  if (!auth.ok()) {
+    QCAL_LOG_WARN("{} from {} refused: {}", method, context->peer(), auth.error_message());
+    return auth;
+  }
+  try {
+    return ToGrpcStatus(body());
+  } catch (const std::exception& e) {
+    QCAL_LOG_ERROR("{}: internal error: {}", method, e.what());
+    return grpc::Status(grpc::StatusCode::INTERNAL, absl::StrCat(method, ": ", e.what()));
+  }
+}
+
+}  // namespace
+
+class CoordinatorServer::JobServiceImpl final : public v1::JobService::Service {
+ public:
+  JobServiceImpl(JobManager* m, std::string token) : m_(m), token_(std::move(token)) {}
+
+  grpc::Status SubmitJob(grpc::ServerContext* ctx, const v1::SubmitJobRequest* req,
+                         v1::SubmitJobResponse* resp) override {
+    return Guarded(ctx, token_, "SubmitJob", [&]() -> Status {
+      QCAL_ASSIGN_OR_RETURN(std::string id, m_->Submit(req->spec()));
+      resp->set_job_id(id);
+      return absl::OkStatus();
+    });
+  }
+  grpc::Status GetJob(grpc::ServerContext* ctx, const v1::GetJobRequest* req,
+                      v1::Job* resp) override {
+    return Guarded(ctx, token_, "GetJob", [&]() -> Status {
+      QCAL_ASSIGN_OR_RETURN(*resp, m_->Get(req->job_id()));
+      return absl::OkStatus();
+    });
+  }
+  grpc::Status ListJobs(grpc::ServerContext* ctx, const v1::ListJobsRequest* req,
+                        v1::ListJobsResponse* resp) override {
+    return Guarded(ctx, token_, "ListJobs", [&]() -> Status {
+      for (v1::Job& job : m_->List()) *resp->add_jobs() = std::move(job);
+      return absl::OkStatus();
+    });
+  }
+  grpc::Status CancelJob(grpc::ServerContext* ctx, const v1::CancelJobRequest* req,
+                         v1::CancelJobResponse* resp) override {
+    return Guarded(ctx, token_, "CancelJob", [&]() -> Status {
+      QCAL_ASSIGN_OR_RETURN(*resp->mutable_job(), m_->Cancel(req->job_id()));
+      return absl::OkStatus();
+    });
+  }
+  grpc::Status WatchJob(grpc::ServerContext* ctx, const v1::WatchJobRequest* req,
+                        grpc::ServerWriter<v1::JobEvent>* writer) override {
+    return Guarded(ctx, token_, "WatchJob", [&]() -> Status {
+      return m_->Watch(
+          req->job_id(), req->after_seq(),
+          [&](const v1::JobEvent& e) { return writer->Write(e); },
+          [&] { return ctx->IsCancelled(); });
+    });
+  }
+
+ private:
+  JobManager* m_;
+  std::string token_;
+};
+
+class CoordinatorServer::WorkerServiceImpl final : public v1::WorkerService::Service {
+ public:
+  WorkerServiceImpl(JobManager* m, std::string token) : m_(m), token_(std::move(token)) {}
+
+  grpc::Status RegisterWorker(grpc::ServerContext* ctx, const v1::RegisterWorkerRequest* req,
+                              v1::RegisterWorkerResponse* resp) override {
+    return Guarded(ctx, token_, "RegisterWorker", [&]() -> Status {
+      QCAL_ASSIGN_OR_RETURN(*resp, m_->RegisterWorker(*req));
+      return absl::OkStatus();
+    });
+  }
+  grpc::Status NextTask(grpc::ServerContext* ctx, const v1::NextTaskRequest* req,
+                        v1::Task* resp) override {
+    return Guarded(ctx, token_, "NextTask", [&]() -> Status {
+      QCAL_ASSIGN_OR_RETURN(*resp, m_->NextTask(req->worker_id()));
+      return absl::OkStatus();
+    });
+  }
+  grpc::Status ReportProgress(grpc::ServerContext* ctx, const v1::ReportProgressRequest* req,
+                              v1::ReportProgressResponse* resp) override {
+    return Guarded(ctx, token_, "ReportProgress", [&]() -> Status {
+      QCAL_ASSIGN_OR_RETURN(bool cancelled, m_->ReportProgress(*req));
+      resp->set_cancelled(cancelled);
+      return absl::OkStatus();
+    });
+  }
+  grpc::Status CompleteTask(grpc::ServerContext* ctx, const v1::CompleteTaskRequest* req,
+                            v1::CompleteTaskResponse*) override {
+    return Guarded(ctx, token_, "CompleteTask", [&] { return m_->CompleteTask(*req); });
+  }
+  grpc::Status FailTask(grpc::ServerContext* ctx, const v1::FailTaskRequest* req,
+                        v1::FailTaskResponse*) override {
+    return Guarded(ctx, token_, "FailTask", [&] { return m_->FailTask(*req); });
+  }
+  grpc::Status Heartbeat(grpc::ServerContext* ctx, const v1::HeartbeatRequest* req,
+                         v1::HeartbeatResponse* resp) override {
+    return Guarded(ctx, token_, "Heartbeat", [&]() -> Status {
+      QCAL_ASSIGN_OR_RETURN(bool cancelled, m_->Heartbeat(req->worker_id()));
+      resp->set_cancelled(cancelled);
+      return absl::OkStatus();
+    });
+  }
+
+ private:
+  JobManager* m_;
+  std::string token_;
+};
+
+StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
+    const ServerOptions& options, JobManager* manager) {
+  if (options.token.empty()) return absl::InvalidArgumentError("the server needs an auth token");
+  std::shared_ptr<grpc::ServerCredentials> credentials;
+  if (!options.tls_cert_file.empty() || !options.tls_key_file.empty()) {
+    if (options.tls_cert_file.empty() || options.tls_key_file.empty()) {
+      return absl::InvalidArgumentError("TLS needs both --tls-cert and --tls-key");
+    }
+    grpc::SslServerCredentialsOptions ssl;
+    grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+    QCAL_ASSIGN_OR_RETURN(pair.cert_chain, ReadFile(options.tls_cert_file));
+    QCAL_ASSIGN_OR_RETURN(pair.private_key, ReadFile(options.tls_key_file));
+    ssl.pem_key_cert_pairs.push_back(pair);
+    if (!options.tls_client_ca_file.empty()) {
+      QCAL_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadFile(options.tls_client_ca_file));
+      ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+    }
+    credentials = grpc::SslServerCredentials(ssl);
+  } else {
+    if (!options.tls_client_ca_file.empty()) {
+      return absl::InvalidArgumentError("--tls-client-ca needs --tls-cert and --tls-key");
+    }
+    credentials = grpc::InsecureServerCredentials();
+  }
+
+  std::unique_ptr<CoordinatorServer> server(new CoordinatorServer());
+  server->job_service_ = std::make_unique<JobServiceImpl>(manager, options.token);
+  server->worker_service_ = std::make_unique<WorkerServiceImpl>(manager, options.token);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.listen, credentials, &server->port_);
+  builder.RegisterService(server->job_service_.get());
+  builder.RegisterService(server->worker_service_.get());
+  builder.SetMaxReceiveMessageSize(16 << 20);
+  server->server_ = builder.BuildAndStart();
+  if (!server->server_ || server->port_ == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on '", options.listen, "' (address in use or invalid)"));
+  }
+  return server;
+}
+
+CoordinatorServer::~CoordinatorServer() { Shutdown(std::chrono::milliseconds(0)); }
+
+void CoordinatorServer::Shutdown(std::chrono::milliseconds grace) {
+  if (shut_down_ || !server_) return;
+  shut_down_ = true;
+  if (auto* health = server_->GetHealthCheckService()) health->Shutdown();
+  server_->Shutdown(std::chrono::system_clock::now() + grace);
+}
+
+void CoordinatorServer::Wait() {
+  if (server_) server_->Wait();
+}
+
+}  // namespace qcal::coordinator

@@ -1,0 +1,52 @@
+// The coordinator's gRPC server: qcal.v1.JobService and qcal.v1.WorkerService over a JobManager,
+// plus the standard health service (grpc.health.v1) and server reflection, which need no token.
+//
+// Every qcal.v1 RPC first checks "authorization: Bearer <token>" (UNAUTHENTICATED otherwise),
+// then calls the JobManager; absl::Status converts to grpc::Status in exactly one place
+// (grpc_status.h). An exception inside a handler becomes INTERNAL for that call only.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include <grpcpp/grpcpp.h>
+
+#include "common/status.h"
+#include "coordinator/job_manager.h"
+
+namespace qcal::coordinator {
+
+struct ServerOptions {
+  std::string listen = "127.0.0.1:0";  // host:port; port 0 picks a free one
+  std::string token;                   // required bearer token
+  std::string tls_cert_file;           // with tls_key_file: serve TLS
+  std::string tls_key_file;
+  std::string tls_client_ca_file;      // require client certificates signed by this CA
+};
+
+// UNAUTHENTICATED unless the call carries "authorization: Bearer <token>".
+grpc::Status Authorize(const grpc::ServerContext& context, const std::string& token);
+
+class CoordinatorServer {
+ public:
+  // Builds and starts the server. `manager` must outlive it. Errors name the address or file.
+  static StatusOr<std::unique_ptr<CoordinatorServer>> Start(const ServerOptions& options,
+                                                            JobManager* manager);
+  ~CoordinatorServer();
+  int port() const { return port_; }
+  // Health turns NOT_SERVING, then in-flight calls get `grace` to finish before cancellation.
+  void Shutdown(std::chrono::milliseconds grace = std::chrono::milliseconds(3000));
+  void Wait();
+
+ private:
+  CoordinatorServer() = default;
+  class JobServiceImpl;
+  class WorkerServiceImpl;
+  std::unique_ptr<JobServiceImpl> job_service_;
+  std::unique_ptr<WorkerServiceImpl> worker_service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+  bool shut_down_ = false;
+};
+
+}  // namespace qcal::coordinator

@@ -1,0 +1,51 @@
+#include "coordinator/workspace.h"
+
+#include <optional>
+
+namespace qcal::coordinator {
+namespace {
+
+class DiskWorkspace : public JobWorkspace {
+ public:
+  StatusOr<JobPlan> Open(const Recipe& recipe, const v1::JobSpec& spec) override {
+    QCAL_ASSIGN_OR_RETURN(JobPlan plan,
+                          PlanJob(recipe, spec.model_dir(), spec.out_dir(), spec.job_dir()));
+    QCAL_ASSIGN_OR_RETURN(Journal journal, Journal::Open(plan.job_dir + "/journal.jsonl"));
+    journal_.emplace(std::move(journal));
+    out_dir_ = spec.out_dir();
+    num_blocks_ = plan.num_blocks;
+    QCAL_RETURN_IF_ERROR(
+        journal_->Append(JobStartEntry(recipe, plan.recipe_hash, spec.model_dir())));
+    return plan;
+  }
+
+  Status CheckResult(const nlohmann::json& entry) override {
+    if (entry.value("event", "") != "block_done") return absl::OkStatus();
+    return CheckBlockDoneEntry(entry, out_dir_, num_blocks_);
+  }
+
+  Status Append(const nlohmann::json& entry) override {
+    if (!journal_) return absl::FailedPreconditionError("the job's journal is not open");
+    return journal_->Append(entry);
+  }
+
+  StatusOr<nlohmann::json> Finalize(const Recipe& recipe, const v1::JobSpec& spec) override {
+    if (!journal_) return absl::FailedPreconditionError("the job's journal is not open");
+    return FinalizeJob(recipe, spec.model_dir(), spec.out_dir(), &*journal_);
+  }
+
+ private:
+  std::optional<Journal> journal_;
+  std::string out_dir_;     // set by Open, read-only afterwards
+  int64_t num_blocks_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<JobWorkspace> MakeDiskWorkspace() { return std::make_unique<DiskWorkspace>(); }
+
+std::string JobDirOf(const v1::JobSpec& spec) {
+  return spec.job_dir().empty() ? spec.out_dir() + ".job" : spec.job_dir();
+}
+
+}  // namespace qcal::coordinator

@@ -1,0 +1,48 @@
+// The job directory side of a service job, behind an interface so the JobManager is testable
+// without real checkpoints (tests/coordinator/fakes.h). The disk implementation is
+// common/job_layout: the same planning, journal and finalization as the single-process
+// `qcal quantize`, so both write identical checkpoints.
+//
+// One workspace per job. The JobManager never calls it concurrently: Open before any worker
+// exists, Append while tasks complete (under the manager's lock), Finalize after the last task.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "common/job_layout.h"
+#include "common/recipe.h"
+#include "common/status.h"
+#include "proto/qcal.pb.h"
+
+namespace qcal::coordinator {
+
+class JobWorkspace {
+ public:
+  virtual ~JobWorkspace() = default;
+  // Validates the model and any existing journal against the recipe (PlanJob), creates the
+  // output and job directories, opens JOB/journal.jsonl and appends job_start.
+  virtual StatusOr<JobPlan> Open(const Recipe& recipe, const v1::JobSpec& spec) = 0;
+  // Checks a worker's result before it is journaled: a block_done entry must name the block's
+  // shard, and the shard on disk must have the checksum the entry claims. Thread-safe (called
+  // without the manager's lock: it reads the shard).
+  virtual Status CheckResult(const nlohmann::json& entry) = 0;
+  // Appends one journal entry (block_done / e2e_done from a worker), fsynced.
+  virtual Status Append(const nlohmann::json& entry) = 0;
+  // Shard 0 (unless end-to-end fine-tuned), index, config.json, tokenizer; appends job_done.
+  // Returns the summary (bits per weight, ...).
+  virtual StatusOr<nlohmann::json> Finalize(const Recipe& recipe, const v1::JobSpec& spec) = 0;
+};
+
+using WorkspaceFactory = std::function<std::unique_ptr<JobWorkspace>()>;
+
+// common/job_layout on the local (shared) filesystem.
+std::unique_ptr<JobWorkspace> MakeDiskWorkspace();
+
+// The job directory a spec resolves to (job_dir, or out_dir + ".job").
+std::string JobDirOf(const v1::JobSpec& spec);
+
+}  // namespace qcal::coordinator

@@ -1,0 +1,543 @@
+// qcal-coordinator with real MPI workers (mpirun qcal-worker) on stories260K:
+//  * 2 and 3 ranks write a checkpoint bit-identical to single-process `qcal quantize`;
+//  * calls without the bearer token are refused;
+//  * a job with a missing model path is refused with a clear message, a job that fails at run
+//    time fails alone, and the coordinator keeps serving the others;
+//  * cancelling a running job stops its worker processes;
+//  * the CLI's service commands and `qcal run`.
+#include <dirent.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "common/atomic_file.h"
+#include "coordinator/auth.h"
+#include "proto/qcal.grpc.pb.h"
+#include "tests/test_util.h"
+
+extern char** environ;
+
+namespace qcal::coordinator {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Result {
+  int exit_code;
+  std::string out;  // stdout and stderr together
+};
+
+Result Shell(const std::string& cmd) {
+  Result r{-1, ""};
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  if (!p) return r;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
+  const int status = pclose(p);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+std::string Qcal() { return qcal::testing::BuildDir() + "/client/qcal"; }
+std::string WorkerBinary() { return qcal::testing::BuildDir() + "/worker/qcal-worker"; }
+
+// Every regular file under `dir`, relative path -> contents.
+void ReadTree(const std::string& dir, const std::string& rel,
+              std::map<std::string, std::string>* out) {
+  DIR* d = ::opendir((dir + "/" + rel).c_str());
+  if (!d) return;
+  while (struct dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name == "." || name == "..") continue;
+    const std::string r = rel.empty() ? name : rel + "/" + name;
+    struct stat st;
+    if (::stat((dir + "/" + r).c_str(), &st) != 0) continue;
+    if (S_ISDIR(st.st_mode)) {
+      ReadTree(dir, r, out);
+    } else {
+      (*out)[r] = *ReadFile(dir + "/" + r);
+    }
+  }
+  ::closedir(d);
+}
+
+void ExpectSameFiles(const std::string& expected_dir, const std::string& actual_dir) {
+  std::map<std::string, std::string> expected, actual;
+  ReadTree(expected_dir, "", &expected);
+  ReadTree(actual_dir, "", &actual);
+  ASSERT_FALSE(expected.empty()) << expected_dir;
+  std::set<std::string> names;
+  for (const auto& [n, c] : expected) names.insert(n);
+  for (const auto& [n, c] : actual) names.insert(n);
+  for (const std::string& n : names) {
+    ASSERT_TRUE(expected.count(n)) << n << " only in " << actual_dir;
+    ASSERT_TRUE(actual.count(n)) << n << " missing from " << actual_dir;
+    EXPECT_TRUE(expected[n] == actual[n])
+        << n << " differs (" << expected[n].size() << " vs " << actual[n].size() << " bytes)";
+  }
+  EXPECT_GE(names.size(), 8u);  // shards, index, config, tokenizer
+}
+
+// Live processes whose command line carries every one of `args` as an argument (the job id and
+// the coordinator's address: mpirun and its ranks for this test's job, not another test's).
+std::vector<int> ProcessesWithArgs(const std::vector<std::string>& args) {
+  std::vector<int> out;
+  DIR* d = ::opendir("/proc");
+  if (!d) return out;
+  while (struct dirent* e = ::readdir(d)) {
+    char* end = nullptr;
+    const long pid = std::strtol(e->d_name, &end, 10);
+    if (end == e->d_name || *end != '\0') continue;
+    std::ifstream f(std::string("/proc/") + e->d_name + "/cmdline", std::ios::binary);
+    std::string cmd((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    std::ifstream s(std::string("/proc/") + e->d_name + "/stat");
+    std::string stat;
+    std::getline(s, stat);
+    const size_t close = stat.rfind(')');
+    if (close != std::string::npos && stat.size() > close + 2 && stat[close + 2] == 'Z') continue;
+    std::set<std::string> have;
+    std::stringstream parts(cmd);
+    std::string a;
+    while (std::getline(parts, a, '\0')) have.insert(a);
+    bool all = !args.empty();
+    for (const std::string& want : args) all &= have.count(want) > 0;
+    if (all) out.push_back(static_cast<int>(pid));
+  }
+  ::closedir(d);
+  return out;
+}
+
+class CoordinatorIntegrationTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (::access(WorkerBinary().c_str(), X_OK) != 0) {
+      GTEST_SKIP() << WorkerBinary() << " is not built";
+    }
+    if (Shell("mpirun --version").exit_code != 0) GTEST_SKIP() << "mpirun is not available";
+    shared_ = qcal::testing::SharedDir();
+    dir_ = std::filesystem::path(qcal::testing::MakeTempDir("coord-it")).lexically_normal().string();
+    model_ = dir_ + "/stories260K";
+    Result r = Shell(Qcal() + " import llama2c " + shared_ + "/models/stories260K/stories260K.bin " +
+                   shared_ + "/models/stories260K/tok512.bin --out " + model_);
+    ASSERT_EQ(r.exit_code, 0) << r.out;
+    recipe_ = WriteRecipe("quip-small.yaml", 16);
+    ASSERT_FALSE(recipe_.empty());
+    token_file_ = dir_ + "/token";
+    ASSERT_TRUE(WriteFileAtomic(token_file_, std::string(kToken) + "\n").ok());
+    ASSERT_EQ(::chmod(token_file_.c_str(), 0600), 0);
+    StartCoordinator();
+  }
+
+  void TearDown() override {
+    if (coordinator_pid_ > 0) {
+      ::kill(coordinator_pid_, SIGTERM);
+      int status = 0;
+      for (int i = 0; i < 300; ++i) {
+        if (::waitpid(coordinator_pid_, &status, WNOHANG) == coordinator_pid_) {
+          coordinator_pid_ = 0;
+          break;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+      if (coordinator_pid_ > 0) {
+        ADD_FAILURE() << "qcal-coordinator did not exit within 15 s of SIGTERM";
+        ::kill(coordinator_pid_, SIGKILL);
+        ::waitpid(coordinator_pid_, &status, 0);
+      } else {
+        EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+            << "qcal-coordinator exit status " << status;
+      }
+    }
+  }
+
+  // A copy of jobs/quip-e8p-2bit.yaml with `sequences` calibration sequences.
+  std::string WriteRecipe(const std::string& name, int sequences) {
+    auto text = ReadFile(qcal::testing::SourceDir() + "/jobs/quip-e8p-2bit.yaml");
+    EXPECT_TRUE(text.ok()) << text.status();
+    if (!text.ok()) return "";
+    std::string yaml = *text;
+    const std::string key = "num_sequences: 128";
+    const size_t pos = yaml.find(key);
+    EXPECT_NE(pos, std::string::npos);
+    yaml.replace(pos, key.size(), "num_sequences: " + std::to_string(sequences));
+    const std::string path = dir_ + "/" + name;
+    EXPECT_TRUE(WriteFileAtomic(path, yaml).ok());
+    return path;
+  }
+
+  void StartCoordinator() {
+    const std::string state = dir_ + "/state";
+    const std::string address_file = dir_ + "/address";
+    std::vector<std::string> args = {
+        qcal::testing::BuildDir() + "/coordinator/qcal-coordinator",
+        "--listen", "127.0.0.1:0", "--state", state, "--auth-token-file", token_file_,
+        "--address-file", address_file, "--kill-grace", "2", "--heartbeat-timeout", "30",
+        "--log-file", dir_ + "/coordinator.log"};
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    const std::string out = dir_ + "/coordinator.out";
+    posix_spawn_file_actions_addopen(&fa, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&fa, 1, 2);
+    ASSERT_EQ(::posix_spawn(&coordinator_pid_, argv[0], &fa, nullptr, argv.data(), environ), 0);
+    posix_spawn_file_actions_destroy(&fa);
+    for (int i = 0; i < 400; ++i) {
+      auto text = ReadFile(address_file);
+      if (text.ok() && !text->empty()) {
+        address_ = text->substr(0, text->find('\n'));
+        break;
+      }
+      int status;
+      ASSERT_NE(::waitpid(coordinator_pid_, &status, WNOHANG), coordinator_pid_)
+          << "qcal-coordinator exited: " << ReadFile(out).value_or("");
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    ASSERT_FALSE(address_.empty()) << "no address file; " << ReadFile(out).value_or("");
+    channel_ = *MakeChannel(address_);
+    ASSERT_TRUE(WaitForHealthy(channel_, std::chrono::seconds(20)).ok());
+    jobs_ = v1::JobService::NewStub(channel_);
+  }
+
+  v1::JobSpec Spec(const std::string& out, int workers, const std::string& model = "") {
+    v1::JobSpec s;
+    s.set_recipe_path(recipe_);
+    s.set_recipe_yaml(*ReadFile(recipe_));
+    s.set_model_dir(model.empty() ? model_ : model);
+    s.set_out_dir(out);
+    s.set_data_root(shared_);
+    s.set_workers(workers);
+    s.set_threads_per_worker(1);
+    return s;
+  }
+
+  grpc::Status Submit(const v1::JobSpec& spec, std::string* id) {
+    grpc::ClientContext ctx;
+    AddBearerToken(&ctx, kToken);
+    v1::SubmitJobRequest req;
+    *req.mutable_spec() = spec;
+    v1::SubmitJobResponse resp;
+    grpc::Status s = jobs_->SubmitJob(&ctx, req, &resp);
+    *id = resp.job_id();
+    return s;
+  }
+
+  v1::Job Get(const std::string& id) {
+    grpc::ClientContext ctx;
+    AddBearerToken(&ctx, kToken);
+    v1::GetJobRequest req;
+    req.set_job_id(id);
+    v1::Job job;
+    grpc::Status s = jobs_->GetJob(&ctx, req, &job);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return job;
+  }
+
+  // Follows the job's event stream to its end (at most `timeout`) and returns the job.
+  v1::Job WatchToEnd(const std::string& id, std::chrono::seconds timeout = std::chrono::seconds(900)) {
+    grpc::ClientContext ctx;
+    AddBearerToken(&ctx, kToken);
+    ctx.set_deadline(std::chrono::system_clock::now() + timeout);
+    v1::WatchJobRequest req;
+    req.set_job_id(id);
+    auto reader = jobs_->WatchJob(&ctx, req);
+    v1::JobEvent e;
+    int blocks = 0;
+    while (reader->Read(&e)) blocks += e.kind() == v1::JOB_EVENT_KIND_BLOCK_DONE;
+    grpc::Status s = reader->Finish();
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    v1::Job job = Get(id);
+    if (job.state() == v1::JOB_STATE_SUCCEEDED) {
+      EXPECT_EQ(blocks, job.blocks_total()) << "one BLOCK_DONE event per block";
+    }
+    return job;
+  }
+
+  // `qcal quantize` in one process with the same recipe: the reference checkpoint.
+  std::string Reference() {
+    const std::string ref = dir_ + "/reference";
+    Result r = Shell(Qcal() + " quantize --recipe " + recipe_ + " --model " + model_ + " --out " +
+                   ref + " --data-root " + shared_ + " --threads 1");
+    EXPECT_EQ(r.exit_code, 0) << r.out;
+    return ref;
+  }
+
+  void ExpectBitIdenticalWithRanks(int ranks) {
+    const std::string ref = Reference();
+    const std::string out = dir_ + "/out" + std::to_string(ranks);
+    std::string id;
+    grpc::Status s = Submit(Spec(out, ranks), &id);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    v1::Job job = WatchToEnd(id);
+    ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED)
+        << job.error() << "\nworkers.log:\n" << ReadFile(out + ".job/workers.log").value_or("");
+    EXPECT_EQ(job.blocks_done(), 5);
+    EXPECT_EQ(job.phase(), "done");
+    EXPECT_FALSE(job.result_json().empty());
+    std::set<int> ranks_seen;
+    for (const auto& b : job.blocks()) ranks_seen.insert(b.rank());
+    for (int r : ranks_seen) EXPECT_TRUE(r >= 0 && r < ranks) << r;
+    std::printf("[ info     ] %d ranks: blocks by rank", ranks);
+    for (const auto& b : job.blocks()) std::printf(" %lld:%d", (long long)b.block(), b.rank());
+    std::printf("\n");
+    ExpectSameFiles(ref, out);
+    // The coordinator journaled every block (single writer).
+    auto journal = ReadFile(out + ".job/journal.jsonl");
+    ASSERT_TRUE(journal.ok());
+    std::stringstream lines(*journal);
+    std::string line;
+    std::map<std::string, int> events;
+    while (std::getline(lines, line)) events[nlohmann::json::parse(line)["event"]]++;
+    EXPECT_EQ(events["job_start"], 1);
+    EXPECT_EQ(events["block_done"], 5);
+    EXPECT_EQ(events["job_done"], 1);
+    // The workers exited after SHUTDOWN.
+    for (int i = 0; i < 100 && !JobProcesses(id).empty(); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    EXPECT_TRUE(JobProcesses(id).empty());
+  }
+
+  // mpirun and the ranks of job `id` of this test's coordinator.
+  std::vector<int> JobProcesses(const std::string& id) {
+    return ProcessesWithArgs({id, address_});
+  }
+
+  static constexpr char kToken[] = "integration-test-token-0123456789";
+  std::string shared_, dir_, model_, recipe_, token_file_, address_;
+  pid_t coordinator_pid_ = 0;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::JobService::Stub> jobs_;
+};
+
+TEST_F(CoordinatorIntegrationTest, TwoRanksMatchSingleProcessBitForBit) {
+  ExpectBitIdenticalWithRanks(2);
+}
+
+TEST_F(CoordinatorIntegrationTest, ThreeRanksMatchSingleProcessBitForBit) {
+  ExpectBitIdenticalWithRanks(3);
+}
+
+TEST_F(CoordinatorIntegrationTest, UnauthenticatedRequestsAreRefused) {
+  for (const std::string& token : {std::string(), std::string("wrong-token-wrong-token")}) {
+    grpc::ClientContext ctx;
+    if (!token.empty()) AddBearerToken(&ctx, token);
+    v1::ListJobsRequest req;
+    v1::ListJobsResponse resp;
+    grpc::Status s = jobs_->ListJobs(&ctx, req, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << s.error_message();
+
+    grpc::ClientContext ctx2;
+    if (!token.empty()) AddBearerToken(&ctx2, token);
+    v1::SubmitJobRequest sub;
+    *sub.mutable_spec() = Spec(dir_ + "/never", 2);
+    v1::SubmitJobResponse sub_resp;
+    s = jobs_->SubmitJob(&ctx2, sub, &sub_resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << s.error_message();
+
+    auto workers = v1::WorkerService::NewStub(channel_);
+    grpc::ClientContext ctx3;
+    if (!token.empty()) AddBearerToken(&ctx3, token);
+    v1::RegisterWorkerRequest reg;
+    v1::RegisterWorkerResponse reg_resp;
+    s = workers->RegisterWorker(&ctx3, reg, &reg_resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << s.error_message();
+  }
+  // The qcal CLI says so too.
+  const std::string bad_token = dir_ + "/bad-token";
+  ASSERT_TRUE(WriteFileAtomic(bad_token, "not-the-right-token-at-all\n").ok());
+  Result r = Shell(Qcal() + " list --coordinator " + address_ + " --auth-token-file " + bad_token);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.out.find("UNAUTHENTICATED"), std::string::npos) << r.out;
+  EXPECT_FALSE(::access((dir_ + "/never").c_str(), F_OK) == 0);
+  // With the token, nothing was submitted.
+  grpc::ClientContext ok;
+  AddBearerToken(&ok, kToken);
+  v1::ListJobsResponse resp;
+  ASSERT_TRUE(jobs_->ListJobs(&ok, v1::ListJobsRequest(), &resp).ok());
+  EXPECT_EQ(resp.jobs_size(), 0);
+}
+
+TEST_F(CoordinatorIntegrationTest, MissingModelFailsClearlyWhileOtherJobsGoOn) {
+  const std::string ref = Reference();
+  // A good job runs while the bad ones come and go.
+  std::string good;
+  ASSERT_TRUE(Submit(Spec(dir_ + "/good", 2), &good).ok());
+
+  std::string id;
+  grpc::Status s = Submit(Spec(dir_ + "/bad", 2, dir_ + "/no-such-model"), &id);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(s.error_message(), "model_dir '" + dir_ + "/no-such-model' does not exist");
+
+  // A model directory whose weights are missing passes the submit checks (config.json is
+  // fine) and fails at run time, alone, with the file named.
+  const std::string hollow = dir_ + "/hollow-model";
+  ASSERT_TRUE(MakeDirs(hollow).ok());
+  for (const char* f : {"config.json", "tokenizer.model", "tokenizer_config.json"}) {
+    ASSERT_TRUE(WriteFileAtomic(hollow + "/" + f, *ReadFile(model_ + "/" + f)).ok());
+  }
+  std::string hollow_id;
+  s = Submit(Spec(dir_ + "/hollow-out", 2, hollow), &hollow_id);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  v1::Job failed = WatchToEnd(hollow_id);
+  EXPECT_EQ(failed.state(), v1::JOB_STATE_FAILED);
+  std::printf("[ info     ] run-time failure: %s\n", failed.error().c_str());
+  EXPECT_NE(failed.error().find(hollow), std::string::npos) << failed.error();
+
+  v1::Job ok = WatchToEnd(good);
+  ASSERT_EQ(ok.state(), v1::JOB_STATE_SUCCEEDED) << ok.error();
+  ExpectSameFiles(ref, dir_ + "/good");
+  // And the coordinator still takes new work.
+  std::string after;
+  ASSERT_TRUE(Submit(Spec(dir_ + "/after", 1), &after).ok());
+  EXPECT_EQ(WatchToEnd(after).state(), v1::JOB_STATE_SUCCEEDED);
+}
+
+TEST_F(CoordinatorIntegrationTest, CancellingARunningJobStopsItsWorkers) {
+  // A long calibration, so the job is still running when it is cancelled.
+  recipe_ = WriteRecipe("quip-long.yaml", 4096);
+  std::string id;
+  ASSERT_TRUE(Submit(Spec(dir_ + "/cancelled", 2), &id).ok());
+  const auto deadline = Clock::now() + std::chrono::seconds(120);
+  v1::Job job;
+  while (Clock::now() < deadline) {
+    job = Get(id);
+    if (job.state() == v1::JOB_STATE_RUNNING && job.workers_alive() == 2) break;
+    ASSERT_FALSE(job.state() == v1::JOB_STATE_FAILED) << job.error();
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_EQ(job.workers_alive(), 2) << job.DebugString();
+  const std::vector<int> before = JobProcesses(id);
+  EXPECT_GE(before.size(), 3u) << "mpirun and two ranks";
+
+  grpc::ClientContext ctx;
+  AddBearerToken(&ctx, kToken);
+  v1::CancelJobRequest req;
+  req.set_job_id(id);
+  v1::CancelJobResponse resp;
+  ASSERT_TRUE(jobs_->CancelJob(&ctx, req, &resp).ok());
+  EXPECT_EQ(resp.job().state(), v1::JOB_STATE_CANCELLED) << resp.job().error();
+
+  // Kill grace 2 s: SIGTERM at 2 s, SIGKILL at 4 s. Allow 20 s in all.
+  const auto t0 = Clock::now();
+  std::vector<int> left = JobProcesses(id);
+  while (!left.empty() && Clock::now() - t0 < std::chrono::seconds(20)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    left = JobProcesses(id);
+  }
+  EXPECT_TRUE(left.empty()) << left.size() << " worker processes survived the cancel";
+  std::printf("[ info     ] workers gone %.1f s after the cancel\n",
+              std::chrono::duration<double>(Clock::now() - t0).count());
+  EXPECT_EQ(Get(id).state(), v1::JOB_STATE_CANCELLED);
+  for (int i = 0; i < 50 && Get(id).workers_alive() != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_EQ(Get(id).workers_alive(), 0);
+}
+
+TEST_F(CoordinatorIntegrationTest, CliServiceCommands) {
+  const std::string common = " --coordinator " + address_ + " --auth-token-file " + token_file_;
+  Result r = Shell(Qcal() + " submit " + recipe_ + " --model " + model_ + " --out " + dir_ +
+                 "/cli-out --data-root " + shared_ + " --workers 2 --name cli-test --json" +
+                 common);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  auto submitted = nlohmann::json::parse(r.out.substr(r.out.rfind('{')), nullptr, false);
+  ASSERT_FALSE(submitted.is_discarded()) << r.out;
+  const std::string id = submitted.value("job_id", "");
+  ASSERT_FALSE(id.empty()) << r.out;
+
+  r = Shell(Qcal() + " watch " + id + common);
+  EXPECT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.out.find("SUCCEEDED"), std::string::npos) << r.out;
+
+  r = Shell(Qcal() + " status " + id + " --json" + common);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  auto status = nlohmann::json::parse(r.out, nullptr, false);
+  ASSERT_FALSE(status.is_discarded()) << r.out;
+  EXPECT_EQ(status["state"], "SUCCEEDED");
+  EXPECT_EQ(status["blocks_done"], 5);
+  EXPECT_EQ(status["blocks"].size(), 5u);
+  EXPECT_TRUE(status["blocks"][0]["metrics"].is_object()) << r.out;
+
+  r = Shell(Qcal() + " status " + id + common);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  for (const char* word : {"SUCCEEDED", "cli-test", "bits per weight"}) {
+    EXPECT_NE(r.out.find(word), std::string::npos) << word << " in " << r.out;
+  }
+  r = Shell(Qcal() + " list" + common);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.out.find(id), std::string::npos) << r.out;
+  r = Shell(Qcal() + " list --json" + common);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  auto list = nlohmann::json::parse(r.out, nullptr, false);
+  ASSERT_TRUE(list.is_array()) << r.out;
+  EXPECT_EQ(list.size(), 1u);
+  r = Shell(Qcal() + " cancel " + id + common);  // an ended job stays as it is
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.out.find(id + " SUCCEEDED"), std::string::npos) << r.out;
+
+  // Resubmitting the same job resumes it: every block is finished, so no worker is started
+  // and the job goes straight to finalize.
+  r = Shell(Qcal() + " submit " + recipe_ + " --model " + model_ + " --out " + dir_ +
+            "/cli-out --data-root " + shared_ + " --workers 2 --watch" + common);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.out.find("resuming: 5 of 5 blocks were finished by an earlier run"),
+            std::string::npos)
+      << r.out;
+  EXPECT_EQ(r.out.find("started 2 worker rank(s)"), std::string::npos) << r.out;
+  r = Shell(Qcal() + " status job-000002 --json" + common);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  auto resumed = nlohmann::json::parse(r.out, nullptr, false);
+  ASSERT_FALSE(resumed.is_discarded()) << r.out;
+  EXPECT_EQ(resumed["state"], "SUCCEEDED");
+  ASSERT_EQ(resumed["blocks"].size(), 5u);
+  for (const auto& b : resumed["blocks"]) EXPECT_TRUE(b["resumed"].get<bool>()) << b.dump();
+
+  r = Shell(Qcal() + " status job-424242" + common);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.out.find("unknown job 'job-424242'"), std::string::npos) << r.out;
+  r = Shell(Qcal() + " submit " + recipe_ + " --model " + dir_ + "/nothing --out " + dir_ +
+          "/x --data-root " + shared_ + common);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.out.find("model_dir '" + dir_ + "/nothing' does not exist"), std::string::npos)
+      << r.out;
+}
+
+TEST_F(CoordinatorIntegrationTest, QcalRunStartsItsOwnCoordinatorAndWorkers) {
+  const std::string out = dir_ + "/run-out";
+  Result r = Shell(Qcal() + " run " + recipe_ + " --model " + model_ + " --out " + out +
+                 " --workers 2 --data-root " + shared_ + " --eval-max-tokens 3000");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  for (const char* word : {"SUCCEEDED", "perplexity", "float", "quantized", "wikitext2",
+                           "tinystories"}) {
+    EXPECT_NE(r.out.find(word), std::string::npos) << word << " in:\n" << r.out;
+  }
+  ExpectSameFiles(Reference(), out);
+  // A failing job makes `qcal run` fail with the job's message.
+  r = Shell(Qcal() + " run " + recipe_ + " --model " + out + " --out " + out + "/inside --workers 1 " +
+          "--data-root " + shared_ + " --no-eval");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.out.find("is inside model_dir"), std::string::npos) << r.out;
+}
+
+}  // namespace
+}  // namespace qcal::coordinator

@@ -1,0 +1,95 @@
+// The planner: phases and block tasks from a recipe and the job directory's state.
+#include "coordinator/planner.h"
+
+#include <gtest/gtest.h>
+
+namespace qcal::coordinator {
+namespace {
+
+JobPlan FreshPlan(int64_t blocks) {
+  JobPlan p;
+  p.num_blocks = blocks;
+  p.block_finished.assign(blocks, false);
+  return p;
+}
+
+Recipe Quip() {
+  Recipe r;
+  r.method = QuantMethod::kQuip;
+  return r;
+}
+
+Recipe Rtn() {
+  Recipe r;
+  r.method = QuantMethod::kRtn;
+  r.bits = 4;
+  return r;
+}
+
+TEST(PlannerTest, FreshQuipJobCalibratesThenQuantizesEveryBlock) {
+  const TaskPlan t = MakeTaskPlan(Quip(), FreshPlan(5));
+  EXPECT_TRUE(t.calibrate);
+  EXPECT_EQ(t.blocks, (std::vector<int64_t>{0, 1, 2, 3, 4}));
+  EXPECT_TRUE(t.resumed.empty());
+  EXPECT_FALSE(t.finetune_e2e);
+  EXPECT_TRUE(t.needs_workers());
+  EXPECT_EQ(t.phases,
+            (std::vector<std::string>{"plan", "calibrate", "quantize", "finalize", "done"}));
+}
+
+TEST(PlannerTest, ResumeSkipsFinishedBlocks) {
+  JobPlan p = FreshPlan(5);
+  p.block_finished[0] = p.block_finished[3] = true;
+  const TaskPlan t = MakeTaskPlan(Quip(), p);
+  EXPECT_EQ(t.blocks, (std::vector<int64_t>{1, 2, 4}));
+  EXPECT_EQ(t.resumed, (std::vector<int64_t>{0, 3}));
+  EXPECT_TRUE(t.calibrate);  // pending blocks still need Hessians
+}
+
+TEST(PlannerTest, RtnNeedsNoCalibration) {
+  const TaskPlan t = MakeTaskPlan(Rtn(), FreshPlan(3));
+  EXPECT_FALSE(t.calibrate);
+  EXPECT_EQ(t.blocks.size(), 3u);
+  EXPECT_EQ(t.phases, (std::vector<std::string>{"plan", "quantize", "finalize", "done"}));
+}
+
+TEST(PlannerTest, FinishedJobGoesStraightToFinalizeWithoutWorkers) {
+  JobPlan p = FreshPlan(3);
+  p.block_finished.assign(3, true);
+  const TaskPlan t = MakeTaskPlan(Quip(), p);
+  EXPECT_FALSE(t.calibrate);
+  EXPECT_TRUE(t.blocks.empty());
+  EXPECT_FALSE(t.needs_workers());
+  EXPECT_EQ(t.phases, (std::vector<std::string>{"plan", "finalize", "done"}));
+}
+
+TEST(PlannerTest, EndToEndFinetuneAfterTheBlocksAndRedoneWhenABlockIsRedone) {
+  Recipe r = Quip();
+  r.finetune.enabled = true;
+  r.finetune.end_to_end.enabled = true;
+  JobPlan p = FreshPlan(2);
+  p.e2e_enabled = true;
+  TaskPlan t = MakeTaskPlan(r, p);
+  EXPECT_TRUE(t.finetune_e2e);
+  EXPECT_EQ(t.phases, (std::vector<std::string>{"plan", "calibrate", "quantize", "finetune",
+                                                "finalize", "done"}));
+  // Every block done but e2e not: only the e2e task (it needs the calibration products).
+  p.block_finished.assign(2, true);
+  t = MakeTaskPlan(r, p);
+  EXPECT_TRUE(t.blocks.empty());
+  EXPECT_TRUE(t.finetune_e2e);
+  EXPECT_TRUE(t.calibrate);
+  // e2e done and valid: nothing left.
+  p.e2e_finished = true;
+  t = MakeTaskPlan(r, p);
+  EXPECT_FALSE(t.finetune_e2e);
+  EXPECT_FALSE(t.needs_workers());
+  // A redone block invalidates e2e (it rewrites every shard).
+  p.block_finished[1] = false;
+  t = MakeTaskPlan(r, p);
+  EXPECT_TRUE(t.finetune_e2e);
+  EXPECT_EQ(t.blocks, (std::vector<int64_t>{1}));
+}
+
+}  // namespace
+}  // namespace qcal::coordinator

@@ -1,0 +1,166 @@
+// The scheduler: collective calibration, pull-based block hand-out, requeue on failure or loss.
+#include "coordinator/scheduler.h"
+
+#include <gtest/gtest.h>
+
+namespace qcal::coordinator {
+namespace {
+
+TaskPlan Plan(int64_t blocks, bool calibrate, bool e2e = false) {
+  TaskPlan t;
+  t.num_blocks = blocks;
+  t.calibrate = calibrate;
+  for (int64_t l = 0; l < blocks; ++l) t.blocks.push_back(l);
+  t.finetune_e2e = e2e;
+  return t;
+}
+
+TEST(SchedulerTest, CalibrationIsCollectiveThenBlocksFlow) {
+  JobScheduler s("job-1", 3, Plan(4, true));
+  EXPECT_EQ(s.phase(), "calibrate");
+  for (int r = 0; r < 3; ++r) {
+    v1::Task t = s.Next("w" + std::to_string(r), r);
+    EXPECT_EQ(t.kind(), v1::TASK_KIND_CALIBRATE) << "rank " << r;
+    EXPECT_EQ(t.task_id(), "calibrate");
+  }
+  ASSERT_TRUE(s.Complete("w0", 0, "calibrate").ok());
+  // Rank 0 finished its part but the collective is not over: it waits.
+  EXPECT_EQ(s.Next("w0", 0).kind(), v1::TASK_KIND_WAIT);
+  ASSERT_TRUE(s.Complete("w1", 1, "calibrate").ok());
+  auto last = s.Complete("w2", 2, "calibrate");
+  ASSERT_TRUE(last.ok());
+  EXPECT_TRUE(last->phase_finished);
+  EXPECT_EQ(s.phase(), "quantize");
+  v1::Task t = s.Next("w1", 1);
+  EXPECT_EQ(t.kind(), v1::TASK_KIND_QUANTIZE_BLOCK);
+  EXPECT_EQ(t.block(), 0);
+  EXPECT_EQ(t.attempt(), 1);
+  EXPECT_TRUE(s.error().empty());
+}
+
+TEST(SchedulerTest, FasterRanksPullMoreBlocks) {
+  // Rank 0 finishes a block every tick, rank 1 every third tick: with pull-based hand-out
+  // rank 0 ends up with about three quarters of the blocks (round-robin would give half).
+  constexpr int kBlocks = 40;
+  JobScheduler s("job-1", 2, Plan(kBlocks, false));
+  std::map<int, v1::Task> holding;
+  std::map<int, int> count;
+  for (int tick = 0; !s.done() && tick < 1000; ++tick) {
+    for (int r = 0; r < 2; ++r) {
+      if (holding.count(r) && (r == 0 || tick % 3 == 0)) {
+        ASSERT_TRUE(s.Complete("w" + std::to_string(r), r, holding[r].task_id()).ok());
+        holding.erase(r);
+      }
+      if (!holding.count(r)) {
+        v1::Task t = s.Next("w" + std::to_string(r), r);
+        if (t.kind() == v1::TASK_KIND_QUANTIZE_BLOCK) {
+          holding[r] = t;
+          ++count[r];
+        }
+      }
+    }
+  }
+  EXPECT_TRUE(s.done());
+  EXPECT_EQ(count[0] + count[1], kBlocks);
+  EXPECT_GE(count[0], 27) << "rank 0 took " << count[0] << ", rank 1 " << count[1];
+  EXPECT_LE(count[1], 13);
+}
+
+TEST(SchedulerTest, LostWorkersBlockReturnsToTheQueueForAnotherRank) {
+  JobScheduler s("job-1", 2, Plan(3, false));
+  v1::Task a = s.Next("w0", 0);
+  v1::Task b = s.Next("w1", 1);
+  EXPECT_EQ(a.block(), 0);
+  EXPECT_EQ(b.block(), 1);
+  auto requeued = s.WorkerLost("w1", 1);
+  ASSERT_EQ(requeued.size(), 1u);
+  EXPECT_EQ(requeued[0].what, "block 1");
+  EXPECT_EQ(requeued[0].next_attempt, 2);
+  ASSERT_TRUE(s.Complete("w0", 0, a.task_id()).ok());
+  v1::Task again = s.Next("w0", 0);
+  EXPECT_EQ(again.block(), 1);  // the requeued block goes first
+  EXPECT_EQ(again.attempt(), 2);
+  EXPECT_EQ(again.task_id(), "block-1.a2");
+  // The lost rank was only slow and completes its old attempt: counted once.
+  auto late = s.Complete("w1", 1, b.task_id());
+  ASSERT_TRUE(late.ok());
+  EXPECT_FALSE(late->duplicate);
+  auto dup = s.Complete("w0", 0, again.task_id());
+  ASSERT_TRUE(dup.ok());
+  EXPECT_TRUE(dup->duplicate);
+  EXPECT_EQ(s.blocks_done(), 2);
+  v1::Task c = s.Next("w0", 0);
+  EXPECT_EQ(c.block(), 2);
+  ASSERT_TRUE(s.Complete("w0", 0, c.task_id()).ok());
+  EXPECT_TRUE(s.done());
+}
+
+TEST(SchedulerTest, LossDuringCalibrationFailsTheJob) {
+  JobScheduler s("job-1", 2, Plan(3, true));
+  s.Next("w0", 0);
+  s.Next("w1", 1);
+  EXPECT_TRUE(s.WorkerLost("w1", 1).empty());
+  EXPECT_NE(s.error().find("rank 1 (worker w1) was lost during calibration"), std::string::npos)
+      << s.error();
+  EXPECT_NE(s.error().find("resubmit"), std::string::npos);
+  v1::Task t = s.Next("w0", 0);
+  EXPECT_EQ(t.kind(), v1::TASK_KIND_SHUTDOWN);
+  EXPECT_EQ(t.reason(), s.error());
+}
+
+TEST(SchedulerTest, RetryableFailuresRequeueUntilAttemptsRunOut) {
+  JobScheduler s("job-1", 1, Plan(1, false), /*max_attempts=*/2);
+  v1::Task t = s.Next("w0", 0);
+  auto r = s.Fail("w0", 0, t.task_id(), "out of memory", /*retryable=*/true);
+  ASSERT_TRUE(r.ok());
+  ASSERT_EQ(r->size(), 1u);
+  t = s.Next("w0", 0);
+  EXPECT_EQ(t.attempt(), 2);
+  r = s.Fail("w0", 0, t.task_id(), "out of memory", true);
+  ASSERT_TRUE(r.ok());
+  EXPECT_TRUE(r->empty());
+  EXPECT_NE(s.error().find("block 0 was attempted 2 times"), std::string::npos) << s.error();
+  EXPECT_NE(s.error().find("out of memory"), std::string::npos);
+}
+
+TEST(SchedulerTest, NonRetryableFailureFailsTheJobAndUnknownTasksAreRejected) {
+  JobScheduler s("job-1", 1, Plan(2, false));
+  v1::Task t = s.Next("w0", 0);
+  EXPECT_EQ(s.Complete("w0", 0, "block-7.a1").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(s.Complete("w0", 0, "calibrate").status().code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(s.Fail("w0", 0, t.task_id(), "shard write: disk full", false).ok());
+  EXPECT_EQ(s.error(), "block 0 failed on rank 0: shard write: disk full");
+}
+
+TEST(SchedulerTest, AbandonedTaskIsRequeued) {
+  JobScheduler s("job-1", 2, Plan(2, false));
+  v1::Task t = s.Next("w0", 0);
+  EXPECT_EQ(t.block(), 0);
+  v1::Task u = s.Next("w0", 0);  // asks again without completing block 0
+  EXPECT_EQ(u.block(), 0);
+  EXPECT_EQ(u.attempt(), 2);
+}
+
+TEST(SchedulerTest, EndToEndFinetuneRunsOnceAfterTheLastBlock) {
+  JobScheduler s("job-1", 2, Plan(1, false, /*e2e=*/true));
+  v1::Task b = s.Next("w0", 0);
+  EXPECT_EQ(s.Next("w1", 1).kind(), v1::TASK_KIND_WAIT);  // e2e waits for the blocks
+  auto c = s.Complete("w0", 0, b.task_id());
+  ASSERT_TRUE(c.ok());
+  EXPECT_TRUE(c->phase_finished);
+  EXPECT_EQ(s.phase(), "finetune");
+  v1::Task e = s.Next("w1", 1);
+  EXPECT_EQ(e.kind(), v1::TASK_KIND_FINETUNE_E2E);
+  EXPECT_EQ(s.Next("w0", 0).kind(), v1::TASK_KIND_WAIT);  // one rank only
+  auto lost = s.WorkerLost("w1", 1);
+  ASSERT_EQ(lost.size(), 1u);
+  EXPECT_EQ(lost[0].what, "end-to-end fine-tuning");
+  e = s.Next("w0", 0);
+  EXPECT_EQ(e.kind(), v1::TASK_KIND_FINETUNE_E2E);
+  EXPECT_EQ(e.attempt(), 2);
+  ASSERT_TRUE(s.Complete("w0", 0, e.task_id()).ok());
+  EXPECT_TRUE(s.done());
+}
+
+}  // namespace
+}  // namespace qcal::coordinator

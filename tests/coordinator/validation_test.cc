@@ -1,0 +1,110 @@
+// Submitted specs are checked before a job exists; each problem gets a precise message.
+#include "coordinator/validation.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include "tests/coordinator/test_env.h"
+
+namespace qcal::coordinator {
+namespace {
+
+using testing::TestEnv;
+
+// The InvalidArgument message ValidateJobSpec gives `spec` ("" when it accepts it).
+std::string Problem(v1::JobSpec spec) {
+  StatusOr<Recipe> r = ValidateJobSpec(&spec);
+  if (r.ok()) return "";
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  return std::string(r.status().message());
+}
+
+TEST(ValidationTest, AcceptsAGoodSpecAndNormalizesPaths) {
+  TestEnv env = TestEnv::Make("valid");
+  v1::JobSpec spec = env.Spec();
+  spec.set_out_dir(env.root + "/x/../out/");
+  StatusOr<Recipe> r = ValidateJobSpec(&spec);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->name, "quip-test");
+  EXPECT_EQ(spec.out_dir(), env.out_dir);
+}
+
+TEST(ValidationTest, EachProblemHasAPreciseMessage) {
+  TestEnv env = TestEnv::Make("valid");
+  v1::JobSpec s = env.Spec();
+
+  s = env.Spec(0);
+  EXPECT_EQ(Problem(s), "workers must be at least 1 (got 0)");
+  s = env.Spec(100000);
+  EXPECT_EQ(Problem(s), "workers must be at most 1024 (got 100000)");
+
+  s = env.Spec();
+  s.set_model_dir(env.root + "/missing");
+  EXPECT_EQ(Problem(s), "model_dir '" + env.root + "/missing' does not exist");
+
+  s = env.Spec();
+  s.set_model_dir("models/m");
+  EXPECT_NE(Problem(s).find("model_dir 'models/m' is not an absolute path"), std::string::npos);
+
+  s = env.Spec();
+  s.set_model_dir(env.model_dir + "/config.json");
+  EXPECT_EQ(Problem(s), "model_dir '" + env.model_dir + "/config.json' is not a directory");
+
+  s = env.Spec();
+  s.set_out_dir(env.model_dir + "/quantized");
+  EXPECT_EQ(Problem(s), "out_dir '" + env.model_dir + "/quantized' is inside model_dir '" +
+                            env.model_dir + "'; write the output outside the input");
+  s = env.Spec();
+  s.set_out_dir(env.model_dir);
+  EXPECT_EQ(Problem(s), "out_dir '" + env.model_dir +
+                            "' is the model directory; write the output outside the input");
+  // Through a symlink into the model directory.
+  ASSERT_EQ(::symlink(env.model_dir.c_str(), (env.root + "/link").c_str()), 0);
+  s = env.Spec();
+  s.set_out_dir(env.root + "/link/q");
+  EXPECT_NE(Problem(s).find("is inside model_dir"), std::string::npos);
+  s = env.Spec();
+  s.set_job_dir(env.model_dir + "/job");
+  EXPECT_NE(Problem(s).find("job_dir '" + env.model_dir + "/job' is inside model_dir"),
+            std::string::npos);
+
+  s = env.Spec();
+  s.set_recipe_yaml("name: x\nmethod: quip\nbitz: 2\n");
+  EXPECT_NE(Problem(s).find("jobs/quip-test.yaml"), std::string::npos) << Problem(s);
+  EXPECT_NE(Problem(s).find("bitz"), std::string::npos) << Problem(s);
+
+  s = env.Spec();
+  s.set_data_root(env.root + "/nodata");
+  EXPECT_EQ(Problem(s), "data_root '" + env.root + "/nodata' does not exist");
+  s = env.Spec();
+  ASSERT_EQ(::unlink((env.data_root + "/data/calib.txt").c_str()), 0);
+  EXPECT_EQ(Problem(s), "calibration file (jobs/quip-test.yaml: 'data/calib.txt') '" +
+                            env.data_root + "/data/calib.txt' does not exist");
+
+  s = env.Spec();
+  s.set_recipe_yaml("name: r\nmethod: rtn\nbits: 4\n");  // rtn: no calibration data needed
+  EXPECT_EQ(Problem(s), "");
+
+  ASSERT_TRUE(WriteFileAtomic(env.model_dir + "/config.json", "{\"hidden_size\": 1}").ok());
+  s = env.Spec();
+  s.set_recipe_yaml("name: r\nmethod: rtn\nbits: 4\n");
+  EXPECT_NE(Problem(s).find(env.model_dir + "/config.json"), std::string::npos) << Problem(s);
+  ASSERT_EQ(::unlink((env.model_dir + "/config.json").c_str()), 0);
+  EXPECT_EQ(Problem(s), "model config '" + env.model_dir + "/config.json' does not exist");
+}
+
+TEST(ValidationTest, OutputMustBeCreatable) {
+  TestEnv env = TestEnv::Make("valid");
+  v1::JobSpec s = env.Spec();
+  ASSERT_TRUE(WriteFileAtomic(env.root + "/afile", "x").ok());
+  s.set_out_dir(env.root + "/afile");
+  EXPECT_EQ(Problem(s), "out_dir '" + env.root + "/afile' exists and is not a directory");
+  s.set_out_dir(env.root + "/afile/sub");
+  EXPECT_EQ(Problem(s), "out_dir '" + env.root + "/afile/sub' cannot be created: '" + env.root +
+                            "/afile' is not a directory");
+}
+
+}  // namespace
+}  // namespace qcal::coordinator

@@ -1,0 +1,269 @@
+// QuaRot end to end on stories260K (quarot::QuantizeModel with the bundled recipes): the
+// orderings that hold on it (rotation helps 4-bit activations a lot on the outlier-planted model
+// and does not hurt them on the plain one; GPTQ ≤ RTN at 4-bit weights), the checkpoint round trip (packed int4
+// codes; `qcal eval` semantics through LoadQuarotModel, bit-identical logits) and resuming the
+// sequential calibration from written blocks.
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <string>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "common/atomic_file.h"
+#include "common/llama2c.h"
+#include "common/recipe.h"
+#include "common/safetensors.h"
+#include "common/text.h"
+#include "common/tokenizer.h"
+#include "tests/test_util.h"
+#include "worker/calib/calibration.h"
+#include "worker/eval/perplexity.h"
+#include "worker/quant/quantized_linear.h"
+#include "worker/quarot/act_quant.h"
+#include "worker/quarot/checkpoint.h"
+#include "worker/quarot/plant_outliers.h"
+#include "worker/quarot/quarot_model.h"
+
+namespace qcal {
+namespace {
+
+class QuarotQuantizeTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    model::SetComputeThreads(1);
+    root_ = new std::string(testing::MakeTempDir("quarot_q"));
+    const std::string src = testing::SharedDir() + "/models/stories260K";
+    auto r = ImportLlama2c(src + "/stories260K.bin", src + "/tok512.bin", *root_ + "/float");
+    ASSERT_TRUE(r.ok()) << r.status();
+    quarot::PlantOutliersOptions plant;  // α = β = 50
+    auto planted = quarot::PlantOutliers(*root_ + "/float", *root_ + "/planted", plant);
+    ASSERT_TRUE(planted.ok()) << planted.status();
+    auto tok = LoadTokenizerFromModelDir(*root_ + "/float");
+    ASSERT_TRUE(tok.ok());
+    auto text = ReadTextFile(testing::SharedDir() +
+                             "/data/tinystories/TinyStories-valid.sample30k.txt");
+    ASSERT_TRUE(text.ok());
+    eval_tokens_ = new std::vector<int32_t>((*tok)->Encode(*text));
+    // 32 calibration sequences of 128 tokens from the recipes' calibration file.
+    CalibrationSpec spec;
+    spec.files = {"data/wikitext2/wiki.valid.tokens"};
+    spec.num_sequences = 32;
+    spec.seq_len = 128;
+    auto calib = calib::SampleCalibrationTokens(**tok, spec, testing::SharedDir(), 128,
+                                                (*tok)->bos_id());
+    ASSERT_TRUE(calib.ok()) << calib.status();
+    calib_ = new at::Tensor(*calib);
+  }
+  static void TearDownTestSuite() {
+    delete root_;
+    delete eval_tokens_;
+    delete calib_;
+  }
+
+  static std::string* root_;
+  static std::vector<int32_t>* eval_tokens_;
+  static at::Tensor* calib_;
+
+ public:
+  static Recipe LoadJob(const std::string& name) {
+    auto r = LoadRecipe(testing::SourceDir() + "/jobs/" + name + ".yaml");
+    EXPECT_TRUE(r.ok()) << r.status();
+    Recipe recipe = r.ok() ? *r : Recipe();
+    recipe.calibration.num_sequences = 32;  // the test's calibration set (the job uses 128)
+    return recipe;
+  }
+
+  static double Perplexity(const model::LlamaModel& m) {
+    eval::PerplexityOptions opt;
+    opt.ctx = 512;
+    opt.bos_per_window = true;
+    auto r = eval::EvaluatePerplexity(m, *eval_tokens_, opt);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? r->perplexity : std::nan("");
+  }
+
+  // Quantizes the model in `which` ("float" or "planted") with the recipe, returns perplexity.
+  static double QuantizedPerplexity(const std::string& which, const Recipe& recipe) {
+    auto m = model::LlamaModel::Load(*root_ + "/" + which);
+    EXPECT_TRUE(m.ok()) << m.status();
+    if (!m.ok()) return std::nan("");
+    auto report = quarot::QuantizeModel(**m, recipe, *calib_, 8);
+    EXPECT_TRUE(report.ok()) << report.status();
+    if (!report.ok()) return std::nan("");
+    const double ppl = Perplexity(**m);
+    std::printf("%-8s %-32s ppl %.3f (%.1f s)\n", which.c_str(), recipe.name.c_str(), ppl,
+                report->seconds);
+    return ppl;
+  }
+};
+
+std::string* QuarotQuantizeTest::root_ = nullptr;
+std::vector<int32_t>* QuarotQuantizeTest::eval_tokens_ = nullptr;
+at::Tensor* QuarotQuantizeTest::calib_ = nullptr;
+
+TEST_F(QuarotQuantizeTest, PlantedOutliersKeepTheFloatFunction) {
+  auto plain = model::LlamaModel::Load(*root_ + "/float");
+  auto planted = model::LlamaModel::Load(*root_ + "/planted");
+  ASSERT_TRUE(plain.ok() && planted.ok());
+  const double a = Perplexity(**plain), b = Perplexity(**planted);
+  std::printf("float ppl: plain %.4f, planted %.4f\n", a, b);
+  EXPECT_NEAR(a, b, 1e-3 * a);
+}
+
+// A4: the activation quantization of quarot-w4a4kv4 / w4a4kv4-norot alone (float weights, float
+// KV cache). On these models the rotations help activations only: with 4-bit weights or a 4-bit
+// cache the rotated recipes lose (docs/results.md has the decomposition: the weights of
+// stories260K quantize better unrotated — QuIP#'s incoherence loses to GPTQ on it too —, and
+// head_dim 8 is too small for R3 to flatten a key outlier while the planted K outliers are
+// compensated in W_q, so R3 only spreads their rounding error onto channels queries use).
+Recipe A4(const std::string& name) {
+  Recipe r = QuarotQuantizeTest::LoadJob(name);
+  r.name += "-a4only";
+  r.weights = "none";
+  r.bits = 16;
+  r.kv_cache.bits = 16;
+  return r;
+}
+
+TEST_F(QuarotQuantizeTest, RotationRescuesA4OnPlantedOutliers) {
+  const double rot = QuantizedPerplexity("planted", A4("quarot-w4a4kv4"));
+  const double norot = QuantizedPerplexity("planted", A4("w4a4kv4-norot"));
+  EXPECT_LT(2.0 * rot, norot) << "rotated " << rot << " vs unrotated " << norot;
+}
+
+TEST_F(QuarotQuantizeTest, RotationDoesNotHurtA4OnThePlainModel) {
+  const double rot = QuantizedPerplexity("float", A4("quarot-w4a4kv4"));
+  const double norot = QuantizedPerplexity("float", A4("w4a4kv4-norot"));
+  EXPECT_LE(rot, norot);
+}
+
+TEST_F(QuarotQuantizeTest, GptqIsNotWorseThanRtnAtFourBitWeights) {
+  Recipe gptq = LoadJob("quarot-w4a16");
+  Recipe rtn = gptq;
+  rtn.name = "quarot-w4a16-rtn";
+  rtn.weights = "rtn";
+  rtn.scalar.act_order = false;
+  EXPECT_LE(QuantizedPerplexity("float", gptq), QuantizedPerplexity("float", rtn));
+  EXPECT_LE(QuantizedPerplexity("float", LoadJob("quarot-w4a4kv4")),
+            QuantizedPerplexity("float", LoadJob("quarot-w4a4kv4-rtn")));
+}
+
+TEST_F(QuarotQuantizeTest, CheckpointRoundTripIsBitIdentical) {
+  for (const char* name : {"quarot-w4a4kv4", "quarot-w8a8-wtensor-atensor-static", "quarot-kv4"}) {
+    SCOPED_TRACE(name);
+    const Recipe recipe = LoadJob(name);
+    auto m = model::LlamaModel::Load(*root_ + "/float");
+    ASSERT_TRUE(m.ok());
+    auto report = quarot::QuantizeModel(**m, recipe, *calib_, 8);
+    ASSERT_TRUE(report.ok()) << report.status();
+    const std::string out = *root_ + "/ckpt-" + name;
+    ASSERT_TRUE(quarot::SaveQuarotCheckpoint(**m, recipe, *root_ + "/float", out, 4, 4).ok());
+    auto loaded = quarot::LoadQuarotModel(out);
+    ASSERT_TRUE(loaded.ok()) << loaded.status();
+    at::Tensor ids = at::randint(1, 512, {2, 64}, at::kLong);
+    ids.select(1, 0).fill_(1);
+    EXPECT_TRUE(at::equal((*loaded)->Forward(ids), (*m)->Forward(ids)));
+    // Stored tensors: packed int4 codes and F32 per-channel scales, static ranges.
+    auto ckpt = CheckpointReader::Open(out);
+    ASSERT_TRUE(ckpt.ok());
+    const std::string down = "model.layers.0.mlp.down_proj";
+    if (recipe.bits == 4) {
+      auto f = (*ckpt)->Find(down + ".codes_int4");
+      ASSERT_TRUE(f.ok()) << f.status();
+      EXPECT_EQ(f->second->dtype, DType::kU8);
+      EXPECT_EQ(f->second->shape, (std::vector<int64_t>{64, 86}));  // 172 inputs, two per byte
+      EXPECT_FALSE((*ckpt)->Has(down + ".codes"));
+      EXPECT_FALSE((*ckpt)->Has(down + ".qweight"));
+    }
+    if (recipe.bits == 8) {
+      auto f = (*ckpt)->Find(down + ".codes");
+      ASSERT_TRUE(f.ok());
+      EXPECT_EQ(f->second->dtype, DType::kI8);
+    }
+    EXPECT_EQ((*ckpt)->Has(down + ".weight"), !recipe.quantizes_weights());
+    EXPECT_EQ((*ckpt)->Has(std::string("model.layers.0.") + quarot::kActRangesKey),
+              recipe.activations.is_static);
+    EXPECT_TRUE((*ckpt)->Has("lm_head.weight"));
+    auto config = LoadLlamaConfig(out);
+    ASSERT_TRUE(config.ok());
+    EXPECT_TRUE(quarot::IsQuarotCheckpoint(*config));
+    EXPECT_FALSE(config->tie_word_embeddings);
+  }
+}
+
+TEST_F(QuarotQuantizeTest, ResumingFromWrittenBlocksReproducesTheModel) {
+  const Recipe recipe = LoadJob("quarot-w4a4kv4");
+  const std::string shards = testing::MakeTempDir("quarot_resume");
+  std::map<int64_t, std::string> written;
+  auto first = model::LlamaModel::Load(*root_ + "/float");
+  ASSERT_TRUE(first.ok());
+  quarot::SequentialCallbacks save;
+  save.on_block_done = [&](const quant::BlockTaskResult& r) -> Status {
+    const std::string dir = shards + "/block" + std::to_string(r.layer);
+    QCAL_RETURN_IF_ERROR(MakeDirs(dir));
+    QCAL_RETURN_IF_ERROR(
+        quarot::WriteQuarotBlockShard(dir + "/model.safetensors", r.layer, r.weights).status());
+    written[r.layer] = dir;
+    return Status();
+  };
+  auto report = quarot::QuantizeModel(**first, recipe, *calib_, 8, save);
+  ASSERT_TRUE(report.ok()) << report.status();
+  ASSERT_EQ(written.size(), 5u);
+  // A second run that finds blocks 0 and 1 finished (read back from their files) and quantizes
+  // the rest on activations propagated through the read-back blocks.
+  auto second = model::LlamaModel::Load(*root_ + "/float");
+  ASSERT_TRUE(second.ok());
+  quarot::SequentialCallbacks resume;
+  int quantized_again = 0;
+  resume.load_finished = [&](int64_t l) -> StatusOr<std::optional<model::BlockWeights>> {
+    if (l >= 2) return std::optional<model::BlockWeights>();
+    QCAL_ASSIGN_OR_RETURN(auto ckpt, CheckpointReader::Open(written[l]));
+    QCAL_ASSIGN_OR_RETURN(model::BlockWeights w,
+                          quarot::LoadQuarotBlockWeights(*ckpt, (*second)->config(), l));
+    return std::optional<model::BlockWeights>(std::move(w));
+  };
+  resume.on_block_done = [&](const quant::BlockTaskResult&) -> Status {
+    ++quantized_again;
+    return Status();
+  };
+  auto report2 = quarot::QuantizeModel(**second, recipe, *calib_, 8, resume);
+  ASSERT_TRUE(report2.ok()) << report2.status();
+  EXPECT_EQ(quantized_again, 3);
+  EXPECT_TRUE(report2->resumed[0] && report2->resumed[1] && !report2->resumed[2]);
+  at::Tensor ids = at::randint(1, 512, {1, 96}, at::kLong);
+  EXPECT_TRUE(at::equal((*first)->Forward(ids), (*second)->Forward(ids)));
+  // Sequential calibration: block 4's GPTQ Hessians come from the outputs of the quantized blocks
+  // 0..3, so quantizing it with Hessians of the (rotated) float model's activations instead gives
+  // other codes.
+  const auto& seq = dynamic_cast<const quant::ScalarQuantLinear&>(
+      quarot::WeightCarrier((*first)->block(4).weights().linear(model::LinearKind::kQ)));
+  auto ref = model::LlamaModel::Load(*root_ + "/float");
+  ASSERT_TRUE(ref.ok());
+  auto plan = quarot::PlanRotations(recipe.rotation, (*ref)->config());
+  ASSERT_TRUE(plan.ok());
+  ASSERT_TRUE(quarot::RotateModel(**ref, *plan).ok());
+  at::Tensor x = (*ref)->Embed(*calib_);
+  for (int64_t l = 0; l < 4; ++l) {
+    auto y = calib::ForwardCollectingHessians((*ref)->mutable_block(l), x, (*ref)->rope(), 8,
+                                              nullptr);
+    ASSERT_TRUE(y.ok());
+    x = *y;
+  }
+  calib::BlockHessians h;
+  ASSERT_TRUE(calib::ForwardCollectingHessians((*ref)->mutable_block(4), x, (*ref)->rope(), 8, &h)
+                  .ok());
+  auto float_calibrated =
+      quant::QuantizeBlock(recipe, (*ref)->config(), 4, (*ref)->block(4).weights(), &h);
+  ASSERT_TRUE(float_calibrated.ok()) << float_calibrated.status();
+  const auto& flt = dynamic_cast<const quant::ScalarQuantLinear&>(
+      quarot::WeightCarrier(float_calibrated->weights.linear(model::LinearKind::kQ)));
+  EXPECT_EQ(seq.data().bits, 4);
+  EXPECT_NE(seq.data().codes, flt.data().codes);
+}
+
+}  // namespace
+}  // namespace qcal

@@ -1,0 +1,235 @@
+// Data-parallel calibration (calib::Calibrate) with thread-ranks on stories260K: the Hessians
+// and activations of 2 and 3 ranks are bit-identical to a world of one (same files, same exact
+// sums), and the Hessians agree with a plain fp64 reference to 1e-12 (max-norm relative).
+#include "worker/calib/calibration.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "common/atomic_file.h"
+#include "common/llama2c.h"
+#include "common/tokenizer.h"
+#include "tests/test_util.h"
+#include "worker/model/llama.h"
+#include "worker/runtime/comm.h"
+
+namespace qcal {
+namespace {
+
+// Records each sequence's fp32 xᵀx summed in fp64 (the accumulation the fixed-point sums
+// replaced), for the reference.
+class ReferenceRecorder final : public model::Linear {
+ public:
+  ReferenceRecorder(std::unique_ptr<model::Linear> inner, at::Tensor* sum, int64_t* count)
+      : inner_(std::move(inner)), sum_(sum), count_(count) {}
+  at::Tensor Forward(const at::Tensor& x) const override {
+    if (sum_) {
+      at::Tensor seqs = x.reshape({-1, x.size(-2), x.size(-1)}).contiguous();
+      for (int64_t s = 0; s < seqs.size(0); ++s) {
+        sum_->add_(at::mm(seqs[s].t(), seqs[s]).to(at::kDouble));
+        *count_ += seqs.size(1);
+      }
+    }
+    return inner_->Forward(x);
+  }
+  int64_t in_features() const override { return inner_->in_features(); }
+  int64_t out_features() const override { return inner_->out_features(); }
+  at::Tensor DenseWeight() const override { return inner_->DenseWeight(); }
+
+ private:
+  std::unique_ptr<model::Linear> inner_;
+  at::Tensor* sum_;
+  int64_t* count_;
+};
+
+class CalibrationRanksTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    model::SetComputeThreads(1);
+    root_ = new std::string(testing::MakeTempDir("calib"));
+    const std::string src = testing::SharedDir() + "/models/stories260K";
+    auto r = ImportLlama2c(src + "/stories260K.bin", src + "/tok512.bin", *root_ + "/float");
+    ASSERT_TRUE(r.ok()) << r.status();
+    auto tok = LoadTokenizerFromModelDir(*root_ + "/float");
+    ASSERT_TRUE(tok.ok()) << tok.status();
+    CalibrationSpec spec;
+    spec.files = {"data/tinystories/TinyStories-valid.sample30k.txt"};
+    spec.num_sequences = 22;  // 6 chunks of 4, the last one short
+    spec.seq_len = 64;
+    auto tokens =
+        calib::SampleCalibrationTokens(**tok, spec, testing::SharedDir(), 64, (*tok)->bos_id());
+    ASSERT_TRUE(tokens.ok()) << tokens.status();
+    tokens_ = new at::Tensor(*tokens);
+  }
+  static void TearDownTestSuite() {
+    delete root_;
+    delete tokens_;
+  }
+
+  // Runs Calibrate on `ranks` thread-ranks (each with its own model) into `job_dir`; returns
+  // rank 0's result (every rank's Hessians are checked equal to rank 0's).
+  static calib::CalibrationResult Run(int ranks, const std::string& job_dir) {
+    auto comms = runtime::MakeThreadComms(ranks);
+    std::vector<StatusOr<calib::CalibrationResult>> results(ranks, absl::UnknownError("not run"));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < ranks; ++r) {
+      threads.emplace_back([&, r] {
+        auto model = model::LlamaModel::Load(*root_ + "/float");
+        if (!model.ok()) {
+          results[r] = model.status();
+          comms[r].reset();
+          return;
+        }
+        calib::CalibrationOptions opt;
+        opt.batch = 4;
+        opt.activations = true;
+        results[r] = calib::Calibrate(*comms[r], **model, *tokens_, job_dir, "key", opt);
+        if (!results[r].ok()) comms[r].reset();
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < ranks; ++r) {
+      EXPECT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].status();
+    }
+    if (!results[0].ok()) return {};
+    for (int r = 1; r < ranks; ++r) {
+      if (!results[r].ok()) continue;
+      for (size_t l = 0; l < results[0]->hessians.size(); ++l) {
+        for (int k = 0; k < 4; ++k) {
+          EXPECT_TRUE(results[r]->hessians[l].h[k].packed() ==
+                      results[0]->hessians[l].h[k].packed())
+              << "rank " << r << " block " << l << " kind " << k;
+        }
+      }
+    }
+    return std::move(*results[0]);
+  }
+
+  static std::string* root_;
+  static at::Tensor* tokens_;
+};
+std::string* CalibrationRanksTest::root_ = nullptr;
+at::Tensor* CalibrationRanksTest::tokens_ = nullptr;
+
+TEST_F(CalibrationRanksTest, RanksGiveTheWorldOfOneBitsAndMatchAnFp64Reference) {
+  // World of one (SelfComm) first.
+  auto model = model::LlamaModel::Load(*root_ + "/float");
+  ASSERT_TRUE(model.ok());
+  auto self = runtime::MakeSelfComm();
+  calib::CalibrationOptions opt;
+  opt.batch = 4;
+  opt.activations = true;
+  const std::string dir1 = *root_ + "/job1";
+  auto one = calib::Calibrate(*self, **model, *tokens_, dir1, "key", opt);
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_FALSE(one->from_cache);
+  const int64_t blocks = (*model)->num_blocks();
+  ASSERT_EQ(static_cast<int64_t>(one->hessians.size()), blocks);
+  EXPECT_EQ(one->tokens, 22 * 64);
+
+  for (int ranks : {2, 3}) {
+    const std::string dir = *root_ + "/job" + std::to_string(ranks);
+    calib::CalibrationResult many = Run(ranks, dir);
+    ASSERT_EQ(static_cast<int64_t>(many.hessians.size()), blocks) << ranks << " ranks";
+    EXPECT_EQ(many.tokens, one->tokens);
+    for (int64_t l = 0; l < blocks; ++l) {
+      for (calib::HessianKind k : calib::kAllHessianKinds) {
+        const auto& a = one->hessians[l].at(k);
+        const auto& b = many.hessians[l].at(k);
+        EXPECT_EQ(a.count(), b.count());
+        EXPECT_TRUE(a.packed() == b.packed())
+            << ranks << " ranks, block " << l << " " << calib::HessianKindName(k);
+      }
+      // The files rank 0 wrote are byte-identical too.
+      auto h1 = ReadFile(calib::HessianPath(dir1, l));
+      auto hn = ReadFile(calib::HessianPath(dir, l));
+      ASSERT_TRUE(h1.ok() && hn.ok());
+      EXPECT_TRUE(*h1 == *hn) << "hessians block " << l;
+    }
+    for (int64_t l = 0; l <= blocks; ++l) {
+      auto a1 = ReadFile(calib::ActivationPath(dir1, l));
+      auto an = ReadFile(calib::ActivationPath(dir, l));
+      ASSERT_TRUE(a1.ok() && an.ok()) << an.status();
+      EXPECT_TRUE(*a1 == *an) << ranks << " ranks: activations at boundary " << l;
+    }
+  }
+
+  // Plain fp64 reference: the same chunks, each sequence's fp32 product summed in fp64.
+  at::NoGradGuard no_grad;
+  at::Tensor x = (*model)->Embed(*tokens_);
+  double worst = 0;
+  for (int64_t l = 0; l < blocks; ++l) {
+    model::BlockWeights& w = (*model)->mutable_block(l).mutable_weights();
+    at::Tensor sums[4];
+    int64_t counts[4] = {0, 0, 0, 0};
+    const model::LinearKind recorders[4] = {model::LinearKind::kQ, model::LinearKind::kO,
+                                            model::LinearKind::kGate, model::LinearKind::kDown};
+    for (int k = 0; k < 4; ++k) {
+      auto& slot = w.linears[static_cast<int>(recorders[k])];
+      sums[k] = at::zeros({slot->in_features(), slot->in_features()}, at::kDouble);
+      slot = std::make_unique<ReferenceRecorder>(std::move(slot), &sums[k], &counts[k]);
+    }
+    std::vector<at::Tensor> outs;
+    for (int64_t s = 0; s < x.size(0); s += 4) {
+      outs.push_back((*model)->block(l).Forward(x.narrow(0, s, std::min<int64_t>(4, x.size(0) - s)),
+                                                (*model)->rope()));
+    }
+    x = at::cat(outs, 0);
+    for (int k = 0; k < 4; ++k) {
+      const at::Tensor ref = (sums[k] + sums[k].t()) / (2.0 * counts[k]);
+      const at::Tensor got = one->hessians[l].h[k].Mean();
+      const double rel = (got - ref).abs().max().item<double>() / ref.abs().max().item<double>();
+      worst = std::max(worst, rel);
+      EXPECT_LT(rel, 1e-12) << "block " << l << " kind " << k;
+      EXPECT_EQ(counts[k], one->hessians[l].h[k].count());
+    }
+  }
+  std::printf("max-norm relative difference to the fp64 reference: %.3g\n", worst);
+
+  // A second world-of-one run reuses everything from the cache.
+  auto again = calib::Calibrate(*self, **model, *tokens_, dir1, "key", opt);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(again->from_cache);
+  EXPECT_TRUE(again->activations_from_cache);
+  EXPECT_TRUE(again->hessians[1].h[2].packed() == one->hessians[1].h[2].packed());
+}
+
+TEST_F(CalibrationRanksTest, MoreRanksThanChunksStillAgree) {
+  // 22 sequences in chunks of 8: 3 chunks over 4 ranks; rank 3 has none.
+  auto comms = runtime::MakeThreadComms(4);
+  std::vector<Status> status(4);
+  std::vector<calib::CalibrationResult> results(4);
+  std::vector<std::thread> threads;
+  const std::string dir = *root_ + "/job4";
+  for (int r = 0; r < 4; ++r) {
+    threads.emplace_back([&, r] {
+      auto model = model::LlamaModel::Load(*root_ + "/float");
+      calib::CalibrationOptions opt;
+      opt.batch = 8;
+      auto res = calib::Calibrate(*comms[r], **model, *tokens_, dir, "key", opt);
+      status[r] = res.status();
+      if (res.ok())
+        results[r] = std::move(*res);
+      else
+        comms[r].reset();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 4; ++r) ASSERT_TRUE(status[r].ok()) << r << ": " << status[r];
+  auto model = model::LlamaModel::Load(*root_ + "/float");
+  auto self = runtime::MakeSelfComm();
+  calib::CalibrationOptions opt;
+  opt.batch = 8;
+  auto one = calib::Calibrate(*self, **model, *tokens_, *root_ + "/job4one", "key", opt);
+  ASSERT_TRUE(one.ok());
+  for (size_t l = 0; l < one->hessians.size(); ++l) {
+    for (int k = 0; k < 4; ++k) {
+      EXPECT_TRUE(results[3].hessians[l].h[k].packed() == one->hessians[l].h[k].packed());
+    }
+  }
+}
+
+}  // namespace
+}  // namespace qcal

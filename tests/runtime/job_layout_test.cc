@@ -1,0 +1,219 @@
+// common/job_layout: the torch-free job directory code shared by the single-process job and the
+// coordinator (journal, plan/resume, block_done checks, finalize) on a tiny synthetic checkpoint.
+#include "common/job_layout.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "common/atomic_file.h"
+#include "common/hash.h"
+#include "common/safetensors.h"
+#include "tests/test_util.h"
+
+namespace qcal {
+namespace {
+
+Recipe TinyRecipe() {
+  Recipe r;
+  r.name = "tiny";
+  r.method = QuantMethod::kRtn;
+  r.bits = 4;
+  r.calibration.files = {"x.txt"};
+  return r;
+}
+
+// A float "model": config.json (2 blocks, hidden 8, ff 16) + model.safetensors with the
+// non-block tensors (blocks are not needed by the layout code).
+std::string MakeFloatModel(const std::string& root) {
+  const std::string dir = root + "/float";
+  EXPECT_TRUE(MakeDirs(dir).ok());
+  const nlohmann::json config = {{"architectures", {"LlamaForCausalLM"}},
+                                 {"model_type", "llama"},
+                                 {"hidden_size", 8},
+                                 {"intermediate_size", 16},
+                                 {"num_hidden_layers", 2},
+                                 {"num_attention_heads", 2},
+                                 {"vocab_size", 4},
+                                 {"max_position_embeddings", 32}};
+  EXPECT_TRUE(WriteFileAtomic(dir + "/config.json", config.dump()).ok());
+  SafetensorsWriter w;
+  std::vector<float> embed(4 * 8), norm(8, 1.0f);
+  for (size_t i = 0; i < embed.size(); ++i) embed[i] = 0.25f * static_cast<float>(i);
+  EXPECT_TRUE(w.AddF32("model.embed_tokens.weight", {4, 8}, embed.data()).ok());
+  EXPECT_TRUE(w.AddF32("model.norm.weight", {8}, norm.data()).ok());
+  EXPECT_TRUE(w.Write(dir + "/model.safetensors").ok());
+  EXPECT_TRUE(WriteFileAtomic(dir + "/tokenizer_config.json", "{}").ok());
+  return dir;
+}
+
+// A stand-in block shard and its block_done entry (code_bits per linear given).
+nlohmann::json WriteBlock(const std::string& out, int64_t layer, float value, double code_bits) {
+  const std::string name = ShardName(layer + 1, 2);
+  SafetensorsWriter w;
+  std::vector<float> norm(8, value);
+  EXPECT_TRUE(w.AddF32("model.layers." + std::to_string(layer) + ".input_layernorm.weight", {8},
+                       norm.data())
+                  .ok());
+  EXPECT_TRUE(w.Write(out + "/" + name).ok());
+  auto bytes = ReadFile(out + "/" + name);
+  EXPECT_TRUE(bytes.ok());
+  nlohmann::json metrics = nlohmann::json::array();
+  for (const char* lin : {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                          "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}) {
+    metrics.push_back({{"name", lin}, {"code_bits", code_bits}, {"stored_bits", code_bits + 1}});
+  }
+  return {{"event", "block_done"},
+          {"layer", layer},
+          {"shard", name},
+          {"bytes", bytes->size()},
+          {"checksum", Fnv1aHex(*bytes)},
+          {"metrics", metrics}};
+}
+
+TEST(JobLayoutTest, ShardNames) {
+  EXPECT_EQ(ShardName(0, 5), "model-00000-of-00005.safetensors");
+  EXPECT_EQ(ShardName(3, 12), "model-00003-of-00012.safetensors");
+}
+
+TEST(JobLayoutTest, JournalAppendsReopensAndToleratesOnlyATornLastLine) {
+  const std::string dir = testing::MakeTempDir("journal");
+  const std::string path = dir + "/journal.jsonl";
+  {
+    auto j = Journal::Open(path);  // absent: empty
+    ASSERT_TRUE(j.ok()) << j.status();
+    EXPECT_TRUE(j->entries().empty());
+    ASSERT_TRUE(j->Append({{"event", "job_start"}}).ok());
+    ASSERT_TRUE(j->Append({{"event", "block_done"}, {"layer", 0}}).ok());
+    EXPECT_EQ(j->entries().size(), 2u);
+  }
+  {
+    std::ofstream f(path, std::ios::app);
+    f << "{\"event\": \"block_d";  // torn last line
+  }
+  auto j = Journal::Open(path);
+  ASSERT_TRUE(j.ok()) << j.status();
+  ASSERT_EQ(j->entries().size(), 2u);
+  EXPECT_EQ(j->entries()[1]["layer"], 0);
+  {
+    std::ofstream f(path, std::ios::app);
+    f << "\n{\"event\": \"job_done\"}\n";  // garbage is now in the middle
+  }
+  auto bad = Journal::Open(path);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(bad.status().message().find("line 3"), std::string::npos) << bad.status();
+}
+
+TEST(JobLayoutTest, PlanResumesIntactBlocksAndRefusesAnotherRecipe) {
+  const std::string root = testing::MakeTempDir("plan");
+  const std::string model = MakeFloatModel(root);
+  const std::string out = root + "/out";
+  const Recipe recipe = TinyRecipe();
+
+  auto plan = PlanJob(recipe, model, out, "");
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->job_dir, out + ".job");
+  EXPECT_EQ(plan->num_blocks, 2);
+  EXPECT_EQ(plan->pending_blocks(), (std::vector<int64_t>{0, 1}));
+  EXPECT_FALSE(plan->needs_calibration(recipe));  // rtn without fine-tuning
+  Recipe gptq = recipe;
+  gptq.method = QuantMethod::kGptq;
+  EXPECT_TRUE(plan->needs_calibration(gptq));
+
+  auto journal = Journal::Open(plan->job_dir + "/journal.jsonl");
+  ASSERT_TRUE(journal.ok());
+  ASSERT_TRUE(journal->Append(JobStartEntry(recipe, plan->recipe_hash, model)).ok());
+  const nlohmann::json b0 = WriteBlock(out, 0, 1.0f, 4.0);
+  const nlohmann::json b1 = WriteBlock(out, 1, 2.0f, 4.0);
+  ASSERT_TRUE(CheckBlockDoneEntry(b0, out, 2).ok());
+  ASSERT_TRUE(journal->Append(b0).ok());
+  ASSERT_TRUE(journal->Append(b1).ok());
+
+  plan = PlanJob(recipe, model, out, "");
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_TRUE(plan->all_blocks_finished());
+  EXPECT_EQ(plan->block_done.size(), 2u);
+
+  // Block 1's shard changes behind the journal's back: it is pending again.
+  WriteBlock(out, 1, 3.0f, 4.0);
+  plan = PlanJob(recipe, model, out, "");
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->pending_blocks(), (std::vector<int64_t>{1}));
+  auto mismatch = CheckBlockDoneEntry(b1, out, 2);
+  EXPECT_EQ(mismatch.code(), absl::StatusCode::kDataLoss) << mismatch;
+  EXPECT_NE(mismatch.message().find(ShardName(2, 2)), std::string::npos) << mismatch;
+  nlohmann::json wrong = b0;
+  wrong["layer"] = 5;
+  EXPECT_EQ(CheckBlockDoneEntry(wrong, out, 2).code(), absl::StatusCode::kInvalidArgument);
+
+  Recipe other = recipe;
+  other.bits = 3;
+  auto refused = PlanJob(other, model, out, "");
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("journal.jsonl belongs to another recipe"),
+            std::string::npos)
+      << refused.status();
+
+  auto inside = PlanJob(recipe, model, model + "/q", "");
+  ASSERT_FALSE(inside.ok());
+  EXPECT_NE(inside.status().message().find("inside the input model directory"), std::string::npos);
+}
+
+TEST(JobLayoutTest, AggregateBitsWeightsLinearsBySize) {
+  LlamaConfig c;
+  c.hidden_size = 8;
+  c.intermediate_size = 16;
+  c.num_attention_heads = 2;
+  c.num_key_value_heads = 1;
+  c.head_dim = 4;
+  const std::string out = testing::MakeTempDir("bits");
+  nlohmann::json e = WriteBlock(out, 0, 1.0f, 2.0);
+  e["metrics"][6]["code_bits"] = 4.0;  // down_proj: 16 x 8 of 64+32+32+64+128+128+128 = 576
+  const BitsPerWeight bits = AggregateBits(c, {{0, e}});
+  EXPECT_DOUBLE_EQ(bits.code_bits, (2.0 * (576 - 128) + 4.0 * 128) / 576);
+  EXPECT_DOUBLE_EQ(bits.stored_bits, 3.0);
+}
+
+TEST(JobLayoutTest, FinalizeJobWritesTheCheckpointAndRefusesMissingBlocks) {
+  const std::string root = testing::MakeTempDir("finalize");
+  const std::string model = MakeFloatModel(root);
+  const std::string out = root + "/out";
+  const Recipe recipe = TinyRecipe();
+  auto plan = PlanJob(recipe, model, out, "");
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  auto journal = Journal::Open(plan->job_dir + "/journal.jsonl");
+  ASSERT_TRUE(journal.ok());
+  ASSERT_TRUE(journal->Append(JobStartEntry(recipe, plan->recipe_hash, model)).ok());
+  ASSERT_TRUE(journal->Append(WriteBlock(out, 0, 1.0f, 4.0)).ok());
+
+  auto early = FinalizeJob(recipe, model, out, &*journal);
+  ASSERT_FALSE(early.ok());
+  EXPECT_EQ(early.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(early.status().message().find("block 1"), std::string::npos) << early.status();
+
+  ASSERT_TRUE(journal->Append(WriteBlock(out, 1, 2.0f, 4.0)).ok());
+  auto summary = FinalizeJob(recipe, model, out, &*journal);
+  ASSERT_TRUE(summary.ok()) << summary.status();
+  EXPECT_DOUBLE_EQ((*summary)["code_bits"].get<double>(), 4.0);
+  EXPECT_EQ(journal->entries().back()["event"], "job_done");
+  auto config = LoadLlamaConfig(out);
+  ASSERT_TRUE(config.ok()) << config.status();
+  ASSERT_TRUE(config->raw.contains("quantization_config"));
+  EXPECT_EQ(config->raw["quantization_config"]["method"], "rtn");
+  EXPECT_DOUBLE_EQ(config->raw["quantization_config"]["bits_per_weight"]["stored"].get<double>(),
+                   5.0);
+  auto ckpt = CheckpointReader::Open(out);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  EXPECT_TRUE((*ckpt)->Has("model.embed_tokens.weight"));
+  EXPECT_TRUE((*ckpt)->Has("model.layers.1.input_layernorm.weight"));
+  EXPECT_TRUE((*ckpt)->Validate().ok());
+  EXPECT_TRUE(ReadFile(out + "/tokenizer_config.json").ok());
+}
+
+}  // namespace
+}  // namespace qcal

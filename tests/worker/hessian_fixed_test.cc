@@ -1,0 +1,192 @@
+// The exact fixed-point Hessian accumulator (worker/calib/hessian.h): order independence (any
+// split, any merge order, digit reductions), agreement with a plain fp64 reference, range and
+// overflow errors, and the cache format.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "common/safetensors.h"
+#include "tests/test_util.h"
+#include "worker/calib/calibration.h"
+#include "worker/calib/hessian.h"
+
+namespace qcal::calib {
+namespace {
+
+using Fixed = Fixed128;
+
+// Σ_seq double(fp32 xᵀx per sequence), symmetrised: the old fp64 accumulation.
+at::Tensor ReferenceMean(const at::Tensor& x) {
+  at::Tensor sum = at::zeros({x.size(-1), x.size(-1)}, at::kDouble);
+  for (int64_t s = 0; s < x.size(0); ++s) sum.add_(at::mm(x[s].t(), x[s]).to(at::kDouble));
+  return (sum + sum.t()) / (2.0 * x.size(0) * x.size(1));
+}
+
+double MaxRelative(const at::Tensor& a, const at::Tensor& ref) {
+  return (a - ref).abs().max().item<double>() / ref.abs().max().item<double>();
+}
+
+TEST(HessianFixedTest, SplitsAndMergeOrdersGiveIdenticalBits) {
+  model::SetComputeThreads(1);
+  const uint64_t seed = testing::TestSeed();
+  at::manual_seed(seed);
+  // Heavy-tailed activations (a few outlier channels, as in LLMs) over 12 sequences.
+  const int64_t n = 72;  // not a multiple of the 64-wide tiles
+  at::Tensor x = at::randn({12, 16, n});
+  x.select(2, 5).mul_(300.0);
+  x.select(2, 40).mul_(1e-6);
+  HessianAccumulator whole(n);
+  ASSERT_TRUE(whole.Add(x).ok());
+  EXPECT_EQ(whole.count(), 12 * 16);
+
+  std::mt19937_64 rng(seed);
+  for (int trial = 0; trial < 5; ++trial) {
+    // Random contiguous split into 1..5 parts, merged in a random order.
+    const int parts = 1 + static_cast<int>(rng() % 5);
+    std::vector<int64_t> cuts = {0, 12};
+    while (static_cast<int>(cuts.size()) < parts + 1) cuts.push_back(rng() % 13);
+    std::sort(cuts.begin(), cuts.end());
+    std::vector<HessianAccumulator> accs;
+    for (size_t p = 0; p + 1 < cuts.size(); ++p) {
+      accs.emplace_back(n);
+      ASSERT_TRUE(accs.back().Add(x.narrow(0, cuts[p], cuts[p + 1] - cuts[p])).ok());
+    }
+    std::shuffle(accs.begin(), accs.end(), rng);
+    HessianAccumulator merged(n);
+    for (const auto& a : accs) ASSERT_TRUE(merged.Merge(a).ok());
+    EXPECT_EQ(merged.count(), whole.count());
+    ASSERT_EQ(merged.packed().size(), whole.packed().size());
+    EXPECT_TRUE(std::equal(merged.packed().begin(), merged.packed().end(), whole.packed().begin()))
+        << "trial " << trial << ": " << parts << " parts";
+    at::Tensor a = merged.Mean(), b = whole.Mean();
+    EXPECT_EQ(std::memcmp(a.data_ptr<double>(), b.data_ptr<double>(), a.numel() * 8), 0);
+
+    // The same through the digit reduction used by AllReduceHessians: limbs summed in int64.
+    const size_t m = whole.packed().size();
+    std::vector<int64_t> total(4 * m, 0), limbs(4 * m);
+    for (const auto& acc : accs) {
+      HessianAccumulator::SplitDigits(acc.packed().data(), m, limbs.data());
+      for (size_t i = 0; i < limbs.size(); ++i) total[i] += limbs[i];
+    }
+    std::vector<Fixed> combined(m);
+    ASSERT_TRUE(HessianAccumulator::CombineDigits(total.data(), m, combined.data()).ok());
+    EXPECT_TRUE(std::equal(combined.begin(), combined.end(), whole.packed().begin()));
+  }
+}
+
+TEST(HessianFixedTest, AgreesWithAnFp64ReferenceAndIsExactlySymmetric) {
+  model::SetComputeThreads(1);
+  at::manual_seed(testing::TestSeed());
+  at::Tensor x = at::randn({8, 32, 96});
+  x.select(2, 3).mul_(1000.0);
+  HessianAccumulator acc(96);
+  ASSERT_TRUE(acc.Add(x).ok());
+  const at::Tensor mean = acc.Mean();
+  const at::Tensor ref = ReferenceMean(x);
+  const double rel = MaxRelative(mean, ref);
+  std::printf("max |fixed - fp64| / max |fp64| = %.3g\n", rel);
+  EXPECT_LT(rel, 1e-12);
+  EXPECT_TRUE(at::equal(mean, mean.t()));
+  EXPECT_TRUE(at::equal(acc.sum() / static_cast<double>(acc.count()), mean));
+  // Double inputs: products in fp64, same rounding to fixed point.
+  HessianAccumulator dacc(96);
+  ASSERT_TRUE(dacc.Add(x.to(at::kDouble)).ok());
+  at::Tensor rows = x.to(at::kDouble).reshape({-1, 96});
+  EXPECT_LT(MaxRelative(dacc.Mean(), at::mm(rows.t(), rows) / rows.size(0)), 1e-12);
+}
+
+TEST(HessianFixedTest, TinyValuesRoundToTheGridAndHugeOnesAreErrors) {
+  // One row [a, b]: H = [[a², ab], [ab, b²]]; entries below 2^-51 contribute 0.
+  const double tiny = std::ldexp(1.0, -27);  // tiny² = 2^-54 < 2^-51
+  HessianAccumulator acc(2);
+  ASSERT_TRUE(acc.Add(at::tensor({1.0f, static_cast<float>(tiny)}).reshape({1, 1, 2})).ok());
+  const at::Tensor s = acc.sum();
+  EXPECT_EQ(s[0][0].item<double>(), 1.0);
+  EXPECT_EQ(s[0][1].item<double>(), tiny);  // 2^-27 is on the 2^-50 grid
+  EXPECT_EQ(s[1][1].item<double>(), 0.0);   // 2^-54 is not: rounds to 0
+  // Products beyond the range (or not finite) are OutOfRange, never a wrap.
+  HessianAccumulator big(2);
+  const Status st = big.Add(at::tensor({1e19f, 1.0f}).reshape({1, 1, 2}));
+  EXPECT_EQ(st.code(), absl::StatusCode::kOutOfRange) << st;
+  HessianAccumulator nan(2);
+  EXPECT_EQ(nan.Add(at::tensor({NAN, 1.0f}).reshape({1, 1, 2})).code(),
+            absl::StatusCode::kOutOfRange);
+  // Sums that leave 128 bits overflow too: 2^72 per product, 2^(123) per entry after 2^50.
+  HessianAccumulator sum(1);
+  const at::Tensor row = at::full({1, 1, 1}, std::ldexp(1.0f, 36));
+  Status last;
+  for (int i = 0; i < 20 && last.ok(); ++i) last = sum.Add(row);
+  EXPECT_EQ(last.code(), absl::StatusCode::kOutOfRange) << last;
+  EXPECT_FALSE(HessianAccumulator(3).Merge(HessianAccumulator(2)).ok());
+}
+
+TEST(HessianFixedTest, DigitsCarryAndDetectOverflow) {
+  const Fixed max = static_cast<Fixed>((static_cast<unsigned __int128>(1) << 127) - 1);
+  const Fixed min = -max - 1;
+  const std::vector<Fixed> values = {
+      0, 1, -1, max, min, static_cast<Fixed>(-123456789012345LL), static_cast<Fixed>(1) << 100};
+  std::vector<int64_t> limbs(4 * values.size());
+  HessianAccumulator::SplitDigits(values.data(), values.size(), limbs.data());
+  std::vector<Fixed> back(values.size());
+  ASSERT_TRUE(HessianAccumulator::CombineDigits(limbs.data(), values.size(), back.data()).ok());
+  EXPECT_TRUE(back == values);
+  // Three "ranks": 2^100 + 2^100 − 1 with carries through every digit.
+  std::vector<Fixed> parts = {static_cast<Fixed>(1) << 100, static_cast<Fixed>(1) << 100, -1};
+  std::vector<int64_t> l(12), sum(4, 0);
+  HessianAccumulator::SplitDigits(parts.data(), 3, l.data());
+  for (int r = 0; r < 3; ++r) {
+    for (int d = 0; d < 4; ++d) sum[d] += l[4 * r + d];
+  }
+  Fixed total;
+  ASSERT_TRUE(HessianAccumulator::CombineDigits(sum.data(), 1, &total).ok());
+  EXPECT_TRUE(total == (static_cast<Fixed>(1) << 101) - 1);
+  // max + 1 leaves the range.
+  std::vector<Fixed> over = {max, 1};
+  HessianAccumulator::SplitDigits(over.data(), 2, l.data());
+  for (int d = 0; d < 4; ++d) sum[d] = l[d] + l[4 + d];
+  EXPECT_EQ(HessianAccumulator::CombineDigits(sum.data(), 1, &total).code(),
+            absl::StatusCode::kOutOfRange);
+}
+
+TEST(HessianFixedTest, CacheRoundTripsExactlyAndOldFilesAreStale) {
+  at::manual_seed(testing::TestSeed());
+  const std::string dir = testing::MakeTempDir("hcache");
+  BlockHessians h;
+  const int64_t dims[4] = {8, 8, 8, 20};
+  for (int k = 0; k < 4; ++k) {
+    h.h[k] = HessianAccumulator(dims[k]);
+    ASSERT_TRUE(h.h[k].Add(at::randn({3, 5, dims[k]}) * 7.0).ok());
+  }
+  ASSERT_TRUE(SaveBlockHessians(dir + "/b.safetensors", h, "key1").ok());
+  auto back = LoadBlockHessians(dir + "/b.safetensors", "key1");
+  ASSERT_TRUE(back.ok()) << back.status();
+  for (int k = 0; k < 4; ++k) {
+    EXPECT_TRUE(back->h[k].packed() == h.h[k].packed());
+    EXPECT_EQ(back->h[k].count(), 15);
+    EXPECT_TRUE(at::equal(back->h[k].Mean(), h.h[k].Mean()));
+  }
+  EXPECT_EQ(LoadBlockHessians(dir + "/b.safetensors", "key2").status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(LoadBlockHessians(dir + "/none.safetensors", "key1").status().code(),
+            absl::StatusCode::kNotFound);
+  // The old format (fp64 sums only, no hessian_format): stale, recomputed.
+  SafetensorsWriter old;
+  old.SetMetadata("calibration_key", "key1");
+  for (const char* kind : {"qkv", "o", "gate_up", "down"}) {
+    std::vector<double> s(4, 1.0);
+    int64_t c = 1;
+    ASSERT_TRUE(old.Add(std::string(kind) + ".sum", DType::kF64, {2, 2}, s.data(), 32).ok());
+    ASSERT_TRUE(old.Add(std::string(kind) + ".count", DType::kI64, {}, &c, 8).ok());
+  }
+  ASSERT_TRUE(old.Write(dir + "/old.safetensors").ok());
+  auto stale = LoadBlockHessians(dir + "/old.safetensors", "key1");
+  EXPECT_EQ(stale.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(stale.status().message().find("format"), std::string::npos) << stale.status();
+}
+
+}  // namespace
+}  // namespace qcal::calib

@@ -1,0 +1,212 @@
+#include "worker/quarot/checkpoint.h"
+
+#include <cstring>
+
+#include <ATen/ATen.h>
+
+#include "absl/strings/str_cat.h"
+#include "common/atomic_file.h"
+#include "common/job_layout.h"
+#include "worker/quant/quantized_linear.h"
+#include "worker/quarot/act_quant.h"
+#include "worker/quarot/quarot_model.h"
+#include "worker/quarot/rotate.h"
+
+namespace qcal::quarot {
+namespace {
+
+constexpr char kExtraPrefix[] = "quarot.";
+
+Status AddF32(SafetensorsWriter* w, const std::string& name, const at::Tensor& t) {
+  at::Tensor c = t.detach().to(at::kFloat).contiguous();
+  return w->AddF32(name, c.sizes().vec(), c.data_ptr<float>());
+}
+
+Status AddF64(SafetensorsWriter* w, const std::string& name, const at::Tensor& t) {
+  at::Tensor c = t.detach().to(at::kDouble).contiguous();
+  return w->Add(name, DType::kF64, c.sizes().vec(), c.data_ptr<double>(),
+                c.numel() * sizeof(double));
+}
+
+std::string BlockPrefix(int64_t layer) { return absl::StrCat("model.layers.", layer, "."); }
+
+}  // namespace
+
+bool IsQuarotCheckpoint(const LlamaConfig& config) {
+  if (!config.raw.contains("quantization_config")) return false;
+  const nlohmann::json& q = config.raw["quantization_config"];
+  return q.is_object() && q.value("quant_method", "") == "qcal" && q.value("method", "") == "quarot";
+}
+
+StatusOr<std::vector<std::string>> WriteQuarotBlockShard(const std::string& path, int64_t layer,
+                                                         const model::BlockWeights& weights) {
+  SafetensorsWriter writer;
+  writer.SetMetadata("format", "pt");
+  writer.SetMetadata("qcal_block", std::to_string(layer));
+  const std::string p = BlockPrefix(layer);
+  QCAL_RETURN_IF_ERROR(AddF32(&writer, p + "input_layernorm.weight", weights.input_norm));
+  QCAL_RETURN_IF_ERROR(AddF32(&writer, p + "post_attention_layernorm.weight", weights.post_norm));
+  for (model::LinearKind k : model::kAllLinears) {
+    const std::string prefix = p + model::LinearName(k);
+    const model::Linear& carrier = WeightCarrier(weights.linear(k));
+    if (auto* s = dynamic_cast<const quant::ScalarQuantLinear*>(&carrier)) {
+      QCAL_RETURN_IF_ERROR(s->AppendTensors(prefix, &writer));
+    } else if (dynamic_cast<const model::DenseLinear*>(&carrier) != nullptr) {
+      QCAL_RETURN_IF_ERROR(AddF32(&writer, prefix + ".weight", carrier.DenseWeight()));
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          prefix, ": a QuaRot block holds scalar-quantized or dense linears only"));
+    }
+  }
+  for (const auto& [key, tensor] : weights.extra) {
+    if (key.rfind(kExtraPrefix, 0) != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("block ", layer, ": extra tensor '", key, "' is not a quarot.* tensor"));
+    }
+    QCAL_RETURN_IF_ERROR(AddF64(&writer, p + key, tensor));
+  }
+  QCAL_RETURN_IF_ERROR(writer.Write(path));
+  QCAL_ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open(path));
+  std::vector<std::string> names;
+  for (const TensorInfo& t : file->tensors()) names.push_back(t.name);
+  return names;
+}
+
+StatusOr<model::BlockWeights> LoadQuarotBlockWeights(CheckpointReader& ckpt,
+                                                     const LlamaConfig& config, int64_t layer) {
+  const std::string p = BlockPrefix(layer);
+  const std::vector<int64_t> shapes[7] = {
+      {config.q_dim(), config.hidden_size},   {config.kv_dim(), config.hidden_size},
+      {config.kv_dim(), config.hidden_size},  {config.hidden_size, config.q_dim()},
+      {config.intermediate_size, config.hidden_size},
+      {config.intermediate_size, config.hidden_size},
+      {config.hidden_size, config.intermediate_size}};
+  model::BlockWeights w;
+  QCAL_ASSIGN_OR_RETURN(w.input_norm, model::LoadTensorF32(ckpt, p + "input_layernorm.weight",
+                                                           {config.hidden_size}));
+  QCAL_ASSIGN_OR_RETURN(w.post_norm, model::LoadTensorF32(ckpt, p + "post_attention_layernorm.weight",
+                                                          {config.hidden_size}));
+  for (model::LinearKind k : model::kAllLinears) {
+    const std::string prefix = p + model::LinearName(k);
+    const std::vector<int64_t>& shape = shapes[static_cast<int>(k)];
+    std::unique_ptr<model::Linear> linear;
+    if (ckpt.Has(prefix + ".weight")) {
+      QCAL_ASSIGN_OR_RETURN(at::Tensor t, model::LoadTensorF32(ckpt, prefix + ".weight", shape));
+      linear = std::make_unique<model::DenseLinear>(t);
+    } else {
+      QCAL_ASSIGN_OR_RETURN(linear, quant::ScalarQuantLinear::Load(ckpt, prefix));
+      if (linear->out_features() != shape[0] || linear->in_features() != shape[1]) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            ckpt.dir(), ": ", prefix, " is ", linear->out_features(), "x",
+            linear->in_features(), ", expected ", shape[0], "x", shape[1], " from config.json"));
+      }
+    }
+    w.linears[static_cast<int>(k)] = std::move(linear);
+  }
+  QCAL_RETURN_IF_ERROR(LoadQuarotBlockExtras(ckpt, layer, &w));
+  return w;
+}
+
+Status LoadQuarotBlockExtras(CheckpointReader& ckpt, int64_t layer, model::BlockWeights* weights) {
+  const std::string p = BlockPrefix(layer);
+  const std::pair<std::string, std::vector<int64_t>> known[] = {
+      {kActRangesKey, {4, 2}}, {kKvRangesKey, {2, 2}}, {kRotationsKey, {4}}};
+  for (const auto& [key, shape] : known) {
+    if (!ckpt.Has(p + key)) continue;
+    QCAL_ASSIGN_OR_RETURN(auto found, ckpt.Find(p + key));
+    const TensorInfo& info = *found.second;
+    if (info.dtype != DType::kF64 || info.shape != shape) {
+      return absl::InvalidArgumentError(absl::StrCat(found.first->path(), ": tensor '", p, key,
+                                                     "' must be F64 of ", shape.size(),
+                                                     " dims [", shape[0], ", ...]"));
+    }
+    at::Tensor t = at::empty(shape, at::kDouble);
+    std::memcpy(t.data_ptr<double>(), found.first->Data(info), t.numel() * sizeof(double));
+    weights->extra[key] = t;
+  }
+  return Status();
+}
+
+StatusOr<std::vector<std::string>> WriteQuarotNonBlockShard(const std::string& path,
+                                                            const model::LlamaModel& model) {
+  SafetensorsWriter writer;
+  writer.SetMetadata("format", "pt");
+  QCAL_RETURN_IF_ERROR(AddF32(&writer, "model.embed_tokens.weight", model.embed_weight()));
+  QCAL_RETURN_IF_ERROR(AddF32(&writer, "model.norm.weight", model.final_norm()));
+  QCAL_RETURN_IF_ERROR(AddF32(&writer, "lm_head.weight", model.head().DenseWeight()));
+  QCAL_RETURN_IF_ERROR(writer.Write(path));
+  return std::vector<std::string>{"model.embed_tokens.weight", "model.norm.weight",
+                                  "lm_head.weight"};
+}
+
+Status SaveQuarotCheckpoint(const model::LlamaModel& model, const Recipe& recipe,
+                            const std::string& model_dir, const std::string& out_dir,
+                            double code_bits, double stored_bits) {
+  if (recipe.method != QuantMethod::kQuarot) {
+    return absl::InvalidArgumentError("SaveQuarotCheckpoint: not a quarot recipe");
+  }
+  QCAL_RETURN_IF_ERROR(MakeDirs(out_dir));
+  const int64_t n = model.num_blocks();
+  QCAL_RETURN_IF_ERROR(WriteQuarotNonBlockShard(out_dir + "/" + ShardName(0, n), model).status());
+  for (int64_t l = 0; l < n; ++l) {
+    QCAL_RETURN_IF_ERROR(WriteQuarotBlockShard(out_dir + "/" + ShardName(l + 1, n), l,
+                                               model.block(l).weights())
+                             .status());
+  }
+  LlamaConfig config = model.config();
+  config.tie_word_embeddings = false;  // the rotated head is stored as lm_head
+  return FinalizeCheckpoint(out_dir, model_dir, config,
+                            MakeQuantizationConfig(recipe, code_bits, stored_bits));
+}
+
+StatusOr<std::unique_ptr<model::LlamaModel>> LoadQuarotModel(const std::string& dir) {
+  QCAL_ASSIGN_OR_RETURN(LlamaConfig config, LoadLlamaConfig(dir));
+  if (!IsQuarotCheckpoint(config)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(dir, "/config.json: quantization_config is not a qcal quarot one"));
+  }
+  const nlohmann::json& q = config.raw["quantization_config"];
+  if (!q.contains("recipe")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(dir, "/config.json: quantization_config has no recipe"));
+  }
+  QCAL_ASSIGN_OR_RETURN(Recipe recipe,
+                        ParseRecipe(q["recipe"].dump(), dir + "/config.json quantization_config"));
+  QCAL_ASSIGN_OR_RETURN(RotationPlan plan, PlanRotations(recipe.rotation, config));
+  QCAL_ASSIGN_OR_RETURN(auto ckpt, CheckpointReader::Open(dir));
+  QCAL_ASSIGN_OR_RETURN(at::Tensor embed,
+                        model::LoadTensorF32(*ckpt, "model.embed_tokens.weight",
+                                             {config.vocab_size, config.hidden_size}));
+  QCAL_ASSIGN_OR_RETURN(at::Tensor norm,
+                        model::LoadTensorF32(*ckpt, "model.norm.weight", {config.hidden_size}));
+  QCAL_ASSIGN_OR_RETURN(at::Tensor head,
+                        model::LoadTensorF32(*ckpt, "lm_head.weight",
+                                             {config.vocab_size, config.hidden_size}));
+  std::vector<model::DecoderBlock> blocks;
+  const bool planned[4] = {plan.r1, plan.r2, plan.r3, plan.r4};
+  for (int64_t l = 0; l < config.num_hidden_layers; ++l) {
+    QCAL_ASSIGN_OR_RETURN(model::BlockWeights w, LoadQuarotBlockWeights(*ckpt, config, l));
+    auto applied = w.extra.find(kRotationsKey);
+    if (applied == w.extra.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          dir, ": block ", l, " has no ", kRotationsKey, " (not written by the QuaRot pipeline)"));
+    }
+    for (int i = 0; i < 4; ++i) {
+      if ((applied->second[i].item<double>() != 0) != planned[i]) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            dir, ": block ", l, " was quantized with other rotations than the recipe plans (",
+            plan.Describe(), ")"));
+      }
+    }
+    blocks.emplace_back(config, std::move(w));
+  }
+  auto model = std::make_unique<model::LlamaModel>(config, embed, std::move(blocks), norm,
+                                                   std::make_unique<model::DenseLinear>(head));
+  for (int64_t l = 0; l < model->num_blocks(); ++l) {
+    QCAL_RETURN_IF_ERROR(
+        InstallQuantizedInference(model->mutable_block(l), config, l, recipe, plan));
+  }
+  return model;
+}
+
+}  // namespace qcal::quarot

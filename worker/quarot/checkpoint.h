@@ -1,0 +1,63 @@
+// QuaRot checkpoints (docs/formats.md, "QuaRot checkpoints"): the quantized-checkpoint layout of
+// worker/quant/quantized_checkpoint.h (one shard per block, shard 0 for the rest) holding the
+// *rotated* model:
+//   * shard 0: model.embed_tokens.weight (rotated by R1), model.norm.weight (ones after fusion),
+//     lm_head.weight (always: the fused and rotated head is no longer the embedding), F32;
+//   * block shards: both RMSNorm weights (F32, ones after fusion), each linear as a
+//     ScalarQuantLinear (codes packed two per byte at <= 4 bits, int8 above; F32 scales per
+//     output channel) or, for weights: none, a dense .weight F32 (R4 and R2 already fused), and
+//     the block's calibrated static ranges model.layers.N.quarot.act_ranges [4, 2] F64 /
+//     quarot.kv_ranges [2, 2] F64 when the recipe is static;
+//   * config.json: tie_word_embeddings false, quantization_config with method "quarot",
+//     format "scalar" and the recipe (its rotation / activations / kv_cache sections), from which
+//     a loader rebuilds the online transforms and quantizers.
+// Loading runs the same simulated W·A·KV inference as the in-memory model that was saved
+// (bit-identical logits; tested).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/hf_config.h"
+#include "common/recipe.h"
+#include "common/safetensors.h"
+#include "common/status.h"
+#include "worker/model/llama.h"
+
+namespace qcal::quarot {
+
+// Whether config.json's quantization_config is a quarot one.
+bool IsQuarotCheckpoint(const LlamaConfig& config);
+
+// One block's shard (atomic): norms, each linear's rounded layer (quarot::WeightCarrier: the
+// ScalarQuantLinear tensors or a dense .weight), and the block's extras. Returns the names.
+StatusOr<std::vector<std::string>> WriteQuarotBlockShard(const std::string& path, int64_t layer,
+                                                         const model::BlockWeights& weights);
+
+// Reads block `layer` of a quarot checkpoint as stored: norms, rounded (or dense) linears without
+// any online transform, extras. Used to resume a job (SequentialCallbacks::load_finished) and by
+// LoadQuarotModel.
+StatusOr<model::BlockWeights> LoadQuarotBlockWeights(CheckpointReader& ckpt,
+                                                     const LlamaConfig& config, int64_t layer);
+
+// Reads block `layer`'s extras (model.layers.N.quarot.*) into weights->extra.
+Status LoadQuarotBlockExtras(CheckpointReader& ckpt, int64_t layer, model::BlockWeights* weights);
+
+// Shard 0 of the rotated model: embedding, final norm, lm_head (F32).
+StatusOr<std::vector<std::string>> WriteQuarotNonBlockShard(const std::string& path,
+                                                            const model::LlamaModel& model);
+
+// Saves a model produced by quarot::QuantizeModel (with the same recipe) as a checkpoint in
+// out_dir: every shard, the index, config.json and the tokenizer files of model_dir.
+// `code_bits` / `stored_bits`: the average bits per weight recorded in quantization_config.
+Status SaveQuarotCheckpoint(const model::LlamaModel& model, const Recipe& recipe,
+                            const std::string& model_dir, const std::string& out_dir,
+                            double code_bits, double stored_bits);
+
+// Loads a quarot checkpoint and installs its simulated quantized inference
+// (InstallQuantizedInference with the recipe in quantization_config). InvalidArgument when the
+// directory is not a quarot checkpoint or its recipe does not parse.
+StatusOr<std::unique_ptr<model::LlamaModel>> LoadQuarotModel(const std::string& dir);
+
+}  // namespace qcal::quarot

@@ -1,0 +1,91 @@
+// qcal-worker: one MPI rank of a service job. Launched by the coordinator (mpirun -np N):
+//
+//   qcal-worker --coordinator HOST:PORT --job JOB_ID --auth-token-file F [--tls-ca F] [--threads N]
+//
+// Every rank initialises MPI, registers with the coordinator (which answers with the JobSpec),
+// sends heartbeats, and runs tasks (worker/runtime/task_loop.h) with an MpiComm over
+// MPI_COMM_WORLD until SHUTDOWN (exit 0). A cancelled job or a lost coordinator ends the process
+// at once with exit code 3 / 4 (mpirun then stops the other ranks); a loop error ends every
+// rank through MPI_Abort with exit code 1.
+#include <mpi.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <string>
+
+#include "common/log.h"
+#include "coordinator/auth.h"
+#include "worker/runtime/coordinator_client.h"
+#include "worker/runtime/mpi_comm.h"
+#include "worker/runtime/task_loop.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"qcal-worker: one MPI rank of a qcal quantization service job"};
+  std::string coordinator_address, job_id, token_file, tls_ca, log_level = "info", log_file;
+  int threads = 0;
+  app.add_option("--coordinator", coordinator_address, "coordinator address HOST:PORT")->required();
+  app.add_option("--job", job_id, "the job this worker serves")->required();
+  app.add_option("--auth-token-file", token_file, "file holding the bearer token")->required();
+  app.add_option("--tls-ca", tls_ca, "CA certificate for a TLS coordinator (default plaintext)");
+  app.add_option("--threads", threads, "compute threads (default: the job's setting)");
+  app.add_option("--log-level", log_level, "debug, info, warn, error");
+  app.add_option("--log-file", log_file, "also log to this file");
+  CLI11_PARSE(app, argc, argv);
+  qcal::SetLogLevel(qcal::ParseLogLevel(log_level));
+  if (!log_file.empty()) qcal::SetLogFile(log_file);
+
+  // Only the main thread makes MPI calls (the heartbeat thread talks gRPC only).
+  int provided = 0;
+  if (MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS) {
+    std::fprintf(stderr, "qcal-worker: MPI_Init_thread failed\n");
+    return 1;
+  }
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  auto fail = [&](const qcal::Status& status) {
+    QCAL_LOG_ERROR("qcal-worker rank {}: {}", rank, status.ToString());
+    std::fflush(nullptr);
+    MPI_Abort(MPI_COMM_WORLD, 1);  // the other ranks may be inside a collective
+    return 1;
+  };
+
+  auto token = qcal::coordinator::ReadTokenFile(token_file);
+  if (!token.ok()) return fail(token.status());
+  qcal::coordinator::ClientTls tls;
+  tls.ca_file = tls_ca;
+  auto channel = qcal::coordinator::MakeChannel(coordinator_address, tls);
+  if (!channel.ok()) return fail(channel.status());
+  auto client = qcal::runtime::MakeGrpcCoordinatorClient(*channel, *token);
+  auto comm = qcal::runtime::MakeMpiComm(MPI_COMM_WORLD);
+  if (!comm.ok()) return fail(comm.status());
+
+  qcal::runtime::TaskLoopOptions options;
+  options.job_id = job_id;
+  options.threads = threads;
+  // Called from the heartbeat thread: leave at once, without MPI (mpirun stops the others).
+  options.on_cancelled = [rank] {
+    QCAL_LOG_WARN("qcal-worker rank {}: job cancelled, exiting", rank);
+    qcal::Logger().flush();
+    std::_Exit(3);
+  };
+  options.on_lost = [rank] {
+    QCAL_LOG_ERROR("qcal-worker rank {}: coordinator unreachable, exiting", rank);
+    qcal::Logger().flush();
+    std::_Exit(4);
+  };
+  auto result = qcal::runtime::RunTaskLoop(*client, **comm, options);
+  if (!result.ok()) {
+    if (absl::IsCancelled(result.status())) {
+      qcal::Logger().flush();
+      std::_Exit(3);
+    }
+    return fail(result.status());
+  }
+  QCAL_LOG_INFO("qcal-worker rank {}: {} tasks done ({} blocks), {} failed; {}", rank,
+                result->tasks_completed, result->blocks_quantized, result->tasks_failed,
+                result->shutdown_reason);
+  comm->reset();
+  MPI_Finalize();
+  return 0;
+}
