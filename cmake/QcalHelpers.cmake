@@ -20,6 +20,9 @@ endfunction()
 # find the shared data through the QCAL_SHARED_DIR environment variable.
 # The test executable and the environment every qcal test runs with (shared by qcal_add_test and
 # qcal_add_mpi_test).
+if(NOT QCAL_SHARED_DIR)
+  message(FATAL_ERROR "QCAL_SHARED_DIR must be set before include(QcalHelpers)")
+endif()
 set(QCAL_TEST_ENV
     "QCAL_SHARED_DIR=${QCAL_SHARED_DIR};QCAL_BUILD_DIR=${PROJECT_BINARY_DIR};QCAL_SOURCE_DIR=${PROJECT_SOURCE_DIR}")
 function(_qcal_test_executable name sources deps)

@@ -13,8 +13,10 @@ namespace qcal::testing {
 
 // ../shared beside the repository (ctest sets QCAL_SHARED_DIR).
 inline std::string SharedDir() {
-  if (const char* env = std::getenv("QCAL_SHARED_DIR")) return env;
-  if (const char* src = std::getenv("QCAL_SOURCE_DIR")) return std::string(src) + "/../shared";
+  const char* env = std::getenv("QCAL_SHARED_DIR");
+  if (env != nullptr && *env != '\0') return env;
+  const char* src = std::getenv("QCAL_SOURCE_DIR");
+  if (src != nullptr && *src != '\0') return std::string(src) + "/../shared";
 #ifdef QCAL_DEFAULT_SHARED_DIR
   return QCAL_DEFAULT_SHARED_DIR;
 #else

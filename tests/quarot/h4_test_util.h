@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -31,10 +33,14 @@ inline std::string RealModelDir(const std::string& name) {
   return dir;
 }
 
+// Aborts the test binary with the load error: every caller needs the model.
 inline std::unique_ptr<model::LlamaModel> LoadModelOrDie(const std::string& dir) {
   auto m = model::LlamaModel::Load(dir);
-  EXPECT_TRUE(m.ok()) << m.status();
-  return m.ok() ? std::move(*m) : nullptr;
+  if (!m.ok()) {
+    std::fprintf(stderr, "LoadModelOrDie(%s): %s\n", dir.c_str(), m.status().ToString().c_str());
+    std::abort();
+  }
+  return std::move(*m);
 }
 
 // The first `count` tokens of the TinyStories sample, encoded with the model's tokenizer.
