@@ -179,10 +179,23 @@ double BlockLdl::TraceD() const {
   return t;
 }
 
-StatusOr<BlockLdl> BlockLdlDecompose(const double* h, int64_t n, int64_t block, LdlForm form) {
+namespace {
+
+// Reverses the index order of a square matrix in place: a[i][j] <-> a[n-1-i][n-1-j]
+// (the in-place form of ReversedCopy: P A P with P the reversal permutation).
+void ReverseInPlace(double* a, int64_t n) {
+  std::reverse(a, a + n * n);
+}
+
+StatusOr<BlockLdl> BlockLdlDecomposeImpl(const double* h, std::vector<double>* owned, int64_t n,
+                                         int64_t block, LdlForm form) {
   const char* what = form == LdlForm::kLDLt ? "block LDL (H = L D L^T)" : "block LDL (H = L^T D L)";
   if (block < 1) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": block = ", block, " must be >= 1"));
+  }
+  if (owned != nullptr && static_cast<int64_t>(owned->size()) != n * n) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": the Hessian holds ", owned->size(),
+                                                   " values, not n*n = ", n * n));
   }
   QCAL_RETURN_IF_ERROR(CheckSquare(h, n, what));
   BlockLdl f;
@@ -194,7 +207,11 @@ StatusOr<BlockLdl> BlockLdlDecompose(const double* h, int64_t n, int64_t block, 
   std::vector<std::vector<double>> dblocks;
 
   if (form == LdlForm::kLDLt) {
-    f.L.assign(h, h + n * n);
+    if (owned != nullptr) {
+      f.L = std::move(*owned);
+    } else {
+      f.L.assign(h, h + n * n);
+    }
     QCAL_RETURN_IF_ERROR(PotrfLower(f.L.data(), n, what, false));
     std::vector<int64_t> starts;
     for (int64_t s = 0; s < n; s += g) starts.push_back(s);
@@ -210,7 +227,12 @@ StatusOr<BlockLdl> BlockLdlDecompose(const double* h, int64_t n, int64_t block, 
   }
 
   // kLtDL: factor P H P (index reversal) as L' D' L'ᵀ, then L = P L'ᵀ P, D = P D' P.
-  f.L = ReversedCopy(h, n);
+  if (owned != nullptr) {
+    f.L = std::move(*owned);
+    ReverseInPlace(f.L.data(), n);
+  } else {
+    f.L = ReversedCopy(h, n);
+  }
   QCAL_RETURN_IF_ERROR(PotrfLower(f.L.data(), n, what, /*reversed=*/true));
   // Original blocks [s, e) become [n - e, n - s) in reversed order.
   std::vector<int64_t> starts;
@@ -230,6 +252,17 @@ StatusOr<BlockLdl> BlockLdlDecompose(const double* h, int64_t n, int64_t block, 
     }
   }
   return f;
+}
+
+}  // namespace
+
+StatusOr<BlockLdl> BlockLdlDecompose(const double* h, int64_t n, int64_t block, LdlForm form) {
+  return BlockLdlDecomposeImpl(h, nullptr, n, block, form);
+}
+
+StatusOr<BlockLdl> BlockLdlDecompose(std::vector<double>&& h, int64_t n, int64_t block,
+                                     LdlForm form) {
+  return BlockLdlDecomposeImpl(h.data(), &h, n, block, form);
 }
 
 StatusOr<std::vector<double>> InverseCholeskyUpper(const double* h, int64_t n) {

@@ -245,8 +245,11 @@ void QuantizeVectors(const VectorCodebook& cb, const float* in, int64_t count, f
 
 }  // namespace
 
-double ProxyLoss(const double* w, const double* w_hat, const double* h, int64_t rows,
-                 int64_t cols) {
+namespace {
+
+// Σ_r e_r H e_rᵀ with e = w_hat − w (w_hat null: e = −w), 256 rows at a time.
+double QuadraticSum(const double* w, const double* w_hat, const double* h, int64_t rows,
+                    int64_t cols) {
   const int64_t chunk = 256;
   const int n = static_cast<int>(cols);
   std::vector<double> e, eh;
@@ -255,12 +258,25 @@ double ProxyLoss(const double* w, const double* w_hat, const double* h, int64_t 
     const int64_t rc = std::min(chunk, rows - r0);
     e.resize(rc * cols);
     eh.resize(rc * cols);
-    for (int64_t i = 0; i < rc * cols; ++i) e[i] = w_hat[r0 * cols + i] - w[r0 * cols + i];
+    for (int64_t i = 0; i < rc * cols; ++i) {
+      e[i] = (w_hat != nullptr ? w_hat[r0 * cols + i] : 0.0) - w[r0 * cols + i];
+    }
     cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rc), n, n, 1.0,
                 e.data(), n, h, n, 0.0, eh.data(), n);
     for (int64_t i = 0; i < rc * cols; ++i) total += e[i] * eh[i];
   }
   return total;
+}
+
+}  // namespace
+
+double ProxyLoss(const double* w, const double* w_hat, const double* h, int64_t rows,
+                 int64_t cols) {
+  return QuadraticSum(w, w_hat, h, rows, cols);
+}
+
+double QuadraticForm(const double* a, const double* h, int64_t rows, int64_t cols) {
+  return QuadraticSum(a, nullptr, h, rows, cols);
 }
 
 StatusOr<ScalarRoundingResult> RoundToNearest(const double* w, int64_t rows, int64_t cols,
@@ -406,24 +422,16 @@ StatusOr<ScalarRoundingResult> Ldlq(const double* w, int64_t m, int64_t n, const
   return res;
 }
 
-StatusOr<VectorRoundingResult> BlockLdlq(const double* w, int64_t m, int64_t n, const double* h,
-                                         const VectorCodebook& cb,
-                                         const VectorRoundingConfig& config) {
-  const char* what = "block ldlq";
-  QCAL_RETURN_IF_ERROR(ValidateVectorRounding(w, m, n, cb, config.num_threads, what));
-  QCAL_RETURN_IF_ERROR(CheckHessian(h, n, what));
-  if (!(config.damp >= 0.0) || !std::isfinite(config.damp)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": damp = ", config.damp, " must be >= 0"));
-  }
-  QCAL_ASSIGN_OR_RETURN(const double scale, ResolveScale(w, m * n, cb, config.scale, what));
-  QCAL_ASSIGN_OR_RETURN(Prepared prep, Prepare(w, m, n, h, config.damp, false, what));
+namespace {
+
+// BlockLDLQ's rounding sweep once the g-block factor of the damped Hessian is known. W is the
+// prepared [m, n] weight (dead columns zeroed).
+VectorRoundingResult BlockLdlqSweep(const double* W, int64_t m, int64_t n, const BlockLdl& ldl,
+                                    const VectorCodebook& cb, double scale,
+                                    const VectorRoundingConfig& config) {
   const int64_t g = cb.dim();
   const int cw = cb.code_words();
-  StatusOr<BlockLdl> ldl = BlockLdlDecompose(prep.h.data(), n, g, LdlForm::kLtDL);
-  if (!ldl.ok()) return Annotate(ldl.status(), what);
-  prep.h = std::vector<double>();
-  const std::vector<double>& L = ldl->L;
+  const std::vector<double>& L = ldl.L;
 
   VectorRoundingResult res;
   res.rows = m;
@@ -431,50 +439,152 @@ StatusOr<VectorRoundingResult> BlockLdlq(const double* w, int64_t m, int64_t n, 
   res.dim = static_cast<int>(g);
   res.code_words = cw;
   res.scale = scale;
-  res.w_hat.assign(m * n, 0.0);
   res.codes.assign(m * (n / g) * cw, 0);
 
-  const std::vector<double>& W = prep.w;
-  std::vector<double> X = W;
-  std::vector<double> E(m * n, 0.0);
+  // X: the feedback-adjusted targets. Once columns k:k+g are rounded their X is never read again,
+  // so the rounding error E = W − Ŵ is stored in their place (the cross-block update reads E from
+  // the finished columns of the same buffer), and at the end the buffer becomes Ŵ, decoded from
+  // the codes. Two [m, n] buffers (W and X) instead of four.
+  std::vector<double> X(W, W + m * n);
   const int64_t B = ((std::max<int64_t>(1, config.lazy_block) + g - 1) / g) * g;
-  std::vector<float> in(m * g), out(m * g);
-  std::vector<uint32_t> codes(m * cw);
+
+  // Within a lazy block every row evolves on its own (feedback X[r, :] += E[r, :]·U acts within
+  // row r), so the block is swept by row chunks in parallel: each worker searches its rows' g
+  // columns and applies the rank-g feedback to the rest of the block for those rows. One thread
+  // pool per lazy block instead of one search and one BLAS call per g columns, which, with BLAS's
+  // spinning workers competing with the search threads, made a 70B-shaped layer latency-bound.
+  // Each row is computed by the same arithmetic whatever the thread count.
+  int threads = config.num_threads > 0
+                    ? config.num_threads
+                    : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, m / 64)));
+  const int64_t rows_per = (m + threads - 1) / threads;
+  auto sweep_rows = [&](int64_t r0, int64_t r1, int64_t b0, int64_t b1) {
+    const int64_t rc = r1 - r0;
+    if (rc <= 0) return;
+    std::vector<float> in(rc * g), out(rc * g);
+    std::vector<uint32_t> codes(rc * cw);
+    for (int64_t k = b0; k < b1; k += g) {
+      for (int64_t r = 0; r < rc; ++r) {
+        const double* x = &X[(r0 + r) * n + k];
+        for (int64_t j = 0; j < g; ++j) in[r * g + j] = static_cast<float>(x[j] / scale);
+      }
+      cb.Quantize(in.data(), rc, out.data(), codes.data());
+      const int64_t kb = k / g;
+      for (int64_t r = 0; r < rc; ++r) {
+        const int64_t row = r0 + r;
+        std::copy(codes.begin() + r * cw, codes.begin() + (r + 1) * cw,
+                  res.codes.begin() + (row * (n / g) + kb) * cw);
+        for (int64_t j = 0; j < g; ++j) {
+          const double q = scale * static_cast<double>(out[r * g + j]);
+          X[row * n + k + j] = W[row * n + k + j] - q;  // E
+        }
+      }
+      // X[r, k+g:b1] += E[r, k:k+g] · U[k:k+g, k+g:b1] = E[r, k:k+g] · L[k+g:b1, k:k+g]ᵀ.
+      for (int64_t r = 0; r < rc; ++r) {
+        const double* e = &X[(r0 + r) * n + k];
+        double* x = &X[(r0 + r) * n];
+        for (int64_t j = k + g; j < b1; ++j) {
+          const double* l = &L[j * n + k];
+          double dot = 0.0;
+          for (int64_t t = 0; t < g; ++t) dot += e[t] * l[t];
+          x[j] += dot;
+        }
+      }
+    }
+  };
+
+  // Ŵ rows from their codes, into X (E is no longer needed).
+  auto decode_rows = [&](int64_t r0, int64_t r1, int64_t, int64_t) {
+    std::vector<float> points(n);
+    for (int64_t r = r0; r < r1; ++r) {
+      cb.Decode(&res.codes[r * (n / g) * cw], n / g, points.data());
+      for (int64_t j = 0; j < n; ++j) X[r * n + j] = scale * static_cast<double>(points[j]);
+    }
+  };
+  auto parallel_rows = [&](const auto& fn, int64_t b0, int64_t b1) {
+    if (threads <= 1) {
+      fn(0, m, b0, b1);
+      return;
+    }
+    std::vector<std::thread> pool;
+    pool.reserve(threads - 1);
+    for (int t = 1; t < threads; ++t) {
+      pool.emplace_back([&, t] { fn(t * rows_per, std::min(m, (t + 1) * rows_per), b0, b1); });
+    }
+    fn(0, std::min(m, rows_per), b0, b1);
+    for (auto& th : pool) th.join();
+  };
 
   for (int64_t b0 = 0; b0 < n; b0 += B) {
     const int64_t b1 = std::min(b0 + B, n), bw = b1 - b0;
     if (b0 > 0) {
+      // X[:, b0:b1] += E[:, :b0] · U[:b0, b0:b1]; E lives in X's finished columns (disjoint from
+      // the updated ones).
       cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m),
-                  static_cast<int>(bw), static_cast<int>(b0), 1.0, E.data(), static_cast<int>(n),
+                  static_cast<int>(bw), static_cast<int>(b0), 1.0, X.data(), static_cast<int>(n),
                   &L[b0 * n], static_cast<int>(n), 1.0, &X[b0], static_cast<int>(n));
     }
-    for (int64_t k = b0; k < b1; k += g) {
-      for (int64_t r = 0; r < m; ++r) {
-        for (int64_t j = 0; j < g; ++j)
-          in[r * g + j] = static_cast<float>(X[r * n + k + j] / scale);
-      }
-      QuantizeVectors(cb, in.data(), m, out.data(), codes.data(), config.num_threads);
-      const int64_t kb = k / g;
-      for (int64_t r = 0; r < m; ++r) {
-        std::copy(codes.begin() + r * cw, codes.begin() + (r + 1) * cw,
-                  res.codes.begin() + (r * (n / g) + kb) * cw);
-        for (int64_t j = 0; j < g; ++j) {
-          const double q = scale * static_cast<double>(out[r * g + j]);
-          res.w_hat[r * n + k + j] = q;
-          E[r * n + k + j] = W[r * n + k + j] - q;
-        }
-      }
-      // Push this block's feedback to the rest of the lazy block:
-      // X[:, k+g:b1] += E[:, k:k+g] · U[k:k+g, k+g:b1] = E[:, k:k+g] · L[k+g:b1, k:k+g]ᵀ.
-      if (k + g < b1) {
-        cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m),
-                    static_cast<int>(b1 - k - g), static_cast<int>(g), 1.0, &E[k],
-                    static_cast<int>(n), &L[(k + g) * n + k], static_cast<int>(n), 1.0, &X[k + g],
-                    static_cast<int>(n));
-      }
-    }
+    parallel_rows(sweep_rows, b0, b1);
   }
+  parallel_rows(decode_rows, 0, n);
+  res.w_hat = std::move(X);
   return res;
+}
+
+Status ValidateBlockLdlq(const double* w, int64_t m, int64_t n, const double* h,
+                         const VectorCodebook& cb, const VectorRoundingConfig& config,
+                         const char* what) {
+  QCAL_RETURN_IF_ERROR(ValidateVectorRounding(w, m, n, cb, config.num_threads, what));
+  QCAL_RETURN_IF_ERROR(CheckHessian(h, n, what));
+  if (!(config.damp >= 0.0) || !std::isfinite(config.damp)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": damp = ", config.damp, " must be >= 0"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+StatusOr<VectorRoundingResult> BlockLdlq(const double* w, int64_t m, int64_t n, const double* h,
+                                         const VectorCodebook& cb,
+                                         const VectorRoundingConfig& config) {
+  const char* what = "block ldlq";
+  QCAL_RETURN_IF_ERROR(ValidateBlockLdlq(w, m, n, h, cb, config, what));
+  QCAL_ASSIGN_OR_RETURN(const double scale, ResolveScale(w, m * n, cb, config.scale, what));
+  QCAL_ASSIGN_OR_RETURN(Prepared prep, Prepare(w, m, n, h, config.damp, false, what));
+  StatusOr<BlockLdl> ldl = BlockLdlDecompose(std::move(prep.h), n, cb.dim(), LdlForm::kLtDL);
+  if (!ldl.ok()) return Annotate(ldl.status(), what);
+  return BlockLdlqSweep(prep.w.data(), m, n, *ldl, cb, scale, config);
+}
+
+StatusOr<VectorRoundingResult> BlockLdlqConsumingHessian(const double* w, int64_t m, int64_t n,
+                                                         std::vector<double> h,
+                                                         const VectorCodebook& cb,
+                                                         const VectorRoundingConfig& config) {
+  const char* what = "block ldlq";
+  if (static_cast<int64_t>(h.size()) != n * n) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": the Hessian holds ", h.size(),
+                                                   " values, not cols*cols = ", n * n));
+  }
+  QCAL_RETURN_IF_ERROR(ValidateBlockLdlq(w, m, n, h.data(), cb, config, what));
+  QCAL_ASSIGN_OR_RETURN(const double scale, ResolveScale(w, m * n, cb, config.scale, what));
+  // Prepare() without act order, in place: dead inputs (zero diagonal) get diagonal 1 and zero
+  // weight columns; then damping. Only a weight copy is made, and only when a column is dead.
+  std::vector<double> w_dead;
+  const double* W = w;
+  for (int64_t j = 0; j < n; ++j) {
+    if (h[j * n + j] != 0.0) continue;
+    if (w_dead.empty()) w_dead.assign(w, w + m * n);
+    for (int64_t r = 0; r < m; ++r) w_dead[r * n + j] = 0.0;
+    h[j * n + j] = 1.0;
+    W = w_dead.data();
+  }
+  auto added = DampHessian(h.data(), n, config.damp);
+  if (!added.ok()) return Annotate(added.status(), what);
+  StatusOr<BlockLdl> ldl = BlockLdlDecompose(std::move(h), n, cb.dim(), LdlForm::kLtDL);
+  if (!ldl.ok()) return Annotate(ldl.status(), what);
+  return BlockLdlqSweep(W, m, n, *ldl, cb, scale, config);
 }
 
 StatusOr<VectorRoundingResult> NearestVectorRounding(const double* w, int64_t m, int64_t n,

@@ -50,6 +50,9 @@ namespace qcal::kernels {
 // ℓ(Ŵ) = tr((Ŵ − W) H (Ŵ − W)ᵀ), computed with dgemm in row chunks. w, w_hat: [rows, cols];
 // h: [cols, cols].
 double ProxyLoss(const double* w, const double* w_hat, const double* h, int64_t rows, int64_t cols);
+// tr(A H Aᵀ) for A [rows, cols] (the proxy loss of rounding everything to zero), without an
+// [rows, cols] temporary.
+double QuadraticForm(const double* a, const double* h, int64_t rows, int64_t cols);
 
 // Scalar-grid rounding options (GPTQ / LDLQ).
 struct ScalarRoundingConfig {
@@ -135,6 +138,14 @@ struct VectorRoundingResult {
 StatusOr<VectorRoundingResult> BlockLdlq(const double* w, int64_t rows, int64_t cols,
                                          const double* h, const VectorCodebook& codebook,
                                          const VectorRoundingConfig& config);
+
+// The same, bit for bit, taking ownership of H [cols, cols]: it is damped and factored in place,
+// so the peak is one n×n matrix (the copying form holds the caller's H, a damped copy and the
+// factor). Used for large layers (the 70B down_proj Hessian is 28672² fp64 = 6.6 GB).
+StatusOr<VectorRoundingResult> BlockLdlqConsumingHessian(const double* w, int64_t rows,
+                                                         int64_t cols, std::vector<double> h,
+                                                         const VectorCodebook& codebook,
+                                                         const VectorRoundingConfig& config);
 
 // Nearest rounding with the same codebook and scale rule: Ŵ_k = scale · Q(W_k / scale), each row
 // cut into consecutive g-blocks. (config.damp and lazy_block are ignored.)

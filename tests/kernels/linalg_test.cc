@@ -141,6 +141,24 @@ TEST(LinalgTest, BlockLdlReconstructsIncludingRaggedLastBlock) {
   }
 }
 
+TEST(LinalgTest, InPlaceBlockLdlEqualsCopyingBitForBit) {
+  const uint64_t seed = testing::TestSeed();
+  Gaussian g(seed);
+  for (const int64_t n : {1, 9, 64, 130}) {
+    const std::vector<double> h = RandomSpd(n, g);
+    for (LdlForm form : {LdlForm::kLDLt, LdlForm::kLtDL}) {
+      SCOPED_TRACE(::testing::Message() << "n " << n << " form " << static_cast<int>(form));
+      auto copied = BlockLdlDecompose(h.data(), n, 8, form);
+      auto in_place = BlockLdlDecompose(std::vector<double>(h), n, 8, form);
+      ASSERT_TRUE(copied.ok() && in_place.ok());
+      EXPECT_EQ(copied->L, in_place->L);
+      EXPECT_EQ(copied->d, in_place->d);
+    }
+  }
+  EXPECT_EQ(BlockLdlDecompose(std::vector<double>(5, 1.0), 2, 1, LdlForm::kLtDL).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(LinalgTest, BlockLdlWithFullBlockIsH) {
   // g = n: L = I, D = H.
   const uint64_t seed = testing::TestSeed();

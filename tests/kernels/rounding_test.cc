@@ -689,6 +689,29 @@ TEST(RoundingTest, VectorRoundingIsIndependentOfThreadCount) {
             absl::StatusCode::kInvalidArgument);
 }
 
+TEST(RoundingTest, BlockLdlqConsumingHessianEqualsCopyingBitForBit) {
+  const uint64_t seed = testing::TestSeed();
+  Gaussian g(seed);
+  const int64_t m = 300, n = 48;
+  SyntheticHessian s = MakeHessian(n, g, 5.0, false);
+  for (int64_t j = 0; j < n; ++j) s.h[7 * n + j] = s.h[j * n + 7] = 0.0;  // a dead input
+  const std::vector<double> w = RandomMatrix(m, n, g);
+  const HalfIntGridCodebook c8(8, 4);
+  VectorRoundingConfig cfg;
+  cfg.num_threads = 3;
+  cfg.lazy_block = 16;
+  auto copied = BlockLdlq(w.data(), m, n, s.h.data(), c8, cfg);
+  auto consumed = BlockLdlqConsumingHessian(w.data(), m, n, s.h, c8, cfg);
+  ASSERT_TRUE(copied.ok() && consumed.ok()) << copied.status() << consumed.status();
+  EXPECT_EQ(copied->codes, consumed->codes);
+  EXPECT_EQ(copied->w_hat, consumed->w_hat);
+  EXPECT_EQ(copied->scale, consumed->scale);
+  EXPECT_EQ(BlockLdlqConsumingHessian(w.data(), m, n, std::vector<double>(n), c8, cfg)
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(RoundingTest, DeadInputsAreHandledLikeGptq) {
   const uint64_t seed = testing::TestSeed();
   Gaussian g(seed);

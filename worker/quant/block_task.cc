@@ -11,6 +11,7 @@
 #include "kernels/incoherence.h"
 #include "kernels/rounding.h"
 #include "worker/quant/quantized_linear.h"
+#include "worker/quant/quip_rounding.h"
 #include "worker/quarot/act_quant.h"
 #include "worker/quarot/quarot_model.h"
 
@@ -23,32 +24,11 @@ double Seconds(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-std::vector<double> ToDouble(const at::Tensor& t) {
-  at::Tensor c = t.to(at::kDouble).contiguous();
-  return std::vector<double>(c.data_ptr<double>(), c.data_ptr<double>() + c.numel());
-}
-
 uint64_t SplitMix64(uint64_t x) {
   x += 0x9E3779B97F4A7C15ull;
   x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
   x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
   return x ^ (x >> 31);
-}
-
-int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-// Smallest size >= n (and a multiple of `multiple`) that has an orthogonal transform.
-int64_t TransformSize(int64_t n, int64_t multiple) {
-  int64_t d = RoundUp(n, multiple);
-  while (PlanHadamard(d).kind == HadamardKind::kNone) d += multiple;
-  return d;
-}
-
-// tr(A H Aᵀ) for A [rows, cols].
-double QuadraticTrace(const std::vector<double>& a, const std::vector<double>& h, int64_t rows,
-                      int64_t cols) {
-  std::vector<double> zero(a.size(), 0.0);
-  return kernels::ProxyLoss(zero.data(), a.data(), h.data(), rows, cols);
 }
 
 kernels::ScalarQuantConfig ScalarConfig(const Recipe& r) {
@@ -67,112 +47,27 @@ kernels::ScalarQuantConfig ScalarConfig(const Recipe& r) {
   return q;
 }
 
+// QuIP#: quip_rounding.h's RoundQuipLinear, wrapped into a QuipLinear.
 StatusOr<QuantizedLinear> QuantizeQuip(const Recipe& recipe, int64_t layer,
-                                          model::LinearKind kind, const std::vector<double>& w,
-                                          int64_t out, int64_t in, const std::vector<double>& h) {
-  QCAL_ASSIGN_OR_RETURN(auto codebook, kernels::MakeCodebook(recipe.codebook));
-  const int64_t g = codebook->dim();
-  const int64_t in_pad = recipe.incoherence ? TransformSize(in, g) : RoundUp(in, g);
-  const int64_t out_pad = recipe.incoherence ? TransformSize(out, 1) : out;
-  // Zero-padded W [out_pad, in_pad] and H [in_pad, in_pad].
-  std::vector<double> wp(out_pad * in_pad, 0.0), hp(in_pad * in_pad, 0.0);
-  for (int64_t r = 0; r < out; ++r) {
-    std::copy(&w[r * in], &w[r * in] + in, &wp[r * in_pad]);
-  }
-  for (int64_t r = 0; r < in; ++r) std::copy(&h[r * in], &h[r * in] + in, &hp[r * in_pad]);
-  if (in_pad > in) {
-    // The padded inputs are always zero; give them the mean diagonal so H stays well
-    // conditioned (their weights multiply zeros, so any value is exact).
-    double mean_diag = 0;
-    for (int64_t i = 0; i < in; ++i) mean_diag += h[i * in + i];
-    mean_diag /= static_cast<double>(in);
-    for (int64_t i = in; i < in_pad; ++i) hp[i * in_pad + i] = mean_diag;
-  }
-
-  QuipLinearData data;
-  data.in_features = in;
-  data.out_features = out;
-  data.in_pad = in_pad;
-  data.out_pad = out_pad;
-  data.codebook = recipe.codebook;
-  data.incoherence = recipe.incoherence;
-  const std::vector<double>* w_round = &wp;
-  const std::vector<double>* h_round = &hp;
-  kernels::IncoherenceResult ip;
-  if (recipe.incoherence) {
-    QCAL_ASSIGN_OR_RETURN(
-        ip, kernels::IncoherenceProcess(wp.data(), out_pad, in_pad, hp.data(),
-                                        TransformSeed(recipe.seed, layer, kind, true),
-                                        TransformSeed(recipe.seed, layer, kind, false)));
-    data.t_u = ip.transforms.u;
-    data.t_v = ip.transforms.v;
-    w_round = &ip.w_hat;
-    h_round = &ip.h_hat;
-  }
-  kernels::VectorRoundingConfig vc;
-  vc.damp = recipe.damp;
+                                       model::LinearKind kind, const double* w, int64_t out,
+                                       int64_t in, const double* h) {
   if (recipe.scale_mode != "row" && recipe.scale_mode != "matrix") {
     return absl::InvalidArgumentError(
         absl::StrCat("unknown QuIP# scale mode '", recipe.scale_mode, "' (row or matrix)"));
   }
-  const bool per_row = recipe.scale_mode == "row";
-  std::vector<double> w_unit;
-  if (per_row) {
-    // One scale per row of the rotated W: s_r = RMS(row r)/ρ (ρ = the codebook's default scale),
-    // rounded to float since the layer stores F32. LDLQ's feedback W·U acts within each row, so
-    // BlockLDLQ on D⁻¹W at scale 1 (D = diag(s)) followed by Ŵ = D·result is exactly BlockLDLQ
-    // with scale s_r on row r. All-zero rows take the matrix scale (RMS(W)/ρ, or 1 when W = 0).
-    const double rho = codebook->default_scale();
-    const std::vector<double>& wr = *w_round;
-    double total = 0;
-    for (double v : wr) total += v * v;
-    const double rms_all = std::sqrt(total / static_cast<double>(out_pad * in_pad));
-    const double matrix_scale = rms_all > 0 ? rms_all / rho : 1.0;
-    auto usable = [](float s) { return std::isnormal(s) && s > 0; };
-    const float fallback = usable(static_cast<float>(matrix_scale))
-                               ? static_cast<float>(matrix_scale) : 1.0f;
-    data.row_scales.resize(out_pad);
-    w_unit.resize(out_pad * in_pad);
-    for (int64_t r = 0; r < out_pad; ++r) {
-      const double* row = &wr[r * in_pad];
-      double ss = 0;
-      for (int64_t j = 0; j < in_pad; ++j) ss += row[j] * row[j];
-      const double rms = std::sqrt(ss / static_cast<double>(in_pad));
-      const float s = static_cast<float>(rms / rho);
-      data.row_scales[r] = rms > 0 && usable(s) ? s : fallback;
-      const double inv = 1.0 / static_cast<double>(data.row_scales[r]);
-      for (int64_t j = 0; j < in_pad; ++j) w_unit[r * in_pad + j] = row[j] * inv;
-    }
-    vc.scale = 1.0;
-  }
-  const double* w_ldlq = per_row ? w_unit.data() : w_round->data();
-  QCAL_ASSIGN_OR_RETURN(auto rounded, kernels::BlockLdlq(w_ldlq, out_pad, in_pad,
-                                                         h_round->data(), *codebook, vc));
-  data.codes = std::move(rounded.codes);
-  if (per_row) {
-    data.scale = 1.0;  // unused: row_scales apply
-    for (int64_t r = 0; r < out_pad; ++r) {
-      const double s = data.row_scales[r];
-      for (int64_t j = 0; j < in_pad; ++j) rounded.w_hat[r * in_pad + j] *= s;
-    }
-  } else {
-    data.scale = rounded.scale;
-  }
-
-  // Proxy loss in the original space: Ŵ = Uᵀ Ŵ_q V, sliced to [out, in].
-  std::vector<double> w_hat_pad = rounded.w_hat;
-  if (recipe.incoherence) {
-    QCAL_ASSIGN_OR_RETURN(w_hat_pad, kernels::RecoverWeights(ip.transforms, rounded.w_hat.data()));
-  }
-  std::vector<double> w_hat(out * in);
-  for (int64_t r = 0; r < out; ++r) {
-    std::copy(&w_hat_pad[r * in_pad], &w_hat_pad[r * in_pad] + in, &w_hat[r * in]);
-  }
+  QuipRoundingOptions options;
+  options.codebook = recipe.codebook;
+  options.incoherence = recipe.incoherence;
+  options.seed_u = TransformSeed(recipe.seed, layer, kind, true);
+  options.seed_v = TransformSeed(recipe.seed, layer, kind, false);
+  options.damp = recipe.damp;
+  options.per_row_scale = recipe.scale_mode == "row";
+  QCAL_ASSIGN_OR_RETURN(QuipRounding rounded, RoundQuipLinear(w, out, in, h, options));
   QuantizedLinear result;
-  result.metrics.proxy_loss = kernels::ProxyLoss(w.data(), w_hat.data(), h.data(), out, in);
-  result.metrics.code_bits = codebook->bits_per_weight() * static_cast<double>(out_pad * in_pad) /
-                             static_cast<double>(out * in);
-  QCAL_ASSIGN_OR_RETURN(auto linear, QuipLinear::Create(std::move(data)));
+  result.metrics.proxy_loss = rounded.proxy_loss;
+  result.metrics.relative = rounded.relative;
+  result.metrics.code_bits = rounded.code_bits;
+  QCAL_ASSIGN_OR_RETURN(auto linear, QuipLinear::Create(std::move(rounded.data)));
   SafetensorsWriter sizer;
   QCAL_RETURN_IF_ERROR(linear->AppendTensors("x", &sizer));
   result.metrics.stored_bits = 8.0 * sizer.data_bytes() / static_cast<double>(out * in);
@@ -180,8 +75,8 @@ StatusOr<QuantizedLinear> QuantizeQuip(const Recipe& recipe, int64_t layer,
   return result;
 }
 
-StatusOr<QuantizedLinear> QuantizeScalar(const Recipe& recipe, const std::vector<double>& w,
-                                            int64_t out, int64_t in, const std::vector<double>* h) {
+StatusOr<QuantizedLinear> QuantizeScalar(const Recipe& recipe, const double* w, int64_t out,
+                                          int64_t in, const double* h) {
   kernels::ScalarRoundingResult rounded;
   const bool gptq = recipe.method == QuantMethod::kGptq ||
                     (recipe.method == QuantMethod::kQuarot && recipe.weights == "gptq");
@@ -190,13 +85,16 @@ StatusOr<QuantizedLinear> QuantizeScalar(const Recipe& recipe, const std::vector
     sc.quant = ScalarConfig(recipe);
     sc.damp = recipe.damp;
     sc.act_order = recipe.scalar.act_order;
-    QCAL_ASSIGN_OR_RETURN(rounded, kernels::Gptq(w.data(), out, in, h->data(), sc));
+    QCAL_ASSIGN_OR_RETURN(rounded, kernels::Gptq(w, out, in, h, sc));
   } else {
-    QCAL_ASSIGN_OR_RETURN(rounded, kernels::RoundToNearest(w.data(), out, in, ScalarConfig(recipe)));
+    QCAL_ASSIGN_OR_RETURN(rounded, kernels::RoundToNearest(w, out, in, ScalarConfig(recipe)));
   }
   QuantizedLinear result;
-  if (h) result.metrics.proxy_loss = kernels::ProxyLoss(w.data(), rounded.w_hat.data(), h->data(),
-                                                        out, in);
+  if (h) {
+    result.metrics.proxy_loss = kernels::ProxyLoss(w, rounded.w_hat.data(), h, out, in);
+    const double trace = kernels::QuadraticForm(w, h, out, in);
+    result.metrics.relative = result.metrics.proxy_loss / trace;
+  }
   ScalarLinearData data;
   data.in_features = in;
   data.out_features = out;
@@ -258,24 +156,24 @@ StatusOr<QuantizedLinear> QuantizeLinear(const Recipe& recipe, int64_t layer,
                                                    QuantMethodName(recipe.method),
                                                    " needs a Hessian"));
   }
-  std::vector<double> w = ToDouble(weight);
-  std::vector<double> h;
+  // fp64 views: the weight is converted (a copy); a contiguous fp64 Hessian (what
+  // HessianAccumulator::Mean returns) is read in place, not copied.
+  const at::Tensor w = weight.to(at::kDouble).contiguous();
+  at::Tensor h;
   if (hessian.defined()) {
     if (hessian.dim() != 2 || hessian.size(0) != in || hessian.size(1) != in) {
       return absl::InvalidArgumentError(absl::StrCat(where, ": Hessian is not ", in, "x", in));
     }
-    h = ToDouble(hessian);
+    h = hessian.to(at::kDouble).contiguous();
   }
-  StatusOr<QuantizedLinear> q = recipe.method == QuantMethod::kQuip
-                                    ? QuantizeQuip(recipe, layer, kind, w, out, in, h)
-                                    : QuantizeScalar(recipe, w, out, in, h.empty() ? nullptr : &h);
+  const double* hp = h.defined() ? h.data_ptr<double>() : nullptr;
+  StatusOr<QuantizedLinear> q =
+      recipe.method == QuantMethod::kQuip
+          ? QuantizeQuip(recipe, layer, kind, w.data_ptr<double>(), out, in, hp)
+          : QuantizeScalar(recipe, w.data_ptr<double>(), out, in, hp);
   if (!q.ok()) return Annotate(q.status(), where);
   q->metrics.name = model::LinearName(kind);
-  if (!h.empty()) {
-    q->metrics.relative = q->metrics.proxy_loss / QuadraticTrace(w, h, out, in);
-  } else {
-    q->metrics.proxy_loss = q->metrics.relative = std::nan("");
-  }
+  if (hp == nullptr) q->metrics.proxy_loss = q->metrics.relative = std::nan("");
   q->metrics.seconds = Seconds(t1);
   return q;
 }
