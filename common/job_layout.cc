@@ -77,13 +77,26 @@ Status EvaluateJournal(const Recipe& recipe, const std::string& out_dir,
   }
   for (const auto& [layer, e] : done) {
     if (layer < 0 || layer >= blocks) continue;
-    auto sum = FileChecksum(out_dir + "/" + ShardName(layer + 1, blocks));
-    plan->block_finished[layer] = sum.ok() && *sum == e.value("checksum", "");
+    plan->block_finished[layer] = CheckBlockDoneEntry(e, out_dir, blocks).ok();
     if (plan->block_finished[layer]) {
       plan->block_done[layer] = e;
     } else {
       QCAL_LOG_WARN("block {}: journal says done but its shard is missing or changed; redoing",
                     layer);
+    }
+  }
+  if (recipe.sequential_calibration()) {
+    // Block l was calibrated on the outputs of blocks < l as quantized: a block redone
+    // invalidates every later one.
+    for (int64_t l = 0; l < blocks; ++l) {
+      if (plan->block_finished[l]) continue;
+      for (int64_t later = l + 1; later < blocks; ++later) {
+        if (!plan->block_finished[later]) continue;
+        QCAL_LOG_WARN("block {}: redone because block {} is (sequential calibration)", later, l);
+        plan->block_finished[later] = false;
+        plan->block_done.erase(later);
+      }
+      break;
     }
   }
   return absl::OkStatus();
@@ -150,6 +163,7 @@ std::vector<int64_t> JobPlan::pending_blocks() const {
 }
 
 bool JobPlan::needs_calibration(const Recipe& recipe) const {
+  if (recipe.calibrated_by_block_tasks()) return false;
   const bool blocks_left = !all_blocks_finished();
   return (recipe.needs_hessians() && blocks_left) || (recipe.finetune.enabled && blocks_left) ||
          (e2e_enabled && !e2e_finished);
@@ -310,6 +324,28 @@ Status CheckBlockDoneEntry(const nlohmann::json& entry, const std::string& out_d
                                             " does not match the block_done entry's ",
                                             entry.value("checksum", "")));
   }
+  // Other shards the block task wrote (QuaRot's block 0 writes the rotated shard 0).
+  if (entry.contains("also_wrote")) {
+    const nlohmann::json& also = entry["also_wrote"];
+    if (!also.is_object()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("block_done entry for layer ", layer, ": 'also_wrote' is not an object"));
+    }
+    for (const auto& [name, want] : also.items()) {
+      if (name.empty() || name.find('/') != std::string::npos || !want.is_string()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "block_done entry for layer ", layer, ": bad 'also_wrote' item '", name, "'"));
+      }
+      const std::string other = out_dir + "/" + name;
+      QCAL_ASSIGN_OR_RETURN(std::string other_sum, FileChecksum(other));
+      if (other_sum != want.get<std::string>()) {
+        return absl::DataLossError(absl::StrCat(other, ": checksum ", other_sum,
+                                                " does not match block ", layer,
+                                                "'s block_done entry's ",
+                                                want.get<std::string>()));
+      }
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -349,15 +385,18 @@ StatusOr<nlohmann::json> FinalizeJob(const Recipe& recipe, const std::string& mo
   const BitsPerWeight bits = AggregateBits(plan.config, plan.block_done);
   const nlohmann::json quant_config = MakeQuantizationConfig(recipe, bits.code_bits,
                                                              bits.stored_bits);
-  // With end-to-end fine-tuning shard 0 already holds the tuned final norm (and head).
-  if (!plan.e2e_enabled) {
+  // With end-to-end fine-tuning shard 0 already holds the tuned final norm (and head); QuaRot's
+  // block 0 task wrote the rotated one (checked with block 0's entry), whose head is untied.
+  LlamaConfig out_config = plan.config;
+  if (recipe.method == QuantMethod::kQuarot) out_config.tie_word_embeddings = false;
+  if (!plan.e2e_enabled && recipe.method != QuantMethod::kQuarot) {
     QCAL_ASSIGN_OR_RETURN(auto float_ckpt, CheckpointReader::Open(model_dir));
     QCAL_RETURN_IF_ERROR(
         WriteNonBlockShard(out_dir + "/" + ShardName(0, plan.num_blocks), *float_ckpt,
                            plan.config)
             .status());
   }
-  QCAL_RETURN_IF_ERROR(FinalizeCheckpoint(out_dir, model_dir, plan.config, quant_config));
+  QCAL_RETURN_IF_ERROR(FinalizeCheckpoint(out_dir, model_dir, out_config, quant_config));
   QCAL_RETURN_IF_ERROR(journal->Append({{"event", "job_done"}}));
   nlohmann::json summary = {{"out_dir", out_dir},
                             {"blocks", plan.num_blocks},

@@ -142,6 +142,16 @@ struct Recipe {
   bool needs_hessians() const {
     return method == QuantMethod::kQuarot ? weights == "gptq" : method != QuantMethod::kRtn;
   }
+  // method quarot: its calibration (GPTQ Hessians, static ranges) runs inside the block tasks,
+  // sequentially — block l is calibrated on the outputs of the quantized blocks before it — so
+  // block l can start only once block l-1 is done. QuaRot never uses the float-model
+  // calibration phase (calibrated_by_block_tasks()).
+  bool sequential_calibration() const {
+    return method == QuantMethod::kQuarot &&
+           (weights == "gptq" || (activations.enabled() && activations.is_static) ||
+            (kv_cache.enabled() && kv_cache.is_static));
+  }
+  bool calibrated_by_block_tasks() const { return method == QuantMethod::kQuarot; }
   // The rounding of the weights: quarot's `weights` mapped onto rtn/gptq (kQuip for quip).
   bool quantizes_weights() const { return method != QuantMethod::kQuarot || weights != "none"; }
   nlohmann::json ToJson() const;

@@ -627,6 +627,28 @@ StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const std::st
   return reader;
 }
 
+StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::OpenShards(
+    const std::string& dir, const std::vector<std::string>& shard_names) {
+  std::unique_ptr<CheckpointReader> reader(new CheckpointReader());
+  reader->dir_ = dir;
+  for (const std::string& name : shard_names) {
+    if (!IsPlainFileName(name)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(dir, ": shard name '", Printable(name), "' is not a plain file name"));
+    }
+    QCAL_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> file,
+                          SafetensorsFile::Open(JoinPath(dir, name)));
+    for (const TensorInfo& info : file->tensors()) {
+      if (!reader->weight_map_.emplace(info.name, name).second) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            JoinPath(dir, name), ": tensor '", info.name, "' is also in another shard"));
+      }
+    }
+    reader->shards_.emplace(name, std::move(file));
+  }
+  return reader;
+}
+
 bool CheckpointReader::Has(std::string_view name) const {
   return weight_map_.find(name) != weight_map_.end();
 }

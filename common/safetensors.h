@@ -113,6 +113,10 @@ class SafetensorsWriter {
 class CheckpointReader {
  public:
   static StatusOr<std::unique_ptr<CheckpointReader>> Open(const std::string& dir);
+  // A reader over some shard files of `dir` (plain file names), without an index: what a job
+  // reads back from an output directory that is not finalized yet. Errors name the file.
+  static StatusOr<std::unique_ptr<CheckpointReader>> OpenShards(
+      const std::string& dir, const std::vector<std::string>& shard_names);
 
   const std::string& dir() const { return dir_; }
   bool Has(std::string_view name) const;

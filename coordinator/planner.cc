@@ -10,6 +10,7 @@ TaskPlan MakeTaskPlan(const Recipe& recipe, const JobPlan& plan) {
                           plan.block_finished[l];
     (finished ? t.resumed : t.blocks).push_back(l);
   }
+  t.sequential_blocks = recipe.sequential_calibration();
   const bool e2e_enabled = recipe.finetune.end_to_end.enabled;
   t.finetune_e2e = e2e_enabled && (!plan.e2e_finished || !t.blocks.empty());
   t.calibrate = plan.needs_calibration(recipe) && (!t.blocks.empty() || t.finetune_e2e);

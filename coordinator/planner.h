@@ -1,8 +1,8 @@
 // The planner: recipe + the job directory's state (common/job_layout's JobPlan) → the phases of
 // a service job and its tasks. Pure: no I/O, so it is unit-tested on hand-made JobPlans.
 //
-//   plan → [calibrate] → quantize (one QUANTIZE_BLOCK task per pending block) → [finetune]
-//        → finalize → done
+//   plan → [calibrate] → quantize (one QUANTIZE_BLOCK task per pending block; in layer order, one
+//        at a time, when the recipe calibrates sequentially) → [finetune] → finalize → done
 //
 // calibrate is present when some pending work still needs Hessians or activations
 // (JobPlan::needs_calibration); finetune (FINETUNE_E2E) when the recipe enables end-to-end
@@ -31,6 +31,9 @@ struct TaskPlan {
   bool calibrate = false;             // one collective CALIBRATE task for every rank, first
   std::vector<int64_t> blocks;        // QUANTIZE_BLOCK tasks, ascending layer order
   std::vector<int64_t> resumed;       // blocks finished by an earlier run (journal + shard)
+  // Block l may start only after block l-1 completed (QuaRot's sequential calibration:
+  // Recipe::sequential_calibration); the scheduler then hands out one block at a time.
+  bool sequential_blocks = false;
   bool finetune_e2e = false;          // one FINETUNE_E2E task after the last block
   std::vector<std::string> phases;    // in order, from kPhasePlan to kPhaseDone
 

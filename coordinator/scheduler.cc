@@ -39,6 +39,7 @@ JobScheduler::JobScheduler(std::string job_id, int world_size, const TaskPlan& p
       max_attempts_(std::max(1, max_attempts)),
       wait_ms_(wait_ms),
       calibrate_(plan.calibrate),
+      sequential_(plan.sequential_blocks),
       blocks_(plan.blocks),
       pending_(plan.blocks.begin(), plan.blocks.end()),
       e2e_(plan.finetune_e2e),
@@ -150,7 +151,11 @@ v1::Task JobScheduler::Next(const std::string& worker_id, int rank) {
     }
     return Wait();
   }
-  if (phase_ == kPhaseQuantize && !pending_.empty()) {
+  bool block_in_flight = false;
+  for (const auto& [task_id, a] : assigned_) {
+    block_in_flight = block_in_flight || a.kind == v1::TASK_KIND_QUANTIZE_BLOCK;
+  }
+  if (phase_ == kPhaseQuantize && !pending_.empty() && !(sequential_ && block_in_flight)) {
     const int64_t block = pending_.front();
     pending_.pop_front();
     const int attempt = ++attempts_[block];

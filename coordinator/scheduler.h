@@ -7,7 +7,7 @@
 //    rank dies or fails during it, the job fails (the MPI collective cannot go on without it;
 //    a resubmitted job resumes from the journal and the cached calibration products).
 //  * QUANTIZE_BLOCK tasks are pulled: whichever rank asks gets the next pending block (lowest
-//    layer first). Fast ranks therefore take more blocks than slow ones; nothing is assigned to
+//    layer first; with TaskPlan::sequential_blocks only once no other block is in flight). Fast ranks therefore take more blocks than slow ones; nothing is assigned to
 //    a rank in advance (no round-robin). A dead rank's block, or a block that failed with
 //    `retryable`, returns to the front of the queue with attempt + 1, for any rank; after
 //    `max_attempts` hand-outs the job fails.
@@ -106,6 +106,7 @@ class JobScheduler {
   std::string error_;
 
   bool calibrate_ = false;
+  bool sequential_ = false;  // one block task in flight at a time, in layer order
   std::set<int> calibrate_given_;  // ranks that received CALIBRATE
   std::set<int> calibrate_done_;
 

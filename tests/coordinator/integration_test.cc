@@ -168,9 +168,10 @@ class CoordinatorIntegrationTest : public ::testing::Test {
     }
   }
 
-  // A copy of jobs/quip-e8p-2bit.yaml with `sequences` calibration sequences.
-  std::string WriteRecipe(const std::string& name, int sequences) {
-    auto text = ReadFile(qcal::testing::SourceDir() + "/jobs/quip-e8p-2bit.yaml");
+  // A copy of jobs/<source>.yaml with `sequences` calibration sequences.
+  std::string WriteRecipe(const std::string& name, int sequences,
+                          const std::string& source = "quip-e8p-2bit") {
+    auto text = ReadFile(qcal::testing::SourceDir() + "/jobs/" + source + ".yaml");
     EXPECT_TRUE(text.ok()) << text.status();
     if (!text.ok()) return "";
     std::string yaml = *text;
@@ -335,6 +336,15 @@ TEST_F(CoordinatorIntegrationTest, TwoRanksMatchSingleProcessBitForBit) {
 
 TEST_F(CoordinatorIntegrationTest, ThreeRanksMatchSingleProcessBitForBit) {
   ExpectBitIdenticalWithRanks(3);
+}
+
+// QuaRot with GPTQ weights calibrates block by block on the quantized blocks' outputs: the
+// scheduler hands the blocks out in order and each rank reads its block's inputs from the job
+// directory; the checkpoint is the single process's, byte for byte.
+TEST_F(CoordinatorIntegrationTest, QuarotSequentialBlocksOnTwoRanksMatchSingleProcess) {
+  recipe_ = WriteRecipe("quarot-small.yaml", 16, "quarot-w4a4kv4");
+  ASSERT_FALSE(recipe_.empty());
+  ExpectBitIdenticalWithRanks(2);
 }
 
 TEST_F(CoordinatorIntegrationTest, UnauthenticatedRequestsAreRefused) {

@@ -53,6 +53,24 @@ TEST(PlannerTest, RtnNeedsNoCalibration) {
   EXPECT_EQ(t.phases, (std::vector<std::string>{"plan", "quantize", "finalize", "done"}));
 }
 
+TEST(PlannerTest, QuarotCalibratesInsideItsBlockTasksInOrderWhenSequential) {
+  Recipe r;
+  r.method = QuantMethod::kQuarot;
+  r.bits = 4;
+  r.weights = "gptq";
+  TaskPlan t = MakeTaskPlan(r, FreshPlan(4));
+  EXPECT_FALSE(t.calibrate);  // no float-model calibration phase
+  EXPECT_TRUE(t.sequential_blocks);
+  EXPECT_EQ(t.phases, (std::vector<std::string>{"plan", "quantize", "finalize", "done"}));
+  r.weights = "rtn";  // dynamic activations, no static ranges: blocks are independent
+  t = MakeTaskPlan(r, FreshPlan(4));
+  EXPECT_FALSE(t.sequential_blocks);
+  r.activations.bits = 8;
+  r.activations.granularity = "per_tensor";
+  r.activations.is_static = true;
+  EXPECT_TRUE(MakeTaskPlan(r, FreshPlan(4)).sequential_blocks);
+}
+
 TEST(PlannerTest, FinishedJobGoesStraightToFinalizeWithoutWorkers) {
   JobPlan p = FreshPlan(3);
   p.block_finished.assign(3, true);

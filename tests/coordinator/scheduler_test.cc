@@ -66,6 +66,32 @@ TEST(SchedulerTest, FasterRanksPullMoreBlocks) {
   EXPECT_LE(count[1], 13);
 }
 
+TEST(SchedulerTest, SequentialBlocksGoOutOneAtATimeInOrder) {
+  TaskPlan plan = Plan(3, false);
+  plan.sequential_blocks = true;
+  JobScheduler s("job-1", 2, plan);
+  v1::Task a = s.Next("w0", 0);
+  ASSERT_EQ(a.kind(), v1::TASK_KIND_QUANTIZE_BLOCK);
+  EXPECT_EQ(a.block(), 0);
+  EXPECT_EQ(s.Next("w1", 1).kind(), v1::TASK_KIND_WAIT);  // block 1 needs block 0's outputs
+  // A lost rank's block is handed out again before any later block.
+  s.WorkerLost("w0", 0);
+  v1::Task again = s.Next("w1", 1);
+  ASSERT_EQ(again.kind(), v1::TASK_KIND_QUANTIZE_BLOCK);
+  EXPECT_EQ(again.block(), 0);
+  EXPECT_EQ(again.attempt(), 2);
+  ASSERT_TRUE(s.Complete("w1", 1, again.task_id()).ok());
+  v1::Task b = s.Next("w0", 0);
+  ASSERT_EQ(b.kind(), v1::TASK_KIND_QUANTIZE_BLOCK);
+  EXPECT_EQ(b.block(), 1);
+  EXPECT_EQ(s.Next("w1", 1).kind(), v1::TASK_KIND_WAIT);
+  ASSERT_TRUE(s.Complete("w0", 0, b.task_id()).ok());
+  v1::Task c = s.Next("w1", 1);
+  EXPECT_EQ(c.block(), 2);
+  ASSERT_TRUE(s.Complete("w1", 1, c.task_id()).ok());
+  EXPECT_TRUE(s.done());
+}
+
 TEST(SchedulerTest, LostWorkersBlockReturnsToTheQueueForAnotherRank) {
   JobScheduler s("job-1", 2, Plan(3, false));
   v1::Task a = s.Next("w0", 0);

@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include "common/atomic_file.h"
+#include "common/job_layout.h"
 #include "common/llama2c.h"
 #include "common/recipe.h"
 #include "common/safetensors.h"
@@ -22,6 +23,9 @@
 #include "tests/test_util.h"
 #include "worker/calib/calibration.h"
 #include "worker/eval/perplexity.h"
+#include "worker/quant/job_steps.h"
+#include "worker/quant/quantize_job.h"
+#include "worker/quant/quantized_checkpoint.h"
 #include "worker/quant/quantized_linear.h"
 #include "worker/quarot/act_quant.h"
 #include "worker/quarot/checkpoint.h"
@@ -263,6 +267,66 @@ TEST_F(QuarotQuantizeTest, ResumingFromWrittenBlocksReproducesTheModel) {
       quarot::WeightCarrier(float_calibrated->weights.linear(model::LinearKind::kQ)));
   EXPECT_EQ(seq.data().bits, 4);
   EXPECT_NE(seq.data().codes, flt.data().codes);
+}
+
+// The job framework runs QuaRot block by block (job_steps' quarot branch: the calibration inputs
+// handed from block to block through the job directory, shard 0 rotated, config untied) and
+// produces exactly the model of the in-process pipeline; a lost shard is redone, with the blocks
+// after it (sequential calibration), bit for bit.
+TEST_F(QuarotQuantizeTest, JobMatchesTheInProcessPipelineAndResumes) {
+  Recipe recipe = LoadJob("quarot-w4a4kv4");
+  recipe.calibration.num_sequences = 16;
+  recipe.calibration.seq_len = 128;
+  quant::QuantizeJobOptions opt;
+  opt.model_dir = *root_ + "/float";
+  opt.out_dir = testing::MakeTempDir("quarot_job") + "/out";
+  opt.data_root = testing::SharedDir();
+  opt.calib_batch = 8;
+  opt.threads = 1;
+  auto first = quant::RunQuantizeJob(recipe, opt);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->blocks_resumed, 0);
+  EXPECT_NEAR(first->code_bits, 4.0, 1e-9);
+
+  // The same pipeline in process, on the tokens the job sampled.
+  auto tok = LoadTokenizerFromModelDir(opt.model_dir);
+  ASSERT_TRUE(tok.ok());
+  auto tokens = calib::SampleCalibrationTokens(**tok, recipe.calibration, opt.data_root, 128,
+                                               (*tok)->bos_id());
+  ASSERT_TRUE(tokens.ok()) << tokens.status();
+  auto ref = model::LlamaModel::Load(opt.model_dir);
+  ASSERT_TRUE(ref.ok());
+  ASSERT_TRUE(quarot::QuantizeModel(**ref, recipe, *tokens, opt.calib_batch).ok());
+  auto from_job = quant::LoadAnyModel(opt.out_dir);
+  ASSERT_TRUE(from_job.ok()) << from_job.status();
+  auto config = LoadLlamaConfig(opt.out_dir);
+  ASSERT_TRUE(config.ok());
+  EXPECT_TRUE(quarot::IsQuarotCheckpoint(*config));
+  EXPECT_FALSE(config->tie_word_embeddings);
+  at::Tensor ids = at::randint(1, 512, {2, 64}, at::kLong);
+  ids.select(1, 0).fill_(1);
+  const at::Tensor logits = (*from_job)->Forward(ids);
+  EXPECT_TRUE(at::equal(logits, (*ref)->Forward(ids)));
+  // Only the last block's inputs are left in the job directory.
+  EXPECT_FALSE(std::ifstream(quant::QuarotInputsPath(opt.out_dir + ".job", 2)).good());
+  EXPECT_TRUE(std::ifstream(quant::QuarotInputsPath(opt.out_dir + ".job", 4)).good());
+
+  // Lose block 2's shard: blocks 2..4 are redone (their inputs rebuilt from blocks 0 and 1 read
+  // back), 0 and 1 resumed, and the model is the same.
+  const std::string shard = opt.out_dir + "/" + ShardName(3, 5);
+  auto before = ReadFile(shard);
+  ASSERT_TRUE(before.ok());
+  ASSERT_EQ(std::remove(shard.c_str()), 0);
+  ASSERT_EQ(std::remove((opt.out_dir + "/config.json").c_str()), 0);
+  auto second = quant::RunQuantizeJob(recipe, opt);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(second->blocks_resumed, 2);
+  auto after = ReadFile(shard);
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(*before, *after);
+  auto again = quant::LoadAnyModel(opt.out_dir);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(at::equal((*again)->Forward(ids), logits));
 }
 
 }  // namespace

@@ -2,7 +2,9 @@
 
 #include <ATen/ATen.h>
 
+#include <chrono>
 #include <cmath>
+#include <cstdio>
 
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
@@ -13,6 +15,9 @@
 #include "worker/calib/calibration.h"
 #include "worker/quant/finetune.h"
 #include "worker/quant/quantized_checkpoint.h"
+#include "worker/quarot/checkpoint.h"
+#include "worker/quarot/quarot_model.h"
+#include "worker/quarot/rotate.h"
 
 namespace qcal::quant {
 namespace {
@@ -109,6 +114,10 @@ Status EnsureCalibrationTokens(JobContext* ctx) {
 
 CalibrateNeeds NeedsFor(const Recipe& recipe, bool all_blocks_finished) {
   CalibrateNeeds needs;
+  if (recipe.calibrated_by_block_tasks()) {
+    needs.hessians = needs.activations = needs.keep_hessians = false;
+    return needs;
+  }
   needs.hessians = recipe.needs_hessians() && !all_blocks_finished;
   needs.activations = recipe.finetune.enabled && !all_blocks_finished;
   return needs;
@@ -165,6 +174,114 @@ StatusOr<CalibrateStepResult> CalibrateStep(runtime::Comm& comm, JobContext* ctx
   return result;
 }
 
+std::string QuarotInputsPath(const std::string& job_dir, int64_t layer) {
+  return absl::StrCat(job_dir, "/quarot/inputs-", layer, ".safetensors");
+}
+
+namespace {
+
+// QuantizeBlockStep for method quarot (see job_steps.h).
+StatusOr<nlohmann::json> QuarotBlockStep(JobContext* ctx, int64_t layer) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const Recipe& recipe = ctx->recipe;
+  const int64_t blocks = ctx->config.num_hidden_layers;
+  model::LlamaModel& model = *ctx->model;
+  if (!ctx->rotated) {
+    QCAL_ASSIGN_OR_RETURN(quarot::RotationPlan plan,
+                          quarot::PlanRotations(recipe.rotation, ctx->config));
+    QCAL_RETURN_IF_ERROR(quarot::RotateModel(model, plan));
+    ctx->rotation_plan = std::move(plan);
+    ctx->rotated = true;
+  }
+  const quarot::RotationPlan& plan = ctx->rotation_plan;
+  const std::string& job_dir = ctx->options.job_dir;
+  const bool sequential = recipe.sequential_calibration();
+  const std::vector<int64_t> shape = {recipe.calibration.num_sequences, ctx->seq_len,
+                                      ctx->config.hidden_size};
+  at::Tensor x;
+  if (sequential) {
+    if (layer == 0) {
+      QCAL_RETURN_IF_ERROR(EnsureCalibrationTokens(ctx));
+      QCAL_ASSIGN_OR_RETURN(x, quarot::EmbedCalibrationTokens(model, recipe, ctx->tokens));
+    } else {
+      const std::string path = QuarotInputsPath(job_dir, layer);
+      auto loaded = calib::LoadActivation(path, ctx->calib_key, shape);
+      if (loaded.ok()) {
+        x = std::move(*loaded);
+      } else if (absl::IsNotFound(loaded.status())) {
+        // Gone (removed after block `layer` was done once, which is now being redone): rebuild
+        // from the embedding through the quantized blocks before it, as written in out_dir.
+        QCAL_LOG_WARN("block {}: {} is missing; recomputing it through blocks 0..{} read back "
+                      "from {}",
+                      layer, path, layer - 1, ctx->options.out_dir);
+        QCAL_RETURN_IF_ERROR(EnsureCalibrationTokens(ctx));
+        QCAL_ASSIGN_OR_RETURN(x, quarot::EmbedCalibrationTokens(model, recipe, ctx->tokens));
+        std::vector<std::string> shards;
+        for (int64_t l = 0; l < layer; ++l) shards.push_back(ShardName(l + 1, blocks));
+        auto ckpt = CheckpointReader::OpenShards(ctx->options.out_dir, shards);
+        if (!ckpt.ok()) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "block ", layer, ": no calibration inputs (", path,
+              ") and the earlier blocks cannot be read back: ", ckpt.status().message()));
+        }
+        for (int64_t l = 0; l < layer; ++l) {
+          QCAL_ASSIGN_OR_RETURN(model::BlockWeights w,
+                                quarot::LoadQuarotBlockWeights(**ckpt, ctx->config, l));
+          model.mutable_block(l).mutable_weights() = std::move(w);
+          QCAL_ASSIGN_OR_RETURN(x, quarot::PropagateFinishedBlock(model, plan, l, x,
+                                                                  ctx->options.calib_batch));
+        }
+      } else {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "block ", layer, ": unusable calibration inputs: ", loaded.status().message()));
+      }
+    }
+  }
+  const bool propagate = sequential && layer + 1 < blocks;
+  QCAL_ASSIGN_OR_RETURN(
+      BlockTaskResult task,
+      quarot::QuantizeRotatedBlock(model, recipe, plan, layer, sequential ? &x : nullptr,
+                                   ctx->options.calib_batch, propagate));
+  if (propagate) {
+    QCAL_RETURN_IF_ERROR(MakeDirs(job_dir + "/quarot"));
+    QCAL_RETURN_IF_ERROR(
+        calib::SaveActivation(QuarotInputsPath(job_dir, layer + 1), x, ctx->calib_key));
+  }
+  if (sequential && layer > 0) {
+    // Block l-1 is journaled (blocks are handed out in order): its inputs are no longer needed.
+    std::remove(QuarotInputsPath(job_dir, layer - 1).c_str());
+  }
+  const std::string& out_dir = ctx->options.out_dir;
+  QCAL_RETURN_IF_ERROR(MakeDirs(out_dir));
+  nlohmann::json also = nlohmann::json::object();
+  if (layer == 0) {
+    const std::string shard0 = ShardName(0, blocks);
+    QCAL_RETURN_IF_ERROR(
+        quarot::WriteQuarotNonBlockShard(out_dir + "/" + shard0, model).status());
+    QCAL_ASSIGN_OR_RETURN(std::string sum, FileChecksum(out_dir + "/" + shard0));
+    also[shard0] = sum;
+  }
+  const std::string shard = ShardName(layer + 1, blocks);
+  const std::string path = out_dir + "/" + shard;
+  QCAL_RETURN_IF_ERROR(
+      quarot::WriteQuarotBlockShard(path, layer, model.block(layer).weights()).status());
+  QCAL_ASSIGN_OR_RETURN(std::string bytes, ReadFile(path));
+  nlohmann::json entry = {
+      {"event", "block_done"},
+      {"layer", layer},
+      {"shard", shard},
+      {"bytes", bytes.size()},
+      {"checksum", Fnv1aHex(bytes)},
+      {"seconds", std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()},
+      {"mse_before_ft", nullptr},
+      {"mse_after_ft", nullptr},
+      {"metrics", MetricsToJson(task.linears)}};
+  if (!also.empty()) entry["also_wrote"] = also;
+  return entry;
+}
+
+}  // namespace
+
 StatusOr<nlohmann::json> QuantizeBlockStep(JobContext* ctx, int64_t layer) {
   const Recipe& recipe = ctx->recipe;
   const LlamaConfig& config = ctx->config;
@@ -173,6 +290,7 @@ StatusOr<nlohmann::json> QuantizeBlockStep(JobContext* ctx, int64_t layer) {
     return absl::InvalidArgumentError(
         absl::StrCat("block ", layer, " does not exist (the model has ", blocks, ")"));
   }
+  if (recipe.method == QuantMethod::kQuarot) return QuarotBlockStep(ctx, layer);
   const std::string& job_dir = ctx->options.job_dir;
   // Hessians: kept in memory by this process's calibration, else from the job directory.
   calib::BlockHessians loaded;

@@ -29,6 +29,7 @@
 #include "worker/calib/hessian.h"
 #include "worker/model/llama.h"
 #include "worker/quant/quantize_job.h"
+#include "worker/quarot/rotate.h"
 #include "worker/runtime/comm.h"
 
 namespace qcal::quant {
@@ -48,6 +49,9 @@ struct JobContext {
   // Hessians kept in memory by CalibrateStep (keep_hessians); empty: QuantizeBlockStep loads
   // block l's from job_dir/hessians.
   std::vector<calib::BlockHessians> hessians;
+  // method quarot: `model` is rotated in place (quarot::RotateModel) by the first block step.
+  bool rotated = false;
+  quarot::RotationPlan rotation_plan;  // set with `rotated`
 };
 
 // Resolves the options (job_dir default out_dir + ".job", data_root default "../shared"), loads
@@ -64,7 +68,7 @@ struct CalibrateNeeds {
   bool keep_hessians = true;  // keep them in ctx->hessians (single process)
 };
 // What a job still needs from calibration, per the recipe and the plan (all blocks finished:
-// nothing).
+// nothing; method quarot: nothing, its block tasks calibrate).
 CalibrateNeeds NeedsFor(const Recipe& recipe, bool all_blocks_finished);
 
 struct CalibrateStepResult {
@@ -83,11 +87,21 @@ StatusOr<CalibrateStepResult> CalibrateStep(runtime::Comm& comm, JobContext* ctx
                                             const JobEventFn& on_event = nullptr);
 
 // Quantizes block `layer` (QuantizeBlockWithFinetune with the cached activations when the
-// recipe fine-tunes within blocks, else QuantizeBlock) and writes its shard atomically. Returns
+// recipe fine-tunes within blocks, else QuantizeBlock) and writes its shard atomically.
+// Method quarot: the model is rotated (once per process), block `layer` is quantized by
+// quarot::QuantizeRotatedBlock and written with quarot::WriteQuarotBlockShard; block 0 also
+// writes the rotated shard 0 (embedding, final norm, untied head; entry key "also_wrote"). When
+// the recipe calibrates sequentially (Recipe::sequential_calibration) block l reads its inputs
+// from job_dir/quarot/inputs-<l>.safetensors (block 0: the embedded calibration tokens), writes
+// block l+1's, and deletes block l-1's; block l-1 must therefore be done first (the scheduler
+// hands these blocks out in order). Returns
 // the block_done entry: {"event":"block_done","layer","shard","bytes","checksum","seconds",
 // "mse_before_ft","mse_after_ft","metrics":[{name, proxy_loss, relative, code_bits,
 // stored_bits, seconds}]}. Missing calibration products are FailedPrecondition naming the file.
 StatusOr<nlohmann::json> QuantizeBlockStep(JobContext* ctx, int64_t layer);
+
+// job_dir/quarot/inputs-<layer>.safetensors.
+std::string QuarotInputsPath(const std::string& job_dir, int64_t layer);
 
 // End-to-end fine-tuning of the quantized model read back from its shards (all block shards
 // must be written): writes shard 0 and the index, tunes, atomically rewrites every shard and

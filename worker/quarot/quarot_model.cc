@@ -86,7 +86,7 @@ at::Tensor Forward(model::DecoderBlock& block, const at::Tensor& x, const model:
 }  // namespace
 
 bool NeedsCalibration(const Recipe& recipe) {
-  return recipe.needs_hessians() || StaticActivations(recipe) || StaticKv(recipe);
+  return recipe.sequential_calibration();
 }
 
 Status InstallQuantizedInference(model::DecoderBlock& block, const LlamaConfig& config,
@@ -141,6 +141,73 @@ Status InstallQuantizedInference(model::DecoderBlock& block, const LlamaConfig& 
   return Status();
 }
 
+StatusOr<quant::BlockTaskResult> QuantizeRotatedBlock(model::LlamaModel& model,
+                                                      const Recipe& recipe,
+                                                      const RotationPlan& plan, int64_t layer,
+                                                      at::Tensor* x, int64_t batch,
+                                                      bool propagate) {
+  const LlamaConfig& config = model.config();
+  if (layer < 0 || layer >= model.num_blocks()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block ", layer, " does not exist (the model has ", model.num_blocks(), ")"));
+  }
+  const bool calibrate = NeedsCalibration(recipe);
+  if (calibrate && (x == nullptr || !x->defined())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "block ", layer, ": recipe '", recipe.name, "' needs the block's calibration inputs"));
+  }
+  model::DecoderBlock& block = model.mutable_block(layer);
+  calib::BlockHessians hessians;
+  if (recipe.needs_hessians()) {
+    QCAL_RETURN_IF_ERROR(
+        calib::ForwardCollectingHessians(block, *x, model.rope(), batch, &hessians).status());
+  }
+  QCAL_ASSIGN_OR_RETURN(quant::BlockTaskResult result,
+                        quant::QuantizeBlock(recipe, config, layer, block.weights(),
+                                             recipe.needs_hessians() ? &hessians : nullptr));
+  block.mutable_weights() = std::move(result.weights);
+  // Propagate the calibration activations through the quantized block (recording static ranges
+  // on the way), unless nothing needs them any more.
+  const bool record = StaticActivations(recipe) || StaticKv(recipe);
+  if (calibrate && (propagate || record)) {
+    std::shared_ptr<RangeObserver> observers[4];
+    std::shared_ptr<RecordingKvQuantizer> kv_recorder;
+    if (record) {
+      for (auto& o : observers) o = std::make_shared<RangeObserver>();
+      kv_recorder = std::make_shared<RecordingKvQuantizer>();
+    }
+    QCAL_RETURN_IF_ERROR(InstallFloatOnline(block, plan, record ? observers : nullptr, kv_recorder));
+    try {
+      at::Tensor y = Forward(block, *x, model.rope(), batch);
+      if (propagate) *x = std::move(y);
+    } catch (const std::exception& e) {
+      return absl::InternalError(absl::StrCat("block ", layer, " forward: ", e.what()));
+    }
+    if (record) {
+      model::BlockWeights& w = block.mutable_weights();
+      if (StaticActivations(recipe)) {
+        at::Tensor t = at::empty({4, 2}, at::kDouble);
+        for (int i = 0; i < 4; ++i) {
+          t[i][0] = observers[i]->lo();
+          t[i][1] = observers[i]->hi();
+        }
+        w.extra[kActRangesKey] = t;
+      }
+      if (StaticKv(recipe)) {
+        const KvStaticRanges r = kv_recorder->ranges();
+        at::Tensor t = at::empty({2, 2}, at::kDouble);
+        for (int i = 0; i < 2; ++i) {
+          t[i][0] = r.lo[i];
+          t[i][1] = r.hi[i];
+        }
+        w.extra[kKvRangesKey] = t;
+      }
+    }
+    QCAL_RETURN_IF_ERROR(InstallFloatOnline(block, plan, nullptr, nullptr));
+  }
+  return result;
+}
+
 StatusOr<QuarotReport> QuantizeModel(model::LlamaModel& model, const Recipe& recipe,
                                      const at::Tensor& calib_tokens, int64_t batch,
                                      const SequentialCallbacks& callbacks) {
@@ -159,15 +226,9 @@ StatusOr<QuarotReport> QuantizeModel(model::LlamaModel& model, const Recipe& rec
   QCAL_RETURN_IF_ERROR(RotateModel(model, plan));
 
   const bool calibrate = NeedsCalibration(recipe);
-  const bool record_ranges = StaticActivations(recipe) || StaticKv(recipe);
   at::Tensor x;
   if (calibrate) {
-    if (!calib_tokens.defined() || calib_tokens.dim() != 2 || calib_tokens.size(0) < 1) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("recipe '", recipe.name, "' needs calibration tokens [N, S]"));
-    }
-    at::NoGradGuard no_grad;
-    x = model.Embed(calib_tokens);
+    QCAL_ASSIGN_OR_RETURN(x, EmbedCalibrationTokens(model, recipe, calib_tokens));
     report.calib_tokens = calib_tokens.numel();
   }
   const int64_t n = model.num_blocks();
@@ -182,56 +243,15 @@ StatusOr<QuarotReport> QuantizeModel(model::LlamaModel& model, const Recipe& rec
     const bool resumed = finished.has_value();
     if (resumed) {
       block.mutable_weights() = std::move(*finished);
-      QCAL_RETURN_IF_ERROR(InstallFloatOnline(block, plan, nullptr, nullptr));
+      if (calibrate && l + 1 < n) {
+        QCAL_ASSIGN_OR_RETURN(x, PropagateFinishedBlock(model, plan, l, x, batch));
+      } else {
+        QCAL_RETURN_IF_ERROR(InstallFloatOnline(block, plan, nullptr, nullptr));
+      }
     } else {
-      calib::BlockHessians hessians;
-      if (recipe.needs_hessians()) {
-        QCAL_RETURN_IF_ERROR(
-            calib::ForwardCollectingHessians(block, x, model.rope(), batch, &hessians).status());
-      }
-      QCAL_ASSIGN_OR_RETURN(result, quant::QuantizeBlock(recipe, config, l, block.weights(),
-                                                         recipe.needs_hessians() ? &hessians
-                                                                                 : nullptr));
-      block.mutable_weights() = std::move(result.weights);
-    }
-    // Propagate the calibration activations through the finished block (recording static
-    // ranges on the way), unless nothing needs them any more.
-    const bool record = record_ranges && !resumed;
-    if (calibrate && (l + 1 < n || record)) {
-      std::shared_ptr<RangeObserver> observers[4];
-      std::shared_ptr<RecordingKvQuantizer> kv_recorder;
-      if (record) {
-        for (auto& o : observers) o = std::make_shared<RangeObserver>();
-        kv_recorder = std::make_shared<RecordingKvQuantizer>();
-      }
-      QCAL_RETURN_IF_ERROR(
-          InstallFloatOnline(block, plan, record ? observers : nullptr, kv_recorder));
-      try {
-        x = Forward(block, x, model.rope(), batch);
-      } catch (const std::exception& e) {
-        return absl::InternalError(absl::StrCat("block ", l, " forward: ", e.what()));
-      }
-      if (record) {
-        model::BlockWeights& w = block.mutable_weights();
-        if (StaticActivations(recipe)) {
-          at::Tensor t = at::empty({4, 2}, at::kDouble);
-          for (int i = 0; i < 4; ++i) {
-            t[i][0] = observers[i]->lo();
-            t[i][1] = observers[i]->hi();
-          }
-          w.extra[kActRangesKey] = t;
-        }
-        if (StaticKv(recipe)) {
-          const KvStaticRanges r = kv_recorder->ranges();
-          at::Tensor t = at::empty({2, 2}, at::kDouble);
-          for (int i = 0; i < 2; ++i) {
-            t[i][0] = r.lo[i];
-            t[i][1] = r.hi[i];
-          }
-          w.extra[kKvRangesKey] = t;
-        }
-      }
-      QCAL_RETURN_IF_ERROR(InstallFloatOnline(block, plan, nullptr, nullptr));
+      QCAL_ASSIGN_OR_RETURN(result, QuantizeRotatedBlock(model, recipe, plan, l,
+                                                         calibrate ? &x : nullptr, batch,
+                                                         l + 1 < n));
     }
     if (!resumed && callbacks.on_block_done) {
       result.weights = std::move(block.mutable_weights());
@@ -249,6 +269,27 @@ StatusOr<QuarotReport> QuantizeModel(model::LlamaModel& model, const Recipe& rec
   }
   report.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   return report;
+}
+
+StatusOr<at::Tensor> PropagateFinishedBlock(model::LlamaModel& model, const RotationPlan& plan,
+                                            int64_t layer, const at::Tensor& x, int64_t batch) {
+  model::DecoderBlock& block = model.mutable_block(layer);
+  QCAL_RETURN_IF_ERROR(InstallFloatOnline(block, plan, nullptr, nullptr));
+  try {
+    return Forward(block, x, model.rope(), batch);
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("block ", layer, " forward: ", e.what()));
+  }
+}
+
+StatusOr<at::Tensor> EmbedCalibrationTokens(const model::LlamaModel& model, const Recipe& recipe,
+                                            const at::Tensor& calib_tokens) {
+  if (!calib_tokens.defined() || calib_tokens.dim() != 2 || calib_tokens.size(0) < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("recipe '", recipe.name, "' needs calibration tokens [N, S]"));
+  }
+  at::NoGradGuard no_grad;
+  return model.Embed(calib_tokens);
 }
 
 }  // namespace qcal::quarot

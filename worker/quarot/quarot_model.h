@@ -74,6 +74,30 @@ struct QuarotReport {
   double seconds = 0;
 };
 
+// One block of the sequential loop on a model already rotated by RotateModel(plan): collects
+// block `layer`'s Hessians from *x (its calibration inputs [N, S, hidden], the outputs of the
+// quantized blocks before it) when the recipe needs them, quantizes it (quant::QuantizeBlock),
+// leaves the quantized weights in the model's block (with the static ranges in extra when the
+// recipe is static), and, when `propagate`, replaces *x by the quantized block's outputs (float
+// activations, as QuaRot calibrates). x may be null when NeedsCalibration(recipe) is false. The
+// result's metrics are filled; its weights are empty (they are in the model). The job's block
+// step (worker/quant/job_steps.h) runs this with x read from the job directory.
+StatusOr<quant::BlockTaskResult> QuantizeRotatedBlock(model::LlamaModel& model,
+                                                      const Recipe& recipe,
+                                                      const RotationPlan& plan, int64_t layer,
+                                                      at::Tensor* x, int64_t batch,
+                                                      bool propagate);
+
+// The outputs of block `layer` (its weights final: rounded, read back from a shard) for inputs
+// x, as the sequential loop propagates them (float activations, online Hadamards installed).
+StatusOr<at::Tensor> PropagateFinishedBlock(model::LlamaModel& model, const RotationPlan& plan,
+                                            int64_t layer, const at::Tensor& x, int64_t batch);
+
+// The first block's calibration inputs: the embedding of `calib_tokens` [N, S] int64 (BOS
+// first). InvalidArgument for missing or malformed tokens.
+StatusOr<at::Tensor> EmbedCalibrationTokens(const model::LlamaModel& model, const Recipe& recipe,
+                                            const at::Tensor& calib_tokens);
+
 // The whole pipeline on `model` (loaded float, unmodified): rotate per the recipe, quantize every
 // block, calibrate, install. `calib_tokens` [N, S] int64 (BOS first) may be undefined when
 // NeedsCalibration(recipe) is false. `batch`: sequences per forward during calibration.
