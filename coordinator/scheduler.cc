@@ -151,11 +151,12 @@ v1::Task JobScheduler::Next(const std::string& worker_id, int rank) {
     }
     return Wait();
   }
+  // Sequential blocks: the next one waits until none is held.
   bool block_in_flight = false;
   for (const auto& [task_id, a] : assigned_) {
-    block_in_flight = block_in_flight || a.kind == v1::TASK_KIND_QUANTIZE_BLOCK;
+    block_in_flight = block_in_flight || (sequential_ && a.kind == v1::TASK_KIND_QUANTIZE_BLOCK);
   }
-  if (phase_ == kPhaseQuantize && !pending_.empty() && !(sequential_ && block_in_flight)) {
+  if (phase_ == kPhaseQuantize && !pending_.empty() && !block_in_flight) {
     const int64_t block = pending_.front();
     pending_.pop_front();
     const int attempt = ++attempts_[block];

@@ -745,6 +745,26 @@ TEST_F(CheckpointTest, IndexWithTwoShards) {
   EXPECT_TRUE((*reader)->Validate().ok());
 }
 
+TEST_F(CheckpointTest, OpenShardsReadsNamedShardsWithoutAnIndex) {
+  WriteTwoShards();
+  auto reader = CheckpointReader::OpenShards(
+      dir_, {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"});
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  EXPECT_EQ((*reader)->TensorNames(),
+            (std::vector<std::string>{"lm_head.c", "model.a", "model.b"}));
+  auto first = CheckpointReader::OpenShards(dir_, {"model-00001-of-00002.safetensors"});
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_TRUE((*first)->Has("model.a"));
+  EXPECT_FALSE((*first)->Has("lm_head.c"));
+  ExpectError(CheckpointReader::OpenShards(dir_, {"../x.safetensors"}).status(), kInvalid,
+              {"not a plain file name"});
+  ExpectError(CheckpointReader::OpenShards(dir_, {"model-00001-of-00002.safetensors",
+                                                  "model-00001-of-00002.safetensors"})
+                  .status(),
+              kInvalid, {"also in another shard"});
+  EXPECT_FALSE(CheckpointReader::OpenShards(dir_, {"missing.safetensors"}).ok());
+}
+
 TEST_F(CheckpointTest, SingleFile) {
   SafetensorsWriter writer;
   const float w[2] = {3, 4};

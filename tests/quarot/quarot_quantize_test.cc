@@ -372,6 +372,19 @@ TEST_F(QuarotQuantizeTest, JobMatchesTheInProcessPipelineAndResumes) {
   auto again = quant::LoadAnyModel(opt.out_dir);
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_TRUE(at::equal((*again)->Forward(ids), logits));
+
+  // The rotated shard 0 is block 0's (its entry's also_wrote checksum): a damaged shard 0 redoes
+  // block 0, hence every block, and comes back identical.
+  const std::string shard0 = opt.out_dir + "/" + ShardName(0, 5);
+  auto good0 = ReadFile(shard0);
+  ASSERT_TRUE(good0.ok());
+  std::string bad0 = *good0;
+  bad0.back() ^= 1;
+  ASSERT_TRUE(WriteFileAtomic(shard0, bad0).ok());
+  auto third = quant::RunQuantizeJob(recipe, opt);
+  ASSERT_TRUE(third.ok()) << third.status();
+  EXPECT_EQ(third->blocks_resumed, 0);
+  EXPECT_EQ(*ReadFile(shard0), *good0);
 }
 
 }  // namespace

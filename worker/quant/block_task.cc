@@ -7,8 +7,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/codebook.h"
-#include "kernels/hadamard.h"
-#include "kernels/incoherence.h"
 #include "kernels/rounding.h"
 #include "worker/quant/quantized_linear.h"
 #include "worker/quant/quip_rounding.h"

@@ -26,6 +26,21 @@ nlohmann::json FiniteOrNull(double v) {
   return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json();
 }
 
+// The block_done journal entry of a block whose shard was just written to `path`.
+StatusOr<nlohmann::json> BlockDoneEntry(int64_t layer, const std::string& shard,
+                                        const std::string& path, const BlockTaskResult& task) {
+  QCAL_ASSIGN_OR_RETURN(std::string bytes, ReadFile(path));
+  return nlohmann::json{{"event", "block_done"},
+                        {"layer", layer},
+                        {"shard", shard},
+                        {"bytes", bytes.size()},
+                        {"checksum", Fnv1aHex(bytes)},
+                        {"seconds", task.seconds},
+                        {"mse_before_ft", FiniteOrNull(task.mse_before_ft)},
+                        {"mse_after_ft", FiniteOrNull(task.mse_after_ft)},
+                        {"metrics", MetricsToJson(task.linears)}};
+}
+
 void Emit(const JobEventFn& on_event, const std::string& phase, int64_t done, int64_t total,
           std::string message = "") {
   if (on_event) on_event(JobEvent{phase, done, total, std::move(message)});
@@ -265,17 +280,8 @@ StatusOr<nlohmann::json> QuarotBlockStep(JobContext* ctx, int64_t layer) {
   const std::string path = out_dir + "/" + shard;
   QCAL_RETURN_IF_ERROR(
       quarot::WriteQuarotBlockShard(path, layer, model.block(layer).weights()).status());
-  QCAL_ASSIGN_OR_RETURN(std::string bytes, ReadFile(path));
-  nlohmann::json entry = {
-      {"event", "block_done"},
-      {"layer", layer},
-      {"shard", shard},
-      {"bytes", bytes.size()},
-      {"checksum", Fnv1aHex(bytes)},
-      {"seconds", std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()},
-      {"mse_before_ft", nullptr},
-      {"mse_after_ft", nullptr},
-      {"metrics", MetricsToJson(task.linears)}};
+  task.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  QCAL_ASSIGN_OR_RETURN(nlohmann::json entry, BlockDoneEntry(layer, shard, path, task));
   if (!also.empty()) entry["also_wrote"] = also;
   return entry;
 }
@@ -336,16 +342,7 @@ StatusOr<nlohmann::json> QuantizeBlockStep(JobContext* ctx, int64_t layer) {
   const std::string path = ctx->options.out_dir + "/" + shard;
   QCAL_RETURN_IF_ERROR(MakeDirs(ctx->options.out_dir));
   QCAL_RETURN_IF_ERROR(WriteBlockShard(path, layer, task.weights).status());
-  QCAL_ASSIGN_OR_RETURN(std::string bytes, ReadFile(path));
-  return nlohmann::json{{"event", "block_done"},
-                        {"layer", layer},
-                        {"shard", shard},
-                        {"bytes", bytes.size()},
-                        {"checksum", Fnv1aHex(bytes)},
-                        {"seconds", task.seconds},
-                        {"mse_before_ft", FiniteOrNull(task.mse_before_ft)},
-                        {"mse_after_ft", FiniteOrNull(task.mse_after_ft)},
-                        {"metrics", MetricsToJson(task.linears)}};
+  return BlockDoneEntry(layer, shard, path, task);
 }
 
 StatusOr<nlohmann::json> FinetuneE2EStep(JobContext* ctx,
