@@ -762,12 +762,14 @@ int RunRun(const RunOptions& o) {
     std::fflush(stdout);
   }
 
-  // First Ctrl-C cancels the job (its workers are stopped); the second gives up at once.
+  // First Ctrl-C (or SIGTERM, e.g. from `timeout` or a batch system) cancels the job, so its
+  // workers are stopped rather than orphaned; the second gives up at once.
   g_interrupts = 0;
-  struct sigaction sa = {}, old_sa = {};
+  struct sigaction sa = {}, old_int = {}, old_term = {};
   sa.sa_handler = OnInterrupt;
   sigemptyset(&sa.sa_mask);
-  sigaction(SIGINT, &sa, &old_sa);
+  sigaction(SIGINT, &sa, &old_int);
+  sigaction(SIGTERM, &sa, &old_term);
   std::atomic<bool> watching{true};
   std::thread canceller([&] {
     bool cancelled = false;
@@ -789,7 +791,8 @@ int RunRun(const RunOptions& o) {
   auto job = JobWatcher(**client, o.json).Follow(id);
   watching = false;
   canceller.join();
-  sigaction(SIGINT, &old_sa, nullptr);
+  sigaction(SIGINT, &old_int, nullptr);
+  sigaction(SIGTERM, &old_term, nullptr);
   coordinator.Stop();
   if (!job.ok()) return Fail(job.status());
 

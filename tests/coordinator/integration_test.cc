@@ -549,5 +549,54 @@ TEST_F(CoordinatorIntegrationTest, QcalRunStartsItsOwnCoordinatorAndWorkers) {
   EXPECT_NE(r.out.find("is inside model_dir"), std::string::npos) << r.out;
 }
 
+// Whether `pid` runs (an exited process waiting to be reaped by init does not).
+bool Running(pid_t pid) {
+  if (::kill(pid, 0) != 0) return false;
+  auto stat = ReadFile("/proc/" + std::to_string(pid) + "/stat");
+  if (!stat.ok()) return false;
+  const size_t paren = stat->rfind(')');
+  return paren == std::string::npos || paren + 2 >= stat->size() || (*stat)[paren + 2] != 'Z';
+}
+
+// SIGTERM to `qcal run` (from `timeout`, a batch system's time limit) cancels its job like a
+// Ctrl-C: the private coordinator stops the workers instead of leaving them running.
+TEST_F(CoordinatorIntegrationTest, QcalRunStopsItsWorkersOnSigterm) {
+  // Calibration takes about a minute, so orphaned workers would outlive the 15 s allowed below.
+  recipe_ = WriteRecipe("quip-longer.yaml", 16384);
+  const std::string state = dir_ + "/sigterm-state";
+  // mpirun and the ranks (the coordinator has the token file too, but no --job).
+  const std::vector<std::string> worker_args = {"--job", state + "/auth-token"};
+  const std::string log = dir_ + "/sigterm-run.log";
+  Result r = Shell(Qcal() + " run " + recipe_ + " --model " + model_ + " --out " + dir_ +
+                   "/sigterm-out --workers 2 --data-root " + shared_ + " --no-eval --state " +
+                   state + " > " + log + " 2>&1 & echo $!");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  const pid_t run_pid = std::stoi(r.out);
+  const auto deadline = Clock::now() + std::chrono::seconds(120);
+  std::vector<int> workers;
+  while (Clock::now() < deadline) {  // mpirun and both ranks are up
+    workers = ProcessesWithArgs(worker_args);
+    if (workers.size() >= 3) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_GE(workers.size(), 3u) << *ReadFile(log);
+  ASSERT_EQ(::kill(run_pid, SIGTERM), 0);
+
+  const auto t0 = Clock::now();
+  while (Clock::now() - t0 < std::chrono::seconds(15) &&
+         (Running(run_pid) || !ProcessesWithArgs(worker_args).empty())) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_FALSE(Running(run_pid)) << "qcal run is still running 15 s after SIGTERM";
+  EXPECT_TRUE(ProcessesWithArgs(worker_args).empty())
+      << "worker processes survived qcal run's SIGTERM";
+  std::printf("[ info     ] qcal run and its workers gone %.1f s after SIGTERM\n",
+              std::chrono::duration<double>(Clock::now() - t0).count());
+  auto text = ReadFile(log);
+  ASSERT_TRUE(text.ok());
+  EXPECT_NE(text->find("cancelling"), std::string::npos) << *text;
+  EXPECT_NE(text->find("CANCELLED"), std::string::npos) << *text;
+}
+
 }  // namespace
 }  // namespace qcal::coordinator

@@ -387,5 +387,49 @@ TEST_F(QuarotQuantizeTest, JobMatchesTheInProcessPipelineAndResumes) {
   EXPECT_EQ(*ReadFile(shard0), *good0);
 }
 
+// Two worker processes' state (two JobContexts, each rotating its own model) taking the blocks
+// in turn, as two ranks do under the coordinator when both ask for work: every block's calibration
+// inputs come from the other "process" through job_dir/quarot, and the shards are the single
+// process's, byte for byte.
+TEST_F(QuarotQuantizeTest, BlocksAlternatingBetweenProcessesMatchOneProcess) {
+  Recipe recipe = LoadJob("quarot-w4a4kv4");
+  recipe.calibration.num_sequences = 16;
+  recipe.calibration.seq_len = 128;
+  const std::string dir = testing::MakeTempDir("quarot_handoff");
+  quant::QuantizeJobOptions opt;
+  opt.model_dir = *root_ + "/float";
+  opt.out_dir = dir + "/single";
+  opt.data_root = testing::SharedDir();
+  opt.calib_batch = 8;
+  opt.threads = 1;
+  ASSERT_TRUE(quant::RunQuantizeJob(recipe, opt).ok());
+
+  quant::QuantizeJobOptions split = opt;
+  split.out_dir = dir + "/split";
+  auto a = quant::OpenJob(recipe, split);
+  auto b = quant::OpenJob(recipe, split);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  for (int64_t l = 0; l < 5; ++l) {
+    quant::JobContext* ctx = (l % 2 == 0 ? *a : *b).get();
+    auto entry = quant::QuantizeBlockStep(ctx, l);
+    ASSERT_TRUE(entry.ok()) << "block " << l << ": " << entry.status();
+    // Block l handed block l+1's inputs over and dropped its own predecessor's.
+    if (l < 4) {
+      EXPECT_TRUE(std::ifstream(quant::QuarotInputsPath(split.out_dir + ".job", l + 1)).good());
+    }
+    if (l >= 1) {
+      EXPECT_FALSE(std::ifstream(quant::QuarotInputsPath(split.out_dir + ".job", l - 1)).good());
+    }
+  }
+  for (int i = 0; i <= 5; ++i) {
+    auto want = ReadFile(opt.out_dir + "/" + ShardName(i, 5));
+    auto got = ReadFile(split.out_dir + "/" + ShardName(i, 5));
+    ASSERT_TRUE(want.ok()) << want.status();
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_TRUE(*want == *got) << ShardName(i, 5) << " differs";
+  }
+}
+
 }  // namespace
 }  // namespace qcal
