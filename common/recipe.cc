@@ -424,7 +424,8 @@ Status ReadQuarotSections(const Section& top, Recipe* recipe) {
   // --- kv_cache ---
   QCAL_ASSIGN_OR_RETURN(
       Section kv, top.ReadSection("kv_cache", {"bits", "format", "granularity", "group", "clip",
-                                               "symmetric", "static", "k_sort"}));
+                                               "symmetric", "static", "k_sort",
+                                               "key_point"}));
   KvCacheSpec& k = recipe->kv_cache;
   if (top.Has("kv_cache") && !kv.Has("bits")) {
     return top.KeyError("kv_cache", "needs 'bits' (2..8, or 16 for a float cache)");
@@ -451,7 +452,12 @@ Status ReadQuarotSections(const Section& top, Recipe* recipe) {
       }
     }
     k.granularity = "per_group";
+    QCAL_RETURN_IF_ERROR(ReadChoice(kv, "key_point", {"pre_rope", "post_rope"}, &k.key_point));
   } else {
+    if (kv.Has("key_point")) {
+      return kv.KeyError("key_point", "applies only to format bfp (an int cache holds keys after "
+                                      "RoPE and R3, as QuaRot quantizes them)");
+    }
     QCAL_RETURN_IF_ERROR(ReadChoice(kv, "granularity", {"per_group", "per_token", "per_tensor"},
                                     &k.granularity));
     QCAL_RETURN_IF_ERROR(kv.ReadDouble("clip", &k.clip));
@@ -846,6 +852,7 @@ nlohmann::json Recipe::ToJson() const {
     if (kv_cache.format == "bfp" || kv_cache.granularity == "per_group") {
       kv["group"] = kv_cache.group;
     }
+    if (kv_cache.format == "bfp") kv["key_point"] = kv_cache.key_point;
     if (kv_cache.format != "bfp") {
       kv["granularity"] = kv_cache.granularity;
       kv["clip"] = kv_cache.clip;

@@ -37,7 +37,8 @@
 //   rotation: {enabled: true, r1: true, r2: true, r3: true, r4: true, seed: 0}
 //   activations: {bits: 4, clip: 0.9, granularity: per_token, static: false}
 //   kv_cache: {bits: 4, format: int, granularity: per_group, group: 0, clip: 0.95,
-//              symmetric: false, static: false, k_sort: false}
+//              symmetric: false, static: false}
+//   kv_cache: {bits: 4, format: bfp, group: 4, key_point: pre_rope, k_sort: true}
 #pragma once
 
 #include <cstdint>
@@ -113,6 +114,9 @@ struct KvCacheSpec {
   bool symmetric = false;                 // int only (QuaRot: asymmetric)
   bool is_static = false;                 // int per_tensor only: ranges calibrated once
   bool k_sort = false;                    // bfp only: K-sort channel permutation of the keys
+  // bfp only: where keys enter the cache: pre_rope (k_proj's output, the K-sort paper's cache)
+  // or post_rope (after RoPE and R3, as the int cache and HF's cache hold them).
+  std::string key_point = "pre_rope";
   bool enabled() const { return bits < 16; }
 };
 

@@ -81,6 +81,7 @@ void ExpectSameRecipe(const Recipe& a, const Recipe& b, const std::string& what)
   EXPECT_EQ(a.kv_cache.symmetric, b.kv_cache.symmetric);
   EXPECT_EQ(a.kv_cache.is_static, b.kv_cache.is_static);
   EXPECT_EQ(a.kv_cache.k_sort, b.kv_cache.k_sort);
+  EXPECT_EQ(a.kv_cache.key_point, b.kv_cache.key_point);
   EXPECT_EQ(a.ToJson(), b.ToJson()) << a.ToJson().dump(2) << "\nvs\n" << b.ToJson().dump(2);
 }
 
@@ -594,7 +595,11 @@ TEST(QuarotRecipes, DefaultsAndSections) {
   EXPECT_EQ(r.kv_cache.format, "bfp");
   EXPECT_TRUE(r.kv_cache.k_sort);
   EXPECT_FALSE(r.ToJson()["kv_cache"].contains("clip"));
+  EXPECT_EQ(r.kv_cache.key_point, "pre_rope");  // the K-sort paper's cache by default
   ExpectRoundTrip(r, "bfp k-sort");
+  r = MustParse("method: quarot\nkv_cache: {bits: 4, format: bfp, key_point: post_rope}\n");
+  EXPECT_EQ(r.kv_cache.key_point, "post_rope");
+  ExpectRoundTrip(r, "bfp post-rope");
 
   r = MustParse("method: quarot\nrotation: {enabled: false}\n");
   EXPECT_FALSE(r.rotation.any());
@@ -645,6 +650,10 @@ TEST(QuarotRecipes, Errors) {
               {"key 'kv_cache.format' (line 2) must be int or bfp, got 'fp8'"});
   ExpectError("method: quarot\nkv_cache: {bits: 4, k_sort: true}\n",
               {"key 'kv_cache.k_sort' (line 2) applies only to format bfp"});
+  ExpectError("method: quarot\nkv_cache: {bits: 4, key_point: pre_rope}\n",
+              {"key 'kv_cache.key_point' (line 2) applies only to format bfp"});
+  ExpectError("method: quarot\nkv_cache: {bits: 4, format: bfp, key_point: after}\n",
+              {"kv_cache.key_point", "after", "pre_rope", "post_rope"});
   ExpectError("method: quarot\nrotation:\n  r3: true\nkv_cache: {bits: 4, format: bfp, k_sort: true}\n",
               {"key 'kv_cache.k_sort' (line 4) cannot be combined with rotation.r3", "(line 3)"});
   ExpectError("method: quarot\nfinetune: {enabled: true}\n",

@@ -33,10 +33,10 @@ for n in w4a4kv4 w4a4kv4-rtn w4a8kv4 w8a8kv8 w8a8-wtensor-atensor-static w8a8-wc
   RECIPES+=("$rot" "$plain")
 done
 for b in 4 3 2; do RECIPES+=("$OUT/recipes/quarot-w${b}a16-rtn.yaml" "$OUT/recipes/w${b}a16-norot-rtn.yaml"); done
-# The planted models get the recipes that the claims are about.
-PLANTED=(float jobs/quarot-w4a4kv4.yaml jobs/w4a4kv4-norot.yaml jobs/quarot-w4a4kv4-rtn.yaml
-         jobs/w4a4kv4-norot-rtn.yaml jobs/quarot-w4a16.yaml jobs/w4a16-norot.yaml jobs/quarot-kv4.yaml
-         jobs/kv4-norot.yaml jobs/quarot-w8a8kv8.yaml jobs/w8a8kv8-norot.yaml)
+# BFP12 keys (block 4, pre-RoPE) without and with K-sort, through the recipe path.
+RECIPES+=(jobs/kv-bfp12-g4.yaml jobs/kv-bfp12-g4-ksort.yaml)
+# The planted models get every recipe too.
+PLANTED=("${RECIPES[@]}")
 for model in ${QCAL_MODELS:-stories260K aidreams260K}; do
   ctx=512; [ "$model" = aidreams260K ] && ctx=128
   [ -f "$OUT/$model/config.json" ] || $Q import llama2c "$SHARED/models/$model/$model.bin" \

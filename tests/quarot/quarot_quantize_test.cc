@@ -29,7 +29,9 @@
 #include "worker/quant/quantized_checkpoint.h"
 #include "worker/quant/quantized_linear.h"
 #include "worker/quarot/act_quant.h"
+#include "worker/quarot/bfp_kv.h"
 #include "worker/quarot/checkpoint.h"
+#include "worker/quarot/ksort.h"
 #include "worker/quarot/plant_outliers.h"
 #include "worker/quarot/quarot_model.h"
 
@@ -429,6 +431,70 @@ TEST_F(QuarotQuantizeTest, BlocksAlternatingBetweenProcessesMatchOneProcess) {
     ASSERT_TRUE(got.ok()) << got.status();
     EXPECT_TRUE(*want == *got) << ShardName(i, 5) << " differs";
   }
+}
+
+// A recipe's BFP12 K cache with K-sort (kv_cache {format: bfp, group: 4, k_sort: true}; keys
+// cached before RoPE by default) is exactly `qcal tool kv-eval`'s setting (ApplyKSort, then
+// InstallBfpKeyCache pre-RoPE), the k_sort flag and the key point both change the result, and the
+// checkpoint keeps it: the K-sort permutation is stored per block and checked on load.
+TEST_F(QuarotQuantizeTest, BfpKSortRecipeMatchesTheToolAndRoundTrips) {
+  Recipe r = LoadJob("quarot-kv4");
+  r.name = "bfp12-ksort-g4";
+  r.rotation.enabled = false;
+  r.kv_cache = KvCacheSpec();
+  r.kv_cache.bits = 4;
+  r.kv_cache.format = "bfp";
+  r.kv_cache.group = 4;
+  r.kv_cache.k_sort = true;
+  const std::string float_dir = *root_ + "/float";
+  at::Tensor ids = at::randint(1, 512, {2, 96}, at::kLong);
+  ids.select(1, 0).fill_(1);
+  auto logits_of = [&](const Recipe& recipe) {
+    auto m = model::LlamaModel::Load(float_dir);
+    EXPECT_TRUE(m.ok()) << m.status();
+    auto report = quarot::QuantizeModel(**m, recipe, at::Tensor(), 8);
+    EXPECT_TRUE(report.ok()) << report.status();
+    return std::make_pair((*m)->Forward(ids), std::move(*m));
+  };
+  auto [got, m] = logits_of(r);
+
+  auto tool = model::LlamaModel::Load(float_dir);
+  ASSERT_TRUE(tool.ok());
+  ASSERT_TRUE(quarot::ApplyKSort(**tool).ok());
+  quarot::BfpKeyCacheOptions bo;
+  bo.key_bits = 4;
+  bo.query_bits = 8;
+  bo.block = 4;
+  bo.point = quarot::KeyQuantPoint::kPreRope;
+  ASSERT_TRUE(quarot::InstallBfpKeyCache(**tool, bo).ok());
+  EXPECT_TRUE(at::equal(got, (*tool)->Forward(ids)));
+
+  Recipe unsorted = r;
+  unsorted.kv_cache.k_sort = false;
+  EXPECT_FALSE(at::equal(got, logits_of(unsorted).first)) << "k_sort was ignored";
+  Recipe post = r;
+  post.kv_cache.key_point = "post_rope";
+  EXPECT_FALSE(at::equal(got, logits_of(post).first)) << "key_point was ignored";
+
+  const std::string out = testing::MakeTempDir("quarot_bfp") + "/out";
+  ASSERT_TRUE(quarot::SaveQuarotCheckpoint(*m, r, float_dir, out, 32, 32).ok());
+  auto loaded = quarot::LoadQuarotModel(out);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_TRUE(at::equal((*loaded)->Forward(ids), got));
+
+  // A stored permutation that is not one is refused, naming the file.
+  auto ckpt = CheckpointReader::Open(out);
+  ASSERT_TRUE(ckpt.ok());
+  auto w = quarot::LoadQuarotBlockWeights(**ckpt, (*loaded)->config(), 1);
+  ASSERT_TRUE(w.ok()) << w.status();
+  ASSERT_TRUE(w->rope_perm.defined());
+  w->rope_perm[0][1] = w->rope_perm[0][0];
+  const std::string shard = out + "/" + ShardName(2, 5);
+  ASSERT_TRUE(quarot::WriteQuarotBlockShard(shard, 1, *w).ok());
+  auto bad = quarot::LoadQuarotModel(out);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("not a permutation"), std::string::npos) << bad.status();
+  EXPECT_NE(bad.status().message().find(shard), std::string::npos) << bad.status();
 }
 
 }  // namespace

@@ -204,7 +204,7 @@ StatusOr<nlohmann::json> QuarotBlockStep(JobContext* ctx, int64_t layer) {
   if (!ctx->rotated) {
     QCAL_ASSIGN_OR_RETURN(quarot::RotationPlan plan,
                           quarot::PlanRotations(recipe.rotation, ctx->config));
-    QCAL_RETURN_IF_ERROR(quarot::RotateModel(model, plan));
+    QCAL_RETURN_IF_ERROR(quarot::PrepareModel(model, recipe, plan));
     ctx->rotation_plan = std::move(plan);
     ctx->rotated = true;
   }

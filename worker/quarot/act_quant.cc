@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/hadamard.h"
 #include "kernels/scalar_quant.h"
+#include "worker/quarot/bfp_kv.h"
 
 namespace qcal::quarot {
 namespace {
@@ -264,6 +265,7 @@ at::Tensor ActQuantLinear::DenseWeight() const {
 
 const model::Linear& WeightCarrier(const model::Linear& linear) {
   if (auto* a = dynamic_cast<const ActQuantLinear*>(&linear)) return WeightCarrier(a->inner());
+  if (auto* b = dynamic_cast<const BfpKeyProjection*>(&linear)) return WeightCarrier(b->inner());
   return linear;
 }
 

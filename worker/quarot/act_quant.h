@@ -154,7 +154,8 @@ class ActQuantLinear final : public model::Linear {
   std::shared_ptr<RangeObserver> observer_;
 };
 
-// The Linear the weights of `linear` live in: its inner() for an ActQuantLinear, else itself.
+// The Linear the weights of `linear` live in: its inner() for an ActQuantLinear or a
+// BfpKeyProjection (bfp_kv.h; recursively), else itself.
 const model::Linear& WeightCarrier(const model::Linear& linear);
 
 // Integer KV-cache quantizer (QuaRot: asymmetric, per group of head_dim channels, clip 0.95).

@@ -100,12 +100,11 @@ StatusOr<std::string> InstallBfpKeyCache(model::LlamaModel& m, const BfpKeyCache
                       FormatName(qf), ", values float");
 }
 
-StatusOr<std::shared_ptr<const KvQuantizer>> MakeBfpKvQuantizer(const KvCacheSpec& spec,
-                                                                const LlamaConfig& config,
-                                                                int64_t layer) {
+StatusOr<kernels::BfpFormat> BfpKeyFormat(const KvCacheSpec& spec, const LlamaConfig& config,
+                                          int64_t layer) {
   if (spec.format != "bfp") {
     return absl::InvalidArgumentError(
-        absl::StrCat("MakeBfpKvQuantizer: kv_cache.format is '", spec.format, "', not bfp"));
+        absl::StrCat("BfpKeyFormat: kv_cache.format is '", spec.format, "', not bfp"));
   }
   if (spec.group < 0 || spec.group > config.head_dim) {
     return absl::InvalidArgumentError(
@@ -114,8 +113,17 @@ StatusOr<std::shared_ptr<const KvQuantizer>> MakeBfpKvQuantizer(const KvCacheSpe
   }
   kernels::BfpFormat f{static_cast<int>(spec.group == 0 ? config.head_dim : spec.group), spec.bits};
   QCAL_RETURN_IF_ERROR(Annotate(kernels::ValidateBfpFormat(f), "kv_cache (format bfp)"));
+  return f;
+}
+
+StatusOr<std::shared_ptr<const KvQuantizer>> MakeBfpKvQuantizer(const KvCacheSpec& spec,
+                                                                const LlamaConfig& config,
+                                                                int64_t layer) {
+  QCAL_ASSIGN_OR_RETURN(kernels::BfpFormat f, BfpKeyFormat(spec, config, layer));
+  std::optional<kernels::BfpFormat> keys;
+  if (spec.key_point == "post_rope") keys = f;
   return std::shared_ptr<const KvQuantizer>(
-      std::make_shared<BfpKvQuantizer>(f, kernels::BfpFormat::Bfp16(f.block_size)));
+      std::make_shared<BfpKvQuantizer>(keys, kernels::BfpFormat::Bfp16(f.block_size)));
 }
 
 }  // namespace qcal::quarot

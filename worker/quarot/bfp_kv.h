@@ -68,6 +68,8 @@ class BfpKeyProjection final : public model::Linear {
   int64_t out_features() const override { return inner_->out_features(); }
   at::Tensor DenseWeight() const override { return inner_->DenseWeight(); }
   const kernels::BfpFormat& format() const { return format_; }
+  const model::Linear& inner() const { return *inner_; }
+  std::unique_ptr<model::Linear> release_inner() { return std::move(inner_); }
 
  private:
   std::unique_ptr<model::Linear> inner_;
@@ -95,12 +97,18 @@ struct BfpKeyCacheOptions {
 StatusOr<std::string> InstallBfpKeyCache(model::LlamaModel& model,
                                          const BfpKeyCacheOptions& options);
 
-// The factory MakeKvQuantizer (kv_quantizer.cc) calls for `kv_cache.format: bfp`: keys in BFP
-// with `spec.bits` mantissa bits (BFP12: bits 4) and blocks of `spec.group` channels (0 =
-// head_dim), quantized after RoPE (where the hook sits); queries in BFP16 with the same blocks
-// (as in the paper); values float. InvalidArgument for bits outside [2, 8] or a group outside
-// [0, head_dim]. The spec's k_sort flag is not handled here: it asks the pipeline to run
-// ApplyKSort on the float model first.
+// The keys' format of `kv_cache.format: bfp`: `spec.bits` mantissa bits (BFP12: bits 4) in blocks
+// of `spec.group` channels (0 = head_dim). InvalidArgument for bits outside [2, 8] or a group
+// outside [0, head_dim].
+StatusOr<kernels::BfpFormat> BfpKeyFormat(const KvCacheSpec& spec, const LlamaConfig& config,
+                                          int64_t layer);
+
+// The factory MakeKvQuantizer (kv_quantizer.cc) calls for `kv_cache.format: bfp`: queries in
+// BFP16 with the keys' blocks (as in the paper), values float, and keys in BfpKeyFormat(spec)
+// when `spec.key_point` is post_rope (the hook sits after RoPE and R3). With key_point pre_rope
+// (the default) the hook leaves keys alone: the pipeline wraps k_proj in a BfpKeyProjection
+// (quarot::InstallQuantizedInference). The spec's k_sort flag is not handled here either: the
+// pipeline runs ApplyKSort on the float model first (quarot::PrepareModel).
 StatusOr<std::shared_ptr<const KvQuantizer>> MakeBfpKvQuantizer(const KvCacheSpec& spec,
                                                                 const LlamaConfig& config,
                                                                 int64_t layer);

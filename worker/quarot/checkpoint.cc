@@ -65,6 +65,9 @@ StatusOr<std::vector<std::string>> WriteQuarotBlockShard(const std::string& path
     }
     QCAL_RETURN_IF_ERROR(AddF64(&writer, p + key, tensor));
   }
+  if (weights.rope_perm.defined()) {
+    QCAL_RETURN_IF_ERROR(AddF64(&writer, p + kRopePermKey, weights.rope_perm));
+  }
   QCAL_RETURN_IF_ERROR(writer.Write(path));
   QCAL_ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open(path));
   std::vector<std::string> names;
@@ -104,6 +107,12 @@ StatusOr<model::BlockWeights> LoadQuarotBlockWeights(CheckpointReader& ckpt,
     w.linears[static_cast<int>(k)] = std::move(linear);
   }
   QCAL_RETURN_IF_ERROR(LoadQuarotBlockExtras(ckpt, layer, &w));
+  if (w.rope_perm.defined() &&
+      (w.rope_perm.size(0) != config.num_key_value_heads || w.rope_perm.size(1) != config.head_dim)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        ckpt.dir(), ": ", p, kRopePermKey, " is [", w.rope_perm.size(0), ", ", w.rope_perm.size(1),
+        "], expected [", config.num_key_value_heads, ", ", config.head_dim, "] from config.json"));
+  }
   return w;
 }
 
@@ -123,6 +132,26 @@ Status LoadQuarotBlockExtras(CheckpointReader& ckpt, int64_t layer, model::Block
     at::Tensor t = at::empty(shape, at::kDouble);
     std::memcpy(t.data_ptr<double>(), found.first->Data(info), t.numel() * sizeof(double));
     weights->extra[key] = t;
+  }
+  if (ckpt.Has(p + kRopePermKey)) {
+    QCAL_ASSIGN_OR_RETURN(auto found, ckpt.Find(p + kRopePermKey));
+    const TensorInfo& info = *found.second;
+    const std::string where = absl::StrCat(found.first->path(), ": tensor '", p, kRopePermKey, "'");
+    if (info.dtype != DType::kF64 || info.shape.size() != 2 || info.shape[1] < 2 ||
+        info.shape[1] % 2 != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, " must be F64 [kv_heads, head_dim] with an even head_dim"));
+    }
+    at::Tensor t = at::empty(info.shape, at::kDouble);
+    std::memcpy(t.data_ptr<double>(), found.first->Data(info), t.numel() * sizeof(double));
+    const at::Tensor whole = t.round();
+    const at::Tensor sorted = std::get<0>(whole.sort(1));
+    const at::Tensor expect = at::arange(info.shape[1], at::kDouble).expand_as(sorted);
+    if (!at::equal(whole, t) || !at::equal(sorted, expect)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, " has a row that is not a permutation of [0, ", info.shape[1], ")"));
+    }
+    weights->rope_perm = t.to(at::kLong);
   }
   return Status();
 }
@@ -197,6 +226,11 @@ StatusOr<std::unique_ptr<model::LlamaModel>> LoadQuarotModel(const std::string& 
             dir, ": block ", l, " was quantized with other rotations than the recipe plans (",
             plan.Describe(), ")"));
       }
+    }
+    if (w.rope_perm.defined() != recipe.kv_cache.k_sort) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          dir, ": block ", l, recipe.kv_cache.k_sort ? " has no " : " has a ", kRopePermKey,
+          " but the recipe's kv_cache.k_sort is ", recipe.kv_cache.k_sort ? "true" : "false"));
     }
     blocks.emplace_back(config, std::move(w));
   }

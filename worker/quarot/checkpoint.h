@@ -31,7 +31,8 @@ namespace qcal::quarot {
 bool IsQuarotCheckpoint(const LlamaConfig& config);
 
 // One block's shard (atomic): norms, each linear's rounded layer (quarot::WeightCarrier: the
-// ScalarQuantLinear tensors or a dense .weight), and the block's extras. Returns the names.
+// ScalarQuantLinear tensors or a dense .weight), the block's extras and its K-sort rope_perm
+// (kRopePermKey) when it has one. Returns the names.
 StatusOr<std::vector<std::string>> WriteQuarotBlockShard(const std::string& path, int64_t layer,
                                                          const model::BlockWeights& weights);
 
@@ -41,7 +42,9 @@ StatusOr<std::vector<std::string>> WriteQuarotBlockShard(const std::string& path
 StatusOr<model::BlockWeights> LoadQuarotBlockWeights(CheckpointReader& ckpt,
                                                      const LlamaConfig& config, int64_t layer);
 
-// Reads block `layer`'s extras (model.layers.N.quarot.*) into weights->extra.
+// Reads block `layer`'s extras (model.layers.N.quarot.*) into weights->extra, and its K-sort
+// permutation into weights->rope_perm (InvalidArgument naming the file unless every row is a
+// permutation of [0, head_dim)).
 Status LoadQuarotBlockExtras(CheckpointReader& ckpt, int64_t layer, model::BlockWeights* weights);
 
 // Shard 0 of the rotated model: embedding, final norm, lm_head (F32).

@@ -1,6 +1,7 @@
 #include "worker/quarot/quarot_model.h"
 
 #include <chrono>
+#include <optional>
 
 #include <ATen/ATen.h>
 
@@ -8,6 +9,8 @@
 #include "common/log.h"
 #include "worker/calib/hessian.h"
 #include "worker/quarot/act_quant.h"
+#include "worker/quarot/bfp_kv.h"
+#include "worker/quarot/ksort.h"
 #include "worker/quarot/kv_quantizer.h"
 
 namespace qcal::quarot {
@@ -21,10 +24,18 @@ bool StaticActivations(const Recipe& r) {
 }
 bool StaticKv(const Recipe& r) { return r.kv_cache.enabled() && r.kv_cache.is_static; }
 
-// Strips every ActQuantLinear around a block linear, returning the innermost layer.
+// Strips every ActQuantLinear and BfpKeyProjection around a block linear, returning the
+// innermost layer.
 std::unique_ptr<model::Linear> Unwrap(std::unique_ptr<model::Linear> linear) {
-  while (auto* a = dynamic_cast<ActQuantLinear*>(linear.get())) linear = a->release_inner();
-  return linear;
+  for (;;) {
+    if (auto* a = dynamic_cast<ActQuantLinear*>(linear.get())) {
+      linear = a->release_inner();
+    } else if (auto* b = dynamic_cast<BfpKeyProjection*>(linear.get())) {
+      linear = b->release_inner();
+    } else {
+      return linear;
+    }
+  }
 }
 
 // Reads a [rows, 2] F64 range table from the block's extras.
@@ -85,6 +96,14 @@ at::Tensor Forward(model::DecoderBlock& block, const at::Tensor& x, const model:
 
 }  // namespace
 
+Status PrepareModel(model::LlamaModel& model, const Recipe& recipe, const RotationPlan& plan) {
+  QCAL_RETURN_IF_ERROR(RotateModel(model, plan));
+  if (recipe.kv_cache.k_sort) {
+    QCAL_RETURN_IF_ERROR(ApplyKSort(model, KSortOptions{}).status());
+  }
+  return Status();
+}
+
 bool NeedsCalibration(const Recipe& recipe) {
   return recipe.sequential_calibration();
 }
@@ -128,10 +147,19 @@ Status InstallQuantizedInference(model::DecoderBlock& block, const LlamaConfig& 
   if (plan.r4) {
     QCAL_ASSIGN_OR_RETURN(t4, OnlineHadamard::Create(plan.intermediate));
   }
+  // A BFP cache of pre-RoPE keys (the K-sort paper's) quantizes k_proj's output.
+  std::optional<kernels::BfpFormat> pre_rope_keys;
+  if (recipe.kv_cache.enabled() && recipe.kv_cache.format == "bfp" &&
+      recipe.kv_cache.key_point == "pre_rope") {
+    QCAL_ASSIGN_OR_RETURN(pre_rope_keys, BfpKeyFormat(recipe.kv_cache, config, layer));
+  }
   block.set_hooks(std::move(hooks));
   for (LinearKind k : model::kAllLinears) {
     auto& slot = block.mutable_weights().linears[static_cast<int>(k)];
     slot = Unwrap(std::move(slot));
+    if (k == LinearKind::kK && pre_rope_keys) {
+      slot = std::make_unique<BfpKeyProjection>(std::move(slot), config.head_dim, *pre_rope_keys);
+    }
     auto rotation = k == LinearKind::kDown ? t4 : nullptr;
     auto quantizer = act[static_cast<int>(calib::HessianKindOf(k))];
     if (rotation || quantizer) {
@@ -222,8 +250,9 @@ StatusOr<QuarotReport> QuantizeModel(model::LlamaModel& model, const Recipe& rec
   QuarotReport report;
   QCAL_ASSIGN_OR_RETURN(report.plan, PlanRotations(recipe.rotation, config));
   const RotationPlan& plan = report.plan;
-  QCAL_LOG_INFO("QuaRot '{}': rotations {}", recipe.name, plan.Describe());
-  QCAL_RETURN_IF_ERROR(RotateModel(model, plan));
+  QCAL_LOG_INFO("QuaRot '{}': rotations {}{}", recipe.name, plan.Describe(),
+                recipe.kv_cache.k_sort ? ", K-sort" : "");
+  QCAL_RETURN_IF_ERROR(PrepareModel(model, recipe, plan));
 
   const bool calibrate = NeedsCalibration(recipe);
   at::Tensor x;

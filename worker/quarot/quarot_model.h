@@ -42,6 +42,9 @@ namespace qcal::quarot {
 inline constexpr char kActRangesKey[] = "quarot.act_ranges";
 inline constexpr char kKvRangesKey[] = "quarot.kv_ranges";
 inline constexpr char kRotationsKey[] = "quarot.rotations";
+// Not an extra but BlockWeights::rope_perm, stored beside them: [kv_heads, head_dim] F64 (whole
+// numbers), the K-sort channel permutation of a `kv_cache.k_sort` recipe's block.
+inline constexpr char kRopePermKey[] = "quarot.rope_perm";
 
 // Whether the recipe needs calibration data at all (GPTQ weights or static ranges).
 bool NeedsCalibration(const Recipe& recipe);
@@ -74,7 +77,13 @@ struct QuarotReport {
   double seconds = 0;
 };
 
-// One block of the sequential loop on a model already rotated by RotateModel(plan): collects
+// The float transforms a recipe makes before any block is quantized: RotateModel(plan), then,
+// for `kv_cache.k_sort`, K-sort (ApplyKSort, Algorithm 1: W_k/W_q rows and the RoPE tables per
+// KV head, V rows with o_proj columns). Function-preserving; every process of a job runs it once
+// on its float model.
+Status PrepareModel(model::LlamaModel& model, const Recipe& recipe, const RotationPlan& plan);
+
+// One block of the sequential loop on a model already prepared by PrepareModel(plan): collects
 // block `layer`'s Hessians from *x (its calibration inputs [N, S, hidden], the outputs of the
 // quantized blocks before it) when the recipe needs them, quantizes it (quant::QuantizeBlock),
 // leaves the quantized weights in the model's block (with the static ranges in extra when the
