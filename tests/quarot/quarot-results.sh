@@ -3,7 +3,8 @@
 # its unrotated twin, plus RTN variants of the weight-only recipes, on stories260K and
 # aidreams260K, plain and outlier-planted (qcal tool plant-outliers, alpha = beta = 50).
 # Perplexity as in scripts/quant-results.sh (--bos-per-window, ctx = the model's seq_len) on the
-# TinyStories sample (all tokens) and the first $WT_TOKENS tokens of WikiText-2 test.
+# TinyStories sample (all tokens) and the first $WT_TOKENS tokens of WikiText-2 test, each with the
+# mean KL(float || quantized) of the next-token distributions (--kl).
 #   bash tests/quarot/quarot-results.sh BUILD_DIR OUT_DIR      (writes OUT_DIR/*.jsonl, prints the table)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -45,25 +46,27 @@ for model in ${QCAL_MODELS:-stories260K aidreams260K}; do
       --out "$OUT/$model-planted" --alpha 50 --beta 50 > /dev/null
   # The plain and the planted model run side by side (two processes, one thread each).
   /usr/bin/time -f "$model: %e s wall" $R --model "$OUT/$model" --data-root "$SHARED" \
-      --eval "$TS" --eval "$WT" --ctx $ctx --max-tokens "$WT_TOKENS" "${RECIPES[@]}" \
+      --eval "$TS" --eval "$WT" --ctx $ctx --max-tokens "$WT_TOKENS" --kl "${RECIPES[@]}" \
       > "$OUT/$model.jsonl" &
   /usr/bin/time -f "$model-planted: %e s wall" $R --model "$OUT/$model-planted" \
       --data-root "$SHARED" --eval "$TS" --eval "$WT" --ctx $ctx --max-tokens "$WT_TOKENS" \
-      "${PLANTED[@]}" > "$OUT/$model-planted.jsonl" &
+      --kl "${PLANTED[@]}" > "$OUT/$model-planted.jsonl" &
   wait
 done
 /usr/bin/python3 - "$OUT" <<'PY'
 import json, sys, glob, os
 out = sys.argv[1]
-print("| model | recipe | rotations | W bits (codes / stored) | TinyStories ppl | WikiText-2 ppl (first tokens) | quantize s | eval s |")
-print("|---|---|---|---|---|---|---|---|")
+print("| model | recipe | rotations | W bits (codes / stored) | TinyStories ppl | KL | WikiText-2 ppl (first tokens) | KL | quantize s | eval s |")
+print("|---|---|---|---|---|---|---|---|---|---|")
 for path in sorted(glob.glob(os.path.join(out, "*.jsonl"))):
     model = os.path.basename(path)[:-6]
     for line in open(path):
         j = json.loads(line)
         ev = j["eval"]
         bits = "32 / 32" if "code_bits" not in j else "%.2f / %.2f" % (j["code_bits"], j["stored_bits"])
-        print("| %s | %s | %s | %s | %.3f | %.3f | %s | %.1f |" % (
-            model, j["recipe"], j.get("rotations", "-"), bits, ev[0]["perplexity"], ev[1]["perplexity"],
-            "%.1f" % j["quantize_s"] if "quantize_s" in j else "-", sum(e["seconds"] for e in ev)))
+        kl = ["%.4f" % e["kl"] if "kl" in e else "-" for e in ev]
+        print("| %s | %s | %s | %s | %.3f | %s | %.3f | %s | %s | %.1f |" % (
+            model, j["recipe"], j.get("rotations", "-"), bits, ev[0]["perplexity"], kl[0],
+            ev[1]["perplexity"], kl[1], "%.1f" % j["quantize_s"] if "quantize_s" in j else "-",
+            sum(e["seconds"] for e in ev)))
 PY

@@ -32,6 +32,7 @@
 #include "worker/quarot/bfp_kv.h"
 #include "worker/quarot/checkpoint.h"
 #include "worker/quarot/ksort.h"
+#include "worker/quarot/model_compare.h"
 #include "worker/quarot/plant_outliers.h"
 #include "worker/quarot/quarot_model.h"
 
@@ -190,6 +191,33 @@ TEST_F(QuarotQuantizeTest, RotationDoesNotHurtA4OnThePlainModel) {
   const double rot = QuantizedPerplexity("float", A4("quarot-w4a4kv4"));
   const double norot = QuantizedPerplexity("float", A4("w4a4kv4-norot"));
   EXPECT_LE(rot, norot);
+}
+
+// The whole W4A4KV4 recipe on the plain model. Perplexity cannot rank rotated against unrotated
+// here: stories260K's perplexity drops when its largest keys are clipped (docs/results.md), so
+// some quantization noise lowers it (measured 28.99 rotated vs 26.57 unrotated on 8k tokens). The
+// mean KL from the float model's next-token distributions measures the damage itself.
+TEST_F(QuarotQuantizeTest, RotationDoesNotHurtW4A4KV4OnThePlainModelByKl) {
+  auto kl = [](const std::string& name) {
+    auto ref = model::LlamaModel::Load(*root_ + "/float");
+    auto m = model::LlamaModel::Load(*root_ + "/float");
+    EXPECT_TRUE(ref.ok() && m.ok());
+    if (!ref.ok() || !m.ok()) return std::nan("");
+    auto report = quarot::QuantizeModel(**m, LoadJob(name), *calib_, 8);
+    EXPECT_TRUE(report.ok()) << report.status();
+    eval::PerplexityOptions opt;
+    opt.ctx = 512;
+    opt.bos_per_window = true;
+    auto c = quarot::CompareToReference(**ref, **m, *eval_tokens_, opt);
+    EXPECT_TRUE(c.ok()) << c.status();
+    if (!c.ok()) return std::nan("");
+    std::printf("plain %-16s ppl %.3f, KL to float %.4f nats/token\n", name.c_str(), c->ppl_model,
+                c->mean_kl);
+    return c->mean_kl;
+  };
+  const double rot = kl("quarot-w4a4kv4");
+  const double norot = kl("w4a4kv4-norot");
+  EXPECT_LE(rot, norot) << "KL rotated " << rot << " vs unrotated " << norot;
 }
 
 TEST_F(QuarotQuantizeTest, GptqIsNotWorseThanRtnAtFourBitWeights) {

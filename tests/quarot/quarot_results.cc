@@ -2,16 +2,19 @@
 // the QuaRot rows of docs/results.md; see scripts/quarot-results.sh). Not a test.
 //
 //   quarot_results --model DIR --data-root ../shared --eval FILE [--eval FILE...] --ctx N
-//                  [--max-tokens N] [--save-dir DIR] RECIPE.yaml...
+//                  [--max-tokens N] [--save-dir DIR] [--kl] RECIPE.yaml...
 //
 // For each recipe: loads the float model, samples the recipe's calibration tokens (when
 // NeedsCalibration), runs quarot::QuantizeModel, and evaluates perplexity (--bos-per-window
 // windows of ctx tokens, every text token scored) on each --eval file. With --save-dir the
 // quantized model is also written as a checkpoint (DIR/<recipe name>) that `qcal eval` loads.
-// "float" as a recipe evaluates the float model.
+// "float" as a recipe evaluates the float model. With --kl each evaluation also reports "kl", the
+// mean KL(float ‖ quantized) of the next-token distributions in nats per scored token
+// (quarot::CompareToReference; the float model runs alongside).
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -24,6 +27,7 @@
 #include "worker/calib/calibration.h"
 #include "worker/eval/perplexity.h"
 #include "worker/quarot/checkpoint.h"
+#include "worker/quarot/model_compare.h"
 #include "worker/quarot/quarot_model.h"
 
 namespace {
@@ -45,6 +49,7 @@ int main(int argc, char** argv) {
   std::string model_dir, data_root = "../shared", save_dir;
   std::vector<std::string> evals, recipes;
   int64_t ctx = 512, max_tokens = -1;
+  bool kl = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
@@ -54,6 +59,7 @@ int main(int argc, char** argv) {
     else if (a == "--ctx") ctx = std::atoll(next().c_str());
     else if (a == "--max-tokens") max_tokens = std::atoll(next().c_str());
     else if (a == "--save-dir") save_dir = next();
+    else if (a == "--kl") kl = true;
     else if (a.rfind("--", 0) == 0) return Fail("unknown option " + a);
     else recipes.push_back(a);
   }
@@ -72,6 +78,12 @@ int main(int argc, char** argv) {
     auto text = ReadTextFile(f);
     if (!text.ok()) return Fail(text.status().ToString());
     eval_tokens.push_back((*tokenizer)->Encode(*text));
+  }
+  std::unique_ptr<model::LlamaModel> reference;
+  if (kl) {
+    auto r = model::LlamaModel::Load(model_dir);
+    if (!r.ok()) return Fail(r.status().ToString());
+    reference = std::move(*r);
   }
   for (const std::string& path : recipes) {
     nlohmann::json out = {{"model", model_dir}};
@@ -125,6 +137,16 @@ int main(int argc, char** argv) {
       opt.max_tokens = max_tokens;
       opt.bos_id = (*tokenizer)->bos_id();
       const auto t1 = Clock::now();
+      if (kl) {
+        auto c = quarot::CompareToReference(*reference, **m, eval_tokens[i], opt);
+        if (!c.ok()) return Fail(c.status().ToString());
+        out["eval"].push_back({{"data", evals[i]},
+                               {"perplexity", c->ppl_model},
+                               {"kl", c->mean_kl},
+                               {"tokens", c->tokens_scored},
+                               {"seconds", Since(t1)}});
+        continue;
+      }
       auto r = eval::EvaluatePerplexity(**m, eval_tokens[i], opt);
       if (!r.ok()) return Fail(r.status().ToString());
       out["eval"].push_back({{"data", evals[i]},
