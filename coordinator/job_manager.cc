@@ -295,6 +295,8 @@ void JobManager::DriveUnsafe(const std::shared_ptr<JobRuntime>& rt) {
     ls.coordinator_address = worker_address_;
     ls.auth_token_file = options_.auth_token_file;
     ls.tls_ca_file = options_.worker_tls_ca;
+    ls.tls_cert_file = options_.worker_tls_cert;
+    ls.tls_key_file = options_.worker_tls_key;
     ls.log_path = plan->job_dir + "/workers.log";
     StatusOr<std::unique_ptr<WorkerGroup>> group = launcher_->Launch(ls);
     if (!group.ok()) {

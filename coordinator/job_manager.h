@@ -46,6 +46,8 @@ namespace qcal::coordinator {
 struct ManagerOptions {
   std::string auth_token_file;        // handed to the workers (--auth-token-file)
   std::string worker_tls_ca;          // handed to the workers (--tls-ca); empty: plaintext
+  std::string worker_tls_cert;        // handed to the workers (--tls-cert/--tls-key) for a
+  std::string worker_tls_key;         //   coordinator that requires client certificates
   double heartbeat_timeout_s = 10;    // silence after which a worker is dead
   int64_t heartbeat_interval_ms = 1000;  // told to workers at registration
   double kill_grace_s = 5;            // see the class comment

@@ -20,6 +20,8 @@ struct LaunchSpec {
   std::string coordinator_address;  // host:port the workers dial
   std::string auth_token_file;      // the workers read the bearer token from it
   std::string tls_ca_file;          // empty: plaintext
+  std::string tls_cert_file;        // the workers' client certificate (mutual TLS); empty: none
+  std::string tls_key_file;         // its private key
   std::string log_path;             // stdout + stderr of the whole group (JOB/workers.log)
 };
 

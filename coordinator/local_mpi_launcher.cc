@@ -208,6 +208,9 @@ std::vector<std::string> LocalMpiCommand(const LocalMpiLauncherOptions& o, const
   args.insert(args.end(), {o.worker_binary, "--coordinator", s.coordinator_address, "--job",
                            s.job_id, "--auth-token-file", s.auth_token_file});
   if (!s.tls_ca_file.empty()) args.insert(args.end(), {"--tls-ca", s.tls_ca_file});
+  if (!s.tls_cert_file.empty()) {
+    args.insert(args.end(), {"--tls-cert", s.tls_cert_file, "--tls-key", s.tls_key_file});
+  }
   if (s.threads_per_worker > 0) {
     args.insert(args.end(), {"--threads", std::to_string(s.threads_per_worker)});
   }

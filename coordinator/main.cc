@@ -102,6 +102,12 @@ int main(int argc, char** argv) {
   app.add_option("--worker-tls-ca", manager_options.worker_tls_ca,
                  "CA the workers verify the coordinator with (default: --tls-cert)")
       ->check(CLI::ExistingFile);
+  app.add_option("--worker-tls-cert", manager_options.worker_tls_cert,
+                 "client certificate the workers present (needed with --tls-client-ca)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--worker-tls-key", manager_options.worker_tls_key,
+                 "private key of --worker-tls-cert")
+      ->check(CLI::ExistingFile);
   app.add_option("--advertise", advertise,
                  "address the workers dial (default: the listening host and port)");
   app.add_option("--address-file", address_file,
@@ -140,6 +146,17 @@ int main(int argc, char** argv) {
   manager_options.auth_token_file = token_file;
   if (manager_options.worker_tls_ca.empty()) {
     manager_options.worker_tls_ca = server_options.tls_cert_file;
+  }
+  // Refuse TLS settings under which no worker could connect, rather than failing every job.
+  if (manager_options.worker_tls_cert.empty() != manager_options.worker_tls_key.empty()) {
+    return Fail("--worker-tls-cert and --worker-tls-key go together");
+  }
+  if (!manager_options.worker_tls_cert.empty() && server_options.tls_cert_file.empty()) {
+    return Fail("--worker-tls-cert needs a TLS coordinator (--tls-cert, --tls-key)");
+  }
+  if (!server_options.tls_client_ca_file.empty() && manager_options.worker_tls_cert.empty()) {
+    return Fail("--tls-client-ca requires --worker-tls-cert and --worker-tls-key: every client, "
+                "the workers included, must present a certificate signed by that CA");
   }
   if (launcher_options.worker_binary.empty()) launcher_options.worker_binary = FindWorkerBinary();
   if (!Executable(launcher_options.worker_binary)) {

@@ -558,6 +558,62 @@ bool Running(pid_t pid) {
   return paren == std::string::npos || paren + 2 >= stat->size() || (*stat)[paren + 2] != 'Z';
 }
 
+// Mutual TLS end to end: a coordinator that requires client certificates hands its workers one
+// (--worker-tls-cert/--worker-tls-key), so they can register and the job succeeds; without it the
+// coordinator refuses to start instead of failing every job.
+TEST_F(CoordinatorIntegrationTest, MutualTlsWorkersPresentTheirCertificate) {
+  if (std::system("openssl version > /dev/null 2>&1") != 0) GTEST_SKIP() << "no openssl CLI";
+  const std::string tls = dir_ + "/mtls";
+  ASSERT_TRUE(MakeDirs(tls).ok());
+  for (const char* who : {"server", "client"}) {
+    const std::string cmd = std::string("openssl req -x509 -newkey rsa:2048 -nodes -days 1 ") +
+                            "-subj /CN=localhost -addext subjectAltName=DNS:localhost,IP:127.0.0.1 " +
+                            "-keyout " + tls + "/" + who + ".key -out " + tls + "/" + who +
+                            ".pem > /dev/null 2>&1";
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  }
+  const std::string coordinator = qcal::testing::BuildDir() + "/coordinator/qcal-coordinator";
+  const std::string server_tls = " --tls-cert " + tls + "/server.pem --tls-key " + tls +
+                                 "/server.key --tls-client-ca " + tls + "/client.pem";
+  Result refused = Shell(coordinator + " --listen 127.0.0.1:0 --state " + tls + "/state0" +
+                         " --auth-token-file " + token_file_ + server_tls);
+  EXPECT_NE(refused.exit_code, 0);
+  EXPECT_NE(refused.out.find("--tls-client-ca requires --worker-tls-cert"), std::string::npos)
+      << refused.out;
+
+  const std::string address_file = tls + "/address";
+  Result started = Shell(coordinator + " --listen 127.0.0.1:0 --state " + tls + "/state" +
+                         " --auth-token-file " + token_file_ + server_tls +
+                         " --worker-tls-cert " + tls + "/client.pem --worker-tls-key " + tls +
+                         "/client.key --address-file " + address_file + " > " + tls +
+                         "/coordinator.out 2>&1 & echo $!");
+  ASSERT_EQ(started.exit_code, 0) << started.out;
+  const pid_t pid = std::stoi(started.out);
+  std::string address;
+  for (int i = 0; i < 400 && address.empty(); ++i) {
+    auto text = ReadFile(address_file);
+    if (text.ok() && !text->empty()) address = text->substr(0, text->find('\n'));
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_FALSE(address.empty()) << ReadFile(tls + "/coordinator.out").value_or("");
+  const std::string client_tls = " --tls-ca " + tls + "/server.pem --tls-cert " + tls +
+                                 "/client.pem --tls-key " + tls + "/client.key";
+  Result r = Shell(Qcal() + " submit " + recipe_ + " --model " + model_ + " --out " + dir_ +
+                   "/mtls-out --data-root " + shared_ + " --workers 1 --watch --coordinator " +
+                   address + " --auth-token-file " + token_file_ + client_tls);
+  EXPECT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.out.find("SUCCEEDED"), std::string::npos) << r.out;
+  // A client without a certificate is turned away.
+  Result plain = Shell(Qcal() + " list --coordinator " + address + " --auth-token-file " +
+                       token_file_ + " --tls-ca " + tls + "/server.pem");
+  EXPECT_NE(plain.exit_code, 0) << plain.out;
+  ::kill(pid, SIGTERM);
+  for (int i = 0; i < 100 && Running(pid); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_FALSE(Running(pid));
+}
+
 // SIGTERM to `qcal run` (from `timeout`, a batch system's time limit) cancels its job like a
 // Ctrl-C: the private coordinator stops the workers instead of leaving them running.
 TEST_F(CoordinatorIntegrationTest, QcalRunStopsItsWorkersOnSigterm) {

@@ -69,6 +69,11 @@ TEST_F(LauncherTest, CommandLine) {
       "--job", "job-000001", "--auth-token-file", dir_ + "/token", "--tls-ca", "/ca.pem",
       "--threads", "4"};
   EXPECT_EQ(LocalMpiCommand(o, s), expected);
+  // Mutual TLS: the workers present the client certificate they are given.
+  s.tls_cert_file = "/worker.pem";
+  s.tls_key_file = "/worker.key";
+  expected.insert(expected.end() - 2, {"--tls-cert", "/worker.pem", "--tls-key", "/worker.key"});
+  EXPECT_EQ(LocalMpiCommand(o, s), expected);
 }
 
 TEST_F(LauncherTest, ReportsTheExitStatusAndKeepsTheLog) {

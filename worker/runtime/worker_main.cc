@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <string>
 
+#include "absl/status/status.h"
 #include "common/log.h"
 #include "coordinator/auth.h"
 #include "worker/runtime/coordinator_client.h"
@@ -22,12 +23,15 @@
 
 int main(int argc, char** argv) {
   CLI::App app{"qcal-worker: one MPI rank of a qcal quantization service job"};
-  std::string coordinator_address, job_id, token_file, tls_ca, log_level = "info", log_file;
+  std::string coordinator_address, job_id, token_file, tls_ca, tls_cert, tls_key;
+  std::string log_level = "info", log_file;
   int threads = 0;
   app.add_option("--coordinator", coordinator_address, "coordinator address HOST:PORT")->required();
   app.add_option("--job", job_id, "the job this worker serves")->required();
   app.add_option("--auth-token-file", token_file, "file holding the bearer token")->required();
   app.add_option("--tls-ca", tls_ca, "CA certificate for a TLS coordinator (default plaintext)");
+  app.add_option("--tls-cert", tls_cert, "client certificate, for a coordinator that requires one");
+  app.add_option("--tls-key", tls_key, "private key of --tls-cert");
   app.add_option("--threads", threads, "compute threads (default: the job's setting)");
   app.add_option("--log-level", log_level, "debug, info, warn, error");
   app.add_option("--log-file", log_file, "also log to this file");
@@ -54,6 +58,12 @@ int main(int argc, char** argv) {
   if (!token.ok()) return fail(token.status());
   qcal::coordinator::ClientTls tls;
   tls.ca_file = tls_ca;
+  tls.cert_file = tls_cert;
+  tls.key_file = tls_key;
+  if (tls_cert.empty() != tls_key.empty() || (!tls_cert.empty() && tls_ca.empty())) {
+    return fail(absl::InvalidArgumentError(
+        "--tls-cert and --tls-key go together, and need --tls-ca (a TLS coordinator)"));
+  }
   auto channel = qcal::coordinator::MakeChannel(coordinator_address, tls);
   if (!channel.ok()) return fail(channel.status());
   auto client = qcal::runtime::MakeGrpcCoordinatorClient(*channel, *token);
