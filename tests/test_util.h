@@ -66,4 +66,16 @@ inline std::string SourceDir() {
 #endif
 }
 
+// Whether the openssl CLI is there (TLS tests skip visibly without it).
+inline bool HaveOpenssl() { return std::system("openssl version > /dev/null 2>&1") == 0; }
+
+// A self-signed certificate for localhost and 127.0.0.1, valid one day: DIR/NAME.pem and
+// DIR/NAME.key, made with the openssl CLI. False when openssl fails.
+inline bool MakeSelfSignedCert(const std::string& dir, const std::string& name) {
+  const std::string cmd = "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost "
+                          "-addext subjectAltName=DNS:localhost,IP:127.0.0.1 -keyout " +
+                          dir + "/" + name + ".key -out " + dir + "/" + name + ".pem > /dev/null 2>&1";
+  return std::system(cmd.c_str()) == 0;
+}
+
 }  // namespace qcal::testing

@@ -562,15 +562,11 @@ bool Running(pid_t pid) {
 // (--worker-tls-cert/--worker-tls-key), so they can register and the job succeeds; without it the
 // coordinator refuses to start instead of failing every job.
 TEST_F(CoordinatorIntegrationTest, MutualTlsWorkersPresentTheirCertificate) {
-  if (std::system("openssl version > /dev/null 2>&1") != 0) GTEST_SKIP() << "no openssl CLI";
+  if (!qcal::testing::HaveOpenssl()) GTEST_SKIP() << "no openssl CLI";
   const std::string tls = dir_ + "/mtls";
   ASSERT_TRUE(MakeDirs(tls).ok());
   for (const char* who : {"server", "client"}) {
-    const std::string cmd = std::string("openssl req -x509 -newkey rsa:2048 -nodes -days 1 ") +
-                            "-subj /CN=localhost -addext subjectAltName=DNS:localhost,IP:127.0.0.1 " +
-                            "-keyout " + tls + "/" + who + ".key -out " + tls + "/" + who +
-                            ".pem > /dev/null 2>&1";
-    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    ASSERT_TRUE(qcal::testing::MakeSelfSignedCert(tls, who)) << who;
   }
   const std::string coordinator = qcal::testing::BuildDir() + "/coordinator/qcal-coordinator";
   const std::string server_tls = " --tls-cert " + tls + "/server.pem --tls-key " + tls +
