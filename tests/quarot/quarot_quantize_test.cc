@@ -56,13 +56,7 @@ class QuarotQuantizeTest : public ::testing::Test {
                              "/data/tinystories/TinyStories-valid.sample30k.txt");
     ASSERT_TRUE(text.ok());
     eval_tokens_ = new std::vector<int32_t>((*tok)->Encode(*text));
-    // 32 calibration sequences of 128 tokens from the recipes' calibration file.
-    CalibrationSpec spec;
-    spec.files = {"data/wikitext2/wiki.valid.tokens"};
-    spec.num_sequences = 32;
-    spec.seq_len = 128;
-    auto calib = calib::SampleCalibrationTokens(**tok, spec, testing::SharedDir(), 128,
-                                                (*tok)->bos_id());
+    auto calib = SampleTestCalibration(**tok);
     ASSERT_TRUE(calib.ok()) << calib.status();
     calib_ = new at::Tensor(*calib);
   }
@@ -77,6 +71,15 @@ class QuarotQuantizeTest : public ::testing::Test {
   static at::Tensor* calib_;
 
  public:
+  // The tests' calibration set: 32 sequences of 128 tokens from the recipes' calibration file.
+  static StatusOr<at::Tensor> SampleTestCalibration(const Tokenizer& tok) {
+    CalibrationSpec spec;
+    spec.files = {"data/wikitext2/wiki.valid.tokens"};
+    spec.num_sequences = 32;
+    spec.seq_len = 128;
+    return calib::SampleCalibrationTokens(tok, spec, testing::SharedDir(), 128, tok.bos_id());
+  }
+
   static Recipe LoadJob(const std::string& name) {
     auto r = LoadRecipe(testing::SourceDir() + "/jobs/" + name + ".yaml");
     EXPECT_TRUE(r.ok()) << r.status();
@@ -159,12 +162,7 @@ TEST_F(QuarotQuantizeTest, RotationRescuesW4A4KV4OnPlantedAidreams) {
   ASSERT_TRUE(text.ok());
   std::vector<int32_t> eval_tokens = (*tok)->Encode(*text);
   eval_tokens.resize(std::min<size_t>(eval_tokens.size(), 8192));
-  CalibrationSpec spec;
-  spec.files = {"data/wikitext2/wiki.valid.tokens"};
-  spec.num_sequences = 32;
-  spec.seq_len = 128;
-  auto calib = calib::SampleCalibrationTokens(**tok, spec, testing::SharedDir(), 128,
-                                              (*tok)->bos_id());
+  auto calib = SampleTestCalibration(**tok);
   ASSERT_TRUE(calib.ok()) << calib.status();
   auto ppl = [&](const std::string& name) {
     auto m = model::LlamaModel::Load(planted);
@@ -523,6 +521,14 @@ TEST_F(QuarotQuantizeTest, BfpKSortRecipeMatchesTheToolAndRoundTrips) {
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("not a permutation"), std::string::npos) << bad.status();
   EXPECT_NE(bad.status().message().find(shard), std::string::npos) << bad.status();
+  // A shard that lost the permutation is refused too (here the index, which still lists it,
+  // catches it first; with a matching index LoadQuarotModel checks it against k_sort).
+  w->rope_perm = at::Tensor();
+  ASSERT_TRUE(quarot::WriteQuarotBlockShard(shard, 1, *w).ok());
+  bad = quarot::LoadQuarotModel(out);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("model.layers.1.quarot.rope_perm"), std::string::npos)
+      << bad.status();
 }
 
 }  // namespace
