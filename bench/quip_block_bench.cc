@@ -4,7 +4,7 @@
 // the weights are N(0, 0.02²) and each Hessian is A Aᵀ / 256 + 1e-3 I with A [n, 256] Gaussian
 // with a decaying column scale (a low-rank-plus-ridge spectrum like real activations').
 //
-// It calls the same rounding core as the job (worker/quant/quip_rounding.h: padding, IP-RHT,
+// It calls the same rounding core as the job (methods/quip/quip_rounding.h: padding, IP-RHT,
 // per-row scales, BlockLDLQ with E8P, proxy loss) and links no LibTorch, so it also runs on a
 // machine that has only BLAS/LAPACK.
 //
@@ -30,7 +30,7 @@
 #include <thread>
 #include <vector>
 
-#include "worker/quant/quip_rounding.h"
+#include "methods/quip/quip_rounding.h"
 
 extern "C" void openblas_set_num_threads(int);
 
@@ -156,13 +156,13 @@ int main(int argc, char** argv) {
       h_kind = spec.hessian;
     }
     std::vector<double> w = RandomWeights(spec.out, spec.in, rng);
-    qcal::quant::QuipRoundingOptions options;
+    qcal::methods::quip::QuipRoundingOptions options;
     options.codebook = codebook;
     options.seed_u = 1000 + spec.hessian * 2;
     options.seed_v = 1001 + spec.hessian * 2;
     options.num_threads = threads;
     const auto t0 = Clock::now();
-    auto r = qcal::quant::RoundQuipLinear(w.data(), spec.out, spec.in, h.data(), options);
+    auto r = qcal::methods::quip::RoundQuipLinear(w.data(), spec.out, spec.in, h.data(), options);
     const double secs = Since(t0);
     if (!r.ok()) {
       std::fprintf(stderr, "%s: %s\n", spec.name, r.status().ToString().c_str());

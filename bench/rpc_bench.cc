@@ -24,7 +24,7 @@
 
 #include "common/atomic_file.h"
 #include "common/log.h"
-#include "coordinator/auth.h"
+#include "rpc/auth.h"
 #include "coordinator/job_manager.h"
 #include "coordinator/service.h"
 #include "coordinator/state_fs.h"
@@ -62,25 +62,35 @@ class BenchWorkspace : public JobWorkspace {
     plan.job_dir = JobDirOf(spec);
     return plan;
   }
-  Status CheckResult(const nlohmann::json&) override { return absl::OkStatus(); }
+  Status CheckBlock(const v1::BlockResult&) override { return absl::OkStatus(); }
+  Status CheckFiles(const std::vector<v1::WrittenFile>&) override { return absl::OkStatus(); }
+  Status Commit(const std::vector<v1::WrittenFile>&) override { return absl::OkStatus(); }
   Status Append(const nlohmann::json&) override { return absl::OkStatus(); }
   StatusOr<nlohmann::json> Finalize(const Recipe&, const v1::JobSpec&) override {
     return nlohmann::json::object();
   }
 };
 
-// A block_done entry shaped like a real one (7 linears with their metrics), ~1 KB.
-std::string BlockDone(int64_t layer) {
-  nlohmann::json metrics = nlohmann::json::array();
+// A block result shaped like a real one (a staged shard, 7 linears with their metrics).
+v1::BlockResult BlockDone(int64_t layer) {
+  v1::BlockResult r;
+  r.set_layer(layer);
+  r.mutable_shard()->set_name("model-x.safetensors");
+  r.mutable_shard()->set_staged("model-x.safetensors.t0");
+  r.mutable_shard()->set_bytes(24248);
+  r.mutable_shard()->set_checksum("15e0116c2a968166");
+  r.set_seconds(0.0377);
   for (const char* name : {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                            "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}) {
-    metrics.push_back({{"name", name}, {"proxy_loss", 1.2345678}, {"relative", 0.0456789},
-                       {"code_bits", 2.0}, {"stored_bits", 3.5625}, {"seconds", 0.01234}});
+    v1::LinearMetrics* m = r.add_metrics();
+    m->set_name(name);
+    m->set_proxy_loss(1.2345678);
+    m->set_relative(0.0456789);
+    m->set_code_bits(2.0);
+    m->set_stored_bits(3.5625);
+    m->set_seconds(0.01234);
   }
-  return nlohmann::json{{"event", "block_done"}, {"layer", layer}, {"shard", "model-x.safetensors"},
-                        {"bytes", 24248}, {"checksum", "15e0116c2a968166"}, {"seconds", 0.0377},
-                        {"metrics", metrics}}
-      .dump();
+  return r;
 }
 
 std::shared_ptr<grpc::Channel> OwnChannel(const std::string& address) {
@@ -178,7 +188,7 @@ int Main(int argc, char** argv) {
     v1::CompleteTaskRequest c;
     c.set_worker_id(worker);
     c.set_task_id(t.task_id());
-    c.set_result_json(BlockDone(t.block()));
+    *c.mutable_block() = BlockDone(t.block());
     if (!manager.CompleteTask(c).ok()) return 1;
   }
 
@@ -191,7 +201,7 @@ int Main(int argc, char** argv) {
   std::vector<std::thread> watch_threads;
   for (int w = 0; w < watchers; ++w) {
     contexts[w] = std::make_unique<grpc::ClientContext>();
-    AddBearerToken(contexts[w].get(), kToken);
+    rpc::AddBearerToken(contexts[w].get(), kToken);
     watch_threads.emplace_back([&, w] {
       auto stub = v1::JobService::NewStub(watch_channels[w % watch_channels.size()]);
       v1::WatchJobRequest req;
@@ -264,7 +274,7 @@ int Main(int argc, char** argv) {
           req.set_job_id(*id);
           while (std::chrono::steady_clock::now() < end) {
             grpc::ClientContext ctx;
-            AddBearerToken(&ctx, kToken);
+            rpc::AddBearerToken(&ctx, kToken);
             v1::Job job;
             const auto t0 = std::chrono::steady_clock::now();
             if (!stub->GetJob(&ctx, req, &job).ok()) ++errors;

@@ -8,7 +8,7 @@
 #include "common/log.h"
 
 int main(int argc, char** argv) {
-  CLI::App app{"qcal: quantize Llama-family models (QuIP#, QuaRot, PrefixQuant)"};
+  CLI::App app{"qcal: quantize Llama-family models (QuIP#, QuaRot, GPTQ, RTN)"};
   app.require_subcommand(1);
   std::string log_level = "warn";
   app.add_option("--log-level", log_level, "debug, info, warn, error, off")

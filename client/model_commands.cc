@@ -15,15 +15,11 @@
 #include "common/tokenizer.h"
 #include "worker/eval/perplexity.h"
 #include "worker/model/llama.h"
-#include "worker/quant/quantized_checkpoint.h"
+#include "common/cli.h"
+#include "methods/worker_registry.h"
 
 namespace qcal::client {
 namespace {
-
-int Fail(const absl::Status& status) {
-  std::fprintf(stderr, "qcal: error: %s\n", std::string(status.message()).c_str());
-  return 1;
-}
 
 }  // namespace
 
@@ -56,7 +52,7 @@ int RunImport(const ImportOptions& o) {
 }
 
 int RunEval(const EvalOptions& o) {
-  auto model = quant::LoadAnyModel(o.model_dir);
+  auto model = methods::LoadModel(o.model_dir);
   if (!model.ok()) return Fail(model.status());
   model::SetComputeThreads(o.threads > 0 ? o.threads
                                          : model::AutoComputeThreads((*model)->config()));
@@ -112,7 +108,7 @@ int RunEval(const EvalOptions& o) {
 }
 
 int RunGenerate(const GenerateOptions& o) {
-  auto model = quant::LoadAnyModel(o.model_dir);
+  auto model = methods::LoadModel(o.model_dir);
   if (!model.ok()) return Fail(model.status());
   model::SetComputeThreads(o.threads > 0 ? o.threads
                                          : model::AutoComputeThreads((*model)->config()));

@@ -8,27 +8,32 @@
 #include <nlohmann/json.hpp>
 
 #include "client/progress.h"
-#include "common/recipe.h"
-#include "worker/quant/quantize_job.h"
+#include "common/cli.h"
+#include "methods/registry.h"
+#include "worker/job/quantize_job.h"
 
 namespace qcal::client {
 namespace {
 
 struct QuantizeOptions {
   std::string recipe_path;
-  quant::QuantizeJobOptions job;
+  job::QuantizeJobOptions job;
+  std::string max_memory;
   bool json = false;
 };
 
-int RunQuantize(const QuantizeOptions& o) {
-  auto recipe = LoadRecipe(o.recipe_path);
-  if (!recipe.ok()) {
-    std::fprintf(stderr, "qcal: error: %s\n", std::string(recipe.status().message()).c_str());
-    return 1;
+int RunQuantize(const QuantizeOptions& o_in) {
+  QuantizeOptions o = o_in;
+  if (!o.max_memory.empty()) {
+    auto bytes = ParseBytes(o.max_memory, "--max-memory");
+    if (!bytes.ok()) return Fail(bytes.status());
+    o.job.max_memory = *bytes;
   }
+  auto recipe = LoadRecipe(o.recipe_path);
+  if (!recipe.ok()) return Fail(recipe.status());
   std::unique_ptr<ProgressBar> bar;
   std::string phase;
-  auto result = quant::RunQuantizeJob(*recipe, o.job, [&](const quant::JobEvent& e) {
+  auto result = job::RunQuantizeJob(*recipe, o.job, [&](const job::JobEvent& e) {
     if (e.phase != phase) {
       if (bar) bar->Finish();
       phase = e.phase;
@@ -37,10 +42,7 @@ int RunQuantize(const QuantizeOptions& o) {
     bar->Update(e.done, e.total);
   });
   if (bar) bar->Finish();
-  if (!result.ok()) {
-    std::fprintf(stderr, "qcal: error: %s\n", std::string(result.status().message()).c_str());
-    return 1;
-  }
+  if (!result.ok()) return Fail(result.status());
   if (o.json) {
     nlohmann::json blocks = nlohmann::json::array();
     for (const auto& b : result->blocks) {
@@ -69,7 +71,7 @@ int RunQuantize(const QuantizeOptions& o) {
     return 0;
   }
   std::printf("recipe %s -> %s\n", recipe->name.c_str(), result->out_dir.c_str());
-  if (recipe->needs_hessians()) {
+  if (recipe->needs().float_hessians) {
     std::printf("calibration: %lld tokens, %.1f s%s\n", (long long)result->calib_tokens,
                 result->calib_seconds, result->hessians_from_cache ? " (cached Hessians)" : "");
   }
@@ -109,6 +111,9 @@ void AddQuantizeCommand(CLI::App& app, int* exit_code) {
                   "where the recipe's calibration files are resolved")
       ->capture_default_str();
   cmd->add_option("--threads", o->job.threads, "compute threads (0 = auto)");
+  cmd->add_option("--max-memory", o->max_memory,
+                  "activations kept in memory before spilling them to the job directory: 8G, "
+                  "512M, ... (default: half the machine's RAM)");
   cmd->add_flag("--json", o->json, "print one JSON object");
   cmd->callback([o, exit_code] { *exit_code = RunQuantize(*o); });
 }

@@ -26,15 +26,16 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "common/cli.h"
+#include "client/job_view.h"
 #include "client/progress.h"
 #include "common/atomic_file.h"
-#include "common/text.h"
-#include "common/tokenizer.h"
-#include "coordinator/auth.h"
-#include "proto/qcal.grpc.pb.h"
-#include "worker/eval/perplexity.h"
-#include "worker/model/llama.h"
-#include "worker/quant/quantized_checkpoint.h"
+#include "common/io_util.h"
+#include "common/job_layout.h"
+#include "proto/qcal.pb.h"
+#include "rpc/auth.h"
+#include "rpc/job_client.h"
+#include "rpc/job_state.h"
 
 extern char** environ;
 
@@ -46,187 +47,12 @@ namespace v1 = ::qcal::v1;
 using nlohmann::json;
 
 // ---------------------------------------------------------------------------------------------
-// Output helpers
-
-int Fail(const std::string& message) {
-  std::fprintf(stderr, "qcal: error: %s\n", message.c_str());
-  return 1;
-}
-int Fail(const absl::Status& status) { return Fail(std::string(status.message())); }
-int Fail(const grpc::Status& status) {
-  return Fail(absl::StrCat(
-      absl::StatusCodeToString(static_cast<absl::StatusCode>(status.error_code())), ": ",
-      status.error_message()));
-}
-
-std::string StateName(v1::JobState state) {
-  std::string name = v1::JobState_Name(state);
-  const std::string prefix = "JOB_STATE_";
-  return name.rfind(prefix, 0) == 0 ? name.substr(prefix.size()) : name;
-}
-
-bool IsFinal(v1::JobState s) {
-  return s == v1::JOB_STATE_SUCCEEDED || s == v1::JOB_STATE_FAILED ||
-         s == v1::JOB_STATE_CANCELLED;
-}
-
-// 0 SUCCEEDED, 2 CANCELLED, 1 otherwise.
-int ExitCodeFor(v1::JobState s) {
-  return s == v1::JOB_STATE_SUCCEEDED ? 0 : s == v1::JOB_STATE_CANCELLED ? 2 : 1;
-}
-
-json ParsedOrString(const std::string& text) {
-  if (text.empty()) return json();
-  json j = json::parse(text, nullptr, false);
-  return j.is_discarded() ? json(text) : j;
-}
-
-json BlockToJson(const v1::BlockMetrics& b) {
-  return {{"block", b.block()},
-          {"seconds", b.seconds()},
-          {"rank", b.rank()},
-          {"resumed", b.resumed()},
-          {"metrics", ParsedOrString(b.metrics_json())}};
-}
-
-json JobToJson(const v1::Job& job) {
-  const v1::JobSpec& s = job.spec();
-  json blocks = json::array();
-  std::vector<v1::BlockMetrics> sorted(job.blocks().begin(), job.blocks().end());
-  std::sort(sorted.begin(), sorted.end(),
-            [](const auto& a, const auto& b) { return a.block() < b.block(); });
-  for (const auto& b : sorted) blocks.push_back(BlockToJson(b));
-  return {{"id", job.id()},
-          {"name", s.name()},
-          {"state", StateName(job.state())},
-          {"phase", job.phase()},
-          {"blocks_done", job.blocks_done()},
-          {"blocks_total", job.blocks_total()},
-          {"error", job.error()},
-          {"created_unix", job.created_unix()},
-          {"updated_unix", job.updated_unix()},
-          {"eta_seconds", job.eta_seconds()},
-          {"workers_alive", job.workers_alive()},
-          {"spec",
-           {{"recipe_path", s.recipe_path()},
-            {"model_dir", s.model_dir()},
-            {"out_dir", s.out_dir()},
-            {"job_dir", s.job_dir()},
-            {"data_root", s.data_root()},
-            {"workers", s.workers()},
-            {"threads_per_worker", s.threads_per_worker()},
-            {"calib_batch", s.calib_batch()}}},
-          {"blocks", blocks},
-          {"result", ParsedOrString(job.result_json())}};
-}
-
-json EventToJson(const v1::JobEvent& e) {
-  std::string kind = v1::JobEventKind_Name(e.kind());
-  const std::string prefix = "JOB_EVENT_KIND_";
-  if (kind.rfind(prefix, 0) == 0) kind = kind.substr(prefix.size());
-  json j = {{"job_id", e.job_id()}, {"seq", e.seq()},     {"time_unix", e.time_unix()},
-            {"kind", kind},         {"state", StateName(e.state())},
-            {"phase", e.phase()},   {"done", e.done()},   {"total", e.total()},
-            {"eta_seconds", e.eta_seconds()},             {"message", e.message()}};
-  if (e.has_block()) j["block"] = BlockToJson(e.block());
-  return j;
-}
-
-std::string TimeOfDay(double unix_seconds) {
-  const std::time_t t = static_cast<std::time_t>(unix_seconds);
-  std::tm tm;
-  localtime_r(&t, &tm);
-  char buf[32];
-  std::strftime(buf, sizeof(buf), "%H:%M:%S", &tm);
-  return buf;
-}
-
-std::string DateTime(double unix_seconds) {
-  if (unix_seconds <= 0) return "-";
-  const std::time_t t = static_cast<std::time_t>(unix_seconds);
-  std::tm tm;
-  localtime_r(&t, &tm);
-  char buf[32];
-  std::strftime(buf, sizeof(buf), "%Y-%m-%d %H:%M:%S", &tm);
-  return buf;
-}
-
-std::string Seconds(double s) {
-  if (s < 0 || !std::isfinite(s)) return "-";
-  char buf[32];
-  if (s < 60) {
-    std::snprintf(buf, sizeof(buf), "%.1fs", s);
-  } else {
-    std::snprintf(buf, sizeof(buf), "%dm%02ds", static_cast<int>(s) / 60,
-                  static_cast<int>(s) % 60);
-  }
-  return buf;
-}
-
-// Mean relative error over a block's linears (from its block_done entry), NaN when absent.
-double MeanRelative(const json& metrics) {
-  if (!metrics.is_object() || !metrics.contains("metrics")) return std::nan("");
-  double sum = 0;
-  int n = 0;
-  for (const auto& m : metrics["metrics"]) {
-    if (m.contains("relative") && m["relative"].is_number()) {
-      sum += m["relative"].get<double>();
-      ++n;
-    }
-  }
-  return n > 0 ? sum / n : std::nan("");
-}
-
-void PrintBlockTable(const v1::Job& job) {
-  if (job.blocks_size() == 0) return;
-  std::vector<v1::BlockMetrics> sorted(job.blocks().begin(), job.blocks().end());
-  std::sort(sorted.begin(), sorted.end(),
-            [](const auto& a, const auto& b) { return a.block() < b.block(); });
-  std::printf("\n%-6s %-8s %9s %16s\n", "block", "rank", "seconds", "mean rel. error");
-  for (const auto& b : sorted) {
-    const double rel = MeanRelative(ParsedOrString(b.metrics_json()));
-    std::printf("%-6lld %-8s %9.2f %16.4g\n", static_cast<long long>(b.block()),
-                b.resumed() ? "resumed" : std::to_string(b.rank()).c_str(), b.seconds(), rel);
-  }
-}
-
-void PrintResult(const v1::Job& job) {
-  const json result = ParsedOrString(job.result_json());
-  if (result.is_object() && result.contains("code_bits") && result.contains("stored_bits")) {
-    std::printf("bits per weight: %.3f codes, %.3f stored (codes + signs + scales)\n",
-                result["code_bits"].get<double>(), result["stored_bits"].get<double>());
-  }
-}
-
-void PrintJob(const v1::Job& job) {
-  const v1::JobSpec& s = job.spec();
-  std::printf("%s  %s%s\n", job.id().c_str(), StateName(job.state()).c_str(),
-              s.name().empty() ? "" : ("  (" + s.name() + ")").c_str());
-  std::printf("  recipe    %s\n", s.recipe_path().c_str());
-  std::printf("  model     %s\n", s.model_dir().c_str());
-  std::printf("  output    %s (job dir %s)\n", s.out_dir().c_str(),
-              s.job_dir().empty() ? (s.out_dir() + ".job").c_str() : s.job_dir().c_str());
-  std::printf("  workers   %d rank(s), %d alive\n", s.workers(), job.workers_alive());
-  std::printf("  phase     %s, blocks %lld/%lld, ETA %s\n", job.phase().c_str(),
-              static_cast<long long>(job.blocks_done()),
-              static_cast<long long>(job.blocks_total()), Seconds(job.eta_seconds()).c_str());
-  std::printf("  created   %s, updated %s\n", DateTime(job.created_unix()).c_str(),
-              DateTime(job.updated_unix()).c_str());
-  if (!job.error().empty()) std::printf("  error     %s\n", job.error().c_str());
-  PrintBlockTable(job);
-  if (job.state() == v1::JOB_STATE_SUCCEEDED) {
-    std::printf("\n");
-    PrintResult(job);
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
 // Connection
 
 struct ConnectionOptions {
   std::string address;
   std::string token_file;
-  coordinator::ClientTls tls;
+  rpc::ClientTls tls;
 };
 
 void AddConnectionOptions(CLI::App* cmd, ConnectionOptions* o) {
@@ -245,188 +71,21 @@ void AddConnectionOptions(CLI::App* cmd, ConnectionOptions* o) {
   cmd->add_option("--tls-key", o->tls.key_file, "key of --tls-cert")->check(CLI::ExistingFile);
 }
 
-class Client {
- public:
-  static StatusOr<std::unique_ptr<Client>> Connect(const ConnectionOptions& o) {
-    if (o.token_file.empty()) {
-      return absl::InvalidArgumentError(
-          "no auth token: pass --auth-token-file or set QCAL_AUTH_TOKEN_FILE");
-    }
-    QCAL_ASSIGN_OR_RETURN(std::string token, coordinator::ReadTokenFile(o.token_file));
-    QCAL_ASSIGN_OR_RETURN(auto channel, coordinator::MakeChannel(o.address, o.tls));
-    auto c = std::unique_ptr<Client>(new Client());
-    c->address_ = o.address;
-    c->token_ = token;
-    c->channel_ = channel;
-    c->stub_ = v1::JobService::NewStub(channel);
-    return c;
+StatusOr<std::string> TokenOf(const ConnectionOptions& o) {
+  if (o.token_file.empty()) {
+    return absl::InvalidArgumentError(
+        "no auth token: pass --auth-token-file or set QCAL_AUTH_TOKEN_FILE");
   }
+  return rpc::ReadTokenFile(o.token_file);
+}
 
-  // A context with the token and, for unary calls, a deadline.
-  void Prepare(grpc::ClientContext* ctx, bool unary = true) const {
-    coordinator::AddBearerToken(ctx, token_);
-    if (unary) ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-  }
-  // Unavailable names the address.
-  grpc::Status Explain(grpc::Status s) const {
-    if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
-      return grpc::Status(s.error_code(), absl::StrCat("cannot reach the coordinator at ",
-                                                       address_, ": ", s.error_message()));
-    }
-    return s;
-  }
-
-  grpc::Status Get(const std::string& id, v1::Job* job) const {
-    grpc::ClientContext ctx;
-    Prepare(&ctx);
-    v1::GetJobRequest req;
-    req.set_job_id(id);
-    return Explain(stub_->GetJob(&ctx, req, job));
-  }
-  grpc::Status Cancel(const std::string& id, v1::Job* job) const {
-    grpc::ClientContext ctx;
-    Prepare(&ctx);
-    v1::CancelJobRequest req;
-    req.set_job_id(id);
-    v1::CancelJobResponse resp;
-    grpc::Status s = stub_->CancelJob(&ctx, req, &resp);
-    *job = resp.job();
-    return Explain(s);
-  }
-  grpc::Status Submit(const v1::JobSpec& spec, std::string* id) const {
-    grpc::ClientContext ctx;
-    Prepare(&ctx);
-    v1::SubmitJobRequest req;
-    *req.mutable_spec() = spec;
-    v1::SubmitJobResponse resp;
-    grpc::Status s = stub_->SubmitJob(&ctx, req, &resp);
-    *id = resp.job_id();
-    return Explain(s);
-  }
-  grpc::Status List(std::vector<v1::Job>* jobs) const {
-    grpc::ClientContext ctx;
-    Prepare(&ctx);
-    v1::ListJobsResponse resp;
-    grpc::Status s = stub_->ListJobs(&ctx, v1::ListJobsRequest(), &resp);
-    jobs->assign(resp.jobs().begin(), resp.jobs().end());
-    return Explain(s);
-  }
-  v1::JobService::Stub& stub() const { return *stub_; }
-  const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
-
- private:
-  Client() = default;
-  std::string address_, token_;
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::JobService::Stub> stub_;
-};
-
-// ---------------------------------------------------------------------------------------------
-// Watching a job: one line per event for people (a progress bar per phase on a terminal), or one
-// JSON object per event. Reconnects (from the last event seen) if the stream breaks.
-
-class JobWatcher {
- public:
-  JobWatcher(const Client& client, bool json) : client_(client), json_(json) {}
-
-  // Follows `id` until it ends; returns the final job.
-  StatusOr<v1::Job> Follow(const std::string& id) {
-    int64_t last_seq = 0;
-    for (int attempt = 0;; ++attempt) {
-      grpc::ClientContext ctx;
-      client_.Prepare(&ctx, /*unary=*/false);
-      v1::WatchJobRequest req;
-      req.set_job_id(id);
-      req.set_after_seq(last_seq);
-      auto reader = client_.stub().WatchJob(&ctx, req);
-      v1::JobEvent e;
-      while (reader->Read(&e)) {
-        last_seq = e.seq();
-        Show(e);
-        attempt = 0;
-      }
-      grpc::Status s = reader->Finish();
-      if (bar_) bar_->Finish();
-      bar_.reset();
-      v1::Job job;
-      if (s.ok() || s.error_code() == grpc::StatusCode::CANCELLED) {
-        grpc::Status g = client_.Get(id, &job);
-        if (!g.ok()) return absl::Status(static_cast<absl::StatusCode>(g.error_code()),
-                                         g.error_message());
-        if (IsFinal(job.state())) return job;
-      }
-      if (s.error_code() != grpc::StatusCode::UNAVAILABLE &&
-          s.error_code() != grpc::StatusCode::CANCELLED && !s.ok()) {
-        s = client_.Explain(s);
-        return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
-      }
-      if (attempt >= 10) {
-        return absl::UnavailableError(absl::StrCat("lost the event stream of ", id, ": ",
-                                                   client_.Explain(s).error_message()));
-      }
-      std::this_thread::sleep_for(std::chrono::seconds(1));
-    }
-  }
-
- private:
-  void Line(const v1::JobEvent& e, const std::string& text, FILE* out = stdout) {
-    if (bar_ && tty_) std::fprintf(stderr, "\r\033[K");
-    std::fprintf(out, "[%s] %s %s\n", TimeOfDay(e.time_unix()).c_str(), e.job_id().c_str(),
-                 text.c_str());
-    std::fflush(out);
-  }
-
-  void Show(const v1::JobEvent& e) {
-    if (json_) {
-      std::printf("%s\n", EventToJson(e).dump().c_str());
-      std::fflush(stdout);
-      return;
-    }
-    switch (e.kind()) {
-      case v1::JOB_EVENT_KIND_STATE:
-        if (bar_) bar_->Finish();
-        bar_.reset();
-        Line(e, e.message().empty() ? StateName(e.state()) : e.message());
-        break;
-      case v1::JOB_EVENT_KIND_PHASE:
-        if (bar_) bar_->Finish();
-        bar_.reset();
-        Line(e, absl::StrCat("phase ", e.phase()));
-        if (e.phase() == "quantize") {
-          bar_ = std::make_unique<ProgressBar>(e.job_id() + " quantize", e.total());
-          bar_->Update(e.done(), e.total());
-        }
-        break;
-      case v1::JOB_EVENT_KIND_PROGRESS:
-        if (e.total() > 0) {
-          if (!bar_ || bar_phase_ != e.phase()) {
-            if (bar_) bar_->Finish();
-            bar_ = std::make_unique<ProgressBar>(e.job_id() + " " + e.phase(), e.total());
-            bar_phase_ = e.phase();
-          }
-          bar_->Update(e.done(), e.total());
-        }
-        break;
-      case v1::JOB_EVENT_KIND_BLOCK_DONE:
-        Line(e, absl::StrCat(e.message(), " (", e.done(), "/", e.total(), ", ETA ",
-                             Seconds(e.eta_seconds()), ")"));
-        if (bar_) bar_->Update(e.done(), e.total());
-        break;
-      case v1::JOB_EVENT_KIND_WARNING:
-        Line(e, "warning: " + e.message(), stderr);
-        break;
-      default:
-        Line(e, e.message());
-        break;
-    }
-  }
-
-  const Client& client_;
-  bool json_;
-  bool tty_ = isatty(STDERR_FILENO) == 1;
-  std::unique_ptr<ProgressBar> bar_;
-  std::string bar_phase_;
-};
+StatusOr<std::unique_ptr<rpc::JobClient>> Connect(const ConnectionOptions& o) {
+  rpc::JobClientOptions options;
+  options.address = o.address;
+  options.tls = o.tls;
+  QCAL_ASSIGN_OR_RETURN(options.token, TokenOf(o));
+  return rpc::MakeGrpcJobClient(options);
+}
 
 // ---------------------------------------------------------------------------------------------
 // submit / status / watch / cancel / list
@@ -439,6 +98,12 @@ struct SpecOptions {
   int threads = 0;
   int calib_batch = 0;
   std::string name;
+  std::string max_memory;  // "8G", "512M", bytes; empty: the worker's default
+  // The evaluation phase (perplexity by the workers after the job).
+  bool eval = false;
+  std::vector<std::string> eval_data;
+  int64_t eval_ctx = 512;
+  int64_t eval_max_tokens = -1;
 };
 
 void AddSpecOptions(CLI::App* cmd, SpecOptions* o) {
@@ -454,6 +119,15 @@ void AddSpecOptions(CLI::App* cmd, SpecOptions* o) {
   cmd->add_option("--threads", o->threads, "compute threads per rank (0 = automatic)");
   cmd->add_option("--calib-batch", o->calib_batch, "sequences per calibration forward (0 = 8)");
   cmd->add_option("--name", o->name, "a label shown by `qcal list`");
+  cmd->add_option("--max-memory", o->max_memory,
+                  "activations a worker rank keeps in memory before spilling them to the job "
+                  "directory: 8G, 512M, ... (default: half the node's RAM over its ranks)");
+  cmd->add_option("--eval-data", o->eval_data,
+                  "text files the evaluation phase scores (default: WikiText-2 test and the "
+                  "TinyStories sample under the data root)");
+  cmd->add_option("--eval-ctx", o->eval_ctx, "perplexity window")->capture_default_str();
+  cmd->add_option("--eval-max-tokens", o->eval_max_tokens,
+                  "evaluate on at most this many tokens per file");
 }
 
 std::string Absolute(const std::string& path) {
@@ -476,17 +150,44 @@ StatusOr<v1::JobSpec> MakeSpec(const SpecOptions& o) {
   spec.set_threads_per_worker(o.threads);
   spec.set_calib_batch(o.calib_batch);
   spec.set_name(o.name);
+  if (!o.max_memory.empty()) {
+    QCAL_ASSIGN_OR_RETURN(int64_t bytes, ParseBytes(o.max_memory, "--max-memory"));
+    spec.set_max_memory_bytes(bytes);
+  }
+  if (o.eval) {
+    v1::EvalSpec* eval = spec.mutable_eval();
+    eval->set_ctx(o.eval_ctx);
+    eval->set_max_tokens(o.eval_max_tokens);
+    if (!o.eval_data.empty()) {
+      for (const std::string& p : o.eval_data) {
+        v1::EvalData* d = eval->add_data();
+        d->set_label(fs::path(p).stem().string());
+        d->set_path(Absolute(p));
+      }
+    } else {
+      const std::string root = spec.data_root();
+      const std::pair<const char*, std::string> defaults[] = {
+          {"wikitext2", root + "/data/wikitext2/wiki.test.joined.txt"},
+          {"tinystories", root + "/data/tinystories/TinyStories-valid.sample30k.txt"}};
+      for (const auto& [label, path] : defaults) {
+        if (::access(path.c_str(), R_OK) != 0) continue;
+        v1::EvalData* d = eval->add_data();
+        d->set_label(label);
+        d->set_path(path);
+      }
+    }
+  }
   return spec;
 }
 
 int RunSubmit(const ConnectionOptions& c, const SpecOptions& s, bool watch, bool json_out) {
-  auto client = Client::Connect(c);
+  auto client = Connect(c);
   if (!client.ok()) return Fail(client.status());
   auto spec = MakeSpec(s);
   if (!spec.ok()) return Fail(spec.status());
-  std::string id;
-  grpc::Status st = (*client)->Submit(*spec, &id);
-  if (!st.ok()) return Fail(st);
+  auto submitted = (*client)->Submit(*spec);
+  if (!submitted.ok()) return FailRpc(submitted.status());
+  const std::string id = *submitted;
   if (json_out) {
     std::printf("%s\n", json{{"job_id", id}}.dump().c_str());
   } else {
@@ -495,16 +196,16 @@ int RunSubmit(const ConnectionOptions& c, const SpecOptions& s, bool watch, bool
   std::fflush(stdout);
   if (!watch) return 0;
   auto job = JobWatcher(**client, json_out).Follow(id);
-  if (!job.ok()) return Fail(job.status());
+  if (!job.ok()) return FailRpc(job.status());
   return ExitCodeFor(job->state());
 }
 
 int RunStatus(const ConnectionOptions& c, const std::string& id, bool json_out) {
-  auto client = Client::Connect(c);
+  auto client = Connect(c);
   if (!client.ok()) return Fail(client.status());
-  v1::Job job;
-  grpc::Status st = (*client)->Get(id, &job);
-  if (!st.ok()) return Fail(st);
+  auto got = (*client)->Get(id);
+  if (!got.ok()) return FailRpc(got.status());
+  const v1::Job& job = *got;
   if (json_out) {
     std::printf("%s\n", JobToJson(job).dump().c_str());
   } else {
@@ -514,37 +215,37 @@ int RunStatus(const ConnectionOptions& c, const std::string& id, bool json_out) 
 }
 
 int RunWatch(const ConnectionOptions& c, const std::string& id, bool json_out) {
-  auto client = Client::Connect(c);
+  auto client = Connect(c);
   if (!client.ok()) return Fail(client.status());
   auto job = JobWatcher(**client, json_out).Follow(id);
-  if (!job.ok()) return Fail(job.status());
+  if (!job.ok()) return FailRpc(job.status());
   if (!json_out) {
-    std::printf("%s %s%s%s\n", job->id().c_str(), StateName(job->state()).c_str(),
+    std::printf("%s %s%s%s\n", job->id().c_str(), rpc::JobStateName(job->state()),
                 job->error().empty() ? "" : ": ", job->error().c_str());
   }
   return ExitCodeFor(job->state());
 }
 
 int RunCancel(const ConnectionOptions& c, const std::string& id, bool json_out) {
-  auto client = Client::Connect(c);
+  auto client = Connect(c);
   if (!client.ok()) return Fail(client.status());
-  v1::Job job;
-  grpc::Status st = (*client)->Cancel(id, &job);
-  if (!st.ok()) return Fail(st);
+  auto cancelled = (*client)->Cancel(id);
+  if (!cancelled.ok()) return FailRpc(cancelled.status());
+  const v1::Job& job = *cancelled;
   if (json_out) {
     std::printf("%s\n", JobToJson(job).dump().c_str());
   } else {
-    std::printf("%s %s\n", job.id().c_str(), StateName(job.state()).c_str());
+    std::printf("%s %s\n", job.id().c_str(), rpc::JobStateName(job.state()));
   }
   return 0;
 }
 
 int RunList(const ConnectionOptions& c, bool json_out) {
-  auto client = Client::Connect(c);
+  auto client = Connect(c);
   if (!client.ok()) return Fail(client.status());
-  std::vector<v1::Job> jobs;
-  grpc::Status st = (*client)->List(&jobs);
-  if (!st.ok()) return Fail(st);
+  auto listed = (*client)->List();
+  if (!listed.ok()) return FailRpc(listed.status());
+  const std::vector<v1::Job>& jobs = *listed;
   if (json_out) {
     json arr = json::array();
     for (const auto& j : jobs) arr.push_back(JobToJson(j));
@@ -556,7 +257,7 @@ int RunList(const ConnectionOptions& c, bool json_out) {
   for (const auto& j : jobs) {
     std::printf("%-11s %-16s %-10s %-9s %-7s %-8s %-19s %s\n", j.id().c_str(),
                 j.spec().name().empty() ? "-" : j.spec().name().substr(0, 16).c_str(),
-                StateName(j.state()).c_str(), j.phase().c_str(),
+                rpc::JobStateName(j.state()), j.phase().c_str(),
                 absl::StrCat(j.blocks_done(), "/", j.blocks_total()).c_str(),
                 absl::StrCat(j.workers_alive(), "/", j.spec().workers()).c_str(),
                 DateTime(j.updated_unix()).c_str(), j.spec().out_dir().c_str());
@@ -571,30 +272,12 @@ struct RunOptions {
   SpecOptions spec;
   std::string state_dir;
   std::string coordinator_binary, worker_binary, mpirun;
-  std::vector<std::string> eval_data;
-  int64_t eval_ctx = 512;
-  int64_t eval_max_tokens = -1;
   bool no_eval = false;
   bool json = false;
 };
 
-std::string SelfDir() {
-  char buf[PATH_MAX];
-  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  if (n <= 0) return ".";
-  std::string path(buf, n);
-  return path.substr(0, path.rfind('/'));
-}
-
 // qcal-coordinator beside this program, in the build tree's coordinator/ folder, or on PATH.
-std::string FindCoordinatorBinary() {
-  const std::string dir = SelfDir();
-  for (const std::string& c :
-       {dir + "/qcal-coordinator", dir + "/../coordinator/qcal-coordinator"}) {
-    if (::access(c.c_str(), X_OK) == 0) return c;
-  }
-  return "qcal-coordinator";
-}
+std::string FindCoordinatorBinary() { return io::FindProgram("qcal-coordinator", "coordinator"); }
 
 // The coordinator child: started in its own process group (a Ctrl-C reaches only qcal, which
 // cancels the job first), stopped with SIGTERM.
@@ -680,32 +363,9 @@ class LocalCoordinator {
 std::atomic<int> g_interrupts{0};
 void OnInterrupt(int) { g_interrupts.fetch_add(1); }
 
-struct EvalRow {
-  std::string label, path;
-  int64_t tokens = 0;
-  double float_ppl = std::nan(""), quant_ppl = std::nan("");
-};
-
-// Perplexity of the model in `model_dir` on `text_path` (non-overlapping windows of `ctx`).
-StatusOr<eval::PerplexityResult> Perplexity(const std::string& model_dir,
-                                            const std::string& text_path, int64_t ctx,
-                                            int64_t max_tokens, const std::string& label) {
-  QCAL_ASSIGN_OR_RETURN(auto model, quant::LoadAnyModel(model_dir));
-  model::SetComputeThreads(model::AutoComputeThreads(model->config()));
-  QCAL_ASSIGN_OR_RETURN(auto tokenizer, LoadTokenizerFromModelDir(model_dir));
-  QCAL_ASSIGN_OR_RETURN(std::string text, ReadTextFile(text_path));
-  eval::PerplexityOptions opt;
-  opt.ctx = ctx;
-  opt.max_tokens = max_tokens;
-  opt.bos_id = tokenizer->bos_id();
-  ProgressBar bar(label, 0);
-  auto result = eval::EvaluatePerplexity(*model, tokenizer->Encode(text), opt,
-                                         [&bar](int64_t d, int64_t t) { bar.Update(d, t); });
-  bar.Finish();
-  return result;
-}
-
-int RunRun(const RunOptions& o) {
+int RunRun(const RunOptions& o_in) {
+  RunOptions o = o_in;
+  o.spec.eval = !o.no_eval;
   auto spec = MakeSpec(o.spec);
   if (!spec.ok()) return Fail(spec.status());
 
@@ -722,7 +382,7 @@ int RunRun(const RunOptions& o) {
   state = Absolute(state);
   const std::string token_file = state + "/auth-token";
   {
-    auto token = coordinator::NewRandomToken();
+    auto token = rpc::NewRandomToken();
     if (!token.ok()) return Fail(token.status());
     ::unlink(token_file.c_str());
     const int fd = ::open(token_file.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
@@ -738,23 +398,24 @@ int RunRun(const RunOptions& o) {
   ConnectionOptions conn;
   conn.address = coordinator.address();
   conn.token_file = token_file;
-  auto client = Client::Connect(conn);
+  auto client = Connect(conn);
   if (!client.ok()) return Fail(client.status());
-  if (auto s = coordinator::WaitForHealthy((*client)->channel(), std::chrono::seconds(30));
-      !s.ok()) {
-    return Fail(s);
+  {
+    auto channel = rpc::MakeChannel(conn.address, conn.tls);
+    if (!channel.ok()) return Fail(channel.status());
+    if (auto s = rpc::WaitForHealthy(*channel, std::chrono::seconds(30)); !s.ok()) return Fail(s);
   }
-  std::string id;
-  grpc::Status st = (*client)->Submit(*spec, &id);
-  if (!st.ok()) {
+  auto submitted = (*client)->Submit(*spec);
+  if (!submitted.ok()) {
     // Refused before it existed: nothing in the state directory is worth keeping.
     coordinator.Stop();
     if (temporary_state) {
       std::error_code ec;
       fs::remove_all(state, ec);
     }
-    return Fail(st);
+    return FailRpc(submitted.status());
   }
+  const std::string id = *submitted;
   if (!o.json) {
     std::printf("%s: %s -> %s with %d worker rank(s); local coordinator at %s (state %s)\n",
                 id.c_str(), spec->model_dir().c_str(), spec->out_dir().c_str(), spec->workers(),
@@ -777,8 +438,7 @@ int RunRun(const RunOptions& o) {
       const int n = g_interrupts.load();
       if (n >= 1 && !cancelled) {
         std::fprintf(stderr, "\nqcal: cancelling %s (Ctrl-C again to quit now)\n", id.c_str());
-        v1::Job ignored;
-        (*client)->Cancel(id, &ignored);
+        (*client)->Cancel(id).IgnoreError();
         cancelled = true;
       }
       if (n >= 2) {
@@ -794,11 +454,11 @@ int RunRun(const RunOptions& o) {
   sigaction(SIGINT, &old_int, nullptr);
   sigaction(SIGTERM, &old_term, nullptr);
   coordinator.Stop();
-  if (!job.ok()) return Fail(job.status());
+  if (!job.ok()) return FailRpc(job.status());
 
   json eval_rows = json::array();
   if (!o.json) {
-    std::printf("\n%s %s%s%s\n", id.c_str(), StateName(job->state()).c_str(),
+    std::printf("\n%s %s%s%s\n", id.c_str(), rpc::JobStateName(job->state()),
                 job->error().empty() ? "" : ": ", job->error().c_str());
     PrintBlockTable(*job);
     if (job->state() == v1::JOB_STATE_SUCCEEDED) PrintResult(*job);
@@ -811,47 +471,20 @@ int RunRun(const RunOptions& o) {
                      .c_str());
   }
 
-  if (job->state() == v1::JOB_STATE_SUCCEEDED && !o.no_eval) {
-    std::vector<EvalRow> rows;
-    if (!o.eval_data.empty()) {
-      for (const std::string& p : o.eval_data) {
-        rows.push_back({fs::path(p).stem().string(), Absolute(p)});
-      }
-    } else {
-      const std::string root = spec->data_root();
-      const std::pair<const char*, std::string> defaults[] = {
-          {"wikitext2", root + "/data/wikitext2/wiki.test.joined.txt"},
-          {"tinystories", root + "/data/tinystories/TinyStories-valid.sample30k.txt"}};
-      for (const auto& [label, path] : defaults) {
-        if (::access(path.c_str(), R_OK) == 0) rows.push_back({label, path});
-      }
+  // The evaluation phase ran on the workers; its perplexities are part of the job.
+  std::map<std::string, json> by_file;
+  std::vector<std::string> order;
+  for (const v1::EvalResult& e : job->evals()) {
+    const std::string& label = e.params().label();
+    if (by_file.count(label) == 0) {
+      order.push_back(label);
+      by_file[label] = {{"data", label}, {"path", e.params().path()}};
     }
-    for (EvalRow& row : rows) {
-      auto f = Perplexity(spec->model_dir(), row.path, o.eval_ctx, o.eval_max_tokens,
-                          row.label + " float");
-      if (!f.ok()) return Fail(f.status());
-      auto q = Perplexity(spec->out_dir(), row.path, o.eval_ctx, o.eval_max_tokens,
-                          row.label + " quantized");
-      if (!q.ok()) return Fail(q.status());
-      row.tokens = f->tokens_scored;
-      row.float_ppl = f->perplexity;
-      row.quant_ppl = q->perplexity;
-      eval_rows.push_back({{"data", row.label}, {"path", row.path}, {"tokens", row.tokens},
-                           {"float", row.float_ppl}, {"quantized", row.quant_ppl}});
-    }
-    if (!o.json && !rows.empty()) {
-      std::printf("\nperplexity (ctx %lld, non-overlapping windows%s)\n",
-                  static_cast<long long>(o.eval_ctx),
-                  o.eval_max_tokens > 0
-                      ? absl::StrCat(", first ", o.eval_max_tokens, " tokens").c_str()
-                      : "");
-      std::printf("%-14s %10s %12s %12s\n", "data", "tokens", "float", "quantized");
-      for (const EvalRow& r : rows) {
-        std::printf("%-14s %10lld %12.4f %12.4f\n", r.label.c_str(),
-                    static_cast<long long>(r.tokens), r.float_ppl, r.quant_ppl);
-      }
-    }
+    if (e.params().model() == "float") by_file[label]["tokens"] = e.scored();
+    by_file[label][e.params().model()] = e.perplexity();
   }
+  for (const std::string& label : order) eval_rows.push_back(by_file[label]);
+  if (!o.json && job->state() == v1::JOB_STATE_SUCCEEDED) PrintEvalTable(*job);
   if (o.json) {
     std::printf("%s\n", json{{"job", JobToJson(*job)}, {"perplexity", eval_rows}}.dump().c_str());
   }
@@ -874,6 +507,9 @@ void AddServiceCommands(CLI::App& app, int* exit_code) {
     AddSpecOptions(cmd, s.get());
     AddConnectionOptions(cmd, c.get());
     cmd->add_flag("--watch", flags->first, "follow the job and exit with its status");
+    cmd->add_flag("--eval", s->eval,
+                  "add the evaluation phase: the workers score the float and quantized model "
+                  "(--eval-data files, default WikiText-2 test and TinyStories)");
     cmd->add_flag("--json", flags->second, "print JSON");
     cmd->callback([=] { *exit_code = RunSubmit(*c, *s, flags->first, flags->second); });
   }
@@ -924,13 +560,8 @@ void AddServiceCommands(CLI::App& app, int* exit_code) {
     cmd->add_option("--worker-binary", o->worker_binary,
                     "qcal-worker (default: the coordinator's choice)");
     cmd->add_option("--mpirun", o->mpirun, "mpirun to launch the workers with");
-    cmd->add_option("--eval-data", o->eval_data,
-                    "text files to evaluate on (default: WikiText-2 test and the TinyStories "
-                    "sample under the data root)");
-    cmd->add_option("--eval-ctx", o->eval_ctx, "perplexity window")->capture_default_str();
-    cmd->add_option("--eval-max-tokens", o->eval_max_tokens,
-                    "evaluate on at most this many tokens per file");
-    cmd->add_flag("--no-eval", o->no_eval, "skip the perplexity evaluation");
+    cmd->add_flag("--no-eval", o->no_eval,
+                  "skip the evaluation phase (float and quantized perplexity by the workers)");
     cmd->add_flag("--json", o->json, "print JSON events and one JSON summary at the end");
     cmd->callback([o, exit_code] { *exit_code = RunRun(*o); });
   }

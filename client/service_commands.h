@@ -1,12 +1,15 @@
 // Service commands of the qcal CLI: they talk to a coordinator (qcal-coordinator) over gRPC.
 //
-//   qcal submit RECIPE --model DIR --out DIR [--workers N] [--watch]   → job id
+//   qcal submit RECIPE --model DIR --out DIR [--workers N] [--eval] [--watch]   → job id
 //   qcal status JOB | watch JOB | cancel JOB | list                    (--json everywhere)
 //   qcal run RECIPE --model DIR --out DIR [--workers N]
 //       starts a private coordinator (free port, fresh random token, temporary state directory
-//       unless --state) and N MPI workers, submits, watches with a progress bar, prints the
-//       per-block table, evaluates float and quantized perplexity, and exits with the job's
-//       status.
+//       unless --state) and N MPI workers, submits with the evaluation phase, watches with a
+//       progress bar, prints the per-block table and the float and quantized perplexities the
+//       workers computed, and exits with the job's status.
+//
+// None of these load a model: the workers do every computation, so they work against a remote
+// cluster the same way (this code links no LibTorch: target qcal_client_service).
 //
 // Connection flags: --coordinator HOST:PORT (env QCAL_COORDINATOR, default 127.0.0.1:50051),
 // --auth-token-file F (env QCAL_AUTH_TOKEN_FILE), --tls-ca F [--tls-cert F --tls-key F].

@@ -11,20 +11,16 @@
 #include "common/tokenizer.h"
 #include "worker/eval/perplexity.h"
 #include "worker/model/llama.h"
-#include "worker/quant/quantized_checkpoint.h"
-#include "worker/quarot/bfp_kv.h"
-#include "worker/quarot/ksort.h"
-#include "worker/quarot/model_compare.h"
-#include "worker/quarot/outlier_stats.h"
-#include "worker/quarot/plant_outliers.h"
+#include "common/cli.h"
+#include "methods/worker_registry.h"
+#include "worker/qsim/bfp_kv.h"
+#include "worker/qsim/ksort.h"
+#include "worker/tools/model_compare.h"
+#include "worker/tools/outlier_stats.h"
+#include "worker/tools/plant_outliers.h"
 
 namespace qcal::client {
 namespace {
-
-int Fail(const absl::Status& status) {
-  std::fprintf(stderr, "qcal: error: %s\n", std::string(status.message()).c_str());
-  return 1;
-}
 
 double SecondsSince(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -34,18 +30,18 @@ double SecondsSince(std::chrono::steady_clock::time_point t0) {
 
 int RunPlantOutliers(const PlantOutliersCliOptions& o) {
   const auto t0 = std::chrono::steady_clock::now();
-  quarot::PlantOutliersOptions p;
+  tools::PlantOutliersOptions p;
   p.alpha = o.alpha;
   p.beta = o.beta;
   p.down_channels = o.channels;
   p.v_channels = o.channels;
   p.k_pairs = o.k_pairs;
   p.seed = o.seed;
-  auto r = quarot::PlantOutliers(o.model_dir, o.out_dir, p);
+  auto r = tools::PlantOutliers(o.model_dir, o.out_dir, p);
   if (!r.ok()) return Fail(r.status());
   const double seconds = SecondsSince(t0);
   if (o.json) {
-    nlohmann::json j = quarot::PlanToJson(p, r->plan);
+    nlohmann::json j = tools::PlanToJson(p, r->plan);
     j["model"] = o.model_dir;
     j["out_dir"] = r->out_dir;
     j["tensors"] = r->tensors;
@@ -65,7 +61,7 @@ int RunPlantOutliers(const PlantOutliersCliOptions& o) {
 }
 
 int RunOutlierStats(const OutlierStatsOptions& o) {
-  auto model = quant::LoadAnyModel(o.model_dir);
+  auto model = methods::LoadModel(o.model_dir);
   if (!model.ok()) return Fail(model.status());
   model::SetComputeThreads(model::AutoComputeThreads((*model)->config()));
   auto tokenizer = LoadTokenizerFromModelDir(o.model_dir);
@@ -74,9 +70,9 @@ int RunOutlierStats(const OutlierStatsOptions& o) {
   if (!text.ok()) return Fail(text.status());
   std::vector<int32_t> tokens = (*tokenizer)->Encode(*text);
   if (o.tokens > 0 && static_cast<int64_t>(tokens.size()) > o.tokens) tokens.resize(o.tokens);
-  auto stats = quarot::MeasureOutlierStats(**model, tokens, o.ctx, (*tokenizer)->bos_id());
+  auto stats = tools::MeasureOutlierStats(**model, tokens, o.ctx, (*tokenizer)->bos_id());
   if (!stats.ok()) return Fail(stats.status());
-  const quarot::LayerOutlierStats m = stats->Max();
+  const tools::LayerOutlierStats m = stats->Max();
   if (o.json) {
     nlohmann::json layers = nlohmann::json::array();
     for (const auto& l : stats->layers) {
@@ -106,7 +102,7 @@ int RunOutlierStats(const OutlierStatsOptions& o) {
 }
 
 int RunKvEval(const KvEvalOptions& o) {
-  auto model = quant::LoadAnyModel(o.model_dir);
+  auto model = methods::LoadModel(o.model_dir);
   if (!model.ok()) return Fail(model.status());
   model::LlamaModel& m = **model;
   model::SetComputeThreads(o.threads > 0 ? o.threads : model::AutoComputeThreads(m.config()));
@@ -115,11 +111,11 @@ int RunKvEval(const KvEvalOptions& o) {
                                            "': expected pairs or channels"));
   }
   if (o.k_sort) {
-    quarot::KSortOptions ko;
+    qsim::KSortOptions ko;
     ko.order =
-        o.k_sort_order == "pairs" ? quarot::KSortOrder::kPairs : quarot::KSortOrder::kChannels;
+        o.k_sort_order == "pairs" ? qsim::KSortOrder::kPairs : qsim::KSortOrder::kChannels;
     ko.sort_values = o.sort_values;
-    auto perms = quarot::ApplyKSort(m, ko);
+    auto perms = qsim::ApplyKSort(m, ko);
     if (!perms.ok()) return Fail(perms.status());
   }
   if (o.key_point != "pre-rope" && o.key_point != "post-rope") {
@@ -129,13 +125,13 @@ int RunKvEval(const KvEvalOptions& o) {
   const int64_t block = o.block == 0 ? m.config().head_dim : o.block;
   std::string describe = "float K cache";
   if (o.key_bits < 16 || o.query_bits < 16) {
-    quarot::BfpKeyCacheOptions bo;
+    qsim::BfpKeyCacheOptions bo;
     bo.key_bits = o.key_bits;
     bo.query_bits = o.query_bits;
     bo.block = o.block;
-    bo.point = o.key_point == "pre-rope" ? quarot::KeyQuantPoint::kPreRope
-                                         : quarot::KeyQuantPoint::kPostRope;
-    auto d = quarot::InstallBfpKeyCache(m, bo);
+    bo.point = o.key_point == "pre-rope" ? qsim::KeyQuantPoint::kPreRope
+                                         : qsim::KeyQuantPoint::kPostRope;
+    auto d = qsim::InstallBfpKeyCache(m, bo);
     if (!d.ok()) return Fail(d.status());
     describe = *d;
   }
@@ -156,11 +152,11 @@ int RunKvEval(const KvEvalOptions& o) {
   opt.bos_id = (*tokenizer)->bos_id();
   ProgressBar bar(o.kl ? "perplexity + KL" : "perplexity", 0);
   auto update = [&bar](int64_t done, int64_t total) { bar.Update(done, total); };
-  quarot::ModelComparison c;
+  tools::ModelComparison c;
   if (o.kl) {
-    auto reference = quant::LoadAnyModel(o.model_dir);
+    auto reference = methods::LoadModel(o.model_dir);
     if (!reference.ok()) return Fail(reference.status());
-    auto r = quarot::CompareToReference(**reference, m, tokens, opt, update);
+    auto r = tools::CompareToReference(**reference, m, tokens, opt, update);
     bar.Finish();
     if (!r.ok()) return Fail(r.status());
     c = *r;

@@ -4,13 +4,105 @@ function(qcal_target_defaults target)
     $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wno-unused-parameter>)
 endfunction()
 
-# qcal_add_library(name SOURCES ... DEPS ... [PRIVATE_DEPS ...])
+# Records a target for the layering check (qcal_layering_check): the files it owns (its sources,
+# the header beside each source, and HEADERS) and the qcal targets it links.
+function(_qcal_layering_record name sources headers deps)
+  set(files)
+  foreach(f ${sources} ${headers})
+    get_filename_component(abs "${f}" ABSOLUTE)
+    list(APPEND files "${abs}")
+    if(abs MATCHES "\\.(cc|cu)$")
+      string(REGEX REPLACE "\\.(cc|cu)$" ".h" h "${abs}")
+      if(EXISTS "${h}")
+        list(APPEND files "${h}")
+      endif()
+      string(REGEX REPLACE "\\.(cc|cu)$" ".cuh" h "${abs}")
+      if(EXISTS "${h}")
+        list(APPEND files "${h}")
+      endif()
+    endif()
+  endforeach()
+  set_property(GLOBAL APPEND PROPERTY QCAL_LAYER_TARGETS ${name})
+  set_property(GLOBAL PROPERTY QCAL_LAYER_FILES_${name} "${files}")
+  set_property(GLOBAL PROPERTY QCAL_LAYER_DEPS_${name} "${deps}")
+endfunction()
+
+# qcal_add_library(name SOURCES ... [HEADERS ...] DEPS ... [PRIVATE_DEPS ...])
+# One static library per module. HEADERS lists header-only files the module owns (a header
+# beside a source is owned with it).
 function(qcal_add_library name)
-  cmake_parse_arguments(ARG "" "" "SOURCES;DEPS;PRIVATE_DEPS" ${ARGN})
+  cmake_parse_arguments(ARG "" "" "SOURCES;HEADERS;DEPS;PRIVATE_DEPS" ${ARGN})
   add_library(${name} STATIC ${ARG_SOURCES})
   target_include_directories(${name} PUBLIC ${PROJECT_SOURCE_DIR})
   target_link_libraries(${name} PUBLIC ${ARG_DEPS} PRIVATE ${ARG_PRIVATE_DEPS})
   qcal_target_defaults(${name})
+  _qcal_layering_record(${name} "${ARG_SOURCES}" "${ARG_HEADERS}" "${ARG_DEPS};${ARG_PRIVATE_DEPS}")
+endfunction()
+
+# qcal_add_executable(name SOURCES ... DEPS ...): a program of a module, checked like a library.
+function(qcal_add_executable name)
+  cmake_parse_arguments(ARG "" "" "SOURCES;DEPS" ${ARGN})
+  add_executable(${name} ${ARG_SOURCES})
+  target_link_libraries(${name} PRIVATE ${ARG_DEPS})
+  qcal_target_defaults(${name})
+  _qcal_layering_record(${name} "${ARG_SOURCES}" "" "${ARG_DEPS}")
+endfunction()
+
+# Registers generated headers ("proto/qcal.pb.h") as owned by `target`.
+function(qcal_layering_generated target)
+  set_property(GLOBAL APPEND PROPERTY QCAL_LAYER_GENERATED_${target} ${ARGN})
+endfunction()
+
+# The layering check: writes build/layering.json (every module, its files, the modules it links)
+# and a target every module depends on, which runs scripts/check-layering.py: an #include of a
+# header owned by a module the includer does not link (directly or not), a header no module
+# owns, or a cycle between modules fails the build.
+function(qcal_layering_check)
+  get_property(targets GLOBAL PROPERTY QCAL_LAYER_TARGETS)
+  set(json "{")
+  set(all_files)
+  set(sep "")
+  foreach(t ${targets})
+    get_property(files GLOBAL PROPERTY QCAL_LAYER_FILES_${t})
+    get_property(deps GLOBAL PROPERTY QCAL_LAYER_DEPS_${t})
+    get_property(gen GLOBAL PROPERTY QCAL_LAYER_GENERATED_${t})
+    set(qdeps)
+    foreach(d ${deps})
+      if(d IN_LIST targets)
+        list(APPEND qdeps "\"${d}\"")
+      endif()
+    endforeach()
+    set(qfiles)
+    foreach(f ${files})
+      file(RELATIVE_PATH rel "${PROJECT_SOURCE_DIR}" "${f}")
+      list(APPEND qfiles "\"${rel}\"")
+      list(APPEND all_files "${f}")
+    endforeach()
+    set(qgen)
+    foreach(g ${gen})
+      list(APPEND qgen "\"${g}\"")
+    endforeach()
+    list(JOIN qdeps "," qdeps)
+    list(JOIN qfiles "," qfiles)
+    list(JOIN qgen "," qgen)
+    string(APPEND json "${sep}\n \"${t}\": {\"files\": [${qfiles}], \"generated\": [${qgen}], \"deps\": [${qdeps}]}")
+    set(sep ",")
+  endforeach()
+  string(APPEND json "\n}\n")
+  file(WRITE "${PROJECT_BINARY_DIR}/layering.json" "${json}")
+  find_package(Python3 REQUIRED COMPONENTS Interpreter)
+  add_custom_command(
+    OUTPUT "${PROJECT_BINARY_DIR}/layering.ok"
+    COMMAND ${Python3_EXECUTABLE} "${PROJECT_SOURCE_DIR}/scripts/check-layering.py"
+            "${PROJECT_SOURCE_DIR}" "${PROJECT_BINARY_DIR}/layering.json"
+    COMMAND ${CMAKE_COMMAND} -E touch "${PROJECT_BINARY_DIR}/layering.ok"
+    DEPENDS ${all_files} "${PROJECT_SOURCE_DIR}/scripts/check-layering.py"
+            "${PROJECT_BINARY_DIR}/layering.json"
+    COMMENT "Checking module layering (scripts/check-layering.py)")
+  add_custom_target(qcal_layering ALL DEPENDS "${PROJECT_BINARY_DIR}/layering.ok")
+  foreach(t ${targets})
+    add_dependencies(${t} qcal_layering)
+  endforeach()
 endfunction()
 
 # qcal_add_test(name SOURCES ... DEPS ... [LABELS ...] [TIMEOUT s] [DISCOVER])

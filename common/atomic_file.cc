@@ -73,6 +73,8 @@ StatusOr<std::string> ReadFile(const std::string& path) {
   return contents;
 }
 
+Status SyncParentDir(const std::string& path) { return FsyncDir(DirName(path)); }
+
 Status MakeDirs(const std::string& path) {
   if (path.empty()) return absl::InvalidArgumentError("MakeDirs: empty path");
   // Create every prefix ending before a '/', then the whole path.

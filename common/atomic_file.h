@@ -17,6 +17,9 @@ Status WriteFileAtomic(const std::string& path, std::string_view contents);
 // Reads a whole file; NotFound / PermissionDenied / DataLoss with the path in the message.
 StatusOr<std::string> ReadFile(const std::string& path);
 
+// fsyncs the directory holding `path`, making a rename into it durable.
+Status SyncParentDir(const std::string& path);
+
 // Creates `path` and its parents if missing (like mkdir -p).
 Status MakeDirs(const std::string& path);
 

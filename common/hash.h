@@ -2,6 +2,7 @@
 // truncated or changed files and mismatched settings, not tampering).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <string>
@@ -24,6 +25,23 @@ inline std::string Hex64(uint64_t v) {
   std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(v));
   return buf;
 }
+
+// FNV-1a over bytes fed in pieces (a file checksummed as it is written).
+class Fnv1a {
+ public:
+  void Update(const void* data, size_t size) {
+    const unsigned char* p = static_cast<const unsigned char*>(data);
+    for (size_t i = 0; i < size; ++i) {
+      h_ ^= p[i];
+      h_ *= 1099511628211ull;
+    }
+  }
+  uint64_t value() const { return h_; }
+  std::string Hex() const { return Hex64(h_); }
+
+ private:
+  uint64_t h_ = 1469598103934665603ull;
+};
 
 // Hex64(Fnv1a64(bytes)).
 inline std::string Fnv1aHex(std::string_view bytes) { return Hex64(Fnv1a64(bytes)); }

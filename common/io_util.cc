@@ -1,5 +1,7 @@
 #include "common/io_util.h"
 
+#include <cstdlib>
+
 #include <cstring>
 
 #include <nlohmann/json.hpp>
@@ -66,6 +68,35 @@ std::string JsonParseErrorMessage(std::string_view text) {
   }
   if (message.empty()) message = "parse error";
   return Printable(message, 300);
+}
+
+std::string ExecutableDir() {
+  char buf[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n <= 0) return ".";
+  const std::string path(buf, static_cast<size_t>(n));
+  return path.substr(0, path.rfind('/'));
+}
+
+std::string FindProgram(const std::string& name, const std::string& build_subdir) {
+  auto executable = [](const std::string& p) { return ::access(p.c_str(), X_OK) == 0; };
+  const std::string dir = ExecutableDir();
+  for (const std::string& candidate : {dir + "/" + name, dir + "/../" + build_subdir + "/" + name}) {
+    if (executable(candidate)) return candidate;
+  }
+  if (const char* path = std::getenv("PATH")) {
+    const std::string p = path;
+    size_t start = 0;
+    while (start <= p.size()) {
+      const size_t end = p.find(':', start);
+      const std::string d =
+          p.substr(start, end == std::string::npos ? std::string::npos : end - start);
+      if (!d.empty() && executable(d + "/" + name)) return d + "/" + name;
+      if (end == std::string::npos) break;
+      start = end + 1;
+    }
+  }
+  return name;
 }
 
 }  // namespace qcal::io

@@ -29,6 +29,12 @@ Status ErrnoError(int error, absl::string_view path, absl::string_view what);
 // without the "[json.exception.parse_error.N] " prefix, printable and at most 300 characters.
 std::string JsonParseErrorMessage(std::string_view text);
 
+// The directory of the running executable (/proc/self/exe), "." when unknown.
+std::string ExecutableDir();
+// The program `name` beside the running executable, in the build tree's sibling folder
+// `build_subdir` (../<build_subdir>/<name>), or on PATH; `name` alone when none is found.
+std::string FindProgram(const std::string& name, const std::string& build_subdir);
+
 // Closes a file descriptor when it goes out of scope.
 class ScopedFd {
  public:

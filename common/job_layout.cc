@@ -6,7 +6,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cmath>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
@@ -85,7 +89,7 @@ Status EvaluateJournal(const Recipe& recipe, const std::string& out_dir,
                     layer);
     }
   }
-  if (recipe.sequential_calibration()) {
+  if (recipe.needs().sequential) {
     // Block l was calibrated on the outputs of blocks < l as quantized: a block redone
     // invalidates every later one.
     for (int64_t l = 0; l < blocks; ++l) {
@@ -109,6 +113,200 @@ std::string ShardName(int64_t shard, int64_t num_blocks) {
   std::snprintf(buf, sizeof(buf), "model-%05lld-of-%05lld.safetensors",
                 static_cast<long long>(shard), static_cast<long long>(num_blocks));
   return buf;
+}
+
+// ---- Staged output files
+
+std::string StagingDir(const std::string& out_dir) { return out_dir + "/.staging"; }
+
+std::string AttemptToken(const std::string& task_id) {
+  std::string token;
+  for (char c : task_id) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '-' || c == '.';
+    token.push_back(ok ? c : '_');
+  }
+  return token.empty() ? "local" : token;
+}
+
+namespace {
+
+bool IsPlainName(const std::string& name) {
+  return !name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos &&
+         name.find('\0') == std::string::npos;
+}
+
+}  // namespace
+
+StatusOr<v1::WrittenFile> WriteStagedFile(const std::string& out_dir, const std::string& name,
+                                          const std::string& attempt,
+                                          const SafetensorsWriter& writer) {
+  const std::string dir = StagingDir(out_dir);
+  if (!Exists(dir)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        dir, " does not exist: the job has ended (or was never planned); not writing ", name));
+  }
+  v1::WrittenFile file;
+  file.set_name(name);
+  file.set_staged(absl::StrCat(name, ".", AttemptToken(attempt)));
+  const std::string path = dir + "/" + file.staged();
+  QCAL_ASSIGN_OR_RETURN(std::string checksum, writer.WriteWithChecksum(path));
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) {
+    return absl::InternalError(absl::StrCat(path, ": cannot stat what was just written"));
+  }
+  file.set_bytes(static_cast<uint64_t>(st.st_size));
+  file.set_checksum(checksum);
+  return file;
+}
+
+Status CheckStagedFiles(const std::string& out_dir, const std::vector<v1::WrittenFile>& files) {
+  for (const v1::WrittenFile& f : files) {
+    if (!IsPlainName(f.name()) || !IsPlainName(f.staged())) {
+      return absl::InvalidArgumentError(absl::StrCat("written file '", f.name(), "' (staged as '",
+                                                     f.staged(), "') is not a plain file name"));
+    }
+    const std::string path = StagingDir(out_dir) + "/" + f.staged();
+    struct stat st;
+    if (::stat(path.c_str(), &st) != 0) {
+      return absl::DataLossError(absl::StrCat(path, ": missing (", std::strerror(errno), ")"));
+    }
+    if (static_cast<uint64_t>(st.st_size) != f.bytes()) {
+      return absl::DataLossError(absl::StrCat(path, ": ", st.st_size, " bytes, the result says ",
+                                              f.bytes()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+Status CommitFiles(const std::string& out_dir, const std::vector<v1::WrittenFile>& files) {
+  QCAL_RETURN_IF_ERROR(CheckStagedFiles(out_dir, files));
+  for (const v1::WrittenFile& f : files) {
+    const std::string from = StagingDir(out_dir) + "/" + f.staged();
+    const std::string to = out_dir + "/" + f.name();
+    if (::rename(from.c_str(), to.c_str()) != 0) {
+      return absl::InternalError(absl::StrCat("cannot rename ", from, " to ", to, ": ",
+                                              std::strerror(errno)));
+    }
+  }
+  if (files.empty()) return absl::OkStatus();
+  return SyncParentDir(out_dir + "/" + files.front().name());
+}
+
+Status RemoveStaging(const std::string& out_dir) {
+  std::error_code ec;
+  std::filesystem::remove_all(StagingDir(out_dir), ec);
+  if (ec) {
+    return absl::InternalError(
+        absl::StrCat(StagingDir(out_dir), ": cannot remove: ", ec.message()));
+  }
+  return absl::OkStatus();
+}
+
+// ---- Results <-> journal entries
+
+namespace {
+
+nlohmann::json FiniteOrNull(double v) {
+  return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json();
+}
+
+double NumberOrNan(const nlohmann::json& e, const char* key) {
+  return e.contains(key) && e[key].is_number() ? e[key].get<double>() : std::nan("");
+}
+
+}  // namespace
+
+nlohmann::json BlockDoneEntry(const v1::BlockResult& r) {
+  nlohmann::json metrics = nlohmann::json::array();
+  for (const v1::LinearMetrics& m : r.metrics()) {
+    metrics.push_back({{"name", m.name()},
+                       {"proxy_loss", FiniteOrNull(m.proxy_loss())},
+                       {"relative", FiniteOrNull(m.relative())},
+                       {"code_bits", m.code_bits()},
+                       {"stored_bits", m.stored_bits()},
+                       {"seconds", m.seconds()}});
+  }
+  nlohmann::json e = {{"event", "block_done"},
+                      {"layer", r.layer()},
+                      {"shard", r.shard().name()},
+                      {"bytes", r.shard().bytes()},
+                      {"checksum", r.shard().checksum()},
+                      {"seconds", r.seconds()},
+                      {"mse_before_ft", FiniteOrNull(r.mse_before_ft())},
+                      {"mse_after_ft", FiniteOrNull(r.mse_after_ft())},
+                      {"metrics", metrics}};
+  if (r.also_wrote_size() > 0) {
+    nlohmann::json also = nlohmann::json::object();
+    for (const v1::WrittenFile& f : r.also_wrote()) also[f.name()] = f.checksum();
+    e["also_wrote"] = also;
+  }
+  return e;
+}
+
+v1::BlockResult BlockResultFromEntry(const nlohmann::json& e) {
+  v1::BlockResult r;
+  if (!e.is_object()) return r;
+  r.set_layer(e.value("layer", int64_t{-1}));
+  r.mutable_shard()->set_name(e.value("shard", ""));
+  r.mutable_shard()->set_bytes(e.value("bytes", uint64_t{0}));
+  r.mutable_shard()->set_checksum(e.value("checksum", ""));
+  r.set_seconds(NumberOrNan(e, "seconds"));
+  r.set_mse_before_ft(NumberOrNan(e, "mse_before_ft"));
+  r.set_mse_after_ft(NumberOrNan(e, "mse_after_ft"));
+  if (e.contains("metrics") && e["metrics"].is_array()) {
+    for (const auto& j : e["metrics"]) {
+      if (!j.is_object()) continue;
+      v1::LinearMetrics* m = r.add_metrics();
+      m->set_name(j.value("name", ""));
+      m->set_proxy_loss(NumberOrNan(j, "proxy_loss"));
+      m->set_relative(NumberOrNan(j, "relative"));
+      m->set_code_bits(j.value("code_bits", 0.0));
+      m->set_stored_bits(j.value("stored_bits", 0.0));
+      m->set_seconds(j.value("seconds", 0.0));
+    }
+  }
+  if (e.contains("also_wrote") && e["also_wrote"].is_object()) {
+    for (const auto& [name, sum] : e["also_wrote"].items()) {
+      v1::WrittenFile* f = r.add_also_wrote();
+      f->set_name(name);
+      if (sum.is_string()) f->set_checksum(sum.get<std::string>());
+    }
+  }
+  return r;
+}
+
+nlohmann::json E2eDoneEntry(const v1::FinetuneResult& r) {
+  nlohmann::json checksums = nlohmann::json::object();
+  for (const v1::WrittenFile& f : r.shards()) checksums[f.name()] = f.checksum();
+  return {{"event", "e2e_done"},
+          {"checksums", checksums},
+          {"kl_before", FiniteOrNull(r.kl_before())},
+          {"kl_after", FiniteOrNull(r.kl_after())},
+          {"best_epoch", r.best_epoch()},
+          {"head_tuned", r.head_tuned()},
+          {"seconds", r.seconds()}};
+}
+
+std::vector<v1::WrittenFile> FilesOf(const v1::BlockResult& r) {
+  std::vector<v1::WrittenFile> files = {r.shard()};
+  files.insert(files.end(), r.also_wrote().begin(), r.also_wrote().end());
+  return files;
+}
+
+Status CheckBlockResult(const v1::BlockResult& r, const std::string& out_dir,
+                        int64_t num_blocks) {
+  if (r.layer() < 0 || r.layer() >= num_blocks) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block result names layer ", r.layer(), " of ", num_blocks));
+  }
+  const std::string shard = ShardName(r.layer() + 1, num_blocks);
+  if (r.shard().name() != shard) {
+    return absl::InvalidArgumentError(absl::StrCat("block result for layer ", r.layer(),
+                                                   " names shard '", r.shard().name(),
+                                                   "', expected ", shard));
+  }
+  return CheckStagedFiles(out_dir, FilesOf(r));
 }
 
 // ---- Journal
@@ -163,9 +361,9 @@ std::vector<int64_t> JobPlan::pending_blocks() const {
 }
 
 bool JobPlan::needs_calibration(const Recipe& recipe) const {
-  if (recipe.calibrated_by_block_tasks()) return false;
+  const MethodNeeds needs = recipe.needs();
   const bool blocks_left = !all_blocks_finished();
-  return (recipe.needs_hessians() && blocks_left) || (recipe.finetune.enabled && blocks_left) ||
+  return ((needs.float_hessians || needs.float_activations) && blocks_left) ||
          (e2e_enabled && !e2e_finished);
 }
 
@@ -183,6 +381,7 @@ StatusOr<JobPlan> PlanJob(const Recipe& recipe, const std::string& model_dir,
   }
   plan.job_dir = job_dir.empty() ? out_dir + ".job" : job_dir;
   QCAL_RETURN_IF_ERROR(MakeDirs(plan.job_dir));
+  QCAL_RETURN_IF_ERROR(MakeDirs(StagingDir(out_dir)));
   plan.num_blocks = plan.config.num_hidden_layers;
   plan.recipe_hash = Fnv1aHex(recipe.ToJson().dump());
   const std::string journal_path = plan.job_dir + "/journal.jsonl";
@@ -221,22 +420,12 @@ nlohmann::json MakeQuantizationConfig(const Recipe& recipe, double code_bits,
                                       double stored_bits) {
   nlohmann::json q = {{"quant_method", "qcal"},
                       {"format_version", 1},
-                      {"method", QuantMethodName(recipe.method)},
-                      {"bits", recipe.bits},
+                      {"method", recipe.method},
+                      {"bits", recipe.bits()},
                       {"bits_per_weight", {{"codes", code_bits}, {"stored", stored_bits}}},
                       {"modules_not_quantized", {"model.embed_tokens", "model.norm", "lm_head"}},
                       {"recipe", recipe.ToJson()}};
-  if (recipe.method == QuantMethod::kQuip) {
-    q["format"] = "quip";
-    q["codebook"] = recipe.codebook;
-    q["incoherence"] = recipe.incoherence;
-    q["scale"] = recipe.scale_mode;  // "row" | "matrix" (P.scale [out_pad] or [])
-  } else {
-    q["format"] = "scalar";
-    q["group_size"] = recipe.scalar.group_size;
-    q["symmetric"] = recipe.scalar.symmetric;
-    q["desc_act"] = recipe.scalar.act_order;
-  }
+  if (recipe.config) recipe.config->AddToQuantizationConfig(&q);
   return q;
 }
 
@@ -385,11 +574,13 @@ StatusOr<nlohmann::json> FinalizeJob(const Recipe& recipe, const std::string& mo
   const BitsPerWeight bits = AggregateBits(plan.config, plan.block_done);
   const nlohmann::json quant_config = MakeQuantizationConfig(recipe, bits.code_bits,
                                                              bits.stored_bits);
-  // With end-to-end fine-tuning shard 0 already holds the tuned final norm (and head); QuaRot's
-  // block 0 task wrote the rotated one (checked with block 0's entry), whose head is untied.
+  // With end-to-end fine-tuning shard 0 already holds the tuned final norm (and head); a method
+  // that transforms the non-block weights had block 0's task write them (checked with block 0's
+  // entry), with an untied head.
+  const bool transformed = recipe.needs().transforms_non_block;
   LlamaConfig out_config = plan.config;
-  if (recipe.method == QuantMethod::kQuarot) out_config.tie_word_embeddings = false;
-  if (!plan.e2e_enabled && recipe.method != QuantMethod::kQuarot) {
+  if (transformed) out_config.tie_word_embeddings = false;
+  if (!plan.e2e_enabled && !transformed) {
     QCAL_ASSIGN_OR_RETURN(auto float_ckpt, CheckpointReader::Open(model_dir));
     QCAL_RETURN_IF_ERROR(
         WriteNonBlockShard(out_dir + "/" + ShardName(0, plan.num_blocks), *float_ckpt,
@@ -397,6 +588,7 @@ StatusOr<nlohmann::json> FinalizeJob(const Recipe& recipe, const std::string& mo
             .status());
   }
   QCAL_RETURN_IF_ERROR(FinalizeCheckpoint(out_dir, model_dir, out_config, quant_config));
+  QCAL_RETURN_IF_ERROR(RemoveStaging(out_dir));
   QCAL_RETURN_IF_ERROR(journal->Append({{"event", "job_done"}}));
   nlohmann::json summary = {{"out_dir", out_dir},
                             {"blocks", plan.num_blocks},

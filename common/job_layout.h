@@ -7,6 +7,9 @@
 //   OUT/model.safetensors.index.json     weight_map over the shards
 //   OUT/model-00000-of-0000N.safetensors embeddings, final norm, head
 //   OUT/model-0000l-of-0000N.safetensors block l-1
+//   OUT/.staging/<file>.<attempt>        what a task attempt wrote; renamed into OUT by the job's
+//                                        single writer when it accepts the attempt (CommitFiles),
+//                                        removed by finalize
 //   JOB/journal.jsonl                    append-only, fsynced: job_start, block_done, e2e_done,
 //                                        job_done (docs/formats.md)
 //   JOB/hessians/, JOB/activations/      calibration products (worker side)
@@ -23,11 +26,46 @@
 #include "common/recipe.h"
 #include "common/safetensors.h"
 #include "common/status.h"
+#include "proto/job.pb.h"
 
 namespace qcal {
 
 // "model-00003-of-00006.safetensors": shard 0 holds the non-block tensors, shard l+1 block l.
 std::string ShardName(int64_t shard, int64_t num_blocks);
+
+// ---- Staged output files (fencing: only an accepted attempt changes the output directory)
+
+// out_dir/.staging. Created by PlanJob; a worker never creates it, so nothing is written there
+// once finalize removed it.
+std::string StagingDir(const std::string& out_dir);
+// A task attempt's token for its staged file names ("block-3.a2"): letters, digits, '-', '.'.
+std::string AttemptToken(const std::string& task_id);
+// Writes `writer`'s safetensors file as the attempt's staged copy of out_dir/<name>:
+// out_dir/.staging/<name>.<attempt> (atomic), checksummed as it is written. FailedPrecondition
+// when the staging directory is gone (the job ended).
+StatusOr<v1::WrittenFile> WriteStagedFile(const std::string& out_dir, const std::string& name,
+                                          const std::string& attempt,
+                                          const SafetensorsWriter& writer);
+// Checks that each staged file exists with the size the result claims (no read) and names a
+// plain file. DataLoss / InvalidArgument naming the file.
+Status CheckStagedFiles(const std::string& out_dir, const std::vector<v1::WrittenFile>& files);
+// The job's single writer accepts an attempt: renames every staged file over out_dir/<name> and
+// makes the renames durable. Called before the result is journaled.
+Status CommitFiles(const std::string& out_dir, const std::vector<v1::WrittenFile>& files);
+// Removes out_dir/.staging and whatever stale attempts left in it.
+Status RemoveStaging(const std::string& out_dir);
+
+// ---- Results <-> journal entries
+
+// {"event":"block_done","layer","shard","bytes","checksum","seconds","mse_before_ft",
+//  "mse_after_ft","metrics":[...],"also_wrote":{name: checksum}} (non-finite numbers as null).
+nlohmann::json BlockDoneEntry(const v1::BlockResult& result);
+v1::BlockResult BlockResultFromEntry(const nlohmann::json& entry);
+// {"event":"e2e_done","checksums":{shard: checksum},"kl_before","kl_after","best_epoch",
+//  "head_tuned","seconds"}
+nlohmann::json E2eDoneEntry(const v1::FinetuneResult& result);
+// Every output file a result wrote.
+std::vector<v1::WrittenFile> FilesOf(const v1::BlockResult& result);
 
 // Append-only journal of finished work; each Append is one JSON line, written and fsynced before
 // it returns. A torn last line (crash mid-append) is ignored on Open; other garbage is DataLoss.
@@ -99,11 +137,15 @@ Status WriteShardIndex(const std::string& out_dir, int64_t num_blocks);
 // Fnv1aHex of the file's bytes (the checksum journaled for shards); the read error otherwise.
 StatusOr<std::string> FileChecksum(const std::string& path);
 
-// Checks a block_done entry produced by a worker before it is journaled: an object with
-// event "block_done", layer in [0, num_blocks), shard == ShardName(layer + 1, num_blocks), and the
-// shard in out_dir present with the entry's checksum. InvalidArgument / DataLoss naming the shard.
+// Checks a block_done entry read from the journal: an object with event "block_done", layer in
+// [0, num_blocks), shard == ShardName(layer + 1, num_blocks), and the shard (and any also_wrote
+// file) in out_dir present with the entry's checksum. InvalidArgument / DataLoss naming the file.
 Status CheckBlockDoneEntry(const nlohmann::json& entry, const std::string& out_dir,
                            int64_t num_blocks);
+// Checks a worker's block result before it is accepted: layer in range, the block's shard name,
+// plain file names, and staged files present with the sizes claimed (CheckStagedFiles).
+Status CheckBlockResult(const v1::BlockResult& result, const std::string& out_dir,
+                        int64_t num_blocks);
 
 // Finishes a job whose block shards are all written and journaled (and, with end-to-end
 // fine-tuning, e2e_done journaled): shard 0 when not fine-tuned end to end, index, config.json,

@@ -20,6 +20,7 @@
 #include "common/io_util.h"
 #include "absl/strings/str_join.h"
 #include "common/atomic_file.h"
+#include "common/hash.h"
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "safetensors data is little-endian; qcal reads it in place and supports little-endian hosts only"
@@ -413,17 +414,17 @@ const uint8_t* SafetensorsFile::Data(const TensorInfo& info) const {
   return map_ + header_.data_offset + info.begin;
 }
 
-StatusOr<std::vector<float>> SafetensorsFile::ReadF32(std::string_view name) const {
-  const TensorInfo* info = Find(name);
-  if (info == nullptr) {
-    return absl::NotFoundError(absl::StrCat(path_, ": no tensor named '", ToAbsl(name), "'"));
-  }
-  const size_t n = static_cast<size_t>(info->numel());
-  const uint8_t* src = Data(*info);
-  std::vector<float> out(n);
-  switch (info->dtype) {
+namespace {
+
+bool IsFloating(DType d) {
+  return d == DType::kF32 || d == DType::kF64 || d == DType::kF16 || d == DType::kBF16;
+}
+
+// Converts n floating values of `dtype` at src to float32.
+void ConvertToF32(DType dtype, const uint8_t* src, size_t n, float* out) {
+  switch (dtype) {
     case DType::kF32:
-      if (n > 0) std::memcpy(out.data(), src, n * sizeof(float));
+      if (n > 0) std::memcpy(out, src, n * sizeof(float));
       break;
     case DType::kF64:
       for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(LoadUnaligned<double>(src + 8 * i));
@@ -435,11 +436,66 @@ StatusOr<std::vector<float>> SafetensorsFile::ReadF32(std::string_view name) con
       for (size_t i = 0; i < n; ++i) out[i] = BFloat16ToFloat(LoadUnaligned<uint16_t>(src + 2 * i));
       break;
     default:
-      return absl::InvalidArgumentError(
-          absl::StrCat(path_, ": tensor '", ToAbsl(name), "' has dtype ", DTypeStr(info->dtype),
-                       "; ReadF32 converts only F64, F32, F16 and BF16"));
+      break;
+  }
+}
+
+}  // namespace
+
+StatusOr<std::vector<float>> SafetensorsFile::ReadF32(std::string_view name) const {
+  const TensorInfo* info = Find(name);
+  if (info == nullptr) {
+    return absl::NotFoundError(absl::StrCat(path_, ": no tensor named '", ToAbsl(name), "'"));
+  }
+  if (!IsFloating(info->dtype)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path_, ": tensor '", ToAbsl(name), "' has dtype ", DTypeStr(info->dtype),
+                     "; ReadF32 converts only F64, F32, F16 and BF16"));
+  }
+  const size_t n = static_cast<size_t>(info->numel());
+  std::vector<float> out(n);
+  ConvertToF32(info->dtype, Data(*info), n, out.data());
+  ReleasePages(*info);
+  return out;
+}
+
+StatusOr<std::vector<float>> SafetensorsFile::ReadRowsF32(std::string_view name,
+                                                          const std::vector<int64_t>& rows) const {
+  const TensorInfo* info = Find(name);
+  if (info == nullptr) {
+    return absl::NotFoundError(absl::StrCat(path_, ": no tensor named '", ToAbsl(name), "'"));
+  }
+  if (!IsFloating(info->dtype) || info->shape.size() != 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path_, ": tensor '", ToAbsl(name), "' is ", DTypeStr(info->dtype), " with ",
+                     info->shape.size(), " dims; rows are read from 2-D F64/F32/F16/BF16 tensors"));
+  }
+  const int64_t num_rows = info->shape[0], cols = info->shape[1];
+  const size_t row_bytes = static_cast<size_t>(cols) * DTypeSize(info->dtype);
+  std::vector<float> out(rows.size() * static_cast<size_t>(cols));
+  const uint8_t* base = Data(*info);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (rows[i] < 0 || rows[i] >= num_rows) {
+      return absl::OutOfRangeError(absl::StrCat(path_, ": tensor '", ToAbsl(name), "' has ",
+                                                num_rows, " rows; row ", rows[i],
+                                                " was asked for"));
+    }
+    ConvertToF32(info->dtype, base + static_cast<size_t>(rows[i]) * row_bytes,
+                 static_cast<size_t>(cols), out.data() + i * cols);
   }
   return out;
+}
+
+void SafetensorsFile::ReleasePages(const TensorInfo& info) const {
+  static const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  // Whole pages inside the tensor's bytes only: neighbours may still be in use.
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(Data(info));
+  const uintptr_t end = begin + info.nbytes();
+  const uintptr_t first = (begin + page - 1) / page * page;
+  const uintptr_t last = end / page * page;
+  if (last > first) {
+    ::madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -481,6 +537,7 @@ Status SafetensorsWriter::Add(std::string name, DType dtype, std::vector<int64_t
   entry.dtype = dtype;
   entry.shape = std::move(shape);
   if (nbytes > 0) entry.bytes.assign(static_cast<const char*>(data), nbytes);
+  entry.nbytes = nbytes;
   entries_.push_back(std::move(entry));
   data_bytes_ += nbytes;
   return absl::OkStatus();
@@ -498,7 +555,33 @@ void SafetensorsWriter::SetMetadata(std::string key, std::string value) {
   metadata_[std::move(key)] = std::move(value);
 }
 
-Status SafetensorsWriter::Write(const std::string& path) const {
+Status SafetensorsWriter::Reserve(std::string name, DType dtype, std::vector<int64_t> shape) {
+  if (name.empty() || name == "__metadata__" || !IsValidUtf8(name)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("SafetensorsWriter: bad tensor name '", Printable(name), "'"));
+  }
+  for (const Entry& entry : entries_) {
+    if (entry.name == name) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("SafetensorsWriter: duplicate tensor name '", name, "'"));
+    }
+  }
+  StatusOr<uint64_t> bytes = ShapeBytes(shape, dtype);
+  if (!bytes.ok()) {
+    return Annotate(bytes.status(), absl::StrCat("SafetensorsWriter: tensor '", name, "'"));
+  }
+  Entry entry;
+  entry.name = std::move(name);
+  entry.dtype = dtype;
+  entry.shape = std::move(shape);
+  entry.nbytes = *bytes;
+  entry.reserved = true;
+  entries_.push_back(std::move(entry));
+  data_bytes_ += *bytes;
+  return absl::OkStatus();
+}
+
+StatusOr<std::string> SafetensorsWriter::Prefix(const std::string& path) const {
   json header = json::object();
   if (!metadata_.empty()) {
     json metadata = json::object();
@@ -516,7 +599,7 @@ Status SafetensorsWriter::Write(const std::string& path) const {
     json tensor = json::object();
     tensor["dtype"] = std::string(DTypeName(entry.dtype));
     tensor["shape"] = entry.shape;
-    const uint64_t end = offset + entry.bytes.size();
+    const uint64_t end = offset + entry.nbytes;
     tensor["data_offsets"] = json::array({offset, end});
     header[entry.name] = std::move(tensor);
     offset = end;
@@ -530,14 +613,29 @@ Status SafetensorsWriter::Write(const std::string& path) const {
                                                    " bytes, over the limit of ",
                                                    kMaxSafetensorsHeaderBytes));
   }
-  uint8_t length[8];
-  for (int i = 0; i < 8; ++i) length[i] = static_cast<uint8_t>(text.size() >> (8 * i));
+  std::string prefix(8, '\0');
+  for (int i = 0; i < 8; ++i) prefix[i] = static_cast<char>(text.size() >> (8 * i));
+  return prefix + text;
+}
 
+StatusOr<std::string> SafetensorsWriter::WriteWithChecksum(const std::string& path) const {
+  for (const Entry& entry : entries_) {
+    if (entry.reserved) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          path, ": tensor '", entry.name, "' is reserved; its bytes are written in place"));
+    }
+  }
+  QCAL_ASSIGN_OR_RETURN(std::string prefix, Prefix(path));
   QCAL_ASSIGN_OR_RETURN(std::unique_ptr<AtomicFileWriter> writer, AtomicFileWriter::Open(path));
-  QCAL_RETURN_IF_ERROR(writer->Append(length, sizeof(length)));
-  QCAL_RETURN_IF_ERROR(writer->Append(text));
-  for (const Entry& entry : entries_) QCAL_RETURN_IF_ERROR(writer->Append(entry.bytes));
-  return writer->Commit();
+  Fnv1a sum;
+  sum.Update(prefix.data(), prefix.size());
+  QCAL_RETURN_IF_ERROR(writer->Append(prefix));
+  for (const Entry& entry : entries_) {
+    sum.Update(entry.bytes.data(), entry.bytes.size());
+    QCAL_RETURN_IF_ERROR(writer->Append(entry.bytes));
+  }
+  QCAL_RETURN_IF_ERROR(writer->Commit());
+  return sum.Hex();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -685,6 +783,12 @@ StatusOr<std::pair<const SafetensorsFile*, const TensorInfo*>> CheckpointReader:
         "', but that shard has no such tensor"));
   }
   return std::make_pair(file, info);
+}
+
+StatusOr<std::vector<float>> CheckpointReader::ReadRowsF32(std::string_view name,
+                                                           const std::vector<int64_t>& rows) {
+  QCAL_ASSIGN_OR_RETURN(auto found, Find(name));
+  return found.first->ReadRowsF32(name, rows);
 }
 
 StatusOr<std::vector<float>> CheckpointReader::ReadF32(std::string_view name) {

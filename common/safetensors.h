@@ -70,8 +70,18 @@ class SafetensorsFile {
   const TensorInfo* Find(std::string_view name) const;
   // The tensor's raw little-endian bytes; valid while this object lives.
   const uint8_t* Data(const TensorInfo& info) const;
-  // Converts a floating tensor (F64/F32/F16/BF16) to float32. NotFound / InvalidArgument.
+  // Converts a floating tensor (F64/F32/F16/BF16) to float32. NotFound / InvalidArgument. The
+  // tensor's pages are released afterwards (ReleasePages).
   StatusOr<std::vector<float>> ReadF32(std::string_view name) const;
+  // Rows `rows` of a 2-D floating tensor converted to float32 ([rows.size(), cols], row-major),
+  // reading only those rows. NotFound / InvalidArgument (not 2-D, not floating) / OutOfRange (a
+  // row index outside the tensor), naming the file and the tensor.
+  StatusOr<std::vector<float>> ReadRowsF32(std::string_view name,
+                                           const std::vector<int64_t>& rows) const;
+  // Drops the tensor's pages from this process's resident memory; they stay in the page cache
+  // and a later access reads them again. Streaming a checkpoint block by block thereby keeps one
+  // block resident, not every block read so far.
+  void ReleasePages(const TensorInfo& info) const;
 
  private:
   SafetensorsFile() = default;
@@ -91,16 +101,28 @@ class SafetensorsWriter {
              size_t nbytes);
   Status AddF32(std::string name, std::vector<int64_t> shape, const float* data);
   void SetMetadata(std::string key, std::string value);
-  // Total bytes of tensor data added so far.
+  // Declares a tensor whose bytes the caller writes into the file itself, at
+  // Prefix().size() + its offset in the data section (a file filled in place, e.g. by several
+  // processes each writing its rows). Write() refuses a writer holding one.
+  Status Reserve(std::string name, DType dtype, std::vector<int64_t> shape);
+  // Total bytes of tensor data added (or reserved) so far.
   uint64_t data_bytes() const { return data_bytes_; }
-  Status Write(const std::string& path) const;
+  // The file's first bytes: the 8-byte header length and the JSON header padded to 8 bytes.
+  // `path` names the file in errors.
+  StatusOr<std::string> Prefix(const std::string& path) const;
+  // Writes the whole file atomically. Returns the FNV-1a checksum of the bytes written (the
+  // journal's shard checksum, common/hash.h), computed as they are written.
+  StatusOr<std::string> WriteWithChecksum(const std::string& path) const;
+  Status Write(const std::string& path) const { return WriteWithChecksum(path).status(); }
 
  private:
   struct Entry {
     std::string name;
     DType dtype;
     std::vector<int64_t> shape;
-    std::string bytes;
+    std::string bytes;  // empty for a reserved entry
+    uint64_t nbytes = 0;
+    bool reserved = false;
   };
   std::vector<Entry> entries_;
   std::map<std::string, std::string> metadata_;
@@ -124,6 +146,8 @@ class CheckpointReader {
   // Info + the file holding it. NotFound naming the tensor and the directory.
   StatusOr<std::pair<const SafetensorsFile*, const TensorInfo*>> Find(std::string_view name);
   StatusOr<std::vector<float>> ReadF32(std::string_view name);
+  StatusOr<std::vector<float>> ReadRowsF32(std::string_view name,
+                                           const std::vector<int64_t>& rows);
   // Opens every shard now and checks that the index and the shards agree: every listed tensor is
   // in its shard and no shard holds a tensor the index does not list for it. InvalidArgument
   // (or the shard's own open/parse error) naming the file and the tensor.

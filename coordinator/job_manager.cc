@@ -9,24 +9,29 @@
 #include "common/log.h"
 #include "coordinator/planner.h"
 #include "coordinator/validation.h"
+#include "rpc/job_state.h"
 
 namespace qcal::coordinator {
+namespace {
 
-bool IsFinal(v1::JobState state) {
-  return state == v1::JOB_STATE_SUCCEEDED || state == v1::JOB_STATE_FAILED ||
-         state == v1::JOB_STATE_CANCELLED;
-}
-
-const char* JobStateName(v1::JobState state) {
-  switch (state) {
-    case v1::JOB_STATE_QUEUED: return "QUEUED";
-    case v1::JOB_STATE_RUNNING: return "RUNNING";
-    case v1::JOB_STATE_SUCCEEDED: return "SUCCEEDED";
-    case v1::JOB_STATE_FAILED: return "FAILED";
-    case v1::JOB_STATE_CANCELLED: return "CANCELLED";
-    default: return "UNSPECIFIED";
+// The evaluation phase's tasks: the float and then the quantized model, for each file.
+std::vector<v1::EvalParams> EvalsOf(const v1::JobSpec& spec) {
+  std::vector<v1::EvalParams> out;
+  for (const v1::EvalData& d : spec.eval().data()) {
+    for (const char* model : {"float", "quantized"}) {
+      v1::EvalParams p;
+      p.set_model(model);
+      p.set_label(d.label());
+      p.set_path(d.path());
+      p.set_ctx(spec.eval().ctx() > 0 ? spec.eval().ctx() : 512);
+      p.set_max_tokens(spec.eval().max_tokens() > 0 ? spec.eval().max_tokens() : -1);
+      out.push_back(p);
+    }
   }
+  return out;
 }
+
+}  // namespace
 
 JobManager::JobManager(ManagerOptions options, const Clock* clock, Launcher* launcher,
                        WorkspaceFactory workspaces, std::unique_ptr<JobStore> store)
@@ -48,7 +53,7 @@ Status JobManager::Start() {
     auto rt = std::make_shared<JobRuntime>();
     rt->job = job;
     jobs_[job.id()] = rt;
-    if (!IsFinal(job.state())) {
+    if (!IsFinalState(job.state())) {
       FailLocked(*rt, absl::StrCat("the coordinator restarted while the job was ",
                                    JobStateName(job.state()),
                                    "; resubmit it to resume from its journal"));
@@ -84,7 +89,7 @@ void JobManager::Shutdown() {
     if (shutting_down_) return;
     shutting_down_ = true;
     for (auto& [id, rt] : jobs_) {
-      if (!IsFinal(rt->job.state())) {
+      if (!IsFinalState(rt->job.state())) {
         FailLocked(*rt, "the coordinator shut down while the job was running; resubmit it to "
                         "resume from its journal");
       }
@@ -172,10 +177,10 @@ void JobManager::SetPhaseLocked(JobRuntime& rt, const std::string& phase) {
 }
 
 void JobManager::SetStateLocked(JobRuntime& rt, v1::JobState state, const std::string& error) {
-  if (IsFinal(rt.job.state())) return;  // a final state is final
+  if (IsFinalState(rt.job.state())) return;  // a final state is final
   rt.job.set_state(state);
   if (!error.empty()) rt.job.set_error(error);
-  if (IsFinal(state)) {
+  if (IsFinalState(state)) {
     rt.ended_at = clock_->MonotonicSeconds();
     rt.job.set_eta_seconds(state == v1::JOB_STATE_SUCCEEDED ? 0 : -1);
     QCAL_LOG_INFO("job {}: {}{}{}", rt.job.id(), JobStateName(state), error.empty() ? "" : ": ",
@@ -257,14 +262,16 @@ void JobManager::DriveUnsafe(const std::shared_ptr<JobRuntime>& rt) {
   lock.unlock();
   StatusOr<JobPlan> plan = workspace->Open(recipe, spec);  // reads checkpoints: no lock
   lock.lock();
-  if (IsFinal(rt->job.state())) return;  // cancelled (or shut down) while planning
+  if (IsFinalState(rt->job.state())) return;  // cancelled (or shut down) while planning
   if (!plan.ok()) {
     FailLocked(*rt, std::string(plan.status().message()));
     return;
   }
-  const TaskPlan tasks = MakeTaskPlan(recipe, *plan);
+  const TaskPlan tasks = MakeTaskPlan(recipe, *plan, EvalsOf(spec));
   rt->job.set_blocks_total(tasks.num_blocks);
   rt->job.set_blocks_done(static_cast<int64_t>(tasks.resumed.size()));
+  rt->evals = tasks.evals;
+  rt->eval_results.assign(tasks.evals.size(), v1::EvalResult());
   for (int64_t l : tasks.resumed) {
     v1::BlockMetrics* b = rt->job.add_blocks();
     b->set_block(l);
@@ -272,8 +279,9 @@ void JobManager::DriveUnsafe(const std::shared_ptr<JobRuntime>& rt) {
     b->set_rank(-1);
     auto it = plan->block_done.find(l);
     if (it != plan->block_done.end()) {
-      b->set_metrics_json(it->second.dump());
-      b->set_seconds(it->second.value("seconds", 0.0));
+      rt->finished[l] = BlockResultFromEntry(it->second);
+      *b->mutable_result() = rt->finished[l];
+      b->set_seconds(rt->finished[l].seconds());
     }
   }
   if (!tasks.resumed.empty()) {
@@ -310,9 +318,12 @@ void JobManager::DriveUnsafe(const std::shared_ptr<JobRuntime>& rt) {
     SetStateLocked(*rt, v1::JOB_STATE_RUNNING, "");
     SetPhaseLocked(*rt, rt->scheduler->phase());
     rt->cv.wait(lock, [&] {
-      return IsFinal(rt->job.state()) || rt->scheduler->done() || shutting_down_;
+      return IsFinalState(rt->job.state()) || !rt->scheduler->error().empty() ||
+             rt->scheduler->awaiting_finalize() || shutting_down_;
     });
-    if (IsFinal(rt->job.state()) || shutting_down_) return;
+    if (IsFinalState(rt->job.state()) || shutting_down_) return;
+    ApplySchedulerErrorLocked(*rt);
+    if (IsFinalState(rt->job.state())) return;
   } else {
     SetStateLocked(*rt, v1::JOB_STATE_RUNNING, "");
   }
@@ -321,12 +332,20 @@ void JobManager::DriveUnsafe(const std::shared_ptr<JobRuntime>& rt) {
   lock.unlock();
   StatusOr<nlohmann::json> summary = workspace->Finalize(recipe, spec);
   lock.lock();
-  if (IsFinal(rt->job.state())) return;
+  if (IsFinalState(rt->job.state())) return;
   if (!summary.ok()) {
     FailLocked(*rt, absl::StrCat("finalize: ", summary.status().message()));
     return;
   }
   rt->job.set_result_json(summary->dump());
+  rt->scheduler->FinalizeDone();
+  if (!rt->scheduler->done()) {
+    SetPhaseLocked(*rt, rt->scheduler->phase());  // evaluation by the workers
+    rt->cv.wait(lock, [&] {
+      return IsFinalState(rt->job.state()) || rt->scheduler->done() || shutting_down_;
+    });
+    if (IsFinalState(rt->job.state()) || shutting_down_) return;
+  }
   SetPhaseLocked(*rt, kPhaseDone);
   SetStateLocked(*rt, v1::JOB_STATE_SUCCEEDED, "");
 }
@@ -341,7 +360,7 @@ StatusOr<std::string> JobManager::Submit(v1::JobSpec spec) {
   if (!started_) return absl::UnavailableError("the coordinator is not started");
   const std::string job_dir = JobDirOf(spec);
   for (const auto& [id, other] : jobs_) {
-    if (IsFinal(other->job.state())) continue;
+    if (IsFinalState(other->job.state())) continue;
     const v1::JobSpec& o = other->job.spec();
     if (o.out_dir() == spec.out_dir() || JobDirOf(o) == job_dir) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -393,7 +412,7 @@ StatusOr<v1::Job> JobManager::Cancel(const std::string& job_id) {
   Lock lock(mu_);
   std::shared_ptr<JobRuntime> rt = FindLocked(job_id);
   if (!rt) return absl::NotFoundError(absl::StrCat("unknown job '", job_id, "'"));
-  if (!IsFinal(rt->job.state())) {
+  if (!IsFinalState(rt->job.state())) {
     SetStateLocked(*rt, v1::JOB_STATE_CANCELLED, "");
     monitor_cv_.notify_all();
   }
@@ -418,7 +437,7 @@ Status JobManager::Watch(const std::string& job_id, int64_t after_seq,
       }
     }
     if (batch.empty()) {
-      if (IsFinal(rt->job.state())) return absl::OkStatus();
+      if (IsFinalState(rt->job.state())) return absl::OkStatus();
       if (shutting_down_) return absl::UnavailableError("the coordinator is shutting down");
       rt->cv.wait_for(lock, std::chrono::milliseconds(250));
       if (cancelled && cancelled()) return absl::CancelledError("the watcher went away");
@@ -441,7 +460,7 @@ StatusOr<v1::RegisterWorkerResponse> JobManager::RegisterWorker(
   Lock lock(mu_);
   std::shared_ptr<JobRuntime> rt = FindLocked(request.job_id());
   if (!rt) return absl::NotFoundError(absl::StrCat("unknown job '", request.job_id(), "'"));
-  if (IsFinal(rt->job.state())) {
+  if (IsFinalState(rt->job.state())) {
     return absl::FailedPreconditionError(absl::StrCat(
         "job ", request.job_id(), " is ", JobStateName(rt->job.state()), "; no workers needed"));
   }
@@ -466,7 +485,7 @@ StatusOr<v1::Task> JobManager::NextTask(const std::string& worker_id) {
   Lock lock(mu_);
   QCAL_ASSIGN_OR_RETURN(auto wj, WorkerAndJobLocked(worker_id));
   auto& [w, rt] = wj;
-  if (IsFinal(rt->job.state())) return ShutdownTask(*rt);
+  if (IsFinalState(rt->job.state())) return ShutdownTask(*rt);
   if (!rt->scheduler || rt->scheduler->done()) {
     v1::Task t;  // still planning, or finalizing: the job is not over yet
     t.set_kind(v1::TASK_KIND_WAIT);
@@ -483,7 +502,10 @@ StatusOr<v1::Task> JobManager::NextTask(const std::string& worker_id) {
                             "; that task returns to the queue"));
   }
   ApplySchedulerErrorLocked(*rt);
-  if (IsFinal(rt->job.state())) return ShutdownTask(*rt);
+  if (IsFinalState(rt->job.state())) return ShutdownTask(*rt);
+  if (task.kind() == v1::TASK_KIND_FINETUNE_E2E) {
+    for (const auto& [layer, result] : rt->finished) *task.add_finished_blocks() = result;
+  }
   if (task.kind() == v1::TASK_KIND_QUANTIZE_BLOCK && task.attempt() > 1) {
     EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG,
                absl::StrCat("block ", task.block(), " attempt ", task.attempt(), " -> rank ",
@@ -496,8 +518,8 @@ StatusOr<bool> JobManager::ReportProgress(const v1::ReportProgressRequest& reque
   Lock lock(mu_);
   QCAL_ASSIGN_OR_RETURN(auto wj, WorkerAndJobLocked(request.worker_id()));
   auto& [w, rt] = wj;
-  const bool stop = IsFinal(rt->job.state()) && rt->job.state() != v1::JOB_STATE_SUCCEEDED;
-  if (IsFinal(rt->job.state())) return stop;
+  const bool stop = IsFinalState(rt->job.state()) && rt->job.state() != v1::JOB_STATE_SUCCEEDED;
+  if (IsFinalState(rt->job.state())) return stop;
   v1::JobEvent& e = EmitLocked(
       *rt, v1::JOB_EVENT_KIND_PROGRESS,
       request.message().empty() ? absl::StrCat("rank ", w.rank, ": ", request.phase())
@@ -518,34 +540,50 @@ Status JobManager::CompleteTask(const v1::CompleteTaskRequest& request) {
   QCAL_ASSIGN_OR_RETURN(auto wj, WorkerAndJobLocked(request.worker_id()));
   const WorkerInfo w = wj.first;
   const std::shared_ptr<JobRuntime> rt = wj.second;
-  if (IsFinal(rt->job.state()) || !rt->scheduler) return absl::OkStatus();  // nothing to record
+  if (IsFinalState(rt->job.state()) || !rt->scheduler) return absl::OkStatus();  // nothing to record
 
-  // Results of block and e2e tasks are journal entries: check them before accepting. A bad
-  // result counts as a failed attempt (the block returns to the queue).
   const std::string& task_id = request.task_id();
-  const std::optional<int64_t> block = JobScheduler::BlockOfTaskId(task_id);
-  const bool is_e2e = task_id.rfind("e2e.", 0) == 0;
-  nlohmann::json entry;
+  const StatusOr<JobScheduler::TaskInfo> info = rt->scheduler->Lookup(task_id);
+  if (!info.ok()) return info.status();
+  // A superseded attempt whose work another attempt finished: its files are never committed.
+  if (info->done) {
+    QCAL_RETURN_IF_ERROR(rt->scheduler->Complete(w.worker_id, w.rank, task_id).status());
+    EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG,
+               absl::StrCat("rank ", w.rank, " also completed ", task_id, " (ignored)"));
+    return absl::OkStatus();
+  }
+  // Check the typed result against the task before accepting it; a bad result counts as a
+  // failed attempt (the work returns to the queue).
   Status valid = absl::OkStatus();
-  if (block || is_e2e) {
-    entry = nlohmann::json::parse(request.result_json(), nullptr, /*allow_exceptions=*/false);
-    const char* expected = block ? "block_done" : "e2e_done";
-    if (!entry.is_object() || entry.value("event", "") != expected) {
-      valid = absl::InvalidArgumentError(
-          absl::StrCat("result_json is not the journal's ", expected, " entry"));
-    } else if (block && (!entry.contains("layer") || !entry["layer"].is_number_integer() ||
-                         entry["layer"].get<int64_t>() != *block)) {
-      valid = absl::InvalidArgumentError(
-          absl::StrCat("the block_done entry is for layer ",
-                       entry.value("layer", nlohmann::json()).dump(), ", not ", *block));
-    }
-    if (valid.ok() && block) {
-      JobWorkspace* workspace = rt->workspace.get();
-      lock.unlock();
-      valid = workspace->CheckResult(entry);  // reads the shard: not under the lock
-      lock.lock();
-      if (IsFinal(rt->job.state())) return absl::OkStatus();
-    }
+  std::vector<v1::WrittenFile> files;
+  switch (info->kind) {
+    case v1::TASK_KIND_CALIBRATE:
+      if (!request.has_calibrate()) valid = absl::InvalidArgumentError("no calibration result");
+      break;
+    case v1::TASK_KIND_QUANTIZE_BLOCK:
+      if (!request.has_block()) {
+        valid = absl::InvalidArgumentError("no block result");
+      } else if (request.block().layer() != info->index) {
+        valid = absl::InvalidArgumentError(absl::StrCat(
+            "the result is for block ", request.block().layer(), ", not ", info->index));
+      } else {
+        valid = rt->workspace->CheckBlock(request.block());
+        files = FilesOf(request.block());
+      }
+      break;
+    case v1::TASK_KIND_FINETUNE_E2E:
+      if (!request.has_finetune()) {
+        valid = absl::InvalidArgumentError("no fine-tuning result");
+      } else {
+        files.assign(request.finetune().shards().begin(), request.finetune().shards().end());
+        valid = rt->workspace->CheckFiles(files);
+      }
+      break;
+    case v1::TASK_KIND_EVALUATE:
+      if (!request.has_eval()) valid = absl::InvalidArgumentError("no evaluation result");
+      break;
+    default:
+      valid = absl::InvalidArgumentError("unknown task kind");
   }
   if (!valid.ok()) {
     const std::string msg = absl::StrCat("invalid result for ", task_id, ": ", valid.message());
@@ -557,30 +595,32 @@ Status JobManager::CompleteTask(const v1::CompleteTaskRequest& request) {
     ApplySchedulerErrorLocked(*rt);
     return absl::InvalidArgumentError(msg);
   }
+  // Accept the attempt: its staged files become the output, then the journal records them.
+  if (!files.empty()) {
+    Status committed = rt->workspace->Commit(files);
+    if (!committed.ok()) {
+      FailLocked(*rt, absl::StrCat("committing ", task_id, ": ", committed.message()));
+      return committed;
+    }
+  }
   QCAL_ASSIGN_OR_RETURN(JobScheduler::Completion c,
                         rt->scheduler->Complete(w.worker_id, w.rank, task_id));
-  if (c.duplicate) {
-    EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG,
-               absl::StrCat("rank ", w.rank, " also completed ", task_id, " (ignored)"));
-    return absl::OkStatus();
-  }
   if (c.kind == v1::TASK_KIND_CALIBRATE) {
     EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG,
                absl::StrCat("rank ", w.rank, " finished calibration (",
                             rt->scheduler->calibrate_ranks_done(), " of ",
                             rt->job.spec().workers(), ")"));
   } else if (c.kind == v1::TASK_KIND_QUANTIZE_BLOCK) {
-    Status appended = rt->workspace->Append(entry);
+    Status appended = rt->workspace->Append(BlockDoneEntry(request.block()));
     if (!appended.ok()) {
       FailLocked(*rt, absl::StrCat("journal: ", appended.message()));
       return appended;
     }
+    rt->finished[c.block] = request.block();
     v1::BlockMetrics* b = rt->job.add_blocks();
     b->set_block(c.block);
-    b->set_seconds(entry.contains("seconds") && entry["seconds"].is_number()
-                       ? entry["seconds"].get<double>()
-                       : 0.0);
-    b->set_metrics_json(request.result_json());
+    b->set_seconds(request.block().seconds());
+    *b->mutable_result() = request.block();
     b->set_rank(w.rank);
     rt->job.set_blocks_done(rt->job.blocks_done() + 1);
     ++rt->blocks_done_this_run;
@@ -591,16 +631,32 @@ Status JobManager::CompleteTask(const v1::CompleteTaskRequest& request) {
     *e.mutable_block() = *b;
     SaveLocked(*rt);
   } else if (c.kind == v1::TASK_KIND_FINETUNE_E2E) {
-    Status appended = rt->workspace->Append(entry);
+    Status appended = rt->workspace->Append(E2eDoneEntry(request.finetune()));
     if (!appended.ok()) {
       FailLocked(*rt, absl::StrCat("journal: ", appended.message()));
       return appended;
     }
     EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG,
                absl::StrCat("end-to-end fine-tuning done by rank ", w.rank));
+  } else if (c.kind == v1::TASK_KIND_EVALUATE) {
+    const v1::EvalResult& r = request.eval();
+    rt->eval_results[c.eval] = r;
+    rt->job.clear_evals();
+    for (const v1::EvalResult& done : rt->eval_results) {
+      if (done.has_params()) *rt->job.add_evals() = done;
+    }
+    EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG,
+               absl::StrFormat("perplexity of the %s model on %s: %.4f (%d tokens, rank %d)",
+                               r.params().model(), r.params().label(), r.perplexity(),
+                               r.scored(), w.rank));
+    SaveLocked(*rt);
   }
-  if (c.phase_finished && !rt->scheduler->done()) SetPhaseLocked(*rt, rt->scheduler->phase());
-  if (rt->scheduler->done()) rt->cv.notify_all();  // the driver finalizes
+  if (c.phase_finished && !rt->scheduler->done() && !rt->scheduler->awaiting_finalize()) {
+    SetPhaseLocked(*rt, rt->scheduler->phase());
+  }
+  if (rt->scheduler->done() || rt->scheduler->awaiting_finalize()) {
+    rt->cv.notify_all();  // the driver finalizes / finishes
+  }
   return absl::OkStatus();
 }
 
@@ -608,7 +664,7 @@ Status JobManager::FailTask(const v1::FailTaskRequest& request) {
   Lock lock(mu_);
   QCAL_ASSIGN_OR_RETURN(auto wj, WorkerAndJobLocked(request.worker_id()));
   auto& [w, rt] = wj;
-  if (IsFinal(rt->job.state()) || !rt->scheduler) return absl::OkStatus();
+  if (IsFinalState(rt->job.state()) || !rt->scheduler) return absl::OkStatus();
   QCAL_LOG_WARN("job {}: rank {} failed task {}: {}", rt->job.id(), w.rank, request.task_id(),
                 request.error());
   QCAL_ASSIGN_OR_RETURN(std::vector<JobScheduler::Requeue> requeues,
@@ -625,7 +681,7 @@ StatusOr<bool> JobManager::Heartbeat(const std::string& worker_id) {
   Lock lock(mu_);
   QCAL_ASSIGN_OR_RETURN(auto wj, WorkerAndJobLocked(worker_id));
   const v1::JobState state = wj.second->job.state();
-  return IsFinal(state) && state != v1::JOB_STATE_SUCCEEDED;
+  return IsFinalState(state) && state != v1::JOB_STATE_SUCCEEDED;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -637,7 +693,7 @@ void JobManager::Tick() {
     std::shared_ptr<JobRuntime> rt = FindLocked(dead.job_id);
     if (!rt) continue;
     rt->job.set_workers_alive(registry_.AliveCount(dead.job_id));
-    if (IsFinal(rt->job.state()) || !rt->scheduler) continue;
+    if (IsFinalState(rt->job.state()) || !rt->scheduler) continue;
     const std::string why =
         absl::StrCat("rank ", dead.rank, " (worker ", dead.worker_id, ", pid ", dead.pid, " on ",
                      dead.hostname, ") sent no heartbeat for ",
@@ -652,7 +708,7 @@ void JobManager::Tick() {
     if (!rt->group) continue;
     std::optional<std::string> exit = rt->group->Poll();
     if (exit) {
-      if (!IsFinal(rt->job.state())) {
+      if (!IsFinalState(rt->job.state())) {
         const std::string log = JobDirOf(rt->job.spec()) + "/workers.log";
         FailLocked(*rt, absl::StrCat("the worker processes exited before the job finished (",
                                      rt->group->Describe(), ": ", *exit, "); last lines of ",
@@ -664,7 +720,7 @@ void JobManager::Tick() {
       rt->job.set_workers_alive(0);
       continue;
     }
-    if (!IsFinal(rt->job.state())) continue;
+    if (!IsFinalState(rt->job.state())) continue;
     if (rt->stop_stage == 0 && now - rt->ended_at >= options_.kill_grace_s) {
       rt->stop_stage = 1;
       EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG,
@@ -689,7 +745,7 @@ void JobManager::WaitForDrivers() {
   for (auto& rt : all) {
     {
       Lock lock(mu_);
-      rt->cv.wait(lock, [&] { return IsFinal(rt->job.state()) || shutting_down_; });
+      rt->cv.wait(lock, [&] { return IsFinalState(rt->job.state()) || shutting_down_; });
     }
     if (rt->driver.joinable()) rt->driver.join();
   }

@@ -40,6 +40,7 @@
 #include "coordinator/worker_registry.h"
 #include "coordinator/workspace.h"
 #include "proto/qcal.pb.h"
+#include "rpc/job_state.h"
 
 namespace qcal::coordinator {
 
@@ -57,8 +58,8 @@ struct ManagerOptions {
   size_t max_events_per_job = 20000;  // older events are dropped from memory
 };
 
-bool IsFinal(v1::JobState state);
-const char* JobStateName(v1::JobState state);  // "QUEUED", "RUNNING", ...
+using rpc::IsFinalState;  // SUCCEEDED, FAILED or CANCELLED
+using rpc::JobStateName;  // "QUEUED", "RUNNING", ...
 
 class JobManager {
  public:
@@ -121,6 +122,9 @@ class JobManager {
     double phase_started_at = 0;   // monotonic
     double quantize_started_at = -1;
     int64_t blocks_done_this_run = 0;
+    std::map<int64_t, v1::BlockResult> finished;  // journaled blocks (FINETUNE_E2E needs them)
+    std::vector<v1::EvalParams> evals;             // the evaluation phase's tasks
+    std::vector<v1::EvalResult> eval_results;      // by task index (params unset: not done)
   };
   using Lock = std::unique_lock<std::mutex>;
 

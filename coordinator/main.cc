@@ -18,8 +18,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
+#include "common/cli.h"
+#include "common/io_util.h"
 #include "common/log.h"
-#include "coordinator/auth.h"
+#include "rpc/auth.h"
 #include "coordinator/job_manager.h"
 #include "coordinator/job_store.h"
 #include "coordinator/launcher.h"
@@ -28,41 +30,8 @@
 
 namespace {
 
-int Fail(const std::string& message) {
-  std::fprintf(stderr, "qcal-coordinator: error: %s\n", message.c_str());
-  return 1;
-}
-
-std::string SelfDir() {
-  char buf[PATH_MAX];
-  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  if (n <= 0) return ".";
-  std::string path(buf, n);
-  return path.substr(0, path.rfind('/'));
-}
-
-bool Executable(const std::string& path) { return ::access(path.c_str(), X_OK) == 0; }
-
 // qcal-worker beside this executable, in the build tree's worker/ folder, or on PATH.
-std::string FindWorkerBinary() {
-  const std::string dir = SelfDir();
-  for (const std::string& candidate : {dir + "/qcal-worker", dir + "/../worker/qcal-worker"}) {
-    if (Executable(candidate)) return candidate;
-  }
-  if (const char* path = std::getenv("PATH")) {
-    std::string p = path;
-    size_t start = 0;
-    while (start <= p.size()) {
-      const size_t end = p.find(':', start);
-      const std::string d = p.substr(start, end == std::string::npos ? std::string::npos
-                                                                     : end - start);
-      if (!d.empty() && Executable(d + "/qcal-worker")) return d + "/qcal-worker";
-      if (end == std::string::npos) break;
-      start = end + 1;
-    }
-  }
-  return dir + "/../worker/qcal-worker";
-}
+std::string FindWorkerBinary() { return qcal::io::FindProgram("qcal-worker", "worker"); }
 
 // The address workers dial: the listening host (or this host's name for a wildcard) and the
 // bound port.
@@ -79,6 +48,9 @@ std::string AdvertisedAddress(const std::string& listen, int port) {
 
 int main(int argc, char** argv) {
   using namespace qcal::coordinator;
+  using namespace qcal::rpc;  // NOLINT
+  using qcal::Fail;
+  qcal::SetProgramName("qcal-coordinator");
   CLI::App app{"qcal-coordinator: the qcal job service (gRPC)"};
   ServerOptions server_options;
   ManagerOptions manager_options;
@@ -159,7 +131,7 @@ int main(int argc, char** argv) {
                 "the workers included, must present a certificate signed by that CA");
   }
   if (launcher_options.worker_binary.empty()) launcher_options.worker_binary = FindWorkerBinary();
-  if (!Executable(launcher_options.worker_binary)) {
+  if (::access(launcher_options.worker_binary.c_str(), X_OK) != 0) {
     QCAL_LOG_WARN("worker binary {} is not executable: jobs will fail until it is built",
                   launcher_options.worker_binary);
   }

@@ -9,28 +9,20 @@ namespace {
 
 constexpr char kCalibrateTaskId[] = "calibrate";
 
-std::string Describe(v1::TaskKind kind, int64_t block) {
-  if (kind == v1::TASK_KIND_QUANTIZE_BLOCK) return absl::StrCat("block ", block);
+std::string Describe(v1::TaskKind kind, int64_t index) {
+  if (kind == v1::TASK_KIND_QUANTIZE_BLOCK) return absl::StrCat("block ", index);
   if (kind == v1::TASK_KIND_FINETUNE_E2E) return "end-to-end fine-tuning";
+  if (kind == v1::TASK_KIND_EVALUATE) return absl::StrCat("evaluation ", index);
   return "calibration";
 }
 
-}  // namespace
-
-std::optional<int64_t> JobScheduler::BlockOfTaskId(const std::string& task_id) {
-  static const std::string kPrefix = "block-";
-  if (task_id.rfind(kPrefix, 0) != 0) return std::nullopt;
-  const size_t dot = task_id.find(".a", kPrefix.size());
-  if (dot == std::string::npos || dot == kPrefix.size() || dot - kPrefix.size() > 12) {
-    return std::nullopt;
-  }
-  int64_t layer = 0;
-  for (size_t i = kPrefix.size(); i < dot; ++i) {
-    if (task_id[i] < '0' || task_id[i] > '9') return std::nullopt;
-    layer = layer * 10 + (task_id[i] - '0');
-  }
-  return layer;
+std::string TaskIdPrefix(v1::TaskKind kind, int64_t index) {
+  if (kind == v1::TASK_KIND_QUANTIZE_BLOCK) return absl::StrCat("block-", index);
+  if (kind == v1::TASK_KIND_EVALUATE) return absl::StrCat("eval-", index);
+  return "e2e";
 }
+
+}  // namespace
 
 JobScheduler::JobScheduler(std::string job_id, int world_size, const TaskPlan& plan,
                            int max_attempts, int64_t wait_ms)
@@ -39,34 +31,55 @@ JobScheduler::JobScheduler(std::string job_id, int world_size, const TaskPlan& p
       max_attempts_(std::max(1, max_attempts)),
       wait_ms_(wait_ms),
       calibrate_(plan.calibrate),
+      calibrate_params_(plan.calibrate_params),
       sequential_(plan.sequential_blocks),
       blocks_(plan.blocks),
       pending_(plan.blocks.begin(), plan.blocks.end()),
       e2e_(plan.finetune_e2e),
-      e2e_pending_(plan.finetune_e2e) {
-  if (calibrate_) {
-    phase_ = kPhaseCalibrate;
-  } else if (!blocks_.empty()) {
-    phase_ = kPhaseQuantize;
-  } else if (e2e_) {
-    phase_ = kPhaseFinetune;
-  } else {
-    phase_ = kPhaseFinalize;
+      e2e_pending_(plan.finetune_e2e),
+      evals_(plan.evals) {
+  for (int64_t i = 0; i < static_cast<int64_t>(evals_.size()); ++i) evals_pending_.push_back(i);
+  phase_ = kPhaseCalibrate;
+  if (!calibrate_) AdvancePhase();
+}
+
+bool JobScheduler::HasWork(const std::string& phase) const {
+  if (phase == kPhaseCalibrate) return calibrate_;
+  if (phase == kPhaseQuantize) return !blocks_.empty();
+  if (phase == kPhaseFinetune) return e2e_;
+  if (phase == kPhaseEvaluate) return !evals_.empty();
+  return true;  // finalize and done always happen
+}
+
+void JobScheduler::AdvancePhase() {
+  // The worker phases in order; finalize waits for the manager (FinalizeDone).
+  static const char* const kOrder[] = {kPhaseCalibrate, kPhaseQuantize, kPhaseFinetune,
+                                       kPhaseFinalize};
+  size_t i = 0;
+  while (i < 4 && phase_ != kOrder[i]) ++i;
+  for (++i; i < 4; ++i) {
+    if (HasWork(kOrder[i])) {
+      phase_ = kOrder[i];
+      return;
+    }
   }
 }
 
-std::string JobScheduler::BlockTaskId(int64_t block, int attempt) const {
-  return absl::StrCat("block-", block, ".a", attempt);
+void JobScheduler::FinalizeDone() {
+  if (phase_ != kPhaseFinalize) return;
+  phase_ = evals_.empty() ? kPhaseDone : kPhaseEvaluate;
 }
 
-v1::Task JobScheduler::MakeTask(v1::TaskKind kind, const std::string& task_id, int64_t block,
-                                int attempt) {
+v1::Task JobScheduler::MakeTask(const std::string& task_id, const Assignment& a) {
   v1::Task t;
   t.set_task_id(task_id);
-  t.set_kind(kind);
+  t.set_kind(a.kind);
   t.set_job_id(job_id_);
-  t.set_block(block);
-  t.set_attempt(attempt);
+  t.set_attempt(a.attempt);
+  t.set_attempt_token(task_id);
+  if (a.kind == v1::TASK_KIND_QUANTIZE_BLOCK) t.set_block(a.index);
+  if (a.kind == v1::TASK_KIND_EVALUATE) *t.mutable_eval() = evals_[a.index];
+  if (a.kind == v1::TASK_KIND_CALIBRATE) *t.mutable_calibrate() = calibrate_params_;
   return t;
 }
 
@@ -82,20 +95,19 @@ void JobScheduler::SetError(const std::string& message) {
   if (error_.empty()) error_ = message;
 }
 
-void JobScheduler::AdvancePhase() {
-  if (phase_ == kPhaseCalibrate) {
-    phase_ = !blocks_.empty() ? kPhaseQuantize : (e2e_ ? kPhaseFinetune : kPhaseFinalize);
-  } else if (phase_ == kPhaseQuantize) {
-    phase_ = e2e_ ? kPhaseFinetune : kPhaseFinalize;
-  } else if (phase_ == kPhaseFinetune) {
-    phase_ = kPhaseFinalize;
-  }
-}
-
 std::map<std::string, std::string> JobScheduler::running() const {
   std::map<std::string, std::string> out;
   for (const auto& [task_id, a] : assigned_) out[a.worker_id] = task_id;
   return out;
+}
+
+std::string JobScheduler::Hand(v1::TaskKind kind, int64_t index, const std::string& worker_id) {
+  const int attempt = ++attempts_[{static_cast<int>(kind), index}];
+  const std::string task_id = absl::StrCat(TaskIdPrefix(kind, index), ".a", attempt);
+  const Assignment a{kind, index, attempt, worker_id};
+  assigned_[task_id] = a;
+  handed_[task_id] = a;
+  return task_id;
 }
 
 bool JobScheduler::RequeueAssignment(const std::string& task_id, const std::string& reason,
@@ -104,16 +116,17 @@ bool JobScheduler::RequeueAssignment(const std::string& task_id, const std::stri
   if (it == assigned_.end()) return true;
   const Assignment a = it->second;
   assigned_.erase(it);
-  finished_ids_.insert(task_id);
   out->task_id = task_id;
-  out->what = Describe(a.kind, a.block);
+  out->what = Describe(a.kind, a.index);
   out->next_attempt = a.attempt + 1;
   if (a.attempt >= max_attempts_) {
     SetError(absl::StrCat(out->what, " was attempted ", a.attempt, " times; last: ", reason));
     return false;
   }
   if (a.kind == v1::TASK_KIND_QUANTIZE_BLOCK) {
-    pending_.push_front(a.block);
+    pending_.push_front(a.index);
+  } else if (a.kind == v1::TASK_KIND_EVALUATE) {
+    evals_pending_.push_front(a.index);
   } else {
     e2e_pending_ = true;
   }
@@ -142,7 +155,9 @@ v1::Task JobScheduler::Next(const std::string& worker_id, int rank) {
   if (phase_ == kPhaseCalibrate) {
     if (calibrate_given_.count(rank) == 0) {
       calibrate_given_.insert(rank);
-      return MakeTask(v1::TASK_KIND_CALIBRATE, kCalibrateTaskId, -1, 1);
+      const Assignment a{v1::TASK_KIND_CALIBRATE, -1, 1, worker_id};
+      handed_[kCalibrateTaskId] = a;
+      return MakeTask(kCalibrateTaskId, a);
     }
     if (calibrate_done_.count(rank) == 0) {
       SetError(absl::StrCat("rank ", rank,
@@ -159,19 +174,40 @@ v1::Task JobScheduler::Next(const std::string& worker_id, int rank) {
   if (phase_ == kPhaseQuantize && !pending_.empty() && !block_in_flight) {
     const int64_t block = pending_.front();
     pending_.pop_front();
-    const int attempt = ++attempts_[block];
-    const std::string task_id = BlockTaskId(block, attempt);
-    assigned_[task_id] = Assignment{v1::TASK_KIND_QUANTIZE_BLOCK, block, attempt, worker_id};
-    return MakeTask(v1::TASK_KIND_QUANTIZE_BLOCK, task_id, block, attempt);
+    const std::string id = Hand(v1::TASK_KIND_QUANTIZE_BLOCK, block, worker_id);
+    return MakeTask(id, assigned_[id]);
   }
   if (phase_ == kPhaseFinetune && e2e_pending_) {
     e2e_pending_ = false;
-    const int attempt = ++e2e_attempts_;
-    const std::string task_id = absl::StrCat("e2e.a", attempt);
-    assigned_[task_id] = Assignment{v1::TASK_KIND_FINETUNE_E2E, -1, attempt, worker_id};
-    return MakeTask(v1::TASK_KIND_FINETUNE_E2E, task_id, -1, attempt);
+    const std::string id = Hand(v1::TASK_KIND_FINETUNE_E2E, -1, worker_id);
+    return MakeTask(id, assigned_[id]);
+  }
+  if (phase_ == kPhaseEvaluate && !evals_pending_.empty()) {
+    const int64_t e = evals_pending_.front();
+    evals_pending_.pop_front();
+    const std::string id = Hand(v1::TASK_KIND_EVALUATE, e, worker_id);
+    return MakeTask(id, assigned_[id]);
   }
   return Wait();
+}
+
+StatusOr<JobScheduler::TaskInfo> JobScheduler::Lookup(const std::string& task_id) const {
+  auto it = handed_.find(task_id);
+  if (it == handed_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("job ", job_id_, " never handed out task '", task_id, "'"));
+  }
+  TaskInfo info;
+  info.kind = it->second.kind;
+  info.index = it->second.index;
+  info.attempt = it->second.attempt;
+  switch (info.kind) {
+    case v1::TASK_KIND_QUANTIZE_BLOCK: info.done = blocks_done_.count(info.index) != 0; break;
+    case v1::TASK_KIND_EVALUATE: info.done = evals_done_.count(info.index) != 0; break;
+    case v1::TASK_KIND_FINETUNE_E2E: info.done = e2e_done_; break;
+    default: info.done = false; break;  // calibration: per rank, see Complete
+  }
+  return info;
 }
 
 StatusOr<JobScheduler::Completion> JobScheduler::Complete(const std::string& worker_id, int rank,
@@ -179,6 +215,7 @@ StatusOr<JobScheduler::Completion> JobScheduler::Complete(const std::string& wor
   Completion c;
   if (task_id == kCalibrateTaskId) {
     c.kind = v1::TASK_KIND_CALIBRATE;
+    c.attempt = 1;
     if (!calibrate_) {
       return absl::NotFoundError(absl::StrCat("job ", job_id_, " has no calibration task"));
     }
@@ -197,48 +234,44 @@ StatusOr<JobScheduler::Completion> JobScheduler::Complete(const std::string& wor
     return c;
   }
 
-  // Block and e2e tasks: "block-<l>.a<n>" / "e2e.a<n>".
-  v1::TaskKind kind;
-  int64_t block = -1;
-  auto held = assigned_.find(task_id);
-  if (held != assigned_.end()) {
-    kind = held->second.kind;
-    block = held->second.block;
-  } else if (finished_ids_.count(task_id) != 0) {
-    // A superseded attempt (its rank was declared dead or abandoned it) that finished anyway.
-    if (task_id.rfind("e2e.", 0) == 0) {
-      kind = v1::TASK_KIND_FINETUNE_E2E;
-    } else {
-      kind = v1::TASK_KIND_QUANTIZE_BLOCK;
-      block = BlockOfTaskId(task_id).value_or(-1);
-    }
-  } else {
+  auto rec = handed_.find(task_id);
+  if (rec == handed_.end()) {
     return absl::NotFoundError(
         absl::StrCat("job ", job_id_, " never handed out task '", task_id, "'"));
   }
-  c.kind = kind;
-  c.block = block;
-  const bool already = kind == v1::TASK_KIND_QUANTIZE_BLOCK ? blocks_done_.count(block) != 0
-                                                            : e2e_done_;
+  const Assignment a = rec->second;
+  c.kind = a.kind;
+  c.attempt = a.attempt;
+  if (a.kind == v1::TASK_KIND_QUANTIZE_BLOCK) c.block = a.index;
+  if (a.kind == v1::TASK_KIND_EVALUATE) c.eval = a.index;
+  const bool already = a.kind == v1::TASK_KIND_QUANTIZE_BLOCK ? blocks_done_.count(a.index) != 0
+                       : a.kind == v1::TASK_KIND_EVALUATE     ? evals_done_.count(a.index) != 0
+                                                              : e2e_done_;
   // Retire every attempt of the same work (other ranks may hold a requeued copy).
   for (auto it = assigned_.begin(); it != assigned_.end();) {
-    if (it->second.kind == kind && it->second.block == block) {
-      finished_ids_.insert(it->first);
+    if (it->second.kind == a.kind && it->second.index == a.index) {
       it = assigned_.erase(it);
     } else {
       ++it;
     }
   }
-  finished_ids_.insert(task_id);
   if (already) {
     c.duplicate = true;
     return c;
   }
-  if (kind == v1::TASK_KIND_QUANTIZE_BLOCK) {
-    pending_.erase(std::remove(pending_.begin(), pending_.end(), block), pending_.end());
-    blocks_done_.insert(block);
+  if (a.kind == v1::TASK_KIND_QUANTIZE_BLOCK) {
+    pending_.erase(std::remove(pending_.begin(), pending_.end(), a.index), pending_.end());
+    blocks_done_.insert(a.index);
     if (phase_ == kPhaseQuantize && blocks_done_.size() == blocks_.size()) {
       AdvancePhase();
+      c.phase_finished = true;
+    }
+  } else if (a.kind == v1::TASK_KIND_EVALUATE) {
+    evals_pending_.erase(std::remove(evals_pending_.begin(), evals_pending_.end(), a.index),
+                         evals_pending_.end());
+    evals_done_.insert(a.index);
+    if (phase_ == kPhaseEvaluate && evals_done_.size() == evals_.size()) {
+      phase_ = kPhaseDone;
       c.phase_finished = true;
     }
   } else {
@@ -264,15 +297,14 @@ StatusOr<std::vector<JobScheduler::Requeue>> JobScheduler::Fail(const std::strin
   }
   auto it = assigned_.find(task_id);
   if (it == assigned_.end()) {
-    if (finished_ids_.count(task_id) != 0) return out;  // a superseded attempt: ignore
+    if (handed_.count(task_id) != 0) return out;  // a superseded attempt: ignore
     return absl::NotFoundError(
         absl::StrCat("job ", job_id_, " never handed out task '", task_id, "'"));
   }
-  const std::string what = Describe(it->second.kind, it->second.block);
+  const std::string what = Describe(it->second.kind, it->second.index);
   if (!retryable) {
     SetError(absl::StrCat(what, " failed on rank ", rank, ": ", message));
     assigned_.erase(it);
-    finished_ids_.insert(task_id);
     return out;
   }
   Requeue r;

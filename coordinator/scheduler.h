@@ -2,18 +2,27 @@
 // when a task completes, fails, or its worker dies. Pure logic, no clock and no I/O.
 //
 // Policy
-//  * CALIBRATE is collective: every rank of the world receives the same task and the phase ends
-//    when every rank completed it. Meanwhile ranks that are done (or ask early) get WAIT. If a
-//    rank dies or fails during it, the job fails (the MPI collective cannot go on without it;
-//    a resubmitted job resumes from the journal and the cached calibration products).
+//  * CALIBRATE is collective: every rank of the world receives the same task (with the plan's
+//    CalibrateParams) and the phase ends when every rank completed it. Meanwhile ranks that are
+//    done (or ask early) get WAIT. If a rank dies or fails during it, the job fails (the MPI
+//    collective cannot go on without it; a resubmitted job resumes from the journal and the
+//    cached calibration products).
 //  * QUANTIZE_BLOCK tasks are pulled: whichever rank asks gets the next pending block (lowest
-//    layer first; with TaskPlan::sequential_blocks only once no other block is in flight). Fast ranks therefore take more blocks than slow ones; nothing is assigned to
-//    a rank in advance (no round-robin). A dead rank's block, or a block that failed with
-//    `retryable`, returns to the front of the queue with attempt + 1, for any rank; after
-//    `max_attempts` hand-outs the job fails.
-//  * FINETUNE_E2E is one task for one rank, after the last block; requeued like a block.
-//  * A task completed twice (a rank declared dead that was only slow, and the rank that took
-//    over) counts once: the result is deterministic, the second completion is a duplicate.
+//    layer first; with TaskPlan::sequential_blocks only once no other block is in flight). Fast
+//    ranks therefore take more blocks than slow ones; nothing is assigned to a rank in advance
+//    (no round-robin). A dead rank's block, or a block that failed with `retryable`, returns to
+//    the front of the queue with attempt + 1, for any rank; after `max_attempts` hand-outs the
+//    job fails.
+//  * FINETUNE_E2E is one task for one rank, after the last block (it carries the finished
+//    blocks' results); requeued like a block.
+//  * Then the job waits in phase finalize (workers get WAIT) until the manager has written the
+//    checkpoint and calls FinalizeDone; EVALUATE tasks (one per model and file of the plan) are
+//    pulled like blocks; then the job is done.
+//  * Every task id the scheduler hands out is remembered with its work and attempt, so a result
+//    names its block by the record, never by parsing the id. A task completed twice (a rank
+//    declared dead that was only slow, and the rank that took over), or by a superseded attempt
+//    after the work was done, is a duplicate: the manager ignores it and commits nothing (only
+//    one attempt's files ever enter the output).
 //
 // Not thread-safe: the JobManager calls it under its lock.
 #pragma once
@@ -37,21 +46,37 @@ class JobScheduler {
   JobScheduler(std::string job_id, int world_size, const TaskPlan& plan, int max_attempts = 3,
                int64_t wait_ms = 200);
 
-  // kPhaseCalibrate, kPhaseQuantize, kPhaseFinetune, or kPhaseFinalize once every task is done.
+  // kPhaseCalibrate, kPhaseQuantize, kPhaseFinetune, kPhaseFinalize (waiting for the manager),
+  // kPhaseEvaluate, kPhaseDone.
   const std::string& phase() const { return phase_; }
-  bool done() const { return phase_ == kPhaseFinalize; }
+  bool awaiting_finalize() const { return phase_ == kPhaseFinalize; }
+  bool done() const { return phase_ == kPhaseDone; }
+  // The manager wrote the checkpoint: on to evaluation, or done.
+  void FinalizeDone();
   // Non-empty when the job must fail (collective broken, attempts exhausted, protocol error).
   const std::string& error() const { return error_; }
 
-  // The next task for `worker_id` (of `rank`). A worker asking while it holds a block or e2e
-  // task abandoned it: that task is requeued first. Returns WAIT when nothing is ready and
-  // SHUTDOWN once the job failed.
+  // The next task for `worker_id` (of `rank`). A worker asking while it holds a task abandoned
+  // it: that task is requeued first. Returns WAIT when nothing is ready and SHUTDOWN once the
+  // job failed. The manager adds what the task needs (finished blocks) before sending it.
   v1::Task Next(const std::string& worker_id, int rank);
+
+  // What a handed-out task id stands for; `done`: its work was completed (by this or another
+  // attempt), so a result for it is a duplicate. NotFound for an id never handed out.
+  struct TaskInfo {
+    v1::TaskKind kind = v1::TASK_KIND_UNSPECIFIED;
+    int64_t index = -1;  // block, or evaluation index
+    int attempt = 0;
+    bool done = false;
+  };
+  StatusOr<TaskInfo> Lookup(const std::string& task_id) const;
 
   struct Completion {
     v1::TaskKind kind = v1::TASK_KIND_UNSPECIFIED;
     int64_t block = -1;             // QUANTIZE_BLOCK
-    bool duplicate = false;         // already completed: ignore the result
+    int64_t eval = -1;              // EVALUATE: index into TaskPlan::evals
+    int attempt = 0;
+    bool duplicate = false;         // already completed: ignore the result, commit nothing
     bool phase_finished = false;    // this completion ended the phase
   };
   // NotFound for a task id this job never handed out; FailedPrecondition when `rank` did not
@@ -60,7 +85,7 @@ class JobScheduler {
 
   struct Requeue {
     std::string task_id;  // the task that returns to the queue
-    std::string what;     // "block 3" / "end-to-end fine-tuning"
+    std::string what;     // "block 3" / "end-to-end fine-tuning" / "evaluation 2"
     int next_attempt = 0;
   };
   // A task failed on the worker. Retryable failures requeue it (returned); otherwise, or when the
@@ -69,8 +94,8 @@ class JobScheduler {
                                       const std::string& task_id, const std::string& message,
                                       bool retryable);
 
-  // `worker_id` (of `rank`) is gone. Its block / e2e task returns to the queue; during the
-  // collective calibration error() is set instead.
+  // `worker_id` (of `rank`) is gone. Its task returns to the queue; during the collective
+  // calibration error() is set instead.
   std::vector<Requeue> WorkerLost(const std::string& worker_id, int rank);
 
   int64_t blocks_total() const { return static_cast<int64_t>(blocks_.size()); }
@@ -80,23 +105,21 @@ class JobScheduler {
   std::map<std::string, std::string> running() const;
   int calibrate_ranks_done() const { return static_cast<int>(calibrate_done_.size()); }
 
-  // The layer of a QUANTIZE_BLOCK task id ("block-<layer>.a<attempt>"); nullopt for others.
-  static std::optional<int64_t> BlockOfTaskId(const std::string& task_id);
-
  private:
   struct Assignment {
     v1::TaskKind kind;
-    int64_t block = -1;
+    int64_t index = -1;  // block, or evaluation index
     int attempt = 1;
     std::string worker_id;
   };
-  v1::Task MakeTask(v1::TaskKind kind, const std::string& task_id, int64_t block, int attempt);
+  v1::Task MakeTask(const std::string& task_id, const Assignment& a);
   v1::Task Wait();
   void SetError(const std::string& message);
   void AdvancePhase();
+  bool HasWork(const std::string& phase) const;
   // Moves `task_id` (held by a worker) back to the queue. Returns false when attempts are used.
   bool RequeueAssignment(const std::string& task_id, const std::string& reason, Requeue* out);
-  std::string BlockTaskId(int64_t block, int attempt) const;
+  std::string Hand(v1::TaskKind kind, int64_t index, const std::string& worker_id);
 
   std::string job_id_;
   int world_size_;
@@ -106,6 +129,7 @@ class JobScheduler {
   std::string error_;
 
   bool calibrate_ = false;
+  v1::CalibrateParams calibrate_params_;
   bool sequential_ = false;  // one block task in flight at a time, in layer order
   std::set<int> calibrate_given_;  // ranks that received CALIBRATE
   std::set<int> calibrate_done_;
@@ -113,15 +137,18 @@ class JobScheduler {
   std::vector<int64_t> blocks_;          // all blocks this run quantizes
   std::deque<int64_t> pending_;          // not handed out (or requeued)
   std::set<int64_t> blocks_done_;
-  std::map<int64_t, int> attempts_;      // hand-outs so far per block
 
   bool e2e_ = false;
   bool e2e_pending_ = false;
   bool e2e_done_ = false;
-  int e2e_attempts_ = 0;
 
-  std::map<std::string, Assignment> assigned_;  // task id -> holder (block and e2e tasks)
-  std::set<std::string> finished_ids_;          // completed or superseded attempts
+  std::vector<v1::EvalParams> evals_;
+  std::deque<int64_t> evals_pending_;
+  std::set<int64_t> evals_done_;
+
+  std::map<std::pair<int, int64_t>, int> attempts_;  // hand-outs so far per (kind, index)
+  std::map<std::string, Assignment> assigned_;  // task id -> current holder
+  std::map<std::string, Assignment> handed_;    // every task id ever handed out
 };
 
 }  // namespace qcal::coordinator

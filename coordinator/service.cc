@@ -6,11 +6,13 @@
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
 #include "common/log.h"
-#include "coordinator/auth.h"
-#include "coordinator/grpc_status.h"
+#include "rpc/auth.h"
+#include "rpc/grpc_status.h"
 #include "proto/qcal.grpc.pb.h"
 
 namespace qcal::coordinator {
+using rpc::ConstantTimeEquals;
+using rpc::ToGrpcStatus;
 
 grpc::Status Authorize(const grpc::ServerContext& context, const std::string& token) {
   const auto& metadata = context.client_metadata();

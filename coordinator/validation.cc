@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/hf_config.h"
+#include "methods/registry.h"
 
 namespace qcal::coordinator {
 namespace {
@@ -153,8 +154,9 @@ StatusOr<Recipe> ValidateJobSpec(v1::JobSpec* spec) {
   const std::string job_dir = spec->job_dir().empty() ? out_dir + ".job" : spec->job_dir();
   QCAL_RETURN_IF_ERROR(CheckOutputDir("job_dir", job_dir, model_dir));
 
-  const bool calibrates = recipe->needs_hessians() || recipe->finetune.enabled ||
-                          recipe->finetune.end_to_end.enabled;
+  const MethodNeeds needs = recipe->needs();
+  const bool calibrates = needs.float_hessians || needs.float_activations || needs.end_to_end ||
+                          needs.sequential;
   if (calibrates) {
     if (recipe->calibration.files.empty()) {
       return Invalid(absl::StrCat(source, ": the recipe calibrates but lists no calibration files"));
@@ -171,6 +173,27 @@ StatusOr<Recipe> ValidateJobSpec(v1::JobSpec* spec) {
       QCAL_RETURN_IF_ERROR(CheckReadableFile(
           absl::StrCat("calibration file (", source, ": '", f, "')"), path));
     }
+  }
+  if (spec->max_memory_bytes() < 0) {
+    return Invalid(absl::StrCat("max_memory_bytes must be >= 0 (got ", spec->max_memory_bytes(),
+                                ")"));
+  }
+  const v1::EvalSpec& eval = spec->eval();
+  if (eval.data_size() > 16) return Invalid("eval: at most 16 data files");
+  if (eval.data_size() > 0 && eval.ctx() != 0 && eval.ctx() < 2) {
+    return Invalid(absl::StrCat("eval.ctx must be at least 2 (got ", eval.ctx(), ")"));
+  }
+  if (eval.data_size() > 0 && eval.ctx() > config->max_position_embeddings) {
+    return Invalid(absl::StrCat("eval.ctx ", eval.ctx(), " exceeds the model's context of ",
+                                config->max_position_embeddings));
+  }
+  for (const v1::EvalData& d : eval.data()) {
+    if (d.label().empty() || d.label().size() > 64) {
+      return Invalid("eval: every data file needs a label of 1..64 bytes");
+    }
+    const std::string path =
+        !d.path().empty() && d.path()[0] == '/' ? d.path() : spec->data_root() + "/" + d.path();
+    QCAL_RETURN_IF_ERROR(CheckReadableFile(absl::StrCat("eval data '", d.label(), "'"), path));
   }
   return recipe;
 }

@@ -19,9 +19,16 @@ class DiskWorkspace : public JobWorkspace {
     return plan;
   }
 
-  Status CheckResult(const nlohmann::json& entry) override {
-    if (entry.value("event", "") != "block_done") return absl::OkStatus();
-    return CheckBlockDoneEntry(entry, out_dir_, num_blocks_);
+  Status CheckBlock(const v1::BlockResult& result) override {
+    return CheckBlockResult(result, out_dir_, num_blocks_);
+  }
+
+  Status CheckFiles(const std::vector<v1::WrittenFile>& files) override {
+    return CheckStagedFiles(out_dir_, files);
+  }
+
+  Status Commit(const std::vector<v1::WrittenFile>& files) override {
+    return CommitFiles(out_dir_, files);
   }
 
   Status Append(const nlohmann::json& entry) override {

@@ -4,12 +4,14 @@
 // `qcal quantize`, so both write identical checkpoints.
 //
 // One workspace per job. The JobManager never calls it concurrently: Open before any worker
-// exists, Append while tasks complete (under the manager's lock), Finalize after the last task.
+// exists, Check*/Commit/Append while tasks complete (under the manager's lock), Finalize after
+// the last block task.
 #pragma once
 
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -26,10 +28,15 @@ class JobWorkspace {
   // Validates the model and any existing journal against the recipe (PlanJob), creates the
   // output and job directories, opens JOB/journal.jsonl and appends job_start.
   virtual StatusOr<JobPlan> Open(const Recipe& recipe, const v1::JobSpec& spec) = 0;
-  // Checks a worker's result before it is journaled: a block_done entry must name the block's
-  // shard, and the shard on disk must have the checksum the entry claims. Thread-safe (called
-  // without the manager's lock: it reads the shard).
-  virtual Status CheckResult(const nlohmann::json& entry) = 0;
+  // Checks a worker's block result before it is accepted: the block's shard name, staged files
+  // present with the sizes claimed (nothing is read: the checksum was computed as the worker
+  // wrote them, and finalize verifies every shard against the journal).
+  virtual Status CheckBlock(const v1::BlockResult& result) = 0;
+  // Staged files present with the sizes claimed.
+  virtual Status CheckFiles(const std::vector<v1::WrittenFile>& files) = 0;
+  // Accepts an attempt: renames its staged files into the output directory (before the result
+  // is journaled).
+  virtual Status Commit(const std::vector<v1::WrittenFile>& files) = 0;
   // Appends one journal entry (block_done / e2e_done from a worker), fsynced.
   virtual Status Append(const nlohmann::json& entry) = 0;
   // Shard 0 (unless end-to-end fine-tuned), index, config.json, tokenizer; appends job_done.

@@ -9,6 +9,8 @@
 
 #include <gtest/gtest.h>
 
+#include "common/seed.h"
+
 namespace qcal::testing {
 
 // ../shared beside the repository (ctest sets QCAL_SHARED_DIR).
@@ -54,6 +56,18 @@ inline uint64_t TestSeed() {
   std::printf("[ seed     ] QCAL_TEST_SEED=%llu\n", static_cast<unsigned long long>(seed));
   return seed;
 }
+
+// The seed of this test process (TestSeed() on first use, printed once) and an independent
+// generator per `salt` drawn from it.
+inline uint64_t ProcessSeed() {
+  static const uint64_t seed = TestSeed();
+  return seed;
+}
+inline std::mt19937_64 SeededRng(uint64_t salt) {
+  return std::mt19937_64(ProcessSeed() ^ SplitMix64(salt));
+}
+#define QCAL_SEED_TRACE() \
+  SCOPED_TRACE("QCAL_TEST_SEED=" + std::to_string(::qcal::testing::ProcessSeed()))
 
 // The source tree (for files checked in beside the code, such as jobs/*.yaml): ctest sets
 // QCAL_SOURCE_DIR; a test target may define QCAL_DEFAULT_SOURCE_DIR for runs outside ctest.

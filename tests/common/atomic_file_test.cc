@@ -1,5 +1,6 @@
 // Tests for common/atomic_file: atomic writes, streaming writer cleanup, ReadFile errors, MakeDirs.
 #include "common/atomic_file.h"
+#include "tests/test_util.h"
 
 #include <stdlib.h>
 #include <sys/stat.h>
@@ -32,9 +33,7 @@ void ExpectError(const Status& status, absl::StatusCode code,
 class AtomicFileTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    std::string pattern = ::testing::TempDir() + "qcal_atomic_XXXXXX";
-    ASSERT_NE(mkdtemp(pattern.data()), nullptr);
-    dir_ = pattern;
+    dir_ = qcal::testing::MakeTempDir("qcal_atomic");
   }
   void TearDown() override {
     std::error_code ignored;

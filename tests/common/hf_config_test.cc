@@ -1,6 +1,7 @@
 // Tests for common/hf_config: parsing Llama config.json, defaults, every rejection, and writing
 // back with unknown keys preserved.
 #include "common/hf_config.h"
+#include "tests/test_util.h"
 
 #include <stdlib.h>
 
@@ -321,9 +322,7 @@ TEST(HfConfigTest, ToJsonFromDefaultConstructedConfig) {
 class HfConfigFileTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    std::string pattern = ::testing::TempDir() + "qcal_hf_config_XXXXXX";
-    ASSERT_NE(mkdtemp(pattern.data()), nullptr);
-    dir_ = pattern;
+    dir_ = qcal::testing::MakeTempDir("qcal_hf_config");
   }
   void TearDown() override {
     std::error_code ignored;

@@ -1,6 +1,11 @@
 // Recipe parsing: the bundled jobs/*.yaml, defaults, the JSON round trip, and the error messages
 // (each names the file, the key and its line).
-#include "common/recipe.h"
+#include "methods/registry.h"
+
+#include "methods/gptq/gptq_spec.h"
+#include "methods/quarot/quarot_spec.h"
+#include "methods/quip/quip_spec.h"
+#include "methods/rtn/rtn_spec.h"
 
 #include <sys/stat.h>
 
@@ -20,6 +25,44 @@ namespace {
 
 constexpr char kSource[] = "jobs/bad.yaml";
 
+using methods::gptq::GptqConfig;
+using methods::quarot::QuarotConfig;
+using methods::quip::QuipConfig;
+using methods::rtn::RtnConfig;
+
+// The method-specific settings, read through each method's config (empty / defaults for a
+// method that has no such setting).
+const QuipConfig* Quip(const Recipe& r) { return dynamic_cast<const QuipConfig*>(r.config.get()); }
+const QuarotConfig* Quarot(const Recipe& r) {
+  return dynamic_cast<const QuarotConfig*>(r.config.get());
+}
+std::string Codebook(const Recipe& r) { return Quip(r) ? Quip(r)->codebook : ""; }
+bool Incoherence(const Recipe& r) { return Quip(r) && Quip(r)->incoherence; }
+std::string ScaleMode(const Recipe& r) { return Quip(r) ? Quip(r)->scale_mode : ""; }
+double Damp(const Recipe& r) {
+  if (Quip(r)) return Quip(r)->damp;
+  if (auto* g = dynamic_cast<const GptqConfig*>(r.config.get())) return g->damp;
+  if (Quarot(r)) return Quarot(r)->damp;
+  return 0;
+}
+ScalarGridSpec Scalar(const Recipe& r) {
+  if (auto* g = dynamic_cast<const GptqConfig*>(r.config.get())) return g->scalar;
+  if (auto* t = dynamic_cast<const RtnConfig*>(r.config.get())) return t->scalar;
+  if (Quarot(r)) return Quarot(r)->scalar;
+  return ScalarGridSpec();
+}
+std::string Weights(const Recipe& r) { return Quarot(r) ? Quarot(r)->weights : ""; }
+RotationSpec Rotation(const Recipe& r) { return Quarot(r) ? Quarot(r)->rotation : RotationSpec(); }
+ActivationQuantSpec Activations(const Recipe& r) {
+  return Quarot(r) ? Quarot(r)->activations : ActivationQuantSpec();
+}
+KvCacheSpec KvCache(const Recipe& r) { return Quarot(r) ? Quarot(r)->kv_cache : KvCacheSpec(); }
+// Whether the method rounds with Hessians (the float model's, or QuaRot's sequential ones).
+bool NeedsHessians(const Recipe& r) {
+  return r.needs().float_hessians || (Quarot(r) && Quarot(r)->gptq());
+}
+bool QuantizesWeights(const Recipe& r) { return !Quarot(r) || Quarot(r)->quantizes_weights(); }
+
 std::string JobsDir() { return qcal::testing::SourceDir() + "/jobs"; }
 
 std::vector<std::string> BundledRecipes() {
@@ -32,21 +75,14 @@ std::vector<std::string> BundledRecipes() {
   return paths;
 }
 
-// Field-by-field equality, with a readable diff through the JSON form on failure.
+// Equality of the common fields and of everything the method reads (its JSON form holds every
+// setting of the method), with a readable diff on failure.
 void ExpectSameRecipe(const Recipe& a, const Recipe& b, const std::string& what) {
   SCOPED_TRACE(what);
   EXPECT_EQ(a.name, b.name);
   EXPECT_EQ(a.method, b.method);
-  EXPECT_EQ(a.bits, b.bits);
-  EXPECT_EQ(a.codebook, b.codebook);
-  EXPECT_EQ(a.incoherence, b.incoherence);
-  EXPECT_EQ(a.scale_mode, b.scale_mode);
+  EXPECT_EQ(a.bits(), b.bits());
   EXPECT_EQ(a.seed, b.seed);
-  EXPECT_EQ(a.damp, b.damp);
-  EXPECT_EQ(a.scalar.group_size, b.scalar.group_size);
-  EXPECT_EQ(a.scalar.symmetric, b.scalar.symmetric);
-  EXPECT_EQ(a.scalar.act_order, b.scalar.act_order);
-  EXPECT_EQ(a.scalar.clip_search, b.scalar.clip_search);
   EXPECT_EQ(a.calibration.files, b.calibration.files);
   EXPECT_EQ(a.calibration.num_sequences, b.calibration.num_sequences);
   EXPECT_EQ(a.calibration.seq_len, b.calibration.seq_len);
@@ -60,28 +96,8 @@ void ExpectSameRecipe(const Recipe& a, const Recipe& b, const std::string& what)
     EXPECT_EQ(sa->batch, sb->batch);
     EXPECT_EQ(sa->holdout, sb->holdout);
   }
-  EXPECT_EQ(a.scalar.per_tensor, b.scalar.per_tensor);
-  EXPECT_EQ(a.weights, b.weights);
-  EXPECT_EQ(a.rotation.enabled, b.rotation.enabled);
-  EXPECT_EQ(a.rotation.r1, b.rotation.r1);
-  EXPECT_EQ(a.rotation.r2, b.rotation.r2);
-  EXPECT_EQ(a.rotation.r3, b.rotation.r3);
-  EXPECT_EQ(a.rotation.r4, b.rotation.r4);
-  EXPECT_EQ(a.rotation.seed, b.rotation.seed);
-  EXPECT_EQ(a.activations.bits, b.activations.bits);
-  EXPECT_EQ(a.activations.clip, b.activations.clip);
-  EXPECT_EQ(a.activations.granularity, b.activations.granularity);
-  EXPECT_EQ(a.activations.is_static, b.activations.is_static);
-  EXPECT_EQ(a.activations.symmetric, b.activations.symmetric);
-  EXPECT_EQ(a.kv_cache.bits, b.kv_cache.bits);
-  EXPECT_EQ(a.kv_cache.format, b.kv_cache.format);
-  EXPECT_EQ(a.kv_cache.granularity, b.kv_cache.granularity);
-  EXPECT_EQ(a.kv_cache.group, b.kv_cache.group);
-  EXPECT_EQ(a.kv_cache.clip, b.kv_cache.clip);
-  EXPECT_EQ(a.kv_cache.symmetric, b.kv_cache.symmetric);
-  EXPECT_EQ(a.kv_cache.is_static, b.kv_cache.is_static);
-  EXPECT_EQ(a.kv_cache.k_sort, b.kv_cache.k_sort);
-  EXPECT_EQ(a.kv_cache.key_point, b.kv_cache.key_point);
+  EXPECT_EQ(Codebook(a), Codebook(b));
+  EXPECT_EQ(Weights(a), Weights(b));
   EXPECT_EQ(a.ToJson(), b.ToJson()) << a.ToJson().dump(2) << "\nvs\n" << b.ToJson().dump(2);
 }
 
@@ -155,34 +171,34 @@ TEST(BundledRecipes, EveryFileParsesAndRoundTripsThroughJson) {
 TEST(BundledRecipes, SettingsMatchTheirNames) {
   struct Expect {
     const char* name;
-    QuantMethod method;
+    std::string method;
     int bits;
     const char* codebook;
     bool finetune;
   };
   const Expect expects[] = {
-      {"quip-e8p-2bit", QuantMethod::kQuip, 2, "e8p", false},
-      {"quip-e8p-3bit", QuantMethod::kQuip, 3, "rvq3_e8p_e8", false},
-      {"quip-e8p-4bit", QuantMethod::kQuip, 4, "rvq4_e8p_e8p", false},
-      {"quip-e8p-2bit-ft", QuantMethod::kQuip, 2, "e8p", true},
-      {"quip-e8p-3bit-ft", QuantMethod::kQuip, 3, "rvq3_e8p_e8", true},
-      {"quip-e8p-4bit-ft", QuantMethod::kQuip, 4, "rvq4_e8p_e8p", true},
-      {"quip-halfint-2bit", QuantMethod::kQuip, 2, "halfint2", false},
-      {"rtn-2bit", QuantMethod::kRtn, 2, "", false},
-      {"rtn-3bit", QuantMethod::kRtn, 3, "", false},
-      {"rtn-4bit", QuantMethod::kRtn, 4, "", false},
-      {"gptq-2bit", QuantMethod::kGptq, 2, "", false},
-      {"gptq-3bit", QuantMethod::kGptq, 3, "", false},
-      {"gptq-4bit", QuantMethod::kGptq, 4, "", false},
+      {"quip-e8p-2bit", "quip", 2, "e8p", false},
+      {"quip-e8p-3bit", "quip", 3, "rvq3_e8p_e8", false},
+      {"quip-e8p-4bit", "quip", 4, "rvq4_e8p_e8p", false},
+      {"quip-e8p-2bit-ft", "quip", 2, "e8p", true},
+      {"quip-e8p-3bit-ft", "quip", 3, "rvq3_e8p_e8", true},
+      {"quip-e8p-4bit-ft", "quip", 4, "rvq4_e8p_e8p", true},
+      {"quip-halfint-2bit", "quip", 2, "halfint2", false},
+      {"rtn-2bit", "rtn", 2, "", false},
+      {"rtn-3bit", "rtn", 3, "", false},
+      {"rtn-4bit", "rtn", 4, "", false},
+      {"gptq-2bit", "gptq", 2, "", false},
+      {"gptq-3bit", "gptq", 3, "", false},
+      {"gptq-4bit", "gptq", 4, "", false},
   };
   for (const Expect& e : expects) {
     SCOPED_TRACE(e.name);
     StatusOr<Recipe> recipe = LoadRecipe(JobsDir() + "/" + e.name + ".yaml");
     ASSERT_TRUE(recipe.ok()) << recipe.status();
     EXPECT_EQ(recipe->method, e.method);
-    EXPECT_EQ(recipe->bits, e.bits);
-    EXPECT_EQ(recipe->codebook, e.codebook);
-    EXPECT_EQ(recipe->incoherence, e.method == QuantMethod::kQuip);
+    EXPECT_EQ(recipe->bits(), e.bits);
+    EXPECT_EQ(Codebook(*recipe), e.codebook);
+    EXPECT_EQ(Incoherence(*recipe), e.method == "quip");
     EXPECT_EQ(recipe->finetune.enabled, e.finetune);
     EXPECT_EQ(recipe->finetune.block.enabled, e.finetune);
     EXPECT_EQ(recipe->finetune.end_to_end.enabled, e.finetune);
@@ -197,13 +213,13 @@ TEST(BundledRecipes, SettingsMatchTheirNames) {
       EXPECT_DOUBLE_EQ(recipe->finetune.end_to_end.lr, tuned4 ? 1e-4 : 5e-5);
       EXPECT_EQ(recipe->finetune.end_to_end.batch, 1);
     }
-    if (e.method != QuantMethod::kQuip) {
-      EXPECT_EQ(recipe->scalar.group_size, -1);
-      EXPECT_TRUE(recipe->scalar.symmetric);
-      EXPECT_TRUE(recipe->scalar.clip_search);
-      EXPECT_EQ(recipe->scalar.act_order, e.method == QuantMethod::kGptq);
+    if (e.method != "quip") {
+      EXPECT_EQ(Scalar(*recipe).group_size, -1);
+      EXPECT_TRUE(Scalar(*recipe).symmetric);
+      EXPECT_TRUE(Scalar(*recipe).clip_search);
+      EXPECT_EQ(Scalar(*recipe).act_order, e.method == "gptq");
     }
-    EXPECT_EQ(recipe->needs_hessians(), e.method != QuantMethod::kRtn);
+    EXPECT_EQ(NeedsHessians(*recipe), e.method != "rtn");
   }
 }
 
@@ -229,13 +245,13 @@ TEST(BundledRecipes, CalibrationFilesExistUnderTheDataRoot) {
 TEST(RecipeDefaults, OnlyMethodGiven) {
   const Recipe r = MustParse("method: quip\n", "jobs/minimal.yaml");
   EXPECT_EQ(r.name, "minimal");  // the file stem
-  EXPECT_EQ(r.method, QuantMethod::kQuip);
-  EXPECT_EQ(r.bits, 2);
-  EXPECT_EQ(r.codebook, "e8p");
-  EXPECT_TRUE(r.incoherence);
-  EXPECT_EQ(r.scale_mode, "row");
+  EXPECT_EQ(r.method, "quip");
+  EXPECT_EQ(r.bits(), 2);
+  EXPECT_EQ(Codebook(r), "e8p");
+  EXPECT_TRUE(Incoherence(r));
+  EXPECT_EQ(ScaleMode(r), "row");
   EXPECT_EQ(r.seed, 0u);
-  EXPECT_DOUBLE_EQ(r.damp, 0.01);
+  EXPECT_DOUBLE_EQ(Damp(r), 0.01);
   EXPECT_EQ(r.calibration.files, std::vector<std::string>{"data/wikitext2/wiki.valid.tokens"});
   EXPECT_EQ(r.calibration.num_sequences, 64);
   EXPECT_EQ(r.calibration.seq_len, 128);
@@ -253,13 +269,13 @@ TEST(RecipeDefaults, OnlyMethodGiven) {
 TEST(RecipeDefaults, RtnAndGptqHaveNoCodebookOrIncoherence) {
   for (const char* method : {"rtn", "gptq"}) {
     const Recipe r = MustParse(std::string("method: ") + method + "\n");
-    EXPECT_EQ(r.bits, 2);
-    EXPECT_EQ(r.codebook, "");
-    EXPECT_FALSE(r.incoherence);
-    EXPECT_EQ(r.scalar.group_size, -1);
-    EXPECT_TRUE(r.scalar.symmetric);
-    EXPECT_FALSE(r.scalar.act_order);
-    EXPECT_FALSE(r.scalar.clip_search);
+    EXPECT_EQ(r.bits(), 2);
+    EXPECT_EQ(Codebook(r), "");
+    EXPECT_FALSE(Incoherence(r));
+    EXPECT_EQ(Scalar(r).group_size, -1);
+    EXPECT_TRUE(Scalar(r).symmetric);
+    EXPECT_FALSE(Scalar(r).act_order);
+    EXPECT_FALSE(Scalar(r).clip_search);
     const nlohmann::json j = r.ToJson();
     EXPECT_FALSE(j.contains("codebook")) << j;
     EXPECT_FALSE(j.contains("scale")) << j;
@@ -270,12 +286,12 @@ TEST(RecipeDefaults, RtnAndGptqHaveNoCodebookOrIncoherence) {
 }
 
 TEST(RecipeDefaults, QuipCodebookFollowsBitsAndBitsFollowCodebook) {
-  EXPECT_EQ(MustParse("method: quip\nbits: 3\n").codebook, "rvq3_e8p_e8");
-  EXPECT_EQ(MustParse("method: quip\nbits: 4\n").codebook, "rvq4_e8p_e8p");
-  EXPECT_EQ(MustParse("method: quip\nbits: 2\n").codebook, "e8p");
-  EXPECT_EQ(MustParse("method: quip\ncodebook: halfint3\n").bits, 3);
-  EXPECT_EQ(MustParse("method: quip\ncodebook: halfint4\n").bits, 4);
-  EXPECT_EQ(MustParse("method: quip\ncodebook: rvq4_e8p_e8p\nbits: 4\n").bits, 4);
+  EXPECT_EQ(Codebook(MustParse("method: quip\nbits: 3\n")), "rvq3_e8p_e8");
+  EXPECT_EQ(Codebook(MustParse("method: quip\nbits: 4\n")), "rvq4_e8p_e8p");
+  EXPECT_EQ(Codebook(MustParse("method: quip\nbits: 2\n")), "e8p");
+  EXPECT_EQ(MustParse("method: quip\ncodebook: halfint3\n").bits(), 3);
+  EXPECT_EQ(MustParse("method: quip\ncodebook: halfint4\n").bits(), 4);
+  EXPECT_EQ(MustParse("method: quip\ncodebook: rvq4_e8p_e8p\nbits: 4\n").bits(), 4);
 }
 
 TEST(RecipeDefaults, ExplicitValuesAndForms) {
@@ -298,13 +314,13 @@ TEST(RecipeDefaults, ExplicitValuesAndForms) {
       "  enabled: false\n"
       "  end_to_end: {enabled: true, epochs: 1, lr: 1.0e-3, batch: 1, holdout: 0}\n");
   EXPECT_EQ(r.name, "my recipe");
-  EXPECT_EQ(r.bits, 8);
+  EXPECT_EQ(r.bits(), 8);
   EXPECT_EQ(r.seed, 18446744073709551615ull);
-  EXPECT_DOUBLE_EQ(r.damp, 1.0);
-  EXPECT_EQ(r.scalar.group_size, 128);
-  EXPECT_FALSE(r.scalar.symmetric);
-  EXPECT_TRUE(r.scalar.act_order);
-  EXPECT_TRUE(r.scalar.clip_search);
+  EXPECT_DOUBLE_EQ(Damp(r), 1.0);
+  EXPECT_EQ(Scalar(r).group_size, 128);
+  EXPECT_FALSE(Scalar(r).symmetric);
+  EXPECT_TRUE(Scalar(r).act_order);
+  EXPECT_TRUE(Scalar(r).clip_search);
   EXPECT_EQ(r.calibration.files, (std::vector<std::string>{"a.txt", "/abs/b.txt"}));
   EXPECT_EQ(r.calibration.num_sequences, 1);
   EXPECT_EQ(r.calibration.seq_len, 2);
@@ -335,7 +351,7 @@ TEST(RecipeDefaults, JsonIsCompleteForQuip) {
 TEST(RecipeDefaults, QuipScaleModes) {
   for (const char* mode : {"row", "matrix"}) {
     const Recipe r = MustParse(std::string("method: quip\nscale: ") + mode + "\n");
-    EXPECT_EQ(r.scale_mode, mode);
+    EXPECT_EQ(ScaleMode(r), mode);
     EXPECT_EQ(r.ToJson()["scale"], mode);
     ExpectRoundTrip(r, mode);
   }
@@ -344,11 +360,18 @@ TEST(RecipeDefaults, QuipScaleModes) {
   ExpectError("method: gptq\nscale: row\n", {"key 'scale' (line 2) applies only to method quip"});
 }
 
-TEST(RecipeDefaults, QuantMethodNames) {
-  EXPECT_STREQ(QuantMethodName(QuantMethod::kQuip), "quip");
-  EXPECT_STREQ(QuantMethodName(QuantMethod::kRtn), "rtn");
-  EXPECT_STREQ(QuantMethodName(QuantMethod::kGptq), "gptq");
-  EXPECT_STREQ(QuantMethodName(QuantMethod::kQuarot), "quarot");
+TEST(RecipeDefaults, TheRegistryListsEveryMethod) {
+  std::vector<std::string> names;
+  for (const MethodSpec* spec : methods::AllSpecs()) names.push_back(spec->name());
+  EXPECT_EQ(names, (std::vector<std::string>{"quip", "rtn", "gptq", "quarot"}));
+  EXPECT_EQ(methods::FindSpec("gptq"), methods::AllSpecs()[2]);
+  EXPECT_EQ(methods::FindSpec("awq"), nullptr);
+  // Every method's config reports its own name, and the recipe's method is that name.
+  for (const std::string& name : names) {
+    const Recipe r = MustParse("method: " + name + "\n");
+    EXPECT_EQ(r.method, name);
+    EXPECT_EQ(r.config->method(), name);
+  }
 }
 
 // ------------------------------------------------------------------------------------------
@@ -365,7 +388,7 @@ TEST(RecipeErrors, UnknownTopLevelKeySuggestsTheClosest) {
 
 TEST(RecipeErrors, UnknownKeyWithNothingCloseListsTheKnownKeys) {
   ExpectError("method: quip\nwhatever: 1\n",
-              {"unknown key 'whatever' (line 2)", "known keys: name, method, bits"});
+              {"unknown key 'whatever' (line 2)", "known keys: name, method, seed, calibration, finetune, bits"});
 }
 
 TEST(RecipeErrors, UnknownNestedKeys) {
@@ -417,7 +440,7 @@ TEST(RecipeErrors, YamlSyntaxErrorsCarryTheParserTextAndLine) {
   ExpectError("method: quip\ncalibration:\n\tseq_len: 64\n",
               {"YAML error at line 3", "spaces, not tabs"});
   ExpectError("just a string\n", {"must be a mapping"});
-  ExpectError("", {"empty", "'method'"});
+  ExpectError("", {"empty", "'method' (quip, rtn, gptq or quarot) is required"});
   ExpectError("# nothing but a comment\n", {"empty", "'method'"});
 }
 
@@ -447,7 +470,7 @@ TEST(RecipeErrors, QuipCodebookAndBits) {
               {"key 'bits' (line 3) is 2 but codebook 'rvq4_e8p_e8p' (line 2) is a 4-bit"});
   ExpectError("method: quip\nbits: 5\n", {"key 'bits' (line 2) must be 2, 3 or 4 for method quip, got 5"});
   ExpectError("method: quip\nscalar: {group_size: 64}\n",
-              {"key 'scalar' (line 2) applies only to methods rtn and gptq"});
+              {"key 'scalar' (line 2) applies only to methods rtn, gptq and quarot, not quip"});
 }
 
 TEST(RecipeErrors, ScalarMethods) {
@@ -460,8 +483,7 @@ TEST(RecipeErrors, ScalarMethods) {
               {"key 'incoherence' (line 2) applies only to method quip"});
   ExpectError("method: rtn\ndamp: 0.01\n", {"key 'damp' (line 2) does not apply to method rtn"});
   // The "off" values are accepted (ToJson writes them).
-  EXPECT_FALSE(MustParse("method: rtn\nincoherence: false\nscalar: {act_order: false}\n")
-                   .scalar.act_order);
+  EXPECT_FALSE(Scalar(MustParse("method: rtn\nincoherence: false\nscalar: {act_order: false}\n")).act_order);
 }
 
 TEST(RecipeErrors, Ranges) {
@@ -543,16 +565,16 @@ namespace {
 
 TEST(QuarotRecipes, DefaultsAndSections) {
   Recipe r = MustParse("method: quarot\n");
-  EXPECT_EQ(r.method, QuantMethod::kQuarot);
-  EXPECT_EQ(r.weights, "gptq");
-  EXPECT_EQ(r.bits, 2);
-  EXPECT_TRUE(r.needs_hessians());
-  EXPECT_TRUE(r.rotation.enabled && r.rotation.r1 && r.rotation.r2 && r.rotation.r3 &&
-              r.rotation.r4);
-  EXPECT_FALSE(r.activations.enabled());
-  EXPECT_FALSE(r.kv_cache.enabled());
-  EXPECT_FALSE(r.incoherence);
-  EXPECT_TRUE(r.codebook.empty());
+  EXPECT_EQ(r.method, "quarot");
+  EXPECT_EQ(Weights(r), "gptq");
+  EXPECT_EQ(r.bits(), 2);
+  EXPECT_TRUE(NeedsHessians(r));
+  EXPECT_TRUE(Rotation(r).enabled && Rotation(r).r1 && Rotation(r).r2 && Rotation(r).r3 &&
+              Rotation(r).r4);
+  EXPECT_FALSE(Activations(r).enabled());
+  EXPECT_FALSE(KvCache(r).enabled());
+  EXPECT_FALSE(Incoherence(r));
+  EXPECT_TRUE(Codebook(r).empty());
   ExpectRoundTrip(r, "defaults");
 
   r = MustParse(
@@ -560,23 +582,23 @@ TEST(QuarotRecipes, DefaultsAndSections) {
       "rotation: {r3: false, seed: 7}\n"
       "activations: {bits: 4, clip: 0.9}\n"
       "kv_cache: {bits: 3, group: 4, clip: 0.95}\n");
-  EXPECT_EQ(r.weights, "rtn");
-  EXPECT_FALSE(r.needs_hessians());
-  EXPECT_FALSE(r.rotation.r3);
-  EXPECT_EQ(r.rotation.seed, 7u);
-  EXPECT_EQ(r.activations.bits, 4);
-  EXPECT_EQ(r.activations.granularity, "per_token");
-  EXPECT_EQ(r.kv_cache.bits, 3);
-  EXPECT_EQ(r.kv_cache.group, 4);
-  EXPECT_EQ(r.kv_cache.granularity, "per_group");
-  EXPECT_FALSE(r.kv_cache.symmetric);
+  EXPECT_EQ(Weights(r), "rtn");
+  EXPECT_FALSE(NeedsHessians(r));
+  EXPECT_FALSE(Rotation(r).r3);
+  EXPECT_EQ(Rotation(r).seed, 7u);
+  EXPECT_EQ(Activations(r).bits, 4);
+  EXPECT_EQ(Activations(r).granularity, "per_token");
+  EXPECT_EQ(KvCache(r).bits, 3);
+  EXPECT_EQ(KvCache(r).group, 4);
+  EXPECT_EQ(KvCache(r).granularity, "per_group");
+  EXPECT_FALSE(KvCache(r).symmetric);
   ExpectRoundTrip(r, "rtn a4 kv3");
   EXPECT_FALSE(r.ToJson().contains("damp"));
 
   r = MustParse("method: quarot\nweights: none\nkv_cache: {bits: 4}\n");
-  EXPECT_EQ(r.bits, 16);
-  EXPECT_FALSE(r.quantizes_weights());
-  EXPECT_FALSE(r.needs_hessians());
+  EXPECT_EQ(r.bits(), 16);
+  EXPECT_FALSE(QuantizesWeights(r));
+  EXPECT_FALSE(NeedsHessians(r));
   EXPECT_FALSE(r.ToJson().contains("bits"));
   EXPECT_FALSE(r.ToJson().contains("scalar"));
   ExpectRoundTrip(r, "kv only");
@@ -585,24 +607,24 @@ TEST(QuarotRecipes, DefaultsAndSections) {
       "method: quarot\nweights: rtn\nbits: 8\nscalar: {per_tensor: true}\n"
       "activations: {bits: 8, clip: 1.0, granularity: per_tensor, static: true}\n"
       "kv_cache: {bits: 8, granularity: per_tensor, static: true, symmetric: true}\n");
-  EXPECT_TRUE(r.scalar.per_tensor);
-  EXPECT_TRUE(r.activations.is_static);
-  EXPECT_TRUE(r.kv_cache.is_static);
+  EXPECT_TRUE(Scalar(r).per_tensor);
+  EXPECT_TRUE(Activations(r).is_static);
+  EXPECT_TRUE(KvCache(r).is_static);
   ExpectRoundTrip(r, "static per tensor");
 
   r = MustParse("method: quarot\nrotation: {r3: false}\nkv_cache: {bits: 4, format: bfp, "
                 "group: 32, k_sort: true}\n");
-  EXPECT_EQ(r.kv_cache.format, "bfp");
-  EXPECT_TRUE(r.kv_cache.k_sort);
+  EXPECT_EQ(KvCache(r).format, "bfp");
+  EXPECT_TRUE(KvCache(r).k_sort);
   EXPECT_FALSE(r.ToJson()["kv_cache"].contains("clip"));
-  EXPECT_EQ(r.kv_cache.key_point, "pre_rope");  // the K-sort paper's cache by default
+  EXPECT_EQ(KvCache(r).key_point, "pre_rope");  // the K-sort paper's cache by default
   ExpectRoundTrip(r, "bfp k-sort");
   r = MustParse("method: quarot\nkv_cache: {bits: 4, format: bfp, key_point: post_rope}\n");
-  EXPECT_EQ(r.kv_cache.key_point, "post_rope");
+  EXPECT_EQ(KvCache(r).key_point, "post_rope");
   ExpectRoundTrip(r, "bfp post-rope");
 
   r = MustParse("method: quarot\nrotation: {enabled: false}\n");
-  EXPECT_FALSE(r.rotation.any());
+  EXPECT_FALSE(Rotation(r).any());
   ExpectRoundTrip(r, "norot");
 }
 
@@ -673,15 +695,15 @@ TEST(QuarotRecipes, BundledRecipesComeInRotatedAndUnrotatedTwins) {
     SCOPED_TRACE(stem);
     StatusOr<Recipe> rotated = LoadRecipe(path);
     ASSERT_TRUE(rotated.ok()) << rotated.status();
-    EXPECT_EQ(rotated->method, QuantMethod::kQuarot);
-    EXPECT_TRUE(rotated->rotation.any());
+    EXPECT_EQ(rotated->method, "quarot");
+    EXPECT_TRUE(Rotation(*rotated).any());
     std::string twin = stem.substr(7);
     const size_t rtn = twin.rfind("-rtn");
     twin = rtn != std::string::npos && rtn + 4 == twin.size()
                ? twin.substr(0, rtn) + "-norot-rtn" : twin + "-norot";
     StatusOr<Recipe> plain = LoadRecipe(JobsDir() + "/" + twin + ".yaml");
     ASSERT_TRUE(plain.ok()) << plain.status();
-    EXPECT_FALSE(plain->rotation.any());
+    EXPECT_FALSE(Rotation(*plain).any());
     nlohmann::json a = rotated->ToJson(), b = plain->ToJson();
     for (nlohmann::json* j : {&a, &b}) {
       j->erase("name");
@@ -694,18 +716,18 @@ TEST(QuarotRecipes, BundledRecipesComeInRotatedAndUnrotatedTwins) {
   // The named pair.
   StatusOr<Recipe> w4a4 = LoadRecipe(JobsDir() + "/quarot-w4a4kv4.yaml");
   ASSERT_TRUE(w4a4.ok()) << w4a4.status();
-  EXPECT_EQ(w4a4->weights, "gptq");
-  EXPECT_EQ(w4a4->bits, 4);
-  EXPECT_TRUE(w4a4->scalar.clip_search);
-  EXPECT_TRUE(w4a4->scalar.symmetric);
-  EXPECT_EQ(w4a4->scalar.group_size, -1);
-  EXPECT_EQ(w4a4->activations.bits, 4);
-  EXPECT_DOUBLE_EQ(w4a4->activations.clip, 0.9);
-  EXPECT_EQ(w4a4->activations.granularity, "per_token");
-  EXPECT_EQ(w4a4->kv_cache.bits, 4);
-  EXPECT_FALSE(w4a4->kv_cache.symmetric);
-  EXPECT_EQ(w4a4->kv_cache.group, 0);  // = head_dim
-  EXPECT_DOUBLE_EQ(w4a4->kv_cache.clip, 0.95);
+  EXPECT_EQ(Weights(*w4a4), "gptq");
+  EXPECT_EQ(w4a4->bits(), 4);
+  EXPECT_TRUE(Scalar(*w4a4).clip_search);
+  EXPECT_TRUE(Scalar(*w4a4).symmetric);
+  EXPECT_EQ(Scalar(*w4a4).group_size, -1);
+  EXPECT_EQ(Activations(*w4a4).bits, 4);
+  EXPECT_DOUBLE_EQ(Activations(*w4a4).clip, 0.9);
+  EXPECT_EQ(Activations(*w4a4).granularity, "per_token");
+  EXPECT_EQ(KvCache(*w4a4).bits, 4);
+  EXPECT_FALSE(KvCache(*w4a4).symmetric);
+  EXPECT_EQ(KvCache(*w4a4).group, 0);  // = head_dim
+  EXPECT_DOUBLE_EQ(KvCache(*w4a4).clip, 0.95);
 }
 
 }  // namespace

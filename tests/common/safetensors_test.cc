@@ -23,6 +23,7 @@
 
 #include "common/atomic_file.h"
 #include "common/dtype.h"
+#include "tests/test_util.h"
 
 namespace qcal {
 namespace {
@@ -59,9 +60,7 @@ uint32_t BitsOf(float f) {
 class TempDirTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    std::string pattern = ::testing::TempDir() + "qcal_safetensors_XXXXXX";
-    ASSERT_NE(mkdtemp(pattern.data()), nullptr) << pattern;
-    dir_ = pattern;
+    dir_ = qcal::testing::MakeTempDir("qcal_safetensors");
   }
   void TearDown() override {
     std::error_code ignored;

@@ -157,7 +157,8 @@ struct FakeWorkspaceState {
   std::set<int64_t> finished;      // blocks an earlier run finished
   Status open_error = absl::OkStatus();
   Status finalize_error = absl::OkStatus();
-  Status check_error = absl::OkStatus();  // CheckResult's answer
+  Status check_error = absl::OkStatus();  // CheckBlock's / CheckFiles' answer
+  std::vector<std::string> committed;       // the files Commit renamed, in order
   std::vector<nlohmann::json> journal;
   int finalized = 0;
 };
@@ -180,9 +181,18 @@ class FakeWorkspace : public JobWorkspace {
     s_->journal.push_back({{"event", "job_start"}});
     return plan;
   }
-  Status CheckResult(const nlohmann::json& entry) override {
+  Status CheckBlock(const v1::BlockResult&) override {
     std::lock_guard<std::mutex> l(s_->mu);
     return s_->check_error;
+  }
+  Status CheckFiles(const std::vector<v1::WrittenFile>&) override {
+    std::lock_guard<std::mutex> l(s_->mu);
+    return s_->check_error;
+  }
+  Status Commit(const std::vector<v1::WrittenFile>& files) override {
+    std::lock_guard<std::mutex> l(s_->mu);
+    for (const v1::WrittenFile& f : files) s_->committed.push_back(f.name());
+    return absl::OkStatus();
   }
   Status Append(const nlohmann::json& entry) override {
     std::lock_guard<std::mutex> l(s_->mu);

@@ -28,7 +28,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/atomic_file.h"
-#include "coordinator/auth.h"
+#include "rpc/auth.h"
 #include "proto/qcal.grpc.pb.h"
 #include "tests/test_util.h"
 
@@ -36,6 +36,8 @@ extern char** environ;
 
 namespace qcal::coordinator {
 namespace {
+
+using namespace qcal::rpc;  // NOLINT: the RPC helpers
 
 using Clock = std::chrono::steady_clock;
 

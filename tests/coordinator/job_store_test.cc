@@ -22,7 +22,8 @@ v1::Job MakeJob(const std::string& id, v1::JobState state) {
   job.set_blocks_done(2);
   v1::BlockMetrics* b = job.add_blocks();
   b->set_block(1);
-  b->set_metrics_json(R"({"event":"block_done","layer":1})");
+  b->mutable_result()->set_layer(1);
+  b->mutable_result()->mutable_shard()->set_name("model-00002-of-00005.safetensors");
   b->set_rank(2);
   job.set_eta_seconds(-1);
   return job;
@@ -53,7 +54,7 @@ TEST(JobStoreTest, RecordsSurviveARestartOnDisk) {
             MakeJob("job-000001", v1::JOB_STATE_SUCCEEDED).SerializeAsString());
   EXPECT_EQ(jobs[1].state(), v1::JOB_STATE_FAILED);
   EXPECT_EQ(jobs[1].error(), "rank 1 died");
-  EXPECT_EQ(jobs[1].blocks(0).metrics_json(), R"({"event":"block_done","layer":1})");
+  EXPECT_EQ(jobs[1].blocks(0).result().shard().name(), "model-00002-of-00005.safetensors");
   ASSERT_NE((*store)->Find("job-000002"), nullptr);
   EXPECT_EQ((*store)->Find("job-000009"), nullptr);
   // New ids continue after the largest stored one.

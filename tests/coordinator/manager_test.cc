@@ -8,6 +8,8 @@
 
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
+
 #include "tests/coordinator/fakes.h"
 #include "tests/coordinator/test_env.h"
 
@@ -78,7 +80,7 @@ class ManagerTest : public ::testing::Test {
     return job;
   }
   static bool Running(const v1::Job& j) { return j.state() == v1::JOB_STATE_RUNNING; }
-  static bool Final(const v1::Job& j) { return IsFinal(j.state()); }
+  static bool Final(const v1::Job& j) { return IsFinalState(j.state()); }
 
   std::string Register(JobManager& m, const std::string& job, int rank, int world) {
     v1::RegisterWorkerRequest r;
@@ -92,17 +94,26 @@ class ManagerTest : public ::testing::Test {
     return resp.ok() ? resp->worker_id() : "";
   }
 
-  static std::string BlockDone(int64_t layer) {
-    return nlohmann::json{{"event", "block_done"}, {"layer", layer}, {"seconds", 0.25}}.dump();
+  static v1::BlockResult BlockDone(int64_t layer) {
+    v1::BlockResult r;
+    r.set_layer(layer);
+    r.set_seconds(0.25);
+    r.mutable_shard()->set_name(absl::StrCat("model-", layer + 1, ".safetensors"));
+    r.mutable_shard()->set_staged(absl::StrCat("model-", layer + 1, ".safetensors.x"));
+    return r;
   }
 
   Status Complete(JobManager& m, const std::string& worker, const v1::Task& t) {
     v1::CompleteTaskRequest c;
     c.set_worker_id(worker);
     c.set_task_id(t.task_id());
-    if (t.kind() == v1::TASK_KIND_QUANTIZE_BLOCK) c.set_result_json(BlockDone(t.block()));
-    if (t.kind() == v1::TASK_KIND_FINETUNE_E2E) c.set_result_json(R"({"event":"e2e_done"})");
-    if (t.kind() == v1::TASK_KIND_CALIBRATE) c.set_result_json("{}");
+    if (t.kind() == v1::TASK_KIND_QUANTIZE_BLOCK) *c.mutable_block() = BlockDone(t.block());
+    if (t.kind() == v1::TASK_KIND_FINETUNE_E2E) c.mutable_finetune()->set_kl_after(0.1);
+    if (t.kind() == v1::TASK_KIND_CALIBRATE) c.mutable_calibrate()->set_tokens(1);
+    if (t.kind() == v1::TASK_KIND_EVALUATE) {
+      *c.mutable_eval()->mutable_params() = t.eval();
+      c.mutable_eval()->set_perplexity(12.5);
+    }
     return m.CompleteTask(c);
   }
 
@@ -198,7 +209,7 @@ TEST_F(ManagerTest, AJobRunsThroughEveryPhaseAndJournalsEachBlock) {
       ++block_events;
       EXPECT_EQ(events[i].done(), block_events);
       EXPECT_EQ(events[i].total(), 4);
-      EXPECT_NE(events[i].block().metrics_json().find("block_done"), std::string::npos);
+      EXPECT_EQ(events[i].block().result().layer(), events[i].block().block());
     }
   }
   EXPECT_EQ(phases, (std::vector<std::string>{"calibrate", "quantize", "finalize", "done"}));
@@ -500,27 +511,26 @@ TEST_F(ManagerTest, BadResultsAreRefused) {
   v1::CompleteTaskRequest c;
   c.set_worker_id(w0);
   c.set_task_id(t.task_id());
-  c.set_result_json("not json");
+  c.mutable_calibrate()->set_tokens(1);  // another task's result
   Status s = m->CompleteTask(c);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(s.message(),
-            "invalid result for block-0.a1: result_json is not the journal's block_done entry");
+  EXPECT_EQ(s.message(), "invalid result for block-0.a1: no block result");
   EXPECT_EQ(m->Get(*id)->state(), v1::JOB_STATE_RUNNING);
 
   t = *m->NextTask(w0);
   EXPECT_EQ(t.block(), 0);
   EXPECT_EQ(t.attempt(), 2);
   c.set_task_id(t.task_id());
-  c.set_result_json(BlockDone(t.block() + 1));  // the wrong layer
+  *c.mutable_block() = BlockDone(t.block() + 1);  // the wrong layer
   s = m->CompleteTask(c);
-  EXPECT_EQ(s.message(), "invalid result for block-0.a2: the block_done entry is for layer 1, not 0");
+  EXPECT_EQ(s.message(), "invalid result for block-0.a2: the result is for block 1, not 0");
 
   all_ws_.back()->check_error = absl::DataLossError("/out/model-00001-of-00004.safetensors: "
                                                     "checksum 1 does not match");
   t = *m->NextTask(w0);
   EXPECT_EQ(t.attempt(), 3);
   c.set_task_id(t.task_id());
-  c.set_result_json(BlockDone(t.block()));
+  *c.mutable_block() = BlockDone(t.block());
   EXPECT_EQ(m->CompleteTask(c).code(), absl::StatusCode::kInvalidArgument);
   v1::Job job = *m->Get(*id);
   EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);

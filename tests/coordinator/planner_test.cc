@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 
+#include "methods/registry.h"
+
 namespace qcal::coordinator {
 namespace {
 
@@ -13,18 +15,14 @@ JobPlan FreshPlan(int64_t blocks) {
   return p;
 }
 
-Recipe Quip() {
-  Recipe r;
-  r.method = QuantMethod::kQuip;
-  return r;
+Recipe Parse(const std::string& yaml) {
+  StatusOr<Recipe> r = ParseRecipe(yaml, "planner_test.yaml");
+  EXPECT_TRUE(r.ok()) << r.status();
+  return r.ok() ? *r : Recipe();
 }
 
-Recipe Rtn() {
-  Recipe r;
-  r.method = QuantMethod::kRtn;
-  r.bits = 4;
-  return r;
-}
+Recipe Quip() { return Parse("method: quip\n"); }
+Recipe Rtn() { return Parse("method: rtn\nbits: 4\n"); }
 
 TEST(PlannerTest, FreshQuipJobCalibratesThenQuantizesEveryBlock) {
   const TaskPlan t = MakeTaskPlan(Quip(), FreshPlan(5));
@@ -33,8 +31,24 @@ TEST(PlannerTest, FreshQuipJobCalibratesThenQuantizesEveryBlock) {
   EXPECT_TRUE(t.resumed.empty());
   EXPECT_FALSE(t.finetune_e2e);
   EXPECT_TRUE(t.needs_workers());
+  EXPECT_TRUE(t.calibrate_params.hessians());      // what the method needs, and no more
+  EXPECT_FALSE(t.calibrate_params.activations());
   EXPECT_EQ(t.phases,
             (std::vector<std::string>{"plan", "calibrate", "quantize", "finalize", "done"}));
+}
+
+TEST(PlannerTest, EvaluationIsAPhaseAfterFinalize) {
+  v1::EvalParams e;
+  e.set_model("float");
+  e.set_label("wikitext2");
+  const TaskPlan t = MakeTaskPlan(Rtn(), FreshPlan(2), {e, e});
+  EXPECT_EQ(t.evals.size(), 2u);
+  EXPECT_EQ(t.phases, (std::vector<std::string>{"plan", "quantize", "finalize", "evaluate",
+                                                "done"}));
+  // A finished job that is evaluated still needs its workers.
+  JobPlan done = FreshPlan(2);
+  done.block_finished.assign(2, true);
+  EXPECT_TRUE(MakeTaskPlan(Rtn(), done, {e}).needs_workers());
 }
 
 TEST(PlannerTest, ResumeSkipsFinishedBlocks) {
@@ -54,21 +68,17 @@ TEST(PlannerTest, RtnNeedsNoCalibration) {
 }
 
 TEST(PlannerTest, QuarotCalibratesInsideItsBlockTasksInOrderWhenSequential) {
-  Recipe r;
-  r.method = QuantMethod::kQuarot;
-  r.bits = 4;
-  r.weights = "gptq";
-  TaskPlan t = MakeTaskPlan(r, FreshPlan(4));
+  TaskPlan t = MakeTaskPlan(Parse("method: quarot\nbits: 4\nweights: gptq\n"), FreshPlan(4));
   EXPECT_FALSE(t.calibrate);  // no float-model calibration phase
   EXPECT_TRUE(t.sequential_blocks);
   EXPECT_EQ(t.phases, (std::vector<std::string>{"plan", "quantize", "finalize", "done"}));
-  r.weights = "rtn";  // dynamic activations, no static ranges: blocks are independent
-  t = MakeTaskPlan(r, FreshPlan(4));
+  // Dynamic activations, no static ranges: blocks are independent.
+  t = MakeTaskPlan(Parse("method: quarot\nbits: 4\nweights: rtn\n"), FreshPlan(4));
   EXPECT_FALSE(t.sequential_blocks);
-  r.activations.bits = 8;
-  r.activations.granularity = "per_tensor";
-  r.activations.is_static = true;
-  EXPECT_TRUE(MakeTaskPlan(r, FreshPlan(4)).sequential_blocks);
+  t = MakeTaskPlan(Parse("method: quarot\nbits: 4\nweights: rtn\nactivations: {bits: 8, "
+                         "granularity: per_tensor, static: true}\n"),
+                   FreshPlan(4));
+  EXPECT_TRUE(t.sequential_blocks);
 }
 
 TEST(PlannerTest, FinishedJobGoesStraightToFinalizeWithoutWorkers) {
@@ -82,13 +92,12 @@ TEST(PlannerTest, FinishedJobGoesStraightToFinalizeWithoutWorkers) {
 }
 
 TEST(PlannerTest, EndToEndFinetuneAfterTheBlocksAndRedoneWhenABlockIsRedone) {
-  Recipe r = Quip();
-  r.finetune.enabled = true;
-  r.finetune.end_to_end.enabled = true;
+  const Recipe r = Parse("method: quip\nfinetune: {enabled: true, end_to_end: {enabled: true}}\n");
   JobPlan p = FreshPlan(2);
   p.e2e_enabled = true;
   TaskPlan t = MakeTaskPlan(r, p);
   EXPECT_TRUE(t.finetune_e2e);
+  EXPECT_TRUE(t.calibrate_params.hessians() && t.calibrate_params.activations());
   EXPECT_EQ(t.phases, (std::vector<std::string>{"plan", "calibrate", "quantize", "finetune",
                                                 "finalize", "done"}));
   // Every block done but e2e not: only the e2e task (it needs the calibration products).
@@ -97,6 +106,7 @@ TEST(PlannerTest, EndToEndFinetuneAfterTheBlocksAndRedoneWhenABlockIsRedone) {
   EXPECT_TRUE(t.blocks.empty());
   EXPECT_TRUE(t.finetune_e2e);
   EXPECT_TRUE(t.calibrate);
+  EXPECT_FALSE(t.calibrate_params.hessians() || t.calibrate_params.activations());
   // e2e done and valid: nothing left.
   p.e2e_finished = true;
   t = MakeTaskPlan(r, p);

@@ -45,7 +45,7 @@ TEST(SchedulerTest, FasterRanksPullMoreBlocks) {
   JobScheduler s("job-1", 2, Plan(kBlocks, false));
   std::map<int, v1::Task> holding;
   std::map<int, int> count;
-  for (int tick = 0; !s.done() && tick < 1000; ++tick) {
+  for (int tick = 0; !s.awaiting_finalize() && tick < 1000; ++tick) {
     for (int r = 0; r < 2; ++r) {
       if (holding.count(r) && (r == 0 || tick % 3 == 0)) {
         ASSERT_TRUE(s.Complete("w" + std::to_string(r), r, holding[r].task_id()).ok());
@@ -60,7 +60,7 @@ TEST(SchedulerTest, FasterRanksPullMoreBlocks) {
       }
     }
   }
-  EXPECT_TRUE(s.done());
+  EXPECT_TRUE(s.awaiting_finalize());
   EXPECT_EQ(count[0] + count[1], kBlocks);
   EXPECT_GE(count[0], 27) << "rank 0 took " << count[0] << ", rank 1 " << count[1];
   EXPECT_LE(count[1], 13);
@@ -89,7 +89,7 @@ TEST(SchedulerTest, SequentialBlocksGoOutOneAtATimeInOrder) {
   v1::Task c = s.Next("w1", 1);
   EXPECT_EQ(c.block(), 2);
   ASSERT_TRUE(s.Complete("w1", 1, c.task_id()).ok());
-  EXPECT_TRUE(s.done());
+  EXPECT_TRUE(s.awaiting_finalize());
 }
 
 TEST(SchedulerTest, LostWorkersBlockReturnsToTheQueueForAnotherRank) {
@@ -118,7 +118,7 @@ TEST(SchedulerTest, LostWorkersBlockReturnsToTheQueueForAnotherRank) {
   v1::Task c = s.Next("w0", 0);
   EXPECT_EQ(c.block(), 2);
   ASSERT_TRUE(s.Complete("w0", 0, c.task_id()).ok());
-  EXPECT_TRUE(s.done());
+  EXPECT_TRUE(s.awaiting_finalize());
 }
 
 TEST(SchedulerTest, LossDuringCalibrationFailsTheJob) {
@@ -185,6 +185,55 @@ TEST(SchedulerTest, EndToEndFinetuneRunsOnceAfterTheLastBlock) {
   EXPECT_EQ(e.kind(), v1::TASK_KIND_FINETUNE_E2E);
   EXPECT_EQ(e.attempt(), 2);
   ASSERT_TRUE(s.Complete("w0", 0, e.task_id()).ok());
+  EXPECT_TRUE(s.awaiting_finalize());
+}
+
+TEST(SchedulerTest, EvaluationFollowsFinalizeAndResultsAreKnownByTheirRecord) {
+  TaskPlan plan = Plan(1, false);
+  for (int i = 0; i < 3; ++i) {
+    v1::EvalParams e;
+    e.set_model(i % 2 ? "quantized" : "float");
+    e.set_label("f" + std::to_string(i));
+    plan.evals.push_back(e);
+  }
+  JobScheduler s("job-1", 2, plan);
+  v1::Task b = s.Next("w0", 0);
+  ASSERT_EQ(b.kind(), v1::TASK_KIND_QUANTIZE_BLOCK);
+  EXPECT_EQ(b.attempt_token(), b.task_id());  // the staged files' token
+  auto info = s.Lookup(b.task_id());
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->kind, v1::TASK_KIND_QUANTIZE_BLOCK);
+  EXPECT_EQ(info->index, 0);
+  EXPECT_FALSE(info->done);
+  EXPECT_EQ(s.Lookup("block-7.a1").status().code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(s.Complete("w0", 0, b.task_id()).ok());
+  EXPECT_TRUE(s.Lookup(b.task_id())->done);
+  // Finalize: the workers wait until the manager has written the checkpoint.
+  EXPECT_TRUE(s.awaiting_finalize());
+  EXPECT_EQ(s.Next("w1", 1).kind(), v1::TASK_KIND_WAIT);
+  s.FinalizeDone();
+  EXPECT_EQ(s.phase(), "evaluate");
+  v1::Task e0 = s.Next("w0", 0), e1 = s.Next("w1", 1);
+  ASSERT_EQ(e0.kind(), v1::TASK_KIND_EVALUATE);
+  ASSERT_EQ(e1.kind(), v1::TASK_KIND_EVALUATE);
+  EXPECT_EQ(e0.eval().label(), "f0");
+  EXPECT_EQ(e1.eval().label(), "f1");
+  // A lost rank's evaluation goes to another.
+  auto lost = s.WorkerLost("w1", 1);
+  ASSERT_EQ(lost.size(), 1u);
+  auto c = s.Complete("w0", 0, e0.task_id());
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->eval, 0);
+  v1::Task again = s.Next("w0", 0);
+  EXPECT_EQ(again.eval().label(), "f1");
+  EXPECT_EQ(again.attempt(), 2);
+  ASSERT_TRUE(s.Complete("w0", 0, again.task_id()).ok());
+  // The lost rank's attempt reporting late is a duplicate: nothing of it counts.
+  auto late = s.Complete("w1", 1, e1.task_id());
+  ASSERT_TRUE(late.ok());
+  EXPECT_TRUE(late->duplicate);
+  v1::Task last = s.Next("w0", 0);
+  ASSERT_TRUE(s.Complete("w0", 0, last.task_id()).ok());
   EXPECT_TRUE(s.done());
 }
 

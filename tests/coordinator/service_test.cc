@@ -10,13 +10,15 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
-#include "coordinator/auth.h"
+#include "rpc/auth.h"
 #include "proto/qcal.grpc.pb.h"
 #include "tests/coordinator/fakes.h"
 #include "tests/coordinator/test_env.h"
 
 namespace qcal::coordinator {
 namespace {
+
+using namespace qcal::rpc;  // NOLINT: the RPC helpers under test
 
 constexpr char kToken[] = "0123456789abcdef0123456789abcdef";
 

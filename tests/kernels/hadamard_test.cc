@@ -17,29 +17,16 @@
 #include <string>
 #include <vector>
 
+#include "tests/test_util.h"
+
 namespace qcal {
 namespace {
 
-uint64_t TestSeed() {
-  static const uint64_t seed = [] {
-    uint64_t s;
-    if (const char* env = std::getenv("QCAL_TEST_SEED"); env != nullptr && *env != '\0') {
-      s = std::strtoull(env, nullptr, 10);
-    } else {
-      std::random_device rd;
-      s = (static_cast<uint64_t>(rd()) << 32) ^ rd();
-    }
-    std::cout << "[ seed     ] QCAL_TEST_SEED=" << s << std::endl;
-    return s;
-  }();
-  return seed;
-}
-
-#define QCAL_SEED_TRACE() SCOPED_TRACE("QCAL_TEST_SEED=" + std::to_string(TestSeed()))
+uint64_t TestSeed() { return testing::ProcessSeed(); }
 
 template <typename T>
 std::vector<T> RandomVector(int64_t size, uint64_t salt) {
-  std::mt19937_64 rng(TestSeed() ^ (salt * 0x9E3779B97F4A7C15ULL));
+  std::mt19937_64 rng = testing::SeededRng(salt);
   std::normal_distribution<double> normal(0.0, 1.0);
   std::vector<T> v(size);
   for (auto& x : v) x = static_cast<T>(normal(rng));

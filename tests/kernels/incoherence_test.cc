@@ -26,16 +26,8 @@
 namespace qcal::kernels {
 namespace {
 
-uint64_t Seed() {
-  static const uint64_t seed = qcal::testing::TestSeed();
-  return seed;
-}
-
-#define QCAL_SEED_TRACE() SCOPED_TRACE("QCAL_TEST_SEED=" + std::to_string(Seed()))
-
-std::mt19937_64 Rng(uint64_t salt) {
-  return std::mt19937_64(Seed() ^ (salt * 0x9E3779B97F4A7C15ULL));
-}
+uint64_t Seed() { return qcal::testing::ProcessSeed(); }
+std::mt19937_64 Rng(uint64_t salt) { return qcal::testing::SeededRng(salt); }
 
 // Seeds for U and V derived from the test seed (distinct per salt).
 uint64_t TransformSeed(uint64_t salt) { return Rng(salt + 1000)(); }

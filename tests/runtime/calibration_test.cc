@@ -6,14 +6,16 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <thread>
 
 #include "common/atomic_file.h"
-#include "common/llama2c.h"
 #include "common/tokenizer.h"
+#include "tests/model_fixtures.h"
 #include "tests/test_util.h"
+#include "worker/model/model_source.h"
 #include "worker/model/llama.h"
-#include "worker/runtime/comm.h"
+#include "worker/comm/comm.h"
 
 namespace qcal {
 namespace {
@@ -49,10 +51,7 @@ class CalibrationRanksTest : public ::testing::Test {
   static void SetUpTestSuite() {
     model::SetComputeThreads(1);
     root_ = new std::string(testing::MakeTempDir("calib"));
-    const std::string src = testing::SharedDir() + "/models/stories260K";
-    auto r = ImportLlama2c(src + "/stories260K.bin", src + "/tok512.bin", *root_ + "/float");
-    ASSERT_TRUE(r.ok()) << r.status();
-    auto tok = LoadTokenizerFromModelDir(*root_ + "/float");
+    auto tok = LoadTokenizerFromModelDir(testing::RealModelDir("stories260K"));
     ASSERT_TRUE(tok.ok()) << tok.status();
     CalibrationSpec spec;
     spec.files = {"data/tinystories/TinyStories-valid.sample30k.txt"};
@@ -70,22 +69,24 @@ class CalibrationRanksTest : public ::testing::Test {
 
   // Runs Calibrate on `ranks` thread-ranks (each with its own model) into `job_dir`; returns
   // rank 0's result (every rank's Hessians are checked equal to rank 0's).
-  static calib::CalibrationResult Run(int ranks, const std::string& job_dir) {
+  static calib::CalibrationResult Run(int ranks, const std::string& job_dir,
+                                      int64_t budget = std::numeric_limits<int64_t>::max()) {
     auto comms = runtime::MakeThreadComms(ranks);
     std::vector<StatusOr<calib::CalibrationResult>> results(ranks, absl::UnknownError("not run"));
     std::vector<std::thread> threads;
     for (int r = 0; r < ranks; ++r) {
       threads.emplace_back([&, r] {
-        auto model = model::LlamaModel::Load(*root_ + "/float");
-        if (!model.ok()) {
-          results[r] = model.status();
+        auto source = model::OpenFloatCheckpoint(testing::RealModelDir("stories260K"));
+        if (!source.ok()) {
+          results[r] = source.status();
           comms[r].reset();
           return;
         }
         calib::CalibrationOptions opt;
         opt.batch = 4;
         opt.activations = true;
-        results[r] = calib::Calibrate(*comms[r], **model, *tokens_, job_dir, "key", opt);
+        opt.memory_budget_bytes = budget;
+        results[r] = calib::Calibrate(*comms[r], **source, *tokens_, job_dir, "key", opt);
         if (!results[r].ok()) comms[r].reset();
       });
     }
@@ -115,23 +116,30 @@ at::Tensor* CalibrationRanksTest::tokens_ = nullptr;
 
 TEST_F(CalibrationRanksTest, RanksGiveTheWorldOfOneBitsAndMatchAnFp64Reference) {
   // World of one (SelfComm) first.
-  auto model = model::LlamaModel::Load(*root_ + "/float");
+  auto model = model::LlamaModel::Load(testing::RealModelDir("stories260K"));
   ASSERT_TRUE(model.ok());
+  auto source = model::OpenFloatCheckpoint(testing::RealModelDir("stories260K"));
+  ASSERT_TRUE(source.ok());
   auto self = runtime::MakeSelfComm();
   calib::CalibrationOptions opt;
   opt.batch = 4;
   opt.activations = true;
   const std::string dir1 = *root_ + "/job1";
-  auto one = calib::Calibrate(*self, **model, *tokens_, dir1, "key", opt);
+  auto one = calib::Calibrate(*self, **source, *tokens_, dir1, "key", opt);
   ASSERT_TRUE(one.ok()) << one.status();
   EXPECT_FALSE(one->from_cache);
   const int64_t blocks = (*model)->num_blocks();
   ASSERT_EQ(static_cast<int64_t>(one->hessians.size()), blocks);
   EXPECT_EQ(one->tokens, 22 * 64);
 
-  for (int ranks : {2, 3}) {
-    const std::string dir = *root_ + "/job" + std::to_string(ranks);
-    calib::CalibrationResult many = Run(ranks, dir);
+  // 2 and 3 ranks holding their activations in memory, and 2 ranks spilling every chunk to
+  // the job directory (a budget of one byte).
+  for (auto [ranks, budget] : {std::pair<int, int64_t>{2, std::numeric_limits<int64_t>::max()},
+                               {3, std::numeric_limits<int64_t>::max()},
+                               {2, 1}}) {
+    const std::string dir =
+        *root_ + "/job" + std::to_string(ranks) + (budget == 1 ? "spilled" : "");
+    calib::CalibrationResult many = Run(ranks, dir, budget);
     ASSERT_EQ(static_cast<int64_t>(many.hessians.size()), blocks) << ranks << " ranks";
     EXPECT_EQ(many.tokens, one->tokens);
     for (int64_t l = 0; l < blocks; ++l) {
@@ -189,7 +197,7 @@ TEST_F(CalibrationRanksTest, RanksGiveTheWorldOfOneBitsAndMatchAnFp64Reference) 
   std::printf("max-norm relative difference to the fp64 reference: %.3g\n", worst);
 
   // A second world-of-one run reuses everything from the cache.
-  auto again = calib::Calibrate(*self, **model, *tokens_, dir1, "key", opt);
+  auto again = calib::Calibrate(*self, **source, *tokens_, dir1, "key", opt);
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_TRUE(again->from_cache);
   EXPECT_TRUE(again->activations_from_cache);
@@ -205,10 +213,10 @@ TEST_F(CalibrationRanksTest, MoreRanksThanChunksStillAgree) {
   const std::string dir = *root_ + "/job4";
   for (int r = 0; r < 4; ++r) {
     threads.emplace_back([&, r] {
-      auto model = model::LlamaModel::Load(*root_ + "/float");
+      auto source = model::OpenFloatCheckpoint(testing::RealModelDir("stories260K"));
       calib::CalibrationOptions opt;
       opt.batch = 8;
-      auto res = calib::Calibrate(*comms[r], **model, *tokens_, dir, "key", opt);
+      auto res = calib::Calibrate(*comms[r], **source, *tokens_, dir, "key", opt);
       status[r] = res.status();
       if (res.ok())
         results[r] = std::move(*res);
@@ -218,11 +226,12 @@ TEST_F(CalibrationRanksTest, MoreRanksThanChunksStillAgree) {
   }
   for (auto& t : threads) t.join();
   for (int r = 0; r < 4; ++r) ASSERT_TRUE(status[r].ok()) << r << ": " << status[r];
-  auto model = model::LlamaModel::Load(*root_ + "/float");
+  auto source = model::OpenFloatCheckpoint(testing::RealModelDir("stories260K"));
+  ASSERT_TRUE(source.ok());
   auto self = runtime::MakeSelfComm();
   calib::CalibrationOptions opt;
   opt.batch = 8;
-  auto one = calib::Calibrate(*self, **model, *tokens_, *root_ + "/job4one", "key", opt);
+  auto one = calib::Calibrate(*self, **source, *tokens_, *root_ + "/job4one", "key", opt);
   ASSERT_TRUE(one.ok());
   for (size_t l = 0; l < one->hessians.size(); ++l) {
     for (int k = 0; k < 4; ++k) {

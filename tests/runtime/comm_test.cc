@@ -1,5 +1,5 @@
 // SelfComm, ThreadComm (1..4 thread-ranks) and SliceForRank.
-#include "worker/runtime/comm.h"
+#include "worker/comm/comm.h"
 
 #include <gtest/gtest.h>
 

@@ -1,8 +1,9 @@
 // A fake coordinator for task-loop tests (test-only): an in-process scheduler behind the
 // CoordinatorClient interface, shared by all thread-ranks of a test. It plans with
-// common/job_layout (as the real coordinator does), hands CALIBRATE to every rank, then
-// QUANTIZE_BLOCK tasks to whoever asks, then FINETUNE_E2E to one rank, journals the workers'
-// results (checking each block_done against its shard), finalizes, and answers SHUTDOWN.
+// common/job_layout (as the real coordinator does), hands CALIBRATE (with the params the plan
+// needs) to every rank, then QUANTIZE_BLOCK tasks to whoever asks, then FINETUNE_E2E (with the
+// finished blocks) to one rank, commits the workers' staged files and journals their results
+// (checking each block result against its staged shard), finalizes, and answers SHUTDOWN.
 // Knobs: cancel the job after some heartbeats / progress reports; fail the job on the first
 // FailTask. Thread-safe.
 #pragma once
@@ -17,6 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/job_layout.h"
+#include "worker/job/job_steps.h"
 #include "worker/runtime/coordinator_client.h"
 
 namespace qcal::testing {
@@ -46,6 +48,8 @@ class FakeCoordinator final : public runtime::CoordinatorClient {
     journal_.emplace(std::move(*journal));
     (void)journal_->Append(JobStartEntry(recipe_, plan_.recipe_hash, spec_.model_dir()));
     calibrate_ = plan_.needs_calibration(recipe_);
+    calibrate_params_ = job::CalibrateParamsFor(recipe_, plan_.all_blocks_finished());
+    for (const auto& [layer, entry] : plan_.block_done) finished_[layer] = BlockResultFromEntry(entry);
     for (int64_t l : plan_.pending_blocks()) pending_.push_back(l);
     e2e_ = plan_.e2e_enabled && !plan_.e2e_finished;
   }
@@ -122,6 +126,7 @@ class FakeCoordinator final : public runtime::CoordinatorClient {
         t.set_kind(v1::TASK_KIND_CALIBRATE);
         t.set_task_id("calibrate");
         t.set_attempt(1);
+        *t.mutable_calibrate() = calibrate_params_;
         return t;
       }
       return Wait();
@@ -143,6 +148,7 @@ class FakeCoordinator final : public runtime::CoordinatorClient {
         t.set_kind(v1::TASK_KIND_FINETUNE_E2E);
         t.set_task_id("e2e");
         t.set_attempt(1);
+        for (const auto& [layer, r] : finished_) *t.add_finished_blocks() = r;
         return t;
       }
       return Wait();
@@ -168,29 +174,37 @@ class FakeCoordinator final : public runtime::CoordinatorClient {
     return cancelled_;
   }
 
-  Status CompleteTask(const std::string& worker_id, const std::string& task_id,
-                      const std::string& result_json) override {
+  Status CompleteTask(const v1::CompleteTaskRequest& request) override {
     std::lock_guard<std::mutex> l(mu_);
-    auto result = nlohmann::json::parse(result_json, nullptr, false);
-    if (result.is_discarded()) return absl::InvalidArgumentError("result_json is not JSON");
+    const std::string& worker_id = request.worker_id();
+    const std::string& task_id = request.task_id();
     if (task_id == "calibrate") {
-      calibrate_results_.push_back(result_json);
+      if (!request.has_calibrate()) return absl::InvalidArgumentError("no calibration result");
+      calibrate_results_.push_back(request.calibrate().DebugString());
       calibrate_done_.insert(worker_id);
       if (static_cast<int>(calibrate_done_.size()) == world_size_) calibrate_ = false;
       return absl::OkStatus();
     }
     if (task_id == "e2e") {
+      if (!request.has_finetune()) return absl::InvalidArgumentError("no fine-tuning result");
       e2e_ = false;
-      return journal_->Append(result);
+      const std::vector<v1::WrittenFile> files(request.finetune().shards().begin(),
+                                               request.finetune().shards().end());
+      QCAL_RETURN_IF_ERROR(CommitFiles(spec_.out_dir(), files));
+      return journal_->Append(E2eDoneEntry(request.finetune()));
     }
     if (!outstanding_.erase(task_id)) return absl::NotFoundError("unknown task " + task_id);
-    const Status ok = CheckBlockDoneEntry(result, spec_.out_dir(), plan_.num_blocks);
+    if (!request.has_block()) return absl::InvalidArgumentError("no block result");
+    const v1::BlockResult& result = request.block();
+    Status ok = CheckBlockResult(result, spec_.out_dir(), plan_.num_blocks);
+    if (ok.ok()) ok = CommitFiles(spec_.out_dir(), FilesOf(result));
     if (!ok.ok()) {
       error_ = std::string(ok.message());
       return ok;
     }
     ++blocks_by_worker_[worker_id];
-    return journal_->Append(result);
+    finished_[result.layer()] = result;
+    return journal_->Append(BlockDoneEntry(result));
   }
 
   Status FailTask(const std::string& worker_id, const std::string& task_id,
@@ -225,6 +239,8 @@ class FakeCoordinator final : public runtime::CoordinatorClient {
   std::optional<Journal> journal_;
   std::map<std::string, int> rank_of_;
   bool calibrate_ = false;
+  v1::CalibrateParams calibrate_params_;
+  std::map<int64_t, v1::BlockResult> finished_;
   std::set<std::string> calibrate_given_, calibrate_done_;
   std::deque<int64_t> pending_;
   std::set<std::string> outstanding_;

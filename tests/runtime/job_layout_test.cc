@@ -13,18 +13,23 @@
 #include "common/atomic_file.h"
 #include "common/hash.h"
 #include "common/safetensors.h"
+#include <sys/stat.h>
+#include "common/hash.h"
+#include "methods/registry.h"
 #include "tests/test_util.h"
 
 namespace qcal {
 namespace {
 
-Recipe TinyRecipe() {
-  Recipe r;
-  r.name = "tiny";
-  r.method = QuantMethod::kRtn;
-  r.bits = 4;
-  r.calibration.files = {"x.txt"};
-  return r;
+Recipe MustParse(const std::string& yaml) {
+  StatusOr<Recipe> r = ParseRecipe(yaml, "tiny.yaml");
+  EXPECT_TRUE(r.ok()) << r.status();
+  return r.ok() ? *r : Recipe();
+}
+
+Recipe TinyRecipe(const std::string& method = "rtn", int bits = 4) {
+  return MustParse("name: tiny\nmethod: " + method + "\nbits: " + std::to_string(bits) +
+                   "\ncalibration: {files: [x.txt]}\n");
 }
 
 // A float "model": config.json (2 blocks, hidden 8, ff 16) + model.safetensors with the
@@ -121,9 +126,7 @@ TEST(JobLayoutTest, PlanResumesIntactBlocksAndRefusesAnotherRecipe) {
   EXPECT_EQ(plan->num_blocks, 2);
   EXPECT_EQ(plan->pending_blocks(), (std::vector<int64_t>{0, 1}));
   EXPECT_FALSE(plan->needs_calibration(recipe));  // rtn without fine-tuning
-  Recipe gptq = recipe;
-  gptq.method = QuantMethod::kGptq;
-  EXPECT_TRUE(plan->needs_calibration(gptq));
+  EXPECT_TRUE(plan->needs_calibration(TinyRecipe("gptq")));
 
   auto journal = Journal::Open(plan->job_dir + "/journal.jsonl");
   ASSERT_TRUE(journal.ok());
@@ -151,9 +154,7 @@ TEST(JobLayoutTest, PlanResumesIntactBlocksAndRefusesAnotherRecipe) {
   wrong["layer"] = 5;
   EXPECT_EQ(CheckBlockDoneEntry(wrong, out, 2).code(), absl::StatusCode::kInvalidArgument);
 
-  Recipe other = recipe;
-  other.bits = 3;
-  auto refused = PlanJob(other, model, out, "");
+  auto refused = PlanJob(TinyRecipe("rtn", 3), model, out, "");
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.status().message().find("journal.jsonl belongs to another recipe"),
             std::string::npos)
@@ -213,6 +214,58 @@ TEST(JobLayoutTest, FinalizeJobWritesTheCheckpointAndRefusesMissingBlocks) {
   EXPECT_TRUE((*ckpt)->Has("model.layers.1.input_layernorm.weight"));
   EXPECT_TRUE((*ckpt)->Validate().ok());
   EXPECT_TRUE(ReadFile(out + "/tokenizer_config.json").ok());
+}
+
+// Fencing: a task attempt's files live under .staging until the job's single writer commits
+// them; nothing is written once the staging directory is gone.
+TEST(JobLayoutTest, StagedFilesEnterTheOutputOnlyWhenCommitted) {
+  const std::string root = testing::MakeTempDir("staging");
+  const std::string model = MakeFloatModel(root);
+  const std::string out = root + "/out";
+  const Recipe recipe = TinyRecipe();
+  ASSERT_TRUE(PlanJob(recipe, model, out, "").ok());
+  SafetensorsWriter w;
+  std::vector<float> norm(8, 1.5f);
+  ASSERT_TRUE(w.AddF32("model.layers.0.input_layernorm.weight", {8}, norm.data()).ok());
+  const std::string name = ShardName(1, 2);
+  auto a1 = WriteStagedFile(out, name, "block-0.a1", w);
+  auto a2 = WriteStagedFile(out, name, "block-0.a2", w);
+  ASSERT_TRUE(a1.ok() && a2.ok()) << a1.status() << a2.status();
+  EXPECT_EQ(a1->staged(), name + ".block-0.a1");
+  EXPECT_NE(a1->staged(), a2->staged());
+  // The checksum computed while writing is the file's.
+  auto bytes = ReadFile(StagingDir(out) + "/" + a1->staged());
+  ASSERT_TRUE(bytes.ok());
+  EXPECT_EQ(a1->checksum(), Fnv1aHex(*bytes));
+  EXPECT_EQ(a1->bytes(), bytes->size());
+  struct stat st;
+  EXPECT_NE(::stat((out + "/" + name).c_str(), &st), 0) << "not in the output before a commit";
+
+  // A result claiming another size is refused; the accepted attempt is renamed into place.
+  v1::BlockResult result;
+  result.set_layer(0);
+  *result.mutable_shard() = *a2;
+  result.mutable_shard()->set_bytes(a2->bytes() + 1);
+  EXPECT_EQ(CheckBlockResult(result, out, 2).code(), absl::StatusCode::kDataLoss);
+  *result.mutable_shard() = *a2;
+  result.set_layer(1);
+  EXPECT_EQ(CheckBlockResult(result, out, 2).code(), absl::StatusCode::kInvalidArgument);
+  result.set_layer(0);
+  ASSERT_TRUE(CheckBlockResult(result, out, 2).ok());
+  ASSERT_TRUE(CommitFiles(out, FilesOf(result)).ok());
+  EXPECT_EQ(::stat((out + "/" + name).c_str(), &st), 0);
+  // The journal entry reads back as the same result.
+  const nlohmann::json entry = BlockDoneEntry(result);
+  EXPECT_TRUE(CheckBlockDoneEntry(entry, out, 2).ok());
+  const v1::BlockResult back = BlockResultFromEntry(entry);
+  EXPECT_EQ(back.shard().checksum(), a2->checksum());
+  EXPECT_EQ(back.layer(), 0);
+
+  // The job ended: the staging directory is gone, and a stale attempt cannot write.
+  ASSERT_TRUE(RemoveStaging(out).ok());
+  auto stale = WriteStagedFile(out, name, "block-0.a3", w);
+  EXPECT_EQ(stale.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(::stat(StagingDir(out).c_str(), &st), 0);
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 // MpiComm under mpirun (ctest runs it with -np 2; label mpi). Also runs as a singleton (world of
 // one) when started directly.
-#include "worker/runtime/mpi_comm.h"
+#include "worker/comm/mpi_comm.h"
 
 #include <gtest/gtest.h>
 #include <mpi.h>

@@ -1,6 +1,6 @@
 // NcclComm on a world of one (MPI_COMM_SELF): NCCL refuses two ranks on one device, and CI has at
 // most one. Skips visibly without a CUDA device (label gpu).
-#include "worker/runtime/nccl_comm.h"
+#include "worker/comm/nccl_comm.h"
 
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>

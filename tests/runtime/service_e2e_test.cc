@@ -14,13 +14,13 @@
 #include <thread>
 
 #include "common/atomic_file.h"
-#include "common/llama2c.h"
-#include "common/recipe.h"
-#include "coordinator/auth.h"
+#include "methods/registry.h"
+#include "rpc/auth.h"
 #include "proto/qcal.grpc.pb.h"
+#include "tests/model_fixtures.h"
 #include "tests/test_util.h"
 #include "worker/model/llama.h"
-#include "worker/quant/quantize_job.h"
+#include "worker/job/quantize_job.h"
 
 extern char** environ;
 
@@ -58,9 +58,6 @@ class ServiceEndToEndTest : public ::testing::Test {
   void SetUp() override {
     model::SetComputeThreads(1);
     root_ = testing::MakeTempDir("svc");
-    const std::string src = testing::SharedDir() + "/models/stories260K";
-    auto r = ImportLlama2c(src + "/stories260K.bin", src + "/tok512.bin", root_ + "/float");
-    ASSERT_TRUE(r.ok()) << r.status();
     token_file_ = root_ + "/token";
     ASSERT_TRUE(WriteFileAtomic(token_file_, kToken).ok());
     ::chmod(token_file_.c_str(), 0600);
@@ -93,9 +90,9 @@ class ServiceEndToEndTest : public ::testing::Test {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
     ASSERT_FALSE(address_.empty()) << "the coordinator did not write " << address_file;
-    auto channel = coordinator::MakeChannel(address_);
+    auto channel = rpc::MakeChannel(address_);
     ASSERT_TRUE(channel.ok()) << channel.status();
-    ASSERT_TRUE(coordinator::WaitForHealthy(*channel, std::chrono::seconds(30)).ok());
+    ASSERT_TRUE(rpc::WaitForHealthy(*channel, std::chrono::seconds(30)).ok());
     stub_ = v1::JobService::NewStub(*channel);
   }
   void TearDown() override {
@@ -112,7 +109,7 @@ class ServiceEndToEndTest : public ::testing::Test {
     v1::JobSpec* spec = req.mutable_spec();
     spec->set_recipe_path(root_ + "/recipe.yaml");
     spec->set_recipe_yaml(kRecipe);
-    spec->set_model_dir(root_ + "/float");
+    spec->set_model_dir(testing::RealModelDir("stories260K"));
     spec->set_out_dir(root_ + "/" + out);
     spec->set_data_root(testing::SharedDir());
     spec->set_workers(workers);
@@ -122,7 +119,7 @@ class ServiceEndToEndTest : public ::testing::Test {
     v1::SubmitJobResponse submitted;
     {
       grpc::ClientContext ctx;
-      coordinator::AddBearerToken(&ctx, kToken);
+      rpc::AddBearerToken(&ctx, kToken);
       const grpc::Status s = stub_->SubmitJob(&ctx, req, &submitted);
       EXPECT_TRUE(s.ok()) << s.error_message();
       if (!s.ok()) return {};
@@ -130,7 +127,7 @@ class ServiceEndToEndTest : public ::testing::Test {
     v1::Job job;
     for (int i = 0; i < 6000; ++i) {
       grpc::ClientContext ctx;
-      coordinator::AddBearerToken(&ctx, kToken);
+      rpc::AddBearerToken(&ctx, kToken);
       v1::GetJobRequest get;
       get.set_job_id(submitted.job_id());
       const grpc::Status s = stub_->GetJob(&ctx, get, &job);
@@ -153,13 +150,13 @@ class ServiceEndToEndTest : public ::testing::Test {
 TEST_F(ServiceEndToEndTest, TwoAndThreeRankJobsWriteTheSingleProcessCheckpoint) {
   auto recipe = ParseRecipe(kRecipe, "recipe.yaml");
   ASSERT_TRUE(recipe.ok()) << recipe.status();
-  quant::QuantizeJobOptions opt;
-  opt.model_dir = root_ + "/float";
+  job::QuantizeJobOptions opt;
+  opt.model_dir = testing::RealModelDir("stories260K");
   opt.out_dir = root_ + "/single";
   opt.data_root = testing::SharedDir();
   opt.calib_batch = 4;
   opt.threads = 1;
-  auto single = quant::RunQuantizeJob(*recipe, opt);
+  auto single = job::RunQuantizeJob(*recipe, opt);
   ASSERT_TRUE(single.ok()) << single.status();
 
   for (int workers : {2, 3}) {

@@ -12,14 +12,14 @@
 #include <thread>
 
 #include "common/atomic_file.h"
-#include "common/llama2c.h"
-#include "common/recipe.h"
+#include "methods/registry.h"
 #include "tests/runtime/fake_coordinator_client.h"
+#include "tests/model_fixtures.h"
 #include "tests/test_util.h"
 #include "worker/calib/calibration.h"
 #include "worker/model/llama.h"
-#include "worker/quant/quantize_job.h"
-#include "worker/runtime/comm.h"
+#include "worker/job/quantize_job.h"
+#include "worker/comm/comm.h"
 
 namespace qcal {
 namespace {
@@ -71,9 +71,6 @@ class TaskLoopTest : public ::testing::Test {
   static void SetUpTestSuite() {
     model::SetComputeThreads(1);
     root_ = new std::string(testing::MakeTempDir("taskloop"));
-    const std::string src = testing::SharedDir() + "/models/stories260K";
-    auto r = ImportLlama2c(src + "/stories260K.bin", src + "/tok512.bin", *root_ + "/float");
-    ASSERT_TRUE(r.ok()) << r.status();
   }
   static void TearDownTestSuite() { delete root_; }
 
@@ -81,7 +78,7 @@ class TaskLoopTest : public ::testing::Test {
     v1::JobSpec spec;
     spec.set_recipe_path("test.yaml");
     spec.set_recipe_yaml(yaml);
-    spec.set_model_dir(*root_ + "/float");
+    spec.set_model_dir(testing::RealModelDir("stories260K"));
     spec.set_out_dir(*root_ + "/" + out);
     spec.set_data_root(testing::SharedDir());
     spec.set_calib_batch(4);
@@ -129,13 +126,13 @@ class TaskLoopTest : public ::testing::Test {
     auto recipe = ParseRecipe(yaml, "test.yaml");
     ASSERT_TRUE(recipe.ok()) << recipe.status();
     // Single process.
-    quant::QuantizeJobOptions opt;
-    opt.model_dir = root + "/float";
+    job::QuantizeJobOptions opt;
+    opt.model_dir = testing::RealModelDir("stories260K");
     opt.out_dir = root + "/" + name + "-single";
     opt.data_root = testing::SharedDir();
     opt.calib_batch = 4;
     opt.threads = 1;
-    auto single = quant::RunQuantizeJob(*recipe, opt);
+    auto single = job::RunQuantizeJob(*recipe, opt);
     ASSERT_TRUE(single.ok()) << single.status();
 
     for (int ranks : world_sizes) {
@@ -160,7 +157,7 @@ class TaskLoopTest : public ::testing::Test {
       std::printf("; bits %.4f\n", fake.summary().value("code_bits", 0.0));
       ExpectSameCheckpoint(opt.out_dir, root + "/" + out);
       // The calibration products too.
-      for (int64_t l = 0; l < 5 && recipe->needs_hessians(); ++l) {
+      for (int64_t l = 0; l < 5 && recipe->needs().float_hessians; ++l) {
         auto h1 = ReadFile(calib::HessianPath(opt.out_dir + ".job", l));
         auto h2 = ReadFile(calib::HessianPath(root + "/" + out + ".job", l));
         ASSERT_TRUE(h1.ok() && h2.ok());

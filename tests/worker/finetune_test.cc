@@ -18,21 +18,26 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
-#include "common/llama2c.h"
 #include "common/safetensors.h"
 #include "common/text.h"
 #include "common/tokenizer.h"
+#include "tests/model_fixtures.h"
 #include "tests/test_util.h"
 #include "worker/calib/calibration.h"
 #include "worker/calib/hessian.h"
 #include "worker/eval/perplexity.h"
 #include "worker/model/llama.h"
+#include "common/job_layout.h"
+#include "methods/method.h"
+#include "methods/quip/quip_linear.h"
+#include "methods/registry.h"
+#include "methods/worker_registry.h"
+#include "worker/job/quantize_job.h"
+#include "worker/model/model_source.h"
 #include "worker/quant/block_task.h"
 #include "worker/quant/finetune.h"
-#include "worker/quant/quantize_job.h"
-#include "worker/quant/quantized_checkpoint.h"
-#include "worker/quant/quantized_linear.h"
 
 namespace qcal {
 namespace {
@@ -41,26 +46,36 @@ using model::LinearKind;
 
 constexpr int64_t kSeqs = 32, kSeqLen = 128;
 
-Recipe MakeRecipe(const std::string& calib_file) {
-  Recipe r;
-  r.name = "test-quip-e8p-2bit-ft";
-  r.method = QuantMethod::kQuip;
-  r.bits = 2;
-  r.codebook = "e8p";
-  r.incoherence = true;
-  r.seed = 0;
-  r.damp = 0.01;
-  r.calibration.files = {calib_file};
-  r.calibration.num_sequences = kSeqs;
-  r.calibration.seq_len = kSeqLen;
-  r.calibration.seed = 0;
-  r.finetune.enabled = true;
-  // QuIP#'s 5e-5 goes with 256 sequences (160 steps in 5 epochs); 24 training sequences give 3
-  // steps per epoch here, so a larger rate shows its effect within 15 steps. (Measured: 5e-5
-  // lowers every block's MSE by 15-22% and perplexity from 90 to 52; 1e-3 by ~50% and to 31.)
-  r.finetune.block = {true, /*epochs=*/5, /*lr=*/1e-3, /*batch=*/8, /*holdout=*/0.25};
-  r.finetune.end_to_end = {true, /*epochs=*/5, /*lr=*/1e-3, /*batch=*/8, /*holdout=*/0.25};
-  return r;
+// QuIP#'s 5e-5 goes with 256 sequences (160 steps in 5 epochs); 24 training sequences give 3
+// steps per epoch here, so a larger rate shows its effect within 15 steps. (Measured: 5e-5 lowers
+// every block's MSE by 15-22% and perplexity from 90 to 52; 1e-3 by ~50% and to 31.)
+// `finetune`: false gives the same recipe without fine-tuning (QuIP#-NoFT).
+Recipe MakeRecipe(const std::string& calib_file, bool finetune = true, int64_t sequences = kSeqs,
+                  int64_t epochs = 5) {
+  const std::string yaml = absl::StrCat(
+      "name: test-quip-e8p-2bit-ft\nmethod: quip\nbits: 2\ncodebook: e8p\nincoherence: true\n"
+      "seed: 0\ndamp: 0.01\n",
+      "calibration: {files: [", calib_file, "], num_sequences: ", sequences,
+      ", seq_len: ", kSeqLen, ", seed: 0}\n",
+      "finetune:\n  enabled: ", finetune ? "true" : "false",
+      "\n  block: {epochs: ", epochs, ", lr: 1.0e-3, batch: 8, holdout: 0.25}\n",
+      "  end_to_end: {enabled: ", finetune ? "true" : "false", ", epochs: ", epochs,
+      ", lr: 1.0e-3, batch: 8, holdout: 0.25}\n");
+  StatusOr<Recipe> r = ParseRecipe(yaml, "finetune_test.yaml");
+  EXPECT_TRUE(r.ok()) << r.status();
+  return *r;
+}
+
+// A float copy of a block's weights (a method consumes the weights it quantizes).
+model::BlockWeights CopyBlock(const model::BlockWeights& w) {
+  model::BlockWeights c;
+  c.input_norm = w.input_norm.clone();
+  c.post_norm = w.post_norm.clone();
+  for (model::LinearKind k : model::kAllLinears) {
+    c.linears[static_cast<int>(k)] =
+        std::make_unique<model::DenseLinear>(w.linear(k).DenseWeight().clone());
+  }
+  return c;
 }
 
 class FinetuneTest : public ::testing::Test {
@@ -68,10 +83,7 @@ class FinetuneTest : public ::testing::Test {
   static void SetUpTestSuite() {
     model::SetComputeThreads(1);
     tmp_ = new std::string(testing::MakeTempDir("ft"));
-    dir_ = new std::string(*tmp_ + "/stories");
-    const std::string src = testing::SharedDir() + "/models/stories260K";
-    auto r = ImportLlama2c(src + "/stories260K.bin", src + "/tok512.bin", *dir_);
-    ASSERT_TRUE(r.ok()) << r.status();
+    dir_ = new std::string(testing::RealModelDir("stories260K"));
     auto m = model::LlamaModel::Load(*dir_);
     ASSERT_TRUE(m.ok()) << m.status();
     model_ = m->release();
@@ -90,6 +102,13 @@ class FinetuneTest : public ::testing::Test {
     eval_tokens_->resize(4000);
 
     recipe_ = new Recipe(MakeRecipe(*calib_file_));
+    auto method = methods::MakeMethod(*recipe_, model_->config());
+    ASSERT_TRUE(method.ok()) << method.status();
+    method_ = dynamic_cast<methods::PerLinearMethod*>(method->release());
+    ASSERT_NE(method_, nullptr);
+    auto noft = methods::MakeMethod(MakeRecipe(*calib_file_, false), model_->config());
+    ASSERT_TRUE(noft.ok()) << noft.status();
+    noft_method_ = noft->release();
     auto tokens = calib::SampleCalibrationTokens(**tok, recipe_->calibration, "/", kSeqLen,
                                                  (*tok)->bos_id());
     ASSERT_TRUE(tokens.ok()) << tokens.status();
@@ -114,6 +133,8 @@ class FinetuneTest : public ::testing::Test {
     delete acts_;
     delete tokens_;
     delete recipe_;
+    delete method_;
+    delete noft_method_;
     delete eval_tokens_;
     delete calib_file_;
     delete dir_;
@@ -131,8 +152,42 @@ class FinetuneTest : public ::testing::Test {
   }
 
   static StatusOr<quant::TunableModel> Assemble(std::vector<model::BlockWeights> blocks) {
-    QCAL_ASSIGN_OR_RETURN(auto ckpt, CheckpointReader::Open(*dir_));
-    return quant::AssembleTunableModel(model_->config(), *ckpt, std::move(blocks));
+    QCAL_ASSIGN_OR_RETURN(auto source, model::OpenFloatCheckpoint(*dir_));
+    QCAL_ASSIGN_OR_RETURN(model::NonBlockWeights nb, source->LoadNonBlock());
+    return quant::AssembleTunableModel(model_->config(), nb, std::move(blocks));
+  }
+
+  // Block l fine-tuned with the recipe's settings (`options` overrides them).
+  static StatusOr<quant::BlockTaskResult> Finetune(
+      int64_t l, const at::Tensor& targets,
+      const quant::FinetuneOptions* options = nullptr) {
+    const quant::FinetuneOptions o =
+        options ? *options : method_->FinetuneOptionsFor(recipe_->finetune.block);
+    return quant::QuantizeBlockWithFinetune(
+        o, model_->config(), l, model_->block(l).weights(), &(*hessians_)[l],
+        [l](model::LinearKind k, const at::Tensor& w, const at::Tensor& h) {
+          return method_->QuantizeLinear(l, k, w, h);
+        },
+        model_->rope(), (*acts_)[l], targets);
+  }
+
+  // The float model's final hidden states on the calibration tokens (in chunks of the e2e
+  // batch) and its head: the teacher of end-to-end fine-tuning.
+  static quant::TeacherOutputs Teacher() {
+    at::NoGradGuard no_grad;
+    quant::TeacherOutputs t;
+    std::vector<at::Tensor> chunks;
+    const int64_t n = tokens_->size(0), batch = recipe_->finetune.end_to_end.batch;
+    for (int64_t b = 0; b < n; b += batch) {
+      at::Tensor h = model_->Embed(tokens_->narrow(0, b, std::min(n, b + batch) - b));
+      for (int64_t l = 0; l < model_->num_blocks(); ++l) {
+        h = model_->block(l).Forward(h, model_->rope());
+      }
+      chunks.push_back(h);
+    }
+    t.hidden = at::cat(chunks, 0);
+    t.head = [](const at::Tensor& h) { return model_->Head(h); };
+    return t;
   }
 
   static std::string* tmp_;
@@ -143,6 +198,8 @@ class FinetuneTest : public ::testing::Test {
   static std::vector<at::Tensor>* acts_;
   static at::Tensor* tokens_;
   static Recipe* recipe_;
+  static methods::PerLinearMethod* method_;
+  static methods::Method* noft_method_;
   static std::vector<int32_t>* eval_tokens_;
 };
 
@@ -154,6 +211,8 @@ std::vector<calib::BlockHessians>* FinetuneTest::hessians_ = nullptr;
 std::vector<at::Tensor>* FinetuneTest::acts_ = nullptr;
 at::Tensor* FinetuneTest::tokens_ = nullptr;
 Recipe* FinetuneTest::recipe_ = nullptr;
+methods::PerLinearMethod* FinetuneTest::method_ = nullptr;
+methods::Method* FinetuneTest::noft_method_ = nullptr;
 std::vector<int32_t>* FinetuneTest::eval_tokens_ = nullptr;
 
 TEST(SequenceSplitTest, DeterministicDisjointAndSized) {
@@ -181,12 +240,13 @@ TEST_F(FinetuneTest, BlockAndEndToEndFinetuningBeatNoFt) {
   std::vector<model::BlockWeights> noft, ft;
   std::printf("%-6s %14s %14s %8s\n", "block", "MSE no-FT", "MSE FT", "ratio");
   for (int64_t l = 0; l < blocks; ++l) {
-    auto base = quant::QuantizeBlock(*recipe_, model_->config(), l, model_->block(l).weights(),
-                                     &(*hessians_)[l]);
+    methods::BlockInputs in;
+    in.layer = l;
+    in.rope = &model_->rope();
+    in.hessians = &(*hessians_)[l];
+    auto base = noft_method_->QuantizeBlock(CopyBlock(model_->block(l).weights()), in);
     ASSERT_TRUE(base.ok()) << base.status();
-    auto tuned = quant::QuantizeBlockWithFinetune(*recipe_, model_->config(), l,
-                                                  model_->block(l).weights(), &(*hessians_)[l],
-                                                  model_->rope(), (*acts_)[l], (*acts_)[l + 1]);
+    auto tuned = Finetune(l, (*acts_)[l + 1]);
     ASSERT_TRUE(tuned.ok()) << tuned.status();
     std::printf("%-6lld %14.6g %14.6g %8.3f\n", static_cast<long long>(l), tuned->mse_before_ft,
                 tuned->mse_after_ft, tuned->mse_after_ft / tuned->mse_before_ft);
@@ -197,7 +257,7 @@ TEST_F(FinetuneTest, BlockAndEndToEndFinetuningBeatNoFt) {
     for (int i = 0; i < 7; ++i) {
       EXPECT_EQ(tuned->linears[i].name, model::LinearName(model::kAllLinears[i]));
       // Every linear ends up quantized, with real-valued (tuned) sign vectors.
-      auto* q = dynamic_cast<quant::QuipLinear*>(tuned->weights.linears[i].get());
+      auto* q = dynamic_cast<methods::quip::QuipLinear*>(tuned->weights.linears[i].get());
       ASSERT_NE(q, nullptr);
       EXPECT_FALSE(q->su().requires_grad());
       EXPECT_GT((q->sv().abs() - 1).abs().max().item<double>(), 0.0) << "sv of linear " << i;
@@ -218,7 +278,8 @@ TEST_F(FinetuneTest, BlockAndEndToEndFinetuningBeatNoFt) {
 
   const auto t1 = std::chrono::steady_clock::now();
   const at::Tensor norm_before = ft_model->final_norm.clone();
-  auto e2e = quant::FinetuneEndToEnd(*recipe_, &*ft_model, *model_, *tokens_);
+  auto e2e = quant::FinetuneEndToEnd(method_->FinetuneOptionsFor(recipe_->finetune.end_to_end),
+                                     &*ft_model, Teacher(), *tokens_);
   ASSERT_TRUE(e2e.ok()) << e2e.status();
   const double e2e_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
@@ -251,11 +312,7 @@ TEST_F(FinetuneTest, BlockAndEndToEndFinetuningBeatNoFt) {
 // Same inputs, same recipe: bit-identical tuned parameters and metrics.
 TEST_F(FinetuneTest, BlockFinetuningIsDeterministic) {
   const int64_t l = 1;
-  auto run = [&] {
-    return quant::QuantizeBlockWithFinetune(*recipe_, model_->config(), l,
-                                            model_->block(l).weights(), &(*hessians_)[l],
-                                            model_->rope(), (*acts_)[l], (*acts_)[l + 1]);
-  };
+  auto run = [&] { return Finetune(l, (*acts_)[l + 1]); };
   auto a = run();
   auto b = run();
   ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
@@ -271,16 +328,11 @@ TEST_F(FinetuneTest, BlockFinetuningIsDeterministic) {
 }
 
 TEST_F(FinetuneTest, RejectsMismatchedActivations) {
-  auto r = quant::QuantizeBlockWithFinetune(*recipe_, model_->config(), 0,
-                                            model_->block(0).weights(), &(*hessians_)[0],
-                                            model_->rope(), (*acts_)[0],
-                                            (*acts_)[1].narrow(0, 0, 4));
+  auto r = Finetune(0, (*acts_)[1].narrow(0, 0, 4));
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
-  Recipe bad = *recipe_;
-  bad.finetune.block.batch = 0;
-  r = quant::QuantizeBlockWithFinetune(bad, model_->config(), 0, model_->block(0).weights(),
-                                       &(*hessians_)[0], model_->rope(), (*acts_)[0],
-                                       (*acts_)[1]);
+  quant::FinetuneOptions bad = method_->FinetuneOptionsFor(recipe_->finetune.block);
+  bad.stage.batch = 0;
+  r = Finetune(0, (*acts_)[1], &bad);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
 }
 
@@ -298,7 +350,7 @@ std::vector<nlohmann::json> JournalEvents(const std::string& path, const std::st
 std::map<std::string, std::string> ShardBytes(const std::string& dir, int64_t blocks) {
   std::map<std::string, std::string> out;
   for (int64_t s = 0; s <= blocks; ++s) {
-    const std::string name = quant::ShardName(s, blocks);
+    const std::string name = ShardName(s, blocks);
     auto b = ReadFile(dir + "/" + name);
     EXPECT_TRUE(b.ok()) << b.status();
     out[name] = b.ok() ? *b : "";
@@ -308,17 +360,14 @@ std::map<std::string, std::string> ShardBytes(const std::string& dir, int64_t bl
 
 // The job: activations cached, blocks fine-tuned, e2e journaled once, resumable, reproducible.
 TEST_F(FinetuneTest, QuantizeJobFinetunesResumesAndReproduces) {
-  Recipe recipe = *recipe_;
-  recipe.calibration.num_sequences = 16;
-  recipe.finetune.block.epochs = 2;
-  recipe.finetune.end_to_end.epochs = 2;
-  quant::QuantizeJobOptions opt;
+  const Recipe recipe = MakeRecipe(*calib_file_, true, /*sequences=*/16, /*epochs=*/2);
+  job::QuantizeJobOptions opt;
   opt.model_dir = *dir_;
   opt.out_dir = *tmp_ + "/job-out";
   opt.data_root = "/";
   opt.threads = 1;
   std::vector<std::string> phases;
-  auto first = quant::RunQuantizeJob(recipe, opt, [&](const quant::JobEvent& e) {
+  auto first = job::RunQuantizeJob(recipe, opt, [&](const job::JobEvent& e) {
     if (phases.empty() || phases.back() != e.phase) phases.push_back(e.phase);
   });
   ASSERT_TRUE(first.ok()) << first.status();
@@ -345,7 +394,7 @@ TEST_F(FinetuneTest, QuantizeJobFinetunesResumesAndReproduces) {
   ASSERT_EQ(JournalEvents(journal, "e2e_done").size(), 1u);
 
   // The checkpoint loads, carries the tuned final norm, and is a working model.
-  auto loaded = quant::LoadAnyModel(opt.out_dir);
+  auto loaded = methods::LoadModel(opt.out_dir);
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   auto qckpt = CheckpointReader::Open(opt.out_dir);
   auto fckpt = CheckpointReader::Open(*dir_);
@@ -360,7 +409,7 @@ TEST_F(FinetuneTest, QuantizeJobFinetunesResumesAndReproduces) {
   const auto bytes = ShardBytes(opt.out_dir, blocks);
 
   // A rerun resumes everything and does not redo the end-to-end stage.
-  auto second = quant::RunQuantizeJob(recipe, opt);
+  auto second = job::RunQuantizeJob(recipe, opt);
   ASSERT_TRUE(second.ok()) << second.status();
   EXPECT_EQ(second->blocks_resumed, blocks);
   EXPECT_TRUE(second->e2e_resumed);
@@ -370,8 +419,8 @@ TEST_F(FinetuneTest, QuantizeJobFinetunesResumesAndReproduces) {
 
   // Losing a shard after e2e: every block and the e2e stage are redone (from cached Hessians
   // and activations) and give byte-identical shards.
-  ASSERT_EQ(::unlink((opt.out_dir + "/" + quant::ShardName(3, blocks)).c_str()), 0);
-  auto third = quant::RunQuantizeJob(recipe, opt);
+  ASSERT_EQ(::unlink((opt.out_dir + "/" + ShardName(3, blocks)).c_str()), 0);
+  auto third = job::RunQuantizeJob(recipe, opt);
   ASSERT_TRUE(third.ok()) << third.status();
   EXPECT_EQ(third->blocks_resumed, 0);
   EXPECT_TRUE(third->hessians_from_cache);

@@ -10,9 +10,9 @@
 #include <nlohmann/json.hpp>
 
 #include "common/atomic_file.h"
-#include "common/llama2c.h"
 #include "common/safetensors.h"
 #include "common/tokenizer.h"
+#include "tests/model_fixtures.h"
 #include "tests/test_util.h"
 #include "worker/model/llama.h"
 
@@ -30,32 +30,19 @@ class LlamaGoldenTest : public ::testing::TestWithParam<std::string> {
     auto text = ReadFile(testing::SharedDir() + "/golden/reference.json");
     ASSERT_TRUE(text.ok()) << text.status();
     golden_ = new nlohmann::json(nlohmann::json::parse(*text));
-    root_ = new std::string(testing::MakeTempDir("golden"));
   }
   static void TearDownTestSuite() {
     delete golden_;
-    delete root_;
   }
 
-  // Imports the llama2.c model (once per suite) and returns the HF directory.
-  std::string ModelDir(const std::string& name) {
-    const std::string dir = *root_ + "/" + name;
-    if (!std::ifstream(dir + "/config.json").good()) {
-      const std::string src = testing::SharedDir() + "/models/" + name;
-      auto r = ImportLlama2c(src + "/" + name + ".bin", src + "/tok512.bin", dir);
-      EXPECT_TRUE(r.ok()) << r.status();
-    }
-    return dir;
-  }
+  std::string ModelDir(const std::string& name) { return testing::RealModelDir(name); }
 
   const nlohmann::json& Golden(const std::string& name) { return (*golden_)[name]; }
 
   static nlohmann::json* golden_;
-  static std::string* root_;
 };
 
 nlohmann::json* LlamaGoldenTest::golden_ = nullptr;
-std::string* LlamaGoldenTest::root_ = nullptr;
 
 at::Tensor ToIds(const std::vector<int32_t>& ids) {
   std::vector<int64_t> v(ids.begin(), ids.end());

@@ -7,9 +7,9 @@
 #include <nlohmann/json.hpp>
 
 #include "common/atomic_file.h"
-#include "common/llama2c.h"
 #include "common/text.h"
 #include "common/tokenizer.h"
+#include "tests/model_fixtures.h"
 #include "tests/test_util.h"
 #include "worker/eval/perplexity.h"
 #include "worker/model/llama.h"
@@ -30,17 +30,6 @@ std::ostream& operator<<(std::ostream& os, const PplCase& c) {
 
 class PerplexityGoldenTest : public ::testing::TestWithParam<PplCase> {};
 
-std::string ImportOnce(const std::string& name) {
-  static std::string root = testing::MakeTempDir("ppl");
-  const std::string dir = root + "/" + name;
-  if (!std::ifstream(dir + "/config.json").good()) {
-    const std::string src = testing::SharedDir() + "/models/" + name;
-    auto r = ImportLlama2c(src + "/" + name + ".bin", src + "/tok512.bin", dir);
-    EXPECT_TRUE(r.ok()) << r.status();
-  }
-  return dir;
-}
-
 TEST_P(PerplexityGoldenTest, MatchesReferenceWithinPointOnePercent) {
   const PplCase& c = GetParam();
   auto golden_text = ReadFile(testing::SharedDir() + "/golden/reference.json");
@@ -48,7 +37,7 @@ TEST_P(PerplexityGoldenTest, MatchesReferenceWithinPointOnePercent) {
   const auto golden = nlohmann::json::parse(*golden_text)[c.model][
       "ppl_" + c.data_key + "_ctx" + std::to_string(c.ctx)];
 
-  const std::string dir = ImportOnce(c.model);
+  const std::string dir = testing::RealModelDir(c.model);
   auto model = model::LlamaModel::Load(dir);
   ASSERT_TRUE(model.ok()) << model.status();
   model::SetComputeThreads(model::AutoComputeThreads((*model)->config()));
@@ -90,7 +79,7 @@ INSTANTIATE_TEST_SUITE_P(
 
 // Window arithmetic, independent of the numbers.
 TEST(PerplexityWindowsTest, CountsFollowBothConventions) {
-  const std::string dir = ImportOnce("stories260K");
+  const std::string dir = testing::RealModelDir("stories260K");
   auto model = model::LlamaModel::Load(dir);
   ASSERT_TRUE(model.ok()) << model.status();
   std::vector<int32_t> tokens(1000);

@@ -8,45 +8,51 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
-#include "common/llama2c.h"
+#include "common/job_layout.h"
 #include "common/recipe.h"
 #include "common/safetensors.h"
 #include "common/text.h"
 #include "common/tokenizer.h"
+#include "tests/model_fixtures.h"
 #include "tests/test_util.h"
 #include "worker/eval/perplexity.h"
+#include "methods/quip/quip_linear.h"
+#include "methods/registry.h"
+#include "methods/worker_registry.h"
+#include "worker/job/quantize_job.h"
 #include "worker/quant/block_task.h"
-#include "worker/quant/quantize_job.h"
-#include "worker/quant/quantized_checkpoint.h"
-#include "worker/quant/quantized_linear.h"
 
 namespace qcal {
 namespace {
 
-Recipe MakeRecipe(const std::string& name, QuantMethod method, int bits,
-                  const std::string& codebook) {
-  Recipe r;
-  r.name = name;
-  r.method = method;
-  r.bits = bits;
-  r.codebook = codebook;
-  r.scalar.clip_search = true;
-  r.calibration.files = {"data/wikitext2/wiki.valid.tokens"};
-  r.calibration.num_sequences = 48;
-  r.calibration.seq_len = 128;
-  return r;
+// A recipe of these tests: `method` at `bits` (QuIP#: with `codebook`; rtn/gptq: with clip
+// search), 48 WikiText-2 sequences of 128 tokens unless `extra` (more YAML lines) says otherwise.
+Recipe MakeRecipe(const std::string& name, const std::string& method, int bits,
+                  const std::string& codebook, const std::string& extra = "") {
+  std::string yaml = absl::StrCat("name: ", name, "\nmethod: ", method, "\nbits: ", bits, "\n");
+  if (!codebook.empty()) absl::StrAppend(&yaml, "codebook: ", codebook, "\n");
+  if (method != "quip") absl::StrAppend(&yaml, "scalar: {clip_search: true}\n");
+  if (extra.find("calibration:") == std::string::npos) {
+    absl::StrAppend(&yaml, "calibration: {files: [data/wikitext2/wiki.valid.tokens], "
+                           "num_sequences: 48, seq_len: 128}\n");
+  }
+  yaml += extra;
+  StatusOr<Recipe> r = ParseRecipe(yaml, name + ".yaml");
+  EXPECT_TRUE(r.ok()) << r.status() << "\n" << yaml;
+  return r.ok() ? *r : Recipe();
 }
+
+constexpr char kCalib128[] =
+    "calibration: {files: [data/wikitext2/wiki.valid.tokens], num_sequences: 128, seq_len: 128}\n";
 
 class QuantizeJobTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     model::SetComputeThreads(1);
     root_ = new std::string(testing::MakeTempDir("qjob"));
-    const std::string src = testing::SharedDir() + "/models/stories260K";
-    auto r = ImportLlama2c(src + "/stories260K.bin", src + "/tok512.bin", *root_ + "/float");
-    ASSERT_TRUE(r.ok()) << r.status();
-    auto tok = LoadTokenizerFromModelDir(*root_ + "/float");
+    auto tok = LoadTokenizerFromModelDir(testing::RealModelDir("stories260K"));
     ASSERT_TRUE(tok.ok());
     auto text = ReadTextFile(testing::SharedDir() +
                              "/data/tinystories/TinyStories-valid.sample30k.txt");
@@ -58,9 +64,9 @@ class QuantizeJobTest : public ::testing::Test {
     delete eval_tokens_;
   }
 
-  quant::QuantizeJobOptions Options(const std::string& out) {
-    quant::QuantizeJobOptions o;
-    o.model_dir = *root_ + "/float";
+  job::QuantizeJobOptions Options(const std::string& out) {
+    job::QuantizeJobOptions o;
+    o.model_dir = testing::RealModelDir("stories260K");
     o.out_dir = *root_ + "/" + out;
     o.job_dir = *root_ + "/" + out + ".job";
     o.data_root = testing::SharedDir();
@@ -70,7 +76,7 @@ class QuantizeJobTest : public ::testing::Test {
 
   // Perplexity on the TinyStories sample (--bos-per-window, ctx 512).
   double Perplexity(const std::string& dir) {
-    auto m = quant::LoadAnyModel(dir);
+    auto m = methods::LoadModel(dir);
     EXPECT_TRUE(m.ok()) << m.status();
     if (!m.ok()) return 0;
     eval::PerplexityOptions opt;
@@ -82,7 +88,7 @@ class QuantizeJobTest : public ::testing::Test {
   }
 
   double QuantizeAndEval(const Recipe& recipe) {
-    auto result = quant::RunQuantizeJob(recipe, Options(recipe.name));
+    auto result = job::RunQuantizeJob(recipe, Options(recipe.name));
     EXPECT_TRUE(result.ok()) << recipe.name << ": " << result.status();
     if (!result.ok()) return 0;
     const double ppl = Perplexity(result->out_dir);
@@ -99,23 +105,22 @@ std::string* QuantizeJobTest::root_ = nullptr;
 std::vector<int32_t>* QuantizeJobTest::eval_tokens_ = nullptr;
 
 TEST_F(QuantizeJobTest, PerplexityOrderingsHold) {
-  const double fp = Perplexity(*root_ + "/float");
+  const double fp = Perplexity(testing::RealModelDir("stories260K"));
   std::printf("float            ppl %8.3f\n", fp);
   // The recipe default, one scale per row of the rotated weights, with the bundled recipes' 128
   // calibration sequences: E8P < half-integer grid < RTN (measured 58.3 < 77.5 < 144).
-  Recipe e8p_row = MakeRecipe("quip-e8p-2bit", QuantMethod::kQuip, 2, "e8p");
-  Recipe half_row = MakeRecipe("quip-halfint-2bit", QuantMethod::kQuip, 2, "halfint2");
-  e8p_row.calibration.num_sequences = half_row.calibration.num_sequences = 128;
+  Recipe e8p_row = MakeRecipe("quip-e8p-2bit", "quip", 2, "e8p", kCalib128);
+  Recipe half_row = MakeRecipe("quip-halfint-2bit", "quip", 2, "halfint2", kCalib128);
   // QuIP#'s one scale per matrix (the paper's setting) keeps the same codebook order.
-  Recipe e8p_matrix = MakeRecipe("quip-e8p-2bit-matrix", QuantMethod::kQuip, 2, "e8p");
-  Recipe half_matrix = MakeRecipe("quip-halfint-2bit-matrix", QuantMethod::kQuip, 2, "halfint2");
-  e8p_matrix.scale_mode = half_matrix.scale_mode = "matrix";
-  e8p_matrix.calibration.num_sequences = half_matrix.calibration.num_sequences = 128;
+  Recipe e8p_matrix = MakeRecipe("quip-e8p-2bit-matrix", "quip", 2, "e8p",
+                                 std::string("scale: matrix\n") + kCalib128);
+  Recipe half_matrix = MakeRecipe("quip-halfint-2bit-matrix", "quip", 2, "halfint2",
+                                  std::string("scale: matrix\n") + kCalib128);
   const double quip2 = QuantizeAndEval(e8p_row);
   const double half2 = QuantizeAndEval(half_row);
   const double quip2_matrix = QuantizeAndEval(e8p_matrix);
   const double half2_matrix = QuantizeAndEval(half_matrix);
-  const double rtn2 = QuantizeAndEval(MakeRecipe("rtn-2bit", QuantMethod::kRtn, 2, ""));
+  const double rtn2 = QuantizeAndEval(MakeRecipe("rtn-2bit", "rtn", 2, ""));
   EXPECT_GT(quip2, fp);
   EXPECT_LT(quip2, half2) << "QuIP# E8P 2-bit should beat the half-integer grid";
   EXPECT_LT(half2, rtn2) << "the half-integer grid (with IP + BlockLDLQ) should beat RTN 2-bit";
@@ -126,9 +131,9 @@ TEST_F(QuantizeJobTest, PerplexityOrderingsHold) {
 }
 
 TEST_F(QuantizeJobTest, CheckpointRoundTripsAndJobResumes) {
-  Recipe recipe = MakeRecipe("roundtrip", QuantMethod::kQuip, 2, "e8p");
+  Recipe recipe = MakeRecipe("roundtrip", "quip", 2, "e8p");
   auto opt = Options("roundtrip");
-  auto first = quant::RunQuantizeJob(recipe, opt);
+  auto first = job::RunQuantizeJob(recipe, opt);
   ASSERT_TRUE(first.ok()) << first.status();
   EXPECT_FALSE(first->hessians_from_cache);
   EXPECT_EQ(first->blocks_resumed, 0);
@@ -147,7 +152,9 @@ TEST_F(QuantizeJobTest, CheckpointRoundTripsAndJobResumes) {
   // Recompute block 1 exactly as the job did (same recipe, seed, Hessians from the cache).
   auto tok = LoadTokenizerFromModelDir(opt.model_dir);
   ASSERT_TRUE(tok.ok());
-  auto loaded = quant::LoadAnyBlockWeights(**ckpt, *config, 1);
+  auto method = methods::CheckpointMethod(*config, opt.out_dir);
+  ASSERT_TRUE(method.ok()) << method.status();
+  auto loaded = (*method)->LoadBlock(**ckpt, 1);
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   model::DecoderBlock from_disk(*config, std::move(*loaded));
   at::manual_seed(7);
@@ -158,49 +165,49 @@ TEST_F(QuantizeJobTest, CheckpointRoundTripsAndJobResumes) {
   EXPECT_LT((y_disk - y_float).pow(2).mean().item<double>(),
             0.1 * y_float.pow(2).mean().item<double>());  // ...and close
   // Loading twice gives identical results (deterministic decode).
-  auto model_a = quant::LoadAnyModel(opt.out_dir);
-  auto model_b = quant::LoadAnyModel(opt.out_dir);
+  auto model_a = methods::LoadModel(opt.out_dir);
+  auto model_b = methods::LoadModel(opt.out_dir);
   ASSERT_TRUE(model_a.ok() && model_b.ok());
   at::Tensor ids = at::arange(1, 60, at::kLong).unsqueeze(0);
   EXPECT_TRUE(at::equal((*model_a)->Forward(ids), (*model_b)->Forward(ids)));
 
   // Simulate a crash after block 2: its shard and the final config are lost.
   const int64_t blocks = config->num_hidden_layers;
-  const std::string shard2 = opt.out_dir + "/" + quant::ShardName(3, blocks);
+  const std::string shard2 = opt.out_dir + "/" + ShardName(3, blocks);
   auto before = ReadFile(shard2);
   ASSERT_TRUE(before.ok());
   ASSERT_EQ(std::remove(shard2.c_str()), 0);
   ASSERT_EQ(std::remove((opt.out_dir + "/config.json").c_str()), 0);
-  auto second = quant::RunQuantizeJob(recipe, opt);
+  auto second = job::RunQuantizeJob(recipe, opt);
   ASSERT_TRUE(second.ok()) << second.status();
   EXPECT_TRUE(second->hessians_from_cache);
   EXPECT_EQ(second->blocks_resumed, blocks - 1);
   auto after = ReadFile(shard2);
   ASSERT_TRUE(after.ok());
   EXPECT_EQ(*before, *after) << "the redone block must be bit-identical";
-  auto model_c = quant::LoadAnyModel(opt.out_dir);
+  auto model_c = methods::LoadModel(opt.out_dir);
   ASSERT_TRUE(model_c.ok()) << model_c.status();
   EXPECT_TRUE(at::equal((*model_a)->Forward(ids), (*model_c)->Forward(ids)));
 
   // A journal from another recipe is refused, with the job dir named.
-  Recipe other = MakeRecipe("other", QuantMethod::kQuip, 2, "halfint2");
-  auto refused = quant::RunQuantizeJob(other, opt);
+  Recipe other = MakeRecipe("other", "quip", 2, "halfint2");
+  auto refused = job::RunQuantizeJob(other, opt);
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.status().message().find("journal.jsonl"), std::string::npos)
       << refused.status();
 }
 
 TEST_F(QuantizeJobTest, BadInputIsAClearError) {
-  Recipe recipe = MakeRecipe("bad", QuantMethod::kQuip, 2, "e8p");
+  Recipe recipe = MakeRecipe("bad", "quip", 2, "e8p");
   auto opt = Options("bad");
   opt.out_dir = opt.model_dir + "/inside";
-  auto r = quant::RunQuantizeJob(recipe, opt);
+  auto r = job::RunQuantizeJob(recipe, opt);
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("inside the input model directory"), std::string::npos);
 
   opt = Options("bad2");
-  recipe.calibration.files = {"data/does-not-exist.txt"};
-  r = quant::RunQuantizeJob(recipe, opt);
+  recipe = MakeRecipe("bad", "quip", 2, "e8p", "calibration: {files: [data/does-not-exist.txt]}\n");
+  r = job::RunQuantizeJob(recipe, opt);
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("does-not-exist.txt"), std::string::npos) << r.status();
 }
@@ -221,18 +228,23 @@ TEST(QuantizeLinearTest, LayerWeightsMatchReportedProxyLoss) {
       for (const char* scale_mode : {"row", "matrix"}) {
         for (auto [out, in] :
              {std::pair<int64_t, int64_t>{64, 64}, {32, 64}, {172, 64}, {64, 172}}) {
-          Recipe r = MakeRecipe("x", QuantMethod::kQuip, 2, codebook);
-          r.incoherence = incoherence;
-          r.scale_mode = scale_mode;
+          const int bits = std::string(codebook) == "rvq4_e8p_e8p" ? 4 : 2;
+          Recipe r = MakeRecipe("x", "quip", bits, codebook,
+                                absl::StrCat("incoherence: ", incoherence ? "true" : "false",
+                                             "\nscale: ", scale_mode, "\n"));
+          auto method = methods::MakeMethod(r, LlamaConfig());
+          ASSERT_TRUE(method.ok()) << method.status();
+          auto* per_linear = dynamic_cast<const methods::PerLinearMethod*>(method->get());
+          ASSERT_NE(per_linear, nullptr);
           at::Tensor w = at::randn({out, in});
           if (std::string(scale_mode) == "row") {
             w = w * at::linspace(0.1, 3.0, out).unsqueeze(1);  // rows of different norms
           }
           at::Tensor a = at::randn({in, 4 * in}, at::kDouble);
           at::Tensor h = at::matmul(a, a.t()) / (4.0 * in);
-          auto q = quant::QuantizeLinear(r, 0, model::LinearKind::kQ, w, h);
+          auto q = per_linear->QuantizeLinear(0, model::LinearKind::kQ, w, h);
           ASSERT_TRUE(q.ok()) << q.status();
-          auto* quip = dynamic_cast<quant::QuipLinear*>(q->layer.get());
+          auto* quip = dynamic_cast<methods::quip::QuipLinear*>(q->layer.get());
           ASSERT_NE(quip, nullptr);
           EXPECT_EQ(quip->data().row_scales.size(),
                     std::string(scale_mode) == "row" ? static_cast<size_t>(quip->data().out_pad)

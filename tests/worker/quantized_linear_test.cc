@@ -1,4 +1,5 @@
-// Tests for worker/quant/transforms_torch.h and worker/quant/quantized_linear.h.
+// Tests for methods/quip/transforms_torch.h and the quantized layers: methods/quip/quip_linear.h
+// (the "quip" layer format) and worker/quant/scalar_linear.h (the "scalar" format).
 //
 // Random inputs are fresh per run; the seed is printed and can be pinned with QCAL_TEST_SEED.
 // Tolerances, all relative to the reference's largest entry (max|diff| / max|ref|):
@@ -11,7 +12,8 @@
 //   * checkpoint round trips: bit-identical (at::equal);
 //   * gradients: analytic vs central finite difference 1e-6 (the loss is quadratic in each single
 //     coordinate of su and sv, so the central difference is exact up to rounding).
-#include "worker/quant/quantized_linear.h"
+#include "methods/quip/quip_linear.h"
+#include "worker/quant/scalar_linear.h"
 
 #include <gtest/gtest.h>
 
@@ -34,21 +36,17 @@
 #include "kernels/incoherence.h"
 #include "kernels/rounding.h"
 #include "tests/test_util.h"
-#include "worker/quant/transforms_torch.h"
+#include "methods/quip/transforms_torch.h"
 
 namespace qcal::quant {
 namespace {
 
-uint64_t Seed() {
-  static const uint64_t seed = qcal::testing::TestSeed();
-  return seed;
-}
+using methods::quip::OrthogonalTransformOp;
+using methods::quip::QuipLinear;
+using methods::quip::QuipLinearData;
 
-#define QCAL_SEED_TRACE() SCOPED_TRACE("QCAL_TEST_SEED=" + std::to_string(Seed()))
-
-std::mt19937_64 Rng(uint64_t salt) {
-  return std::mt19937_64(Seed() ^ (salt * 0x9E3779B97F4A7C15ULL));
-}
+uint64_t Seed() { return qcal::testing::ProcessSeed(); }
+std::mt19937_64 Rng(uint64_t salt) { return qcal::testing::SeededRng(salt); }
 
 std::vector<double> Gaussian(int64_t size, uint64_t salt, double sigma = 1.0) {
   std::mt19937_64 rng = Rng(salt);

@@ -7,21 +7,21 @@
 
 #include <gtest/gtest.h>
 
-#include "common/llama2c.h"
-#include "common/recipe.h"
+#include "methods/registry.h"
 #include "common/text.h"
 #include "common/tokenizer.h"
+#include "tests/model_fixtures.h"
 #include "tests/test_util.h"
 #include "worker/eval/perplexity.h"
 #include "worker/model/llama.h"
-#include "worker/quant/quantize_job.h"
-#include "worker/quant/quantized_checkpoint.h"
+#include "worker/job/quantize_job.h"
+#include "methods/worker_registry.h"
 
 namespace qcal {
 namespace {
 
 double TinyStoriesPerplexity(const std::string& dir, const std::vector<int32_t>& tokens) {
-  auto m = quant::LoadAnyModel(dir);
+  auto m = methods::LoadModel(dir);
   EXPECT_TRUE(m.ok()) << m.status();
   if (!m.ok()) return 0;
   eval::PerplexityOptions opt;
@@ -35,10 +35,7 @@ double TinyStoriesPerplexity(const std::string& dir, const std::vector<int32_t>&
 TEST(Quip4BitTest, FineTunedRecipeIsWithinFivePercentOfFloat) {
   model::SetComputeThreads(1);
   const std::string root = testing::MakeTempDir("quip4");
-  const std::string src = testing::SharedDir() + "/models/stories260K";
-  auto imported = ImportLlama2c(src + "/stories260K.bin", src + "/tok512.bin", root + "/float");
-  ASSERT_TRUE(imported.ok()) << imported.status();
-  auto tok = LoadTokenizerFromModelDir(root + "/float");
+  auto tok = LoadTokenizerFromModelDir(testing::RealModelDir("stories260K"));
   ASSERT_TRUE(tok.ok()) << tok.status();
   auto text = ReadTextFile(testing::SharedDir() +
                            "/data/tinystories/TinyStories-valid.sample30k.txt");
@@ -47,17 +44,17 @@ TEST(Quip4BitTest, FineTunedRecipeIsWithinFivePercentOfFloat) {
 
   auto recipe = LoadRecipe(testing::SourceDir() + "/jobs/quip-e8p-4bit-ft.yaml");
   ASSERT_TRUE(recipe.ok()) << recipe.status();
-  ASSERT_EQ(recipe->bits, 4);
+  ASSERT_EQ(recipe->bits(), 4);
   ASSERT_TRUE(recipe->finetune.enabled);
-  quant::QuantizeJobOptions o;
-  o.model_dir = root + "/float";
+  job::QuantizeJobOptions o;
+  o.model_dir = testing::RealModelDir("stories260K");
   o.out_dir = root + "/q4";
   o.data_root = testing::SharedDir();
   o.threads = 1;
-  auto job = quant::RunQuantizeJob(*recipe, o);
+  auto job = job::RunQuantizeJob(*recipe, o);
   ASSERT_TRUE(job.ok()) << job.status();
 
-  const double fp = TinyStoriesPerplexity(root + "/float", tokens);
+  const double fp = TinyStoriesPerplexity(testing::RealModelDir("stories260K"), tokens);
   const double q4 = TinyStoriesPerplexity(root + "/q4", tokens);
   RecordProperty("float_ppl", std::to_string(fp));
   RecordProperty("quip4_ft_ppl", std::to_string(q4));

@@ -7,12 +7,12 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
-#include "common/llama2c.h"
 #include "common/text.h"
 #include "common/tokenizer.h"
 #include "kernels/codebook.h"
 #include "kernels/incoherence.h"
 #include "kernels/rounding.h"
+#include "tests/model_fixtures.h"
 #include "tests/test_util.h"
 #include "worker/calib/hessian.h"
 #include "worker/model/llama.h"
@@ -31,10 +31,7 @@ class RealHessianTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     model::SetComputeThreads(1);
-    const std::string dir = testing::MakeTempDir("rh") + "/stories";
-    const std::string src = testing::SharedDir() + "/models/stories260K";
-    auto r = ImportLlama2c(src + "/stories260K.bin", src + "/tok512.bin", dir);
-    ASSERT_TRUE(r.ok()) << r.status();
+    const std::string dir = testing::RealModelDir("stories260K");
     auto m = model::LlamaModel::Load(dir);
     ASSERT_TRUE(m.ok()) << m.status();
     model_ = m->release();

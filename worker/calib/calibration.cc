@@ -1,6 +1,8 @@
 #include "worker/calib/calibration.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstring>
@@ -15,6 +17,8 @@
 #include "common/safetensors.h"
 #include "common/log.h"
 #include "common/text.h"
+#include "worker/model/activation_store.h"
+#include "worker/model/tensor_io.h"
 
 namespace qcal::calib {
 namespace {
@@ -225,24 +229,90 @@ Status AgreeOk(runtime::Comm& comm, const Status& local, const std::string& what
   return absl::OkStatus();
 }
 
-// Gathers every rank's rows of x (its sequences, in rank = sequence order) to rank 0, which
-// saves them. Collective.
-Status GatherAndSaveActivation(runtime::Comm& comm, const at::Tensor& x,
-                               const std::vector<int64_t>& full_shape, const std::string& path,
-                               const std::string& key) {
-  const at::Tensor c = x.detach().to(at::kFloat).contiguous();
-  std::vector<char> all;
-  QCAL_RETURN_IF_ERROR(comm.Gather(c.data_ptr(), c.numel() * sizeof(float), 0, &all));
-  if (comm.rank() != 0) return absl::OkStatus();
-  int64_t numel = 1;
-  for (int64_t d : full_shape) numel *= d;
-  if (all.size() != static_cast<size_t>(numel) * sizeof(float)) {
-    return absl::InternalError(absl::StrCat(path, ": gathered ", all.size(),
-                                            " bytes of activations, expected ",
-                                            numel * sizeof(float)));
+// One boundary's activation file, written in place by every rank (its own sequences' rows) so
+// that no rank ever holds all of them: rank 0 creates "<path>.partial" with the header and the
+// full size, every rank writes its rows at their offsets, and rank 0 renames the file once every
+// rank has synced. The bytes equal SaveActivation's for the same tensor. Collective: Begin and
+// Finish on every rank at the same point.
+class SharedActivationFile {
+ public:
+  static StatusOr<std::unique_ptr<SharedActivationFile>> Begin(
+      runtime::Comm& comm, const std::string& path, const std::string& key,
+      const std::vector<int64_t>& shape) {
+    auto f = std::unique_ptr<SharedActivationFile>(new SharedActivationFile());
+    f->path_ = path;
+    f->partial_ = path + ".partial";
+    Status local = [&]() -> Status {
+      SafetensorsWriter writer;
+      writer.SetMetadata("calibration_key", key);
+      QCAL_RETURN_IF_ERROR(writer.Reserve("hidden", DType::kF32, shape));
+      QCAL_ASSIGN_OR_RETURN(std::string prefix, writer.Prefix(path));
+      f->data_offset_ = static_cast<int64_t>(prefix.size());
+      f->row_bytes_ = static_cast<int64_t>(sizeof(float));
+      for (size_t d = 1; d < shape.size(); ++d) f->row_bytes_ *= shape[d];
+      if (comm.rank() != 0) return Status();
+      const int fd = ::open(f->partial_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+      if (fd < 0) return Errno(f->partial_, "cannot create");
+      const bool ok = ::write(fd, prefix.data(), prefix.size()) ==
+                          static_cast<ssize_t>(prefix.size()) &&
+                      ::ftruncate(fd, static_cast<off_t>(prefix.size() + writer.data_bytes())) ==
+                          0 &&
+                      ::fsync(fd) == 0;
+      ::close(fd);
+      return ok ? Status() : Errno(f->partial_, "cannot write the header");
+    }();
+    QCAL_RETURN_IF_ERROR(AgreeOk(comm, local, path));
+    f->fd_ = ::open(f->partial_.c_str(), O_WRONLY | O_CLOEXEC);
+    local = f->fd_ >= 0 ? Status() : Errno(f->partial_, "cannot open");
+    QCAL_RETURN_IF_ERROR(AgreeOk(comm, local, path));
+    return f;
   }
-  return SaveActivation(path, at::from_blob(all.data(), full_shape, at::kFloat), key);
-}
+
+  ~SharedActivationFile() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+
+  // Sequences [first, first + x.size(0)) of the file.
+  Status WriteRows(int64_t first, const at::Tensor& x) {
+    const at::Tensor c = x.detach().to(at::kCPU, at::kFloat).contiguous();
+    const char* p = static_cast<const char*>(c.data_ptr());
+    size_t left = c.numel() * sizeof(float);
+    off_t off = data_offset_ + first * row_bytes_;
+    while (left > 0) {
+      const ssize_t n = ::pwrite(fd_, p, left, off);
+      if (n <= 0) {
+        if (n < 0 && errno == EINTR) continue;
+        return Errno(partial_, "cannot write activations");
+      }
+      p += n;
+      left -= static_cast<size_t>(n);
+      off += n;
+    }
+    return Status();
+  }
+
+  Status Finish(runtime::Comm& comm) {
+    Status local = ::fsync(fd_) == 0 ? Status() : Errno(partial_, "fsync failed");
+    ::close(fd_);
+    fd_ = -1;
+    QCAL_RETURN_IF_ERROR(AgreeOk(comm, local, path_));
+    if (comm.rank() == 0) {
+      local = ::rename(partial_.c_str(), path_.c_str()) == 0 ? Status()
+                                                             : Errno(path_, "cannot rename into");
+      if (local.ok()) local = SyncParentDir(path_);
+    }
+    return AgreeOk(comm, local, path_);
+  }
+
+ private:
+  SharedActivationFile() = default;
+  static Status Errno(const std::string& path, const char* what) {
+    return absl::InternalError(absl::StrCat(path, ": ", what, ": ", std::strerror(errno)));
+  }
+  std::string path_, partial_;
+  int64_t data_offset_ = 0, row_bytes_ = 0;
+  int fd_ = -1;
+};
 
 }  // namespace
 
@@ -262,7 +332,7 @@ Status SaveActivation(const std::string& path, const at::Tensor& hidden, const s
   return writer.Write(path);
 }
 
-StatusOr<CalibrationResult> Calibrate(runtime::Comm& comm, model::LlamaModel& model,
+StatusOr<CalibrationResult> Calibrate(runtime::Comm& comm, model::ModelSource& source,
                                       const at::Tensor& tokens, const std::string& job_dir,
                                       const std::string& key, const CalibrationOptions& options,
                                       const std::function<void(int64_t, int64_t)>& progress) {
@@ -272,9 +342,10 @@ StatusOr<CalibrationResult> Calibrate(runtime::Comm& comm, model::LlamaModel& mo
     return absl::InvalidArgumentError("calibration tokens must be [sequences, seq_len]");
   }
   CalibrationResult result;
-  const int64_t blocks = model.num_blocks();
-  const int64_t num_seqs = tokens.size(0);
-  const std::vector<int64_t> act_shape = {num_seqs, tokens.size(1), model.config().hidden_size};
+  const LlamaConfig& config = source.config();
+  const int64_t blocks = config.num_hidden_layers;
+  const int64_t num_seqs = tokens.size(0), seq_len = tokens.size(1);
+  const std::vector<int64_t> act_shape = {num_seqs, seq_len, config.hidden_size};
   const bool root = comm.rank() == 0;
 
   // Rank 0 looks at the caches and tells everybody, so every rank takes the same path.
@@ -307,25 +378,75 @@ StatusOr<CalibrationResult> Calibrate(runtime::Comm& comm, model::LlamaModel& mo
   result.activations_from_cache = options.activations && cached[1];
 
   if (walk_hessians || walk_activations) {
-    // This rank's canonical chunks.
+    // This rank's canonical chunks: sequences [s0, s1) in chunks of options.batch.
     const int64_t chunks = (num_seqs + options.batch - 1) / options.batch;
     const runtime::Range mine = runtime::SliceForRank(chunks, comm.rank(), comm.size());
-    const int64_t s0 = std::min(num_seqs, mine.begin * options.batch);
-    const int64_t s1 = std::min(num_seqs, mine.end * options.batch);
+    std::vector<std::vector<int64_t>> shapes;
+    std::vector<int64_t> first_seq;
+    for (int64_t c = mine.begin; c < mine.end; ++c) {
+      const int64_t a = c * options.batch, b = std::min(num_seqs, a + options.batch);
+      shapes.push_back({b - a, seq_len, config.hidden_size});
+      first_seq.push_back(a);
+    }
+    // The walk's activations: this rank's chunks, spilled to the job directory above the budget.
+    local = MakeDirs(job_dir + "/spill");
+    QCAL_RETURN_IF_ERROR(AgreeOk(comm, local, "calibration"));
+    auto store_or = model::ActivationStore::Create(
+        shapes, options.memory_budget_bytes,
+        absl::StrCat(job_dir, "/spill/calibration-rank", comm.rank(), ".f32"));
+    QCAL_RETURN_IF_ERROR(AgreeOk(comm, store_or.status(), "calibration"));
+    model::ActivationStore& store = **store_or;
+    if (store.spilled()) {
+      QCAL_LOG_INFO("calibration: {:.2f} GiB of activations on this rank over the {:.2f} GiB "
+                    "budget: spilled to the job directory",
+                    store.total_bytes() / 1073741824.0,
+                    options.memory_budget_bytes / 1073741824.0);
+    }
     at::NoGradGuard no_grad;
-    at::Tensor x = model.Embed(tokens.narrow(0, s0, s1 - s0));
+    local = [&]() -> Status {
+      for (int64_t i = 0; i < store.chunks(); ++i) {
+        QCAL_ASSIGN_OR_RETURN(at::Tensor x,
+                              source.Embed(tokens.narrow(0, first_seq[i], shapes[i][0])));
+        QCAL_RETURN_IF_ERROR(store.Put(i, x));
+      }
+      return Status();
+    }();
+    QCAL_RETURN_IF_ERROR(AgreeOk(comm, Annotate(local, "calibration, embedding"), "calibration"));
     if (walk_hessians && options.keep_hessians) result.hessians.assign(blocks, BlockHessians{});
+    // Saves boundary l (the inputs of block l; l = blocks: the last block's outputs).
+    auto save_boundary = [&](int64_t l) -> Status {
+      QCAL_ASSIGN_OR_RETURN(
+          auto file, SharedActivationFile::Begin(comm, ActivationPath(job_dir, l), key, act_shape));
+      Status rows;
+      for (int64_t i = 0; i < store.chunks() && rows.ok(); ++i) {
+        auto x = store.Get(i);
+        rows = x.ok() ? file->WriteRows(first_seq[i], *x) : x.status();
+      }
+      QCAL_RETURN_IF_ERROR(AgreeOk(comm, rows, ActivationPath(job_dir, l)));
+      return file->Finish(comm);
+    };
     for (int64_t l = 0; l < blocks; ++l) {
       const std::string where = absl::StrCat("calibration, block ", l);
-      if (walk_activations) {
-        local = GatherAndSaveActivation(comm, x, act_shape, ActivationPath(job_dir, l), key);
-        QCAL_RETURN_IF_ERROR(AgreeOk(comm, local, where));
-      }
+      if (walk_activations) QCAL_RETURN_IF_ERROR(Annotate(save_boundary(l), where));
       BlockHessians h;
-      auto y = ForwardCollectingHessians(model.mutable_block(l), x, model.rope(), options.batch,
-                                         walk_hessians ? &h : nullptr);
-      QCAL_RETURN_IF_ERROR(AgreeOk(comm, Annotate(y.status(), where), where));
-      x = std::move(*y);
+      local = [&]() -> Status {
+        QCAL_ASSIGN_OR_RETURN(std::unique_ptr<model::DecoderBlock> block, source.LoadBlock(l));
+        if (store.chunks() == 0 && walk_hessians) {
+          // A rank without sequences still reduces: its accumulators get the block's sizes.
+          const at::Tensor none = at::empty({0, seq_len, config.hidden_size}, at::kFloat);
+          QCAL_RETURN_IF_ERROR(
+              ForwardCollectingHessians(*block, none, source.rope(), options.batch, &h).status());
+        }
+        for (int64_t i = 0; i < store.chunks(); ++i) {
+          QCAL_ASSIGN_OR_RETURN(at::Tensor x, store.Get(i));
+          QCAL_ASSIGN_OR_RETURN(at::Tensor y,
+                                ForwardCollectingHessians(*block, x, source.rope(), options.batch,
+                                                          walk_hessians ? &h : nullptr));
+          QCAL_RETURN_IF_ERROR(store.Put(i, y));
+        }
+        return Status();
+      }();
+      QCAL_RETURN_IF_ERROR(AgreeOk(comm, Annotate(local, where), where));
       if (walk_hessians) {
         QCAL_RETURN_IF_ERROR(Annotate(AllReduceHessians(comm, &h), where));
         if (root) local = Annotate(SaveBlockHessians(HessianPath(job_dir, l), h, key), where);
@@ -336,8 +457,7 @@ StatusOr<CalibrationResult> Calibrate(runtime::Comm& comm, model::LlamaModel& mo
       if (progress) progress(l + 1, blocks);
     }
     if (walk_activations) {
-      local = GatherAndSaveActivation(comm, x, act_shape, ActivationPath(job_dir, blocks), key);
-      QCAL_RETURN_IF_ERROR(AgreeOk(comm, local, "calibration, final activations"));
+      QCAL_RETURN_IF_ERROR(Annotate(save_boundary(blocks), "calibration, final activations"));
     }
   }
   if (result.from_cache && options.keep_hessians) {
@@ -353,15 +473,6 @@ StatusOr<CalibrationResult> Calibrate(runtime::Comm& comm, model::LlamaModel& mo
   QCAL_RETURN_IF_ERROR(comm.Barrier());
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return result;
-}
-
-StatusOr<CalibrationResult> CollectModelHessians(
-    runtime::Comm& comm, model::LlamaModel& model, const at::Tensor& tokens,
-    const std::string& job_dir, const std::string& key, int64_t batch,
-    const std::function<void(int64_t, int64_t)>& progress) {
-  CalibrationOptions options;
-  options.batch = batch;
-  return Calibrate(comm, model, tokens, job_dir, key, options, progress);
 }
 
 }  // namespace qcal::calib

@@ -17,12 +17,14 @@
 // metadata calibration_key and hessian_format "2". Files of the old fp64-only format (no
 // hessian_format) are treated as stale and recomputed. activations/block_<l>.safetensors:
 // tensor "hidden" [N, S, hidden] F32 = the float model's input of block l (l = num_blocks: the
-// last block's output), all N sequences in order, metadata calibration_key. Rank 0 writes every
-// file; the others read them from the shared job directory when they need them.
+// last block's output), all N sequences in order, metadata calibration_key. Rank 0 writes the
+// Hessian files; every rank writes its own rows of the activation files; all read them from the
+// shared job directory when they need them.
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -33,7 +35,8 @@
 #include "common/tokenizer.h"
 #include "worker/calib/hessian.h"
 #include "worker/model/llama.h"
-#include "worker/runtime/comm.h"
+#include "worker/model/model_source.h"
+#include "worker/comm/comm.h"
 
 namespace qcal::calib {
 
@@ -71,6 +74,9 @@ Status SaveActivation(const std::string& path, const at::Tensor& hidden, const s
 
 struct CalibrationOptions {
   int64_t batch = 8;              // sequences per canonical chunk
+  // Activations this rank holds in memory during the walk; above it they are spilled to
+  // job_dir/spill (activation_store.h). Default: no limit.
+  int64_t memory_budget_bytes = std::numeric_limits<int64_t>::max();
   bool hessians = true;           // compute (or reuse) every block's Hessians
   bool activations = false;       // compute (or reuse) every block boundary's activations
   bool keep_hessians = true;      // return the Hessians in CalibrationResult::hessians
@@ -86,23 +92,18 @@ struct CalibrationResult {
 
 // Collective: every rank of `comm` calls it with the same model, all `tokens`
 // [num_sequences, seq_len] and the same options. Reuses cached products whose key matches (rank
-// 0 decides and tells the others); otherwise each rank walks the float model block by block over
-// its chunks, Hessians are summed over ranks and saved by rank 0, activations are gathered to
-// rank 0 and saved in sequence order. Ends with a barrier, so the files are complete when any
-// rank returns. A failure on any rank makes every rank return an error (the failing rank its own,
-// naming the block and Hessian; the others Aborted). progress(block, blocks) on every rank.
-StatusOr<CalibrationResult> Calibrate(runtime::Comm& comm, model::LlamaModel& model,
+// 0 decides and tells the others); otherwise each rank streams the float model block by block
+// (one block in memory: `source` reads it when the walk reaches it) over its chunks, whose
+// activations it holds in memory up to options.memory_budget_bytes and in a spill file above.
+// Hessians are summed over ranks and saved by rank 0; activation files are written in place by
+// every rank (its own rows), so no rank holds another's. Ends with a barrier, so the files are
+// complete when any rank returns. A failure on any rank makes every rank return an error (the
+// failing rank its own, naming the block and Hessian; the others Aborted). progress(block,
+// blocks) on every rank.
+StatusOr<CalibrationResult> Calibrate(runtime::Comm& comm, model::ModelSource& source,
                                       const at::Tensor& tokens, const std::string& job_dir,
                                       const std::string& key, const CalibrationOptions& options,
                                       const std::function<void(int64_t, int64_t)>& progress =
                                           nullptr);
-
-// Hessians only (Calibrate with hessians = true, activations = false, keep_hessians = true).
-StatusOr<CalibrationResult> CollectModelHessians(runtime::Comm& comm, model::LlamaModel& model,
-                                                 const at::Tensor& tokens,
-                                                 const std::string& job_dir,
-                                                 const std::string& key, int64_t batch,
-                                                 const std::function<void(int64_t, int64_t)>&
-                                                     progress = nullptr);
 
 }  // namespace qcal::calib

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include "absl/strings/str_cat.h"
+#include "worker/model/activation_store.h"
 
 namespace qcal::eval {
 namespace {
@@ -16,14 +17,22 @@ struct Window {
   int64_t length;  // input length
 };
 
-}  // namespace
+// Consecutive windows of equal length, batched: what one forward pass scores.
+struct Batch {
+  at::Tensor inputs;   // [nb, T] int64
+  at::Tensor targets;  // [nb, T] int64
+  int64_t windows_done = 0;  // windows scored once this batch is
+};
 
-StatusOr<PerplexityResult> EvaluatePerplexity(const model::LlamaModel& model,
-                                              const std::vector<int32_t>& text_tokens,
-                                              const PerplexityOptions& opt,
-                                              const ProgressFn& progress) {
+struct Plan {
+  std::vector<Batch> batches;
+  int64_t text_count = 0;
+  int64_t windows = 0;
+};
+
+StatusOr<Plan> PlanBatches(const std::vector<int32_t>& text_tokens, const PerplexityOptions& opt,
+                           int64_t max_pos) {
   if (opt.ctx < 2) return absl::InvalidArgumentError(absl::StrCat("--ctx ", opt.ctx, " < 2"));
-  const int64_t max_pos = model.config().max_position_embeddings;
   if (opt.ctx > max_pos) {
     return absl::InvalidArgumentError(absl::StrCat("--ctx ", opt.ctx,
                                                    " exceeds the model's max_position_embeddings ",
@@ -53,12 +62,10 @@ StatusOr<PerplexityResult> EvaluatePerplexity(const model::LlamaModel& model,
     return absl::InvalidArgumentError(absl::StrCat("only ", text_count,
                                                    " tokens: not one window of --ctx ", opt.ctx));
   }
-
-  at::NoGradGuard no_grad;
-  const auto t0 = std::chrono::steady_clock::now();
-  double nll_sum = 0;
-  int64_t scored = 0;
+  Plan plan;
+  plan.text_count = text_count;
   const int64_t num_windows = static_cast<int64_t>(windows.size());
+  plan.windows = num_windows;
   for (int64_t w0 = 0; w0 < num_windows;) {
     // Batch consecutive windows of equal length.
     int64_t w1 = w0 + 1;
@@ -67,7 +74,9 @@ StatusOr<PerplexityResult> EvaluatePerplexity(const model::LlamaModel& model,
     }
     const int64_t nb = w1 - w0;
     const int64_t len = windows[w0].length;
-    at::Tensor inputs, targets;
+    Batch batch;
+    at::Tensor& inputs = batch.inputs;
+    at::Tensor& targets = batch.targets;
     if (opt.bos_per_window) {
       // inputs: BOS, t[s], ..., t[s+len-2]  (len inputs); targets: t[s], ..., t[s+len-1]
       inputs = at::empty({nb, len}, at::kLong);
@@ -96,25 +105,100 @@ StatusOr<PerplexityResult> EvaluatePerplexity(const model::LlamaModel& model,
         }
       }
     }
-    at::Tensor logits = model.Forward(inputs);                      // [nb, T, V]
-    at::Tensor logp = at::log_softmax(logits, -1);
-    at::Tensor picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1);  // [nb, T]
-    nll_sum -= picked.to(at::kDouble).sum().item<double>();
-    scored += targets.numel();
+    batch.windows_done = w1;
+    plan.batches.push_back(std::move(batch));
     w0 = w1;
-    if (progress) progress(w0, num_windows);
   }
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return plan;
+}
+
+// Negative log-likelihood of the targets under the logits [nb, T, V], summed in double.
+double BatchNll(const at::Tensor& logits, const at::Tensor& targets) {
+  at::Tensor logp = at::log_softmax(logits, -1);
+  at::Tensor picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1);  // [nb, T]
+  return -picked.to(at::kDouble).sum().item<double>();
+}
+
+PerplexityResult Finish(const Plan& plan, double nll_sum, int64_t scored, double seconds) {
   PerplexityResult r;
-  r.tokens_encoded = text_count;
+  r.tokens_encoded = plan.text_count;
   r.tokens_scored = scored;
-  r.windows = num_windows;
+  r.windows = plan.windows;
   r.mean_nll = nll_sum / static_cast<double>(scored);
   r.perplexity = std::exp(r.mean_nll);
   r.seconds = seconds;
   r.tokens_per_s = seconds > 0 ? scored / seconds : 0;
   return r;
+}
+
+double Since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+StatusOr<PerplexityResult> EvaluatePerplexity(const model::LlamaModel& model,
+                                              const std::vector<int32_t>& text_tokens,
+                                              const PerplexityOptions& opt,
+                                              const ProgressFn& progress) {
+  QCAL_ASSIGN_OR_RETURN(Plan plan, PlanBatches(text_tokens, opt,
+                                               model.config().max_position_embeddings));
+  at::NoGradGuard no_grad;
+  const auto t0 = std::chrono::steady_clock::now();
+  double nll_sum = 0;
+  int64_t scored = 0;
+  for (const Batch& b : plan.batches) {
+    nll_sum += BatchNll(model.Forward(b.inputs), b.targets);
+    scored += b.targets.numel();
+    if (progress) progress(b.windows_done, plan.windows);
+  }
+  return Finish(plan, nll_sum, scored, Since(t0));
+}
+
+StatusOr<PerplexityResult> EvaluatePerplexityStreamed(model::ModelSource& source,
+                                                      const std::vector<int32_t>& text_tokens,
+                                                      const PerplexityOptions& opt,
+                                                      const StreamOptions& stream,
+                                                      const ProgressFn& progress) {
+  QCAL_ASSIGN_OR_RETURN(Plan plan, PlanBatches(text_tokens, opt,
+                                               source.config().max_position_embeddings));
+  at::NoGradGuard no_grad;
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::vector<int64_t>> shapes;
+  for (const Batch& b : plan.batches) {
+    shapes.push_back({b.inputs.size(0), b.inputs.size(1), source.config().hidden_size});
+  }
+  QCAL_ASSIGN_OR_RETURN(auto store, model::ActivationStore::Create(
+                                        shapes, stream.memory_budget_bytes, stream.spill_path));
+  try {
+    for (size_t i = 0; i < plan.batches.size(); ++i) {
+      QCAL_ASSIGN_OR_RETURN(at::Tensor x, source.Embed(plan.batches[i].inputs));
+      QCAL_RETURN_IF_ERROR(store->Put(static_cast<int64_t>(i), x));
+    }
+    const int64_t blocks = source.config().num_hidden_layers;
+    for (int64_t l = 0; l < blocks; ++l) {
+      QCAL_ASSIGN_OR_RETURN(std::unique_ptr<model::DecoderBlock> block, source.LoadBlock(l));
+      for (int64_t i = 0; i < store->chunks(); ++i) {
+        QCAL_ASSIGN_OR_RETURN(at::Tensor x, store->Get(i));
+        QCAL_RETURN_IF_ERROR(store->Put(i, block->Forward(x, source.rope())));
+      }
+      if (stream.block_progress) stream.block_progress(l + 1, blocks);
+    }
+    double nll_sum = 0;
+    int64_t scored = 0;
+    for (int64_t i = 0; i < store->chunks(); ++i) {
+      const Batch& b = plan.batches[i];
+      QCAL_ASSIGN_OR_RETURN(at::Tensor x, store->Get(i));
+      QCAL_ASSIGN_OR_RETURN(at::Tensor logits, source.Logits(x));
+      nll_sum += BatchNll(logits, b.targets);
+      scored += b.targets.numel();
+      if (progress) progress(b.windows_done, plan.windows);
+    }
+    source.ReleaseHead();
+    return Finish(plan, nll_sum, scored, Since(t0));
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("evaluation forward failed: ", e.what()));
+  }
 }
 
 }  // namespace qcal::eval

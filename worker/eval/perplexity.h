@@ -12,10 +12,13 @@
 
 #include <cstdint>
 #include <functional>
+#include <limits>
+#include <string>
 #include <vector>
 
 #include "common/status.h"
 #include "worker/model/llama.h"
+#include "worker/model/model_source.h"
 
 namespace qcal::eval {
 
@@ -45,5 +48,22 @@ StatusOr<PerplexityResult> EvaluatePerplexity(const model::LlamaModel& model,
                                               const std::vector<int32_t>& text_tokens,
                                               const PerplexityOptions& options,
                                               const ProgressFn& progress = nullptr);
+
+struct StreamOptions {
+  // The windows' activations held in memory; above it, the file spill_path holds them.
+  int64_t memory_budget_bytes = std::numeric_limits<int64_t>::max();
+  std::string spill_path;
+  std::function<void(int64_t block, int64_t blocks)> block_progress;
+};
+
+// The same result, bit for bit, with one block of the model in memory at a time: every window
+// is embedded, then every block (read from `source` when the walk reaches it) runs over every
+// window, then the head scores them. Memory: one block, the head at the end, and the windows'
+// activations (spilled above the budget).
+StatusOr<PerplexityResult> EvaluatePerplexityStreamed(model::ModelSource& source,
+                                                      const std::vector<int32_t>& text_tokens,
+                                                      const PerplexityOptions& options,
+                                                      const StreamOptions& stream,
+                                                      const ProgressFn& progress = nullptr);
 
 }  // namespace qcal::eval

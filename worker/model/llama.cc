@@ -11,7 +11,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "worker/quarot/kv_quantizer.h"
 
 namespace qcal::model {
 
@@ -20,6 +19,15 @@ DenseLinear::DenseLinear(at::Tensor weight) : weight_(weight.contiguous()) {}
 at::Tensor DenseLinear::Forward(const at::Tensor& x) const { return at::matmul(x, weight_.t()); }
 int64_t DenseLinear::in_features() const { return weight_.size(1); }
 int64_t DenseLinear::out_features() const { return weight_.size(0); }
+
+const char* KvRoleName(KvRole role) {
+  switch (role) {
+    case KvRole::kKey: return "key";
+    case KvRole::kValue: return "value";
+    case KvRole::kQuery: return "query";
+  }
+  return "?";
+}
 
 const char* LinearName(LinearKind kind) {
   switch (kind) {
@@ -113,7 +121,7 @@ at::Tensor DecoderBlock::Attention(const at::Tensor& h, const Rope& rope) const 
   if (!weights_.rope_perm.defined()) {
     q = rope.Apply(q.view({b, s, heads_, head_dim_}).transpose(1, 2));     // [b, H, s, d]
     k = rope.Apply(k.view({b, s, kv_heads_, head_dim_}).transpose(1, 2));  // [b, KV, s, d]
-  } else {  // K-sorted channels (worker/quarot/ksort.h)
+  } else {  // K-sorted channels (worker/qsim/ksort.h)
     const at::Tensor& kp = weights_.rope_perm;
     q = rope.Apply(q.view({b, s, heads_, head_dim_}).transpose(1, 2), kp.repeat_interleave(rep, 0));
     k = rope.Apply(k.view({b, s, kv_heads_, head_dim_}).transpose(1, 2), kp);
@@ -124,10 +132,10 @@ at::Tensor DecoderBlock::Attention(const at::Tensor& h, const Rope& rope) const 
     q = at::matmul(q, m);
     k = at::matmul(k, m);
   }
-  if (hooks_.kv_quantizer) {  // what attention reads back from a quantized cache
-    q = hooks_.kv_quantizer->Apply(q, quarot::KvRole::kQuery);
-    k = hooks_.kv_quantizer->Apply(k, quarot::KvRole::kKey);
-    v = hooks_.kv_quantizer->Apply(v, quarot::KvRole::kValue);
+  if (hooks_.kv_cache) {  // what attention reads back from a quantized cache
+    q = hooks_.kv_cache->Apply(q, KvRole::kQuery);
+    k = hooks_.kv_cache->Apply(k, KvRole::kKey);
+    v = hooks_.kv_cache->Apply(v, KvRole::kValue);
   }
   // Grouped-query attention without copying K/V: query heads h = g·rep + r share KV head g, so
   // view q as [b, KV, rep·s, d] and attend each group against its one K/V.

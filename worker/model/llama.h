@@ -23,10 +23,6 @@
 #include "common/safetensors.h"
 #include "common/status.h"
 
-namespace qcal::quarot {
-class KvQuantizer;  // worker/quarot/kv_quantizer.h
-}  // namespace qcal::quarot
-
 namespace qcal::model {
 
 // y = x Wᵀ for x [..., in_features] -> [..., out_features]. An interface, so that quantized
@@ -40,6 +36,9 @@ class Linear {
   virtual int64_t out_features() const = 0;
   // The effective dense weight [out, in] in float32 (quantized layers decode theirs).
   virtual at::Tensor DenseWeight() const = 0;
+  // Real-valued parameters of a quantized layer that fine-tuning may tune while its codes stay
+  // fixed (QuIP#'s sign vectors su/sv): handles to the tensors Forward uses. Empty by default.
+  virtual std::vector<at::Tensor> TunableVectors() { return {}; }
 };
 
 class DenseLinear final : public Linear {
@@ -66,12 +65,12 @@ struct BlockWeights {
   at::Tensor input_norm;  // [hidden]
   at::Tensor post_norm;   // [hidden]
   std::unique_ptr<Linear> linears[7];  // indexed by LinearKind
-  // K-sort (worker/quarot/ksort.h): channel j of KV head g holds the half-split RoPE channel
+  // K-sort (worker/qsim/ksort.h): channel j of KV head g holds the half-split RoPE channel
   // rope_perm[g][j]; query heads use their KV head's row. [kv_heads, head_dim] int64, or
   // undefined for the identity (every model not K-sorted).
   at::Tensor rope_perm;
   // Further per-block tensors of quantized inference, stored in the block's shard as
-  // model.layers.N.<key> (QuaRot's calibrated static ranges: worker/quarot/checkpoint.h). The
+  // model.layers.N.<key> (QuaRot's calibrated static ranges: methods/quarot/checkpoint.h). The
   // float forward pass ignores them.
   std::map<std::string, at::Tensor> extra;
   Linear& linear(LinearKind k) const { return *linears[static_cast<int>(k)]; }
@@ -93,18 +92,37 @@ class Rope {
   at::Tensor cos_, sin_;  // [max_positions, head_dim]
 };
 
-// Optional per-block steps of the simulated quantized inference (QuaRot, worker/quarot/). The
-// default (empty) hooks leave the forward pass exactly the float one. Activation quantization and
-// the online Hadamard before down_proj (R4) are not hooks: they wrap the block's Linears
-// (quarot::ActQuantLinear).
+// What attention reads back from the KV cache: DecoderBlock::Attention calls the block's
+// KvCacheHook (when it has one) on keys, values and queries before GQA grouping, scores and
+// softmax:
+//   k = M(RoPE(x W_kᵀ))      (M = BlockHooks::qk_rotation, when set) → Apply(k, kKey)
+//   v = x W_vᵀ                                                      → Apply(v, kValue)
+//   q = M(RoPE(x W_qᵀ))·(1/√d)                                      → Apply(q, kQuery)
+// Implementations (worker/qsim/kv_quantizer.h) quantize and dequantize keys and values as a
+// quantized cache would store them; queries are not cached (kQuery lets a format compute q·kᵀ in
+// its own arithmetic; others return x itself).
+// Contract: Apply never modifies x and returns a float32 tensor of x's shape on x's device;
+// a token's entry depends only on that token's values and fixed parameters (causal); thread-safe.
+enum class KvRole { kKey = 0, kValue = 1, kQuery = 2 };
+const char* KvRoleName(KvRole role);  // "key" / "value" / "query"
+
+class KvCacheHook {
+ public:
+  virtual ~KvCacheHook() = default;
+  // x: [batch, kv_heads, seq, head_dim] (keys, values) or [batch, heads, seq, head_dim] (queries).
+  virtual at::Tensor Apply(const at::Tensor& x, KvRole role) const = 0;
+  virtual std::string Describe() const = 0;  // one line for logs, "int4 asym per_group(8)"
+};
+
+// Optional per-block steps of a transformed or simulated-quantized forward pass. The default
+// (empty) hooks leave the forward pass exactly the float one. Activation quantization and online
+// transforms of a linear's input are not hooks: they wrap the block's Linears.
 struct BlockHooks {
-  // QuaRot R3: an orthogonal [head_dim, head_dim] matrix M applied to every query and key head
-  // after RoPE, q_h ← q_h·M and k_h ← k_h·M (M = Tᵀ for the normalized Hadamard T); it cancels
-  // in q·kᵀ. Undefined: none.
+  // An orthogonal [head_dim, head_dim] matrix M applied to every query and key head after RoPE,
+  // q_h ← q_h·M and k_h ← k_h·M; it cancels in q·kᵀ (QuaRot's R3). Undefined: none.
   at::Tensor qk_rotation;
-  // Quantizes keys (after RoPE and R3) and values as the KV cache would store them (see
-  // worker/quarot/kv_quantizer.h). Null: a float cache.
-  std::shared_ptr<const quarot::KvQuantizer> kv_quantizer;
+  // The KV cache as attention reads it back. Null: a float cache.
+  std::shared_ptr<const KvCacheHook> kv_cache;
 };
 
 class DecoderBlock {
@@ -135,6 +153,14 @@ StatusOr<at::Tensor> LoadTensorF32(CheckpointReader& ckpt, const std::string& na
 // Loads decoder block `layer` alone (only its tensors are read).
 StatusOr<BlockWeights> LoadBlockWeights(CheckpointReader& ckpt, const LlamaConfig& config,
                                         int64_t layer);
+
+// The weights outside the decoder blocks.
+struct NonBlockWeights {
+  at::Tensor embed;       // [vocab, hidden]
+  at::Tensor final_norm;  // [hidden]
+  at::Tensor head;        // [vocab, hidden]; the same tensor as embed when tied
+  bool head_tied = false;
+};
 
 class LlamaModel {
  public:

@@ -1,35 +1,20 @@
-// The block task: quantize every linear of one decoder block from its float weights and input
-// Hessians, according to a recipe. This is the unit the service schedules (one block per task),
-// so it depends only on its inputs: float block weights, the block's four Hessians, the recipe,
-// and the layer index (which, with the recipe seed, fixes the random transforms).
+// What a block task produces, for every method: the quantized block's weights and, per linear,
+// the proxy loss and bits (the journal's block_done metrics); and the one helper every method
+// rounds a linear through (fp64 views of W and H, metrics filled in).
 //
-// QuIP# (method quip): per linear W [out, in], pad in to a multiple of the codebook dimension
-// (zero columns; the Hessian gets zero rows/columns there, made positive definite by damping),
-// pad out to an even size when it has no Hadamard construction; IP-RHT with seeds derived from
-// (recipe.seed, layer, linear) (kernels/incoherence.h; RFFT where no Hadamard size exists);
-// BlockLDLQ with the recipe's codebook (E8P, RVQ, half-integer grid) at scale RMS(W)/ρ; the
-// result is a quant::QuipLinear. Baselines: rtn (kernels::RoundToNearest) and gptq
-// (kernels::Gptq) on the scalar grid of the recipe, giving quant::ScalarQuantLinear.
-//
-// QuaRot (method quarot): `float_weights` are the *rotated* float block (worker/quarot/rotate.h:
-// norms fused, R1/R2/R4 fused; down_proj an ActQuantLinear carrying the online R4 Hadamard T) and
-// `hessians` were collected on that block (recorders outside the wrappers, so down_proj's is the
-// Hessian before T; it is turned into T·H·Tᵀ here). Each dense weight is rounded by recipe.weights
-// (rtn, gptq; none keeps it float) on the recipe's scalar grid (QuaRot: per channel, symmetric,
-// clip search), codes packed two per byte at <= 4 bits, and re-wrapped with its transform. The
-// activation / KV quantizers are not part of the block task: quarot::InstallQuantizedInference
-// adds them when the model is assembled.
+// A block task depends only on its inputs (float block weights, the block's Hessians and
+// activations, the recipe and the layer index), so the service hands the same tasks to any rank
+// (methods/method.h has the interface, worker/job/job_steps.h runs it).
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
-#include "common/hf_config.h"
-#include "common/recipe.h"
 #include "common/status.h"
-#include "worker/calib/hessian.h"
 #include "worker/model/llama.h"
 
 namespace qcal::quant {
@@ -59,19 +44,18 @@ struct QuantizedLinear {
   LinearMetrics metrics;
 };
 
-// Quantizes one linear: weight [out, in] float, h = its input Hessian [in, in] (fp64 mean), or an
-// undefined tensor for rtn.
-StatusOr<QuantizedLinear> QuantizeLinear(const Recipe& recipe, int64_t layer,
-                                         model::LinearKind kind, const at::Tensor& weight,
-                                         const at::Tensor& h);
+// Rounds W [out, in] (row-major fp64) with the input Hessian H [in, in] (fp64, or null).
+using LinearRounder = std::function<StatusOr<QuantizedLinear>(const double* w, int64_t out,
+                                                              int64_t in, const double* h)>;
 
-// `hessians` may be null for rtn (no proxy loss is then reported). Errors: unsupported method /
-// codebook, Hessian sizes not matching the weights, factorisations that fail after damping.
-StatusOr<BlockTaskResult> QuantizeBlock(const Recipe& recipe, const LlamaConfig& config,
-                                        int64_t layer, const model::BlockWeights& float_weights,
-                                        const calib::BlockHessians* hessians);
-
-// The per-linear seed of the random transforms: a hash of (recipe seed, layer, linear, side).
-uint64_t TransformSeed(uint64_t recipe_seed, int64_t layer, model::LinearKind linear, bool output);
+// Rounds one linear of block `layer`: `weight` [out, in] (any float dtype; converted to fp64),
+// `hessian` [in, in] (fp64 mean, read in place when contiguous fp64; undefined when the method
+// uses none). `method` names the method in errors; `needs_hessian` refuses an undefined one.
+// Fills metrics.name and seconds, and NaN proxy losses without a Hessian. Errors are annotated
+// with "block <layer> <linear>".
+StatusOr<QuantizedLinear> RoundLinear(int64_t layer, model::LinearKind kind,
+                                      const at::Tensor& weight, const at::Tensor& hessian,
+                                      const char* method, bool needs_hessian,
+                                      const LinearRounder& round);
 
 }  // namespace qcal::quant

@@ -12,7 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
-#include "worker/quant/quantized_linear.h"
+#include "common/seed.h"
 
 namespace qcal::quant {
 namespace {
@@ -24,17 +24,7 @@ double Seconds(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-uint64_t SplitMix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
-// Seeds for independent streams derived from the recipe seed (split, per-block shuffles, e2e).
-uint64_t DeriveSeed(uint64_t seed, uint64_t stream, uint64_t index = 0) {
-  return SplitMix64(SplitMix64(SplitMix64(seed) ^ stream) ^ index);
-}
+// Streams derived from the recipe seed (common/seed.h DeriveSeed): split, per-block shuffles, e2e.
 constexpr uint64_t kSplitStream = 0x5350;      // "SP"
 constexpr uint64_t kBlockStream = 0x424c4b;    // "BLK"
 constexpr uint64_t kEndToEndStream = 0x453245;  // "E2E"
@@ -161,11 +151,6 @@ double BlockMse(const model::DecoderBlock& block, const model::Rope& rope,
   return count ? sum / static_cast<double>(count) : std::nan("");
 }
 
-double SignLr(const Recipe& recipe, const FinetuneStage& stage) {
-  return recipe.method == QuantMethod::kQuip && recipe.bits <= 2 ? stage.lr * kSignLrMultiplier
-                                                                  : stage.lr;
-}
-
 Status CheckStage(const FinetuneStage& stage, const std::string& what) {
   if (stage.epochs < 0 || stage.batch < 1 || !(stage.lr > 0) || !(stage.holdout >= 0) ||
       !(stage.holdout < 1)) {
@@ -177,12 +162,11 @@ Status CheckStage(const FinetuneStage& stage, const std::string& what) {
   return absl::OkStatus();
 }
 
-// The su/sv of every QuipLinear among `linears` that is quantized.
+// The tunable vectors (QuIP#'s su/sv) of every quantized linear of the block.
 void AddSigns(model::BlockWeights& w, TunableParams* params) {
   for (LinearKind k : model::kAllLinears) {
-    if (auto* q = dynamic_cast<QuipLinear*>(w.linears[static_cast<int>(k)].get())) {
-      params->signs.push_back(q->su());
-      params->signs.push_back(q->sv());
+    for (at::Tensor& t : w.linears[static_cast<int>(k)]->TunableVectors()) {
+      params->signs.push_back(t);
     }
   }
 }
@@ -206,22 +190,18 @@ SequenceSplit SplitSequences(int64_t n, double holdout, uint64_t seed) {
   return split;
 }
 
-StatusOr<BlockTaskResult> QuantizeBlockWithFinetune(const Recipe& recipe,
+StatusOr<BlockTaskResult> QuantizeBlockWithFinetune(const FinetuneOptions& options,
                                                     const LlamaConfig& config, int64_t layer,
                                                     const model::BlockWeights& float_weights,
                                                     const calib::BlockHessians* hessians,
+                                                    const LinearQuantizer& quantize_linear,
                                                     const model::Rope& rope,
                                                     const at::Tensor& inputs_in,
                                                     const at::Tensor& targets_in) {
   const auto t0 = Clock::now();
   const std::string where = absl::StrCat("block ", layer);
-  const FinetuneStage& stage = recipe.finetune.block;
+  const FinetuneStage& stage = options.stage;
   QCAL_RETURN_IF_ERROR(CheckStage(stage, where));
-  if (recipe.needs_hessians() && hessians == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": method ",
-                                                   QuantMethodName(recipe.method),
-                                                   " needs Hessians"));
-  }
   if (inputs_in.dim() != 3 || inputs_in.size(0) < 1 || inputs_in.size(2) != config.hidden_size ||
       !inputs_in.sizes().equals(targets_in.sizes()) ||
       inputs_in.size(1) > rope.max_positions()) {
@@ -232,7 +212,7 @@ StatusOr<BlockTaskResult> QuantizeBlockWithFinetune(const Recipe& recipe,
   const at::Tensor inputs = inputs_in.detach().to(at::kFloat).contiguous();
   const at::Tensor targets = targets_in.detach().to(at::kFloat).contiguous();
   const int64_t n = inputs.size(0);
-  const SequenceSplit split = SplitSequences(n, stage.holdout, recipe.seed);
+  const SequenceSplit split = SplitSequences(n, stage.holdout, options.seed);
   const std::vector<int64_t>& eval_idx = split.holdout.empty() ? split.train : split.holdout;
   const int64_t batch = stage.batch;
 
@@ -258,8 +238,7 @@ StatusOr<BlockTaskResult> QuantizeBlockWithFinetune(const Recipe& recipe,
   result.layer = layer;
   bool quantized[7] = {};
   auto quantize = [&](LinearKind k) -> StatusOr<std::unique_ptr<model::Linear>> {
-    QCAL_ASSIGN_OR_RETURN(QuantizedLinear q,
-                          QuantizeLinear(recipe, layer, k, float_w[idx(k)], hessian_of(k)));
+    QCAL_ASSIGN_OR_RETURN(QuantizedLinear q, quantize_linear(k, float_w[idx(k)], hessian_of(k)));
     result.linears.push_back(q.metrics);  // groups run in kAllLinears order
     return std::move(q.layer);
   };
@@ -269,7 +248,7 @@ StatusOr<BlockTaskResult> QuantizeBlockWithFinetune(const Recipe& recipe,
       {LinearKind::kO},
       {LinearKind::kGate, LinearKind::kUp},
       {LinearKind::kDown}};
-  const double lr = stage.lr, sign_lr = SignLr(recipe, stage);
+  const double lr = stage.lr, sign_lr = stage.lr * options.sign_lr_multiplier;
   for (size_t g = 0; g < groups.size(); ++g) {
     const auto tg = Clock::now();
     for (LinearKind k : groups[g]) {
@@ -289,8 +268,7 @@ StatusOr<BlockTaskResult> QuantizeBlockWithFinetune(const Recipe& recipe,
         } else {
           QCAL_ASSIGN_OR_RETURN(
               QuantizedLinear q,
-              QuantizeLinear(recipe, layer, k, float_weights.linear(k).DenseWeight(),
-                             hessian_of(k)));
+              quantize_linear(k, float_weights.linear(k).DenseWeight(), hessian_of(k)));
           base.linears[idx(k)] = std::move(q.layer);
         }
       }
@@ -309,7 +287,7 @@ StatusOr<BlockTaskResult> QuantizeBlockWithFinetune(const Recipe& recipe,
     AddSigns(w, &params);
     const TrainOutcome outcome = TrainKeepBest(
         params, lr, sign_lr, stage, split.train,
-        DeriveSeed(recipe.seed, kBlockStream, static_cast<uint64_t>(layer) * 8 + g),
+        DeriveSeed(options.seed, kBlockStream, static_cast<uint64_t>(layer) * 8 + g),
         [&](const at::Tensor& i) {
           return (block.Forward(inputs.index_select(0, i), rope) - targets.index_select(0, i))
               .pow(2)
@@ -329,7 +307,7 @@ StatusOr<BlockTaskResult> QuantizeBlockWithFinetune(const Recipe& recipe,
 }
 
 StatusOr<TunableModel> AssembleTunableModel(const LlamaConfig& config,
-                                            CheckpointReader& float_ckpt,
+                                            model::NonBlockWeights non_block,
                                             std::vector<model::BlockWeights> blocks) {
   if (static_cast<int64_t>(blocks.size()) != config.num_hidden_layers) {
     return absl::InvalidArgumentError(absl::StrCat("AssembleTunableModel: ", blocks.size(),
@@ -337,18 +315,10 @@ StatusOr<TunableModel> AssembleTunableModel(const LlamaConfig& config,
                                                    config.num_hidden_layers));
   }
   TunableModel t;
-  QCAL_ASSIGN_OR_RETURN(at::Tensor embed,
-                        model::LoadTensorF32(float_ckpt, "model.embed_tokens.weight",
-                                             {config.vocab_size, config.hidden_size}));
-  QCAL_ASSIGN_OR_RETURN(t.final_norm, model::LoadTensorF32(float_ckpt, "model.norm.weight",
-                                                           {config.hidden_size}));
-  t.head = embed;
-  t.head_tied = true;
-  if (!config.tie_word_embeddings || float_ckpt.Has("lm_head.weight")) {
-    QCAL_ASSIGN_OR_RETURN(t.head, model::LoadTensorF32(float_ckpt, "lm_head.weight",
-                                                       {config.vocab_size, config.hidden_size}));
-    t.head_tied = false;
-  }
+  const at::Tensor embed = non_block.embed;
+  t.final_norm = non_block.final_norm;
+  t.head = non_block.head_tied ? embed : non_block.head;
+  t.head_tied = non_block.head_tied;
   std::vector<model::DecoderBlock> decoder;
   decoder.reserve(blocks.size());
   for (model::BlockWeights& b : blocks) decoder.emplace_back(config, std::move(b));
@@ -357,23 +327,17 @@ StatusOr<TunableModel> AssembleTunableModel(const LlamaConfig& config,
   return t;
 }
 
-StatusOr<EndToEndResult> FinetuneEndToEnd(const Recipe& recipe, TunableModel* quantized,
-                                          const model::LlamaModel& float_model,
+StatusOr<EndToEndResult> FinetuneEndToEnd(const FinetuneOptions& options,
+                                          TunableModel* quantized, const TeacherOutputs& teacher,
                                           const at::Tensor& tokens_in) {
   const auto t0 = Clock::now();
-  const FinetuneStage& stage = recipe.finetune.end_to_end;
+  const FinetuneStage& stage = options.stage;
   QCAL_RETURN_IF_ERROR(CheckStage(stage, "end-to-end"));
   if (quantized == nullptr || !quantized->model) {
     return absl::InvalidArgumentError("end-to-end fine-tuning: no quantized model");
   }
   model::LlamaModel& qm = *quantized->model;
   const LlamaConfig& qc = qm.config();
-  const LlamaConfig& fc = float_model.config();
-  if (qc.hidden_size != fc.hidden_size || qc.vocab_size != fc.vocab_size ||
-      qm.num_blocks() != float_model.num_blocks()) {
-    return absl::InvalidArgumentError(
-        "end-to-end fine-tuning: the quantized and float models differ in shape");
-  }
   if (!quantized->final_norm.defined() || !quantized->head.defined() ||
       quantized->final_norm.numel() != qc.hidden_size ||
       !quantized->head.sizes().equals({qc.vocab_size, qc.hidden_size})) {
@@ -389,26 +353,24 @@ StatusOr<EndToEndResult> FinetuneEndToEnd(const Recipe& recipe, TunableModel* qu
   }
   const at::Tensor tokens = tokens_in.contiguous();
   const int64_t n = tokens.size(0);
+  if (!teacher.hidden.defined() || teacher.hidden.dim() != 3 || teacher.hidden.size(0) != n ||
+      teacher.hidden.size(1) != tokens.size(1) || teacher.hidden.size(2) != qc.hidden_size ||
+      !teacher.head) {
+    return absl::InvalidArgumentError(
+        "end-to-end fine-tuning: the teacher's hidden states do not match the tokens and model");
+  }
   const int64_t batch = stage.batch;
-  const SequenceSplit split = SplitSequences(n, stage.holdout, recipe.seed);
+  const SequenceSplit split = SplitSequences(n, stage.holdout, options.seed);
   const std::vector<int64_t>& eval_idx = split.holdout.empty() ? split.train : split.holdout;
   EndToEndResult result;
   result.train_sequences = static_cast<int64_t>(split.train.size());
   result.holdout_sequences = static_cast<int64_t>(split.holdout.size());
 
-  // The teacher's final hidden states and the student's embeddings (not tuned), once.
-  at::Tensor teacher_hidden, student_embed;
+  // The student's embeddings (not tuned), once.
+  const at::Tensor& teacher_hidden = teacher.hidden;
+  at::Tensor student_embed;
   {
     at::NoGradGuard no_grad;
-    std::vector<at::Tensor> chunks;
-    for (int64_t b = 0; b < n; b += batch) {
-      at::Tensor h = float_model.Embed(tokens.narrow(0, b, std::min(n, b + batch) - b));
-      for (int64_t l = 0; l < float_model.num_blocks(); ++l) {
-        h = float_model.block(l).Forward(h, float_model.rope());
-      }
-      chunks.push_back(h);
-    }
-    teacher_hidden = at::cat(chunks, 0);
     student_embed = qm.Embed(tokens);
   }
   const double eps = qc.rms_norm_eps;
@@ -419,13 +381,13 @@ StatusOr<EndToEndResult> FinetuneEndToEnd(const Recipe& recipe, TunableModel* qu
   };
   // Per-token KL(p_teacher || p_student), [b, S].
   auto token_kl = [&](const at::Tensor& i) {
-    at::Tensor teacher;
+    at::Tensor target;
     {
       at::NoGradGuard no_grad;
-      teacher = at::log_softmax(float_model.Head(teacher_hidden.index_select(0, i)), -1);
+      target = at::log_softmax(teacher.head(teacher_hidden.index_select(0, i)), -1);
     }
     const at::Tensor student = at::log_softmax(student_logits(i), -1);
-    return (teacher.exp() * (teacher - student)).sum(-1);
+    return (target.exp() * (target - student)).sum(-1);
   };
   auto eval = [&] {
     at::NoGradGuard no_grad;
@@ -454,8 +416,8 @@ StatusOr<EndToEndResult> FinetuneEndToEnd(const Recipe& recipe, TunableModel* qu
   result.tuned_values = params.Values();
 
   const TrainOutcome outcome = TrainKeepBest(
-      params, stage.lr, SignLr(recipe, stage), stage, split.train,
-      DeriveSeed(recipe.seed, kEndToEndStream),
+      params, stage.lr, stage.lr * options.sign_lr_multiplier, stage, split.train,
+      DeriveSeed(options.seed, kEndToEndStream),
       [&](const at::Tensor& i) { return token_kl(i).mean(); }, eval);
   result.heldout_kl_before = outcome.initial;
   result.heldout_kl_after = outcome.best;

@@ -1,7 +1,7 @@
 #include "worker/runtime/coordinator_client.h"
 
-#include "coordinator/auth.h"
-#include "coordinator/grpc_status.h"
+#include "rpc/auth.h"
+#include "rpc/grpc_status.h"
 #include "proto/qcal.grpc.pb.h"
 
 namespace qcal::runtime {
@@ -39,12 +39,7 @@ class GrpcCoordinatorClient final : public CoordinatorClient {
     return response.cancelled();
   }
 
-  Status CompleteTask(const std::string& worker_id, const std::string& task_id,
-                      const std::string& result_json) override {
-    v1::CompleteTaskRequest request;
-    request.set_worker_id(worker_id);
-    request.set_task_id(task_id);
-    request.set_result_json(result_json);
+  Status CompleteTask(const v1::CompleteTaskRequest& request) override {
     v1::CompleteTaskResponse response;
     return Call("CompleteTask",
                 [&](grpc::ClientContext* c) { return stub_->CompleteTask(c, request, &response); });
@@ -76,9 +71,9 @@ class GrpcCoordinatorClient final : public CoordinatorClient {
   template <typename Fn>
   Status Call(const char* rpc, Fn&& fn) {
     grpc::ClientContext context;
-    coordinator::AddBearerToken(&context, token_);
+    rpc::AddBearerToken(&context, token_);
     context.set_deadline(std::chrono::system_clock::now() + timeout_);
-    return Annotate(coordinator::FromGrpcStatus(fn(&context)), rpc);
+    return Annotate(rpc::FromGrpcStatus(fn(&context)), rpc);
   }
 
   std::unique_ptr<v1::WorkerService::Stub> stub_;

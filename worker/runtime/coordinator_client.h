@@ -25,15 +25,15 @@ class CoordinatorClient {
   virtual StatusOr<v1::Task> NextTask(const std::string& worker_id) = 0;
   // Returns whether the job was cancelled.
   virtual StatusOr<bool> ReportProgress(const v1::ReportProgressRequest& request) = 0;
-  virtual Status CompleteTask(const std::string& worker_id, const std::string& task_id,
-                              const std::string& result_json) = 0;
+  // request: worker_id, task_id and the task's typed result.
+  virtual Status CompleteTask(const v1::CompleteTaskRequest& request) = 0;
   virtual Status FailTask(const std::string& worker_id, const std::string& task_id,
                           const std::string& error, bool retryable) = 0;
   // Returns whether the job was cancelled.
   virtual StatusOr<bool> Heartbeat(const std::string& worker_id) = 0;
 };
 
-// Over a gRPC channel (coordinator/auth.h MakeChannel). Each call has `rpc_timeout` as deadline;
+// Over a gRPC channel (rpc/auth.h MakeChannel). Each call has `rpc_timeout` as deadline;
 // errors keep gRPC's code, with the RPC's name prepended ("NextTask: ...").
 std::unique_ptr<CoordinatorClient> MakeGrpcCoordinatorClient(
     std::shared_ptr<grpc::Channel> channel, std::string token,

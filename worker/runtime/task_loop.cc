@@ -9,10 +9,9 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "common/job_layout.h"
 #include "common/log.h"
-#include "common/recipe.h"
-#include "worker/quant/job_steps.h"
+#include "methods/registry.h"
+#include "worker/job/job_steps.h"
 
 namespace qcal::runtime {
 namespace {
@@ -146,6 +145,7 @@ class Worker {
         case v1::TASK_KIND_CALIBRATE:
         case v1::TASK_KIND_QUANTIZE_BLOCK:
         case v1::TASK_KIND_FINETUNE_E2E:
+        case v1::TASK_KIND_EVALUATE:
           QCAL_RETURN_IF_ERROR(Execute(*task));
           break;
         default:
@@ -167,26 +167,28 @@ class Worker {
     }
   }
 
-  // The job's steps need the recipe and the float model (loaded on the first task).
+  // The job's steps need the recipe, its method and the (streamed) float model: opened on the
+  // first task.
   Status EnsureContext() {
     if (ctx_) return absl::OkStatus();
     const std::string source =
         spec_.recipe_path().empty() ? "job spec recipe" : spec_.recipe_path();
     QCAL_ASSIGN_OR_RETURN(Recipe recipe, ParseRecipe(spec_.recipe_yaml(), source));
-    quant::QuantizeJobOptions opt;
+    job::QuantizeJobOptions opt;
     opt.model_dir = spec_.model_dir();
     opt.out_dir = spec_.out_dir();
     opt.job_dir = spec_.job_dir();
     opt.data_root = spec_.data_root();
     opt.calib_batch = spec_.calib_batch() > 0 ? spec_.calib_batch() : 8;
     opt.threads = options_.threads > 0 ? options_.threads : spec_.threads_per_worker();
-    QCAL_ASSIGN_OR_RETURN(ctx_, quant::OpenJob(recipe, opt));
+    opt.max_memory = spec_.max_memory_bytes();
+    QCAL_ASSIGN_OR_RETURN(ctx_, job::OpenJob(recipe, opt));
     return absl::OkStatus();
   }
 
-  quant::JobEventFn Progress(const v1::Task& task, bool report) {
+  job::JobEventFn Progress(const v1::Task& task, bool report) {
     if (!report) return nullptr;
-    return [this, task_id = task.task_id()](const quant::JobEvent& e) {
+    return [this, task_id = task.task_id()](const job::JobEvent& e) {
       v1::ReportProgressRequest req;
       req.set_worker_id(result_.worker_id);
       req.set_task_id(task_id);
@@ -204,84 +206,82 @@ class Worker {
     };
   }
 
-  StatusOr<nlohmann::json> Calibrate(const v1::Task& task) {
+  StatusOr<v1::CalibrateResult> Calibrate(const v1::Task& task) {
     // Collective: every rank must reach CalibrateStep's collectives, or agree to give up.
-    quant::CalibrateNeeds needs;
-    Status local = EnsureContext();
-    if (local.ok()) {
-      auto plan = PlanJob(ctx_->recipe, ctx_->options.model_dir, ctx_->options.out_dir,
-                          ctx_->options.job_dir);
-      if (plan.ok()) {
-        needs = quant::NeedsFor(ctx_->recipe, plan->all_blocks_finished());
-        needs.keep_hessians = false;  // block tasks read them from the job directory
-      } else {
-        local = plan.status();
-      }
-    }
-    QCAL_RETURN_IF_ERROR(AgreeOk(comm_, local, "calibration"));
-    QCAL_ASSIGN_OR_RETURN(
-        quant::CalibrateStepResult r,
-        quant::CalibrateStep(comm_, ctx_.get(), needs, Progress(task, comm_.rank() == 0)));
-    nlohmann::json summary = r.ToJson();
-    summary["rank"] = comm_.rank();
-    summary["ranks"] = comm_.size();
-    return summary;
-  }
-
-  StatusOr<nlohmann::json> FinetuneE2E(const v1::Task& task) {
-    QCAL_RETURN_IF_ERROR(EnsureContext());
-    // The coordinator journaled every block_done before handing out this task.
-    QCAL_ASSIGN_OR_RETURN(JobPlan plan, PlanJob(ctx_->recipe, ctx_->options.model_dir,
-                                                ctx_->options.out_dir, ctx_->options.job_dir));
-    if (!plan.all_blocks_finished()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("end-to-end fine-tuning: block ", plan.pending_blocks().front(),
-                       " has no journaled shard in ", ctx_->options.out_dir));
-    }
-    return quant::FinetuneE2EStep(ctx_.get(), plan.block_done, Progress(task, true));
+    QCAL_RETURN_IF_ERROR(AgreeOk(comm_, EnsureContext(), "calibration"));
+    return job::CalibrateStep(comm_, ctx_.get(), task.calibrate(),
+                              Progress(task, comm_.rank() == 0));
   }
 
   Status Execute(const v1::Task& task) {
     const auto t0 = std::chrono::steady_clock::now();
-    StatusOr<nlohmann::json> out = absl::UnknownError("not run");
+    v1::CompleteTaskRequest done;
+    done.set_worker_id(result_.worker_id);
+    done.set_task_id(task.task_id());
+    // The staged files of this attempt carry its token (the coordinator's, else the task id).
+    const std::string attempt =
+        task.attempt_token().empty() ? task.task_id() : task.attempt_token();
+    Status status;
     std::string what;
     switch (task.kind()) {
-      case v1::TASK_KIND_CALIBRATE:
+      case v1::TASK_KIND_CALIBRATE: {
         what = "calibration";
-        out = Calibrate(task);
+        auto r = Calibrate(task);
+        status = r.status();
+        if (r.ok()) *done.mutable_calibrate() = *r;
         break;
-      case v1::TASK_KIND_QUANTIZE_BLOCK:
+      }
+      case v1::TASK_KIND_QUANTIZE_BLOCK: {
         what = absl::StrCat("block ", task.block());
-        out = [&]() -> StatusOr<nlohmann::json> {
-          QCAL_RETURN_IF_ERROR(EnsureContext());
-          return quant::QuantizeBlockStep(ctx_.get(), task.block());
-        }();
+        status = EnsureContext();
+        if (!status.ok()) break;
+        auto r = job::QuantizeBlockStep(ctx_.get(), task.block(), attempt);
+        status = r.status();
+        if (r.ok()) *done.mutable_block() = *r;
         break;
-      default:
+      }
+      case v1::TASK_KIND_FINETUNE_E2E: {
         what = "end-to-end fine-tuning";
-        out = FinetuneE2E(task);
+        status = EnsureContext();
+        if (!status.ok()) break;
+        const std::vector<v1::BlockResult> blocks(task.finished_blocks().begin(),
+                                                  task.finished_blocks().end());
+        auto r = job::FinetuneE2EStep(ctx_.get(), blocks, attempt, Progress(task, true));
+        status = r.status();
+        if (r.ok()) *done.mutable_finetune() = *r;
         break;
+      }
+      default: {
+        what = absl::StrCat("evaluation of the ", task.eval().model(), " model on ",
+                            task.eval().label());
+        status = EnsureContext();
+        if (!status.ok()) break;
+        auto r = job::EvaluateStep(ctx_.get(), task.eval(), Progress(task, true));
+        status = r.status();
+        if (r.ok()) *done.mutable_eval() = *r;
+        break;
+      }
     }
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (out.ok()) {
+    if (status.ok()) {
       QCAL_LOG_INFO("worker {}: {} done in {:.1f} s", result_.worker_id, what, secs);
       ++result_.tasks_completed;
       if (task.kind() == v1::TASK_KIND_QUANTIZE_BLOCK) ++result_.blocks_quantized;
-      return client_.CompleteTask(result_.worker_id, task.task_id(), out->dump());
+      return client_.CompleteTask(done);
     }
-    const Status failure = Annotate(out.status(), what);
+    const Status failure = Annotate(status, what);
     QCAL_LOG_ERROR("worker {}: {}", result_.worker_id, failure.ToString());
     ++result_.tasks_failed;
     return client_.FailTask(result_.worker_id, task.task_id(), std::string(failure.message()),
-                            IsRetryable(out.status()));
+                            IsRetryable(status));
   }
 
   CoordinatorClient& client_;
   Comm& comm_;
   const TaskLoopOptions options_;
   v1::JobSpec spec_;
-  std::unique_ptr<quant::JobContext> ctx_;
+  std::unique_ptr<job::JobContext> ctx_;
   TaskLoopResult result_;
   std::atomic<bool> cancelled_{false};
 };

@@ -1,13 +1,14 @@
 // The worker's task loop: one rank of a job's MPI world (or one thread-rank in tests) registers
 // with the coordinator, keeps a heartbeat, and executes tasks until told to shut down:
 //
-//   CALIBRATE       collective (every rank gets it): job steps' CalibrateStep over `comm`
-//                   (Hessians and activations into the job directory), then CompleteTask with a
-//                   summary
-//   QUANTIZE_BLOCK  QuantizeBlockStep: the block's shard; CompleteTask(result_json = the
-//                   journal's block_done entry, appended by the coordinator)
-//   FINETUNE_E2E    FinetuneE2EStep (reads the coordinator's journal for the finished blocks);
-//                   CompleteTask(result_json = the e2e_done entry)
+//   CALIBRATE       collective (every rank gets it): job steps' CalibrateStep over `comm` with
+//                   the task's CalibrateParams (Hessians and activations into the job
+//                   directory), then CompleteTask with a CalibrateResult
+//   QUANTIZE_BLOCK  QuantizeBlockStep: the block's shard as this attempt's staged file;
+//                   CompleteTask with the BlockResult (the coordinator commits and journals it)
+//   FINETUNE_E2E    FinetuneE2EStep on the task's finished blocks; CompleteTask with the
+//                   FinetuneResult (every shard staged again)
+//   EVALUATE        EvaluateStep: perplexity of the float or quantized model on one file
 //   WAIT            sleep retry_after_ms, ask again
 //   SHUTDOWN        return
 //
@@ -24,7 +25,7 @@
 #include <string>
 
 #include "common/status.h"
-#include "worker/runtime/comm.h"
+#include "worker/comm/comm.h"
 #include "worker/runtime/coordinator_client.h"
 
 namespace qcal::runtime {

@@ -16,9 +16,9 @@
 
 #include "absl/status/status.h"
 #include "common/log.h"
-#include "coordinator/auth.h"
+#include "rpc/auth.h"
 #include "worker/runtime/coordinator_client.h"
-#include "worker/runtime/mpi_comm.h"
+#include "worker/comm/mpi_comm.h"
 #include "worker/runtime/task_loop.h"
 
 int main(int argc, char** argv) {
@@ -54,9 +54,9 @@ int main(int argc, char** argv) {
     return 1;
   };
 
-  auto token = qcal::coordinator::ReadTokenFile(token_file);
+  auto token = qcal::rpc::ReadTokenFile(token_file);
   if (!token.ok()) return fail(token.status());
-  qcal::coordinator::ClientTls tls;
+  qcal::rpc::ClientTls tls;
   tls.ca_file = tls_ca;
   tls.cert_file = tls_cert;
   tls.key_file = tls_key;
@@ -64,7 +64,7 @@ int main(int argc, char** argv) {
     return fail(absl::InvalidArgumentError(
         "--tls-cert and --tls-key go together, and need --tls-ca (a TLS coordinator)"));
   }
-  auto channel = qcal::coordinator::MakeChannel(coordinator_address, tls);
+  auto channel = qcal::rpc::MakeChannel(coordinator_address, tls);
   if (!channel.ok()) return fail(channel.status());
   auto client = qcal::runtime::MakeGrpcCoordinatorClient(*channel, *token);
   auto comm = qcal::runtime::MakeMpiComm(MPI_COMM_WORLD);

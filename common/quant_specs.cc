@@ -1,0 +1,204 @@
+#include "common/quant_specs.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace qcal {
+
+Status ReadScalarGrid(const RecipeSection& top, const std::string& act_order_error,
+                      ScalarGridSpec* out) {
+  QCAL_ASSIGN_OR_RETURN(
+      RecipeSection scalar,
+      top.ReadSection("scalar",
+                      {"group_size", "symmetric", "act_order", "clip_search", "per_tensor"}));
+  QCAL_RETURN_IF_ERROR(scalar.ReadInt("group_size", &out->group_size));
+  QCAL_RETURN_IF_ERROR(scalar.RequireRange(
+      "group_size", out->group_size == -1 || out->group_size > 0,
+      "-1 (per output channel) or a positive group size", std::to_string(out->group_size)));
+  QCAL_RETURN_IF_ERROR(scalar.ReadBool("symmetric", &out->symmetric));
+  QCAL_RETURN_IF_ERROR(scalar.ReadBool("act_order", &out->act_order));
+  if (out->act_order && !act_order_error.empty()) {
+    return scalar.KeyError("act_order", act_order_error);
+  }
+  QCAL_RETURN_IF_ERROR(scalar.ReadBool("clip_search", &out->clip_search));
+  QCAL_RETURN_IF_ERROR(scalar.ReadBool("per_tensor", &out->per_tensor));
+  if (out->per_tensor && out->group_size != -1) {
+    return scalar.KeyError("per_tensor", absl::StrCat("cannot be combined with group_size ",
+                                                      out->group_size, " (line ",
+                                                      scalar.Line("group_size"), ")"));
+  }
+  return Status();
+}
+
+nlohmann::json ScalarGridJson(const ScalarGridSpec& grid) {
+  nlohmann::json j = {{"group_size", grid.group_size},
+                      {"symmetric", grid.symmetric},
+                      {"act_order", grid.act_order},
+                      {"clip_search", grid.clip_search}};
+  if (grid.per_tensor) j["per_tensor"] = true;  // left out when off (older JSON)
+  return j;
+}
+
+void AddScalarFormat(const ScalarGridSpec& grid, nlohmann::json* q) {
+  (*q)["format"] = "scalar";
+  (*q)["group_size"] = grid.group_size;
+  (*q)["symmetric"] = grid.symmetric;
+  (*q)["desc_act"] = grid.act_order;
+}
+
+Status ReadScalarBits(const RecipeSection& top, const std::string& method, int* bits) {
+  int64_t value = 2;
+  QCAL_RETURN_IF_ERROR(top.ReadInt("bits", &value));
+  if (top.Has("bits") && (value < 2 || value > 8)) {
+    return top.KeyError("bits", absl::StrCat("must be in 2..8 for method ", method, ", got ",
+                                             value));
+  }
+  *bits = static_cast<int>(value);
+  return Status();
+}
+
+Status RefuseIncoherence(const RecipeSection& top, const std::string& method) {
+  bool incoherence = false;
+  QCAL_RETURN_IF_ERROR(top.ReadBool("incoherence", &incoherence));
+  if (!incoherence) return Status();
+  return top.KeyError("incoherence",
+                      absl::StrCat("applies only to method quip; method ", method,
+                                   " quantizes the weights as they are (remove the key or set it "
+                                   "to false)"));
+}
+
+Status ReadDamp(const RecipeSection& top, double* damp) {
+  QCAL_RETURN_IF_ERROR(top.ReadDouble("damp", damp));
+  return top.RequireRange("damp", *damp > 0 && *damp <= 1, "in (0, 1]", FormatDouble(*damp));
+}
+
+Status ReadRotationSections(const RecipeSection& top, RotationSpec* rot,
+                            ActivationQuantSpec* a, KvCacheSpec* k) {
+  // --- rotation ---
+  QCAL_ASSIGN_OR_RETURN(
+      RecipeSection rotation,
+      top.ReadSection("rotation", {"enabled", "r1", "r2", "r3", "r4", "seed"}));
+  QCAL_RETURN_IF_ERROR(rotation.ReadBool("enabled", &rot->enabled));
+  QCAL_RETURN_IF_ERROR(rotation.ReadBool("r1", &rot->r1));
+  QCAL_RETURN_IF_ERROR(rotation.ReadBool("r2", &rot->r2));
+  QCAL_RETURN_IF_ERROR(rotation.ReadBool("r3", &rot->r3));
+  QCAL_RETURN_IF_ERROR(rotation.ReadBool("r4", &rot->r4));
+  QCAL_RETURN_IF_ERROR(rotation.ReadUint("seed", &rot->seed));
+
+  // --- activations ---
+  QCAL_ASSIGN_OR_RETURN(
+      RecipeSection act, top.ReadSection("activations",
+                                         {"bits", "clip", "granularity", "static", "symmetric"}));
+  if (top.Has("activations") && !act.Has("bits")) {
+    return top.KeyError("activations", "needs 'bits' (2..8, or 16 for float activations)");
+  }
+  int64_t bits = a->bits;
+  QCAL_RETURN_IF_ERROR(act.ReadInt("bits", &bits));
+  QCAL_RETURN_IF_ERROR(act.RequireRange("bits", (bits >= 2 && bits <= 8) || bits == 16,
+                                        "2..8, or 16 (not quantized)", std::to_string(bits)));
+  a->bits = static_cast<int>(bits);
+  QCAL_RETURN_IF_ERROR(act.ReadDouble("clip", &a->clip));
+  QCAL_RETURN_IF_ERROR(act.RequireRange("clip", a->clip > 0 && a->clip <= 1, "in (0, 1]",
+                                        FormatDouble(a->clip)));
+  QCAL_RETURN_IF_ERROR(act.ReadChoice("granularity", {"per_token", "per_tensor"},
+                                      &a->granularity));
+  QCAL_RETURN_IF_ERROR(act.ReadBool("static", &a->is_static));
+  if (a->is_static && a->granularity != "per_tensor") {
+    return act.KeyError("static", "applies only to granularity per_tensor (per-token scales are "
+                                  "computed from each token)");
+  }
+  QCAL_RETURN_IF_ERROR(act.ReadBool("symmetric", &a->symmetric));
+
+  // --- kv_cache ---
+  QCAL_ASSIGN_OR_RETURN(
+      RecipeSection kv, top.ReadSection("kv_cache", {"bits", "format", "granularity", "group",
+                                                     "clip", "symmetric", "static", "k_sort",
+                                                     "key_point"}));
+  if (top.Has("kv_cache") && !kv.Has("bits")) {
+    return top.KeyError("kv_cache", "needs 'bits' (2..8, or 16 for a float cache)");
+  }
+  QCAL_RETURN_IF_ERROR(kv.ReadChoice("format", {"int", "bfp"}, &k->format));
+  const bool bfp = k->format == "bfp";
+  bits = k->bits;
+  QCAL_RETURN_IF_ERROR(kv.ReadInt("bits", &bits));
+  QCAL_RETURN_IF_ERROR(kv.RequireRange(
+      "bits", (bits >= 2 && bits <= 8) || bits == 16,
+      bfp ? "2..8 (mantissa bits, sign included), or 16 (not quantized)"
+          : "2..8, or 16 (not quantized)",
+      std::to_string(bits)));
+  k->bits = static_cast<int>(bits);
+  QCAL_RETURN_IF_ERROR(kv.ReadInt("group", &k->group));
+  QCAL_RETURN_IF_ERROR(kv.RequireRange("group", k->group >= 0,
+                                       "0 (= head_dim) or a positive channel count",
+                                       std::to_string(k->group)));
+  if (bfp) {
+    for (const char* key : {"granularity", "clip", "symmetric", "static"}) {
+      if (kv.Has(key)) {
+        return kv.KeyError(key, "applies only to format int (bfp blocks of 'group' channels "
+                                "share one exponent)");
+      }
+    }
+    k->granularity = "per_group";
+    QCAL_RETURN_IF_ERROR(kv.ReadChoice("key_point", {"pre_rope", "post_rope"}, &k->key_point));
+  } else {
+    if (kv.Has("key_point")) {
+      return kv.KeyError("key_point", "applies only to format bfp (an int cache holds keys after "
+                                      "RoPE and R3, as QuaRot quantizes them)");
+    }
+    QCAL_RETURN_IF_ERROR(kv.ReadChoice("granularity", {"per_group", "per_token", "per_tensor"},
+                                       &k->granularity));
+    QCAL_RETURN_IF_ERROR(kv.ReadDouble("clip", &k->clip));
+    QCAL_RETURN_IF_ERROR(kv.RequireRange("clip", k->clip > 0 && k->clip <= 1, "in (0, 1]",
+                                         FormatDouble(k->clip)));
+    QCAL_RETURN_IF_ERROR(kv.ReadBool("symmetric", &k->symmetric));
+    QCAL_RETURN_IF_ERROR(kv.ReadBool("static", &k->is_static));
+    if (k->granularity == "per_tensor" && !k->is_static && k->enabled()) {
+      return kv.KeyError("granularity", "per_tensor needs 'static: true' (a dynamic per-tensor "
+                                        "scale would let later tokens change cached entries)");
+    }
+    if (k->is_static && k->granularity != "per_tensor") {
+      return kv.KeyError("static", "applies only to granularity per_tensor");
+    }
+    if (kv.Has("group") && k->granularity != "per_group") {
+      return kv.KeyError("group", "applies only to granularity per_group");
+    }
+  }
+  QCAL_RETURN_IF_ERROR(kv.ReadBool("k_sort", &k->k_sort));
+  if (k->k_sort && !bfp) {
+    return kv.KeyError("k_sort", "applies only to format bfp");
+  }
+  if (k->k_sort && rot->enabled && rot->r3) {
+    return kv.KeyError("k_sort", absl::StrCat(
+        "cannot be combined with rotation.r3 (R3's Hadamard mixes every channel of a head after "
+        "RoPE, so the sorted order never reaches the cache); set r3: false",
+        rotation.Has("r3") ? absl::StrCat(" (line ", rotation.Line("r3"), ")") : ""));
+  }
+  return Status();
+}
+
+nlohmann::json RotationJson(const RotationSpec& r) {
+  return {{"enabled", r.enabled}, {"r1", r.r1}, {"r2", r.r2},
+          {"r3", r.r3},           {"r4", r.r4}, {"seed", r.seed}};
+}
+
+nlohmann::json ActivationsJson(const ActivationQuantSpec& a) {
+  return {{"bits", a.bits},
+          {"clip", a.clip},
+          {"granularity", a.granularity},
+          {"static", a.is_static},
+          {"symmetric", a.symmetric}};
+}
+
+nlohmann::json KvCacheJson(const KvCacheSpec& k) {
+  nlohmann::json kv = {{"bits", k.bits}, {"format", k.format}, {"k_sort", k.k_sort}};
+  if (k.format == "bfp" || k.granularity == "per_group") kv["group"] = k.group;
+  if (k.format == "bfp") kv["key_point"] = k.key_point;
+  if (k.format != "bfp") {
+    kv["granularity"] = k.granularity;
+    kv["clip"] = k.clip;
+    kv["symmetric"] = k.symmetric;
+    kv["static"] = k.is_static;
+  }
+  return kv;
+}
+
+}  // namespace qcal

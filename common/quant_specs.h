@@ -1,0 +1,88 @@
+// Recipe sections that several methods share (torch-free): the scalar weight grid of rtn, gptq
+// and quarot; QuaRot's rotations and its simulated activation and KV-cache quantization, which
+// the rotation methods share. Each has its reader (strict, line-numbered errors:
+// common/recipe_section.h) and its JSON form; the methods decide which sections they accept.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "common/recipe_section.h"
+#include "common/status.h"
+
+namespace qcal {
+
+// The integer grid of rtn / gptq weights.
+struct ScalarGridSpec {
+  int64_t group_size = -1;  // -1: per output channel
+  bool symmetric = true;
+  bool act_order = false;   // gptq only
+  bool clip_search = false;
+  bool per_tensor = false;  // one scale for the whole matrix (needs group_size -1)
+};
+// Reads the `scalar` section of `top`. `act_order_error` non-empty: act_order: true is refused
+// with that text ("applies only to method gptq").
+Status ReadScalarGrid(const RecipeSection& top, const std::string& act_order_error,
+                      ScalarGridSpec* out);
+nlohmann::json ScalarGridJson(const ScalarGridSpec& grid);
+// quantization_config of a checkpoint whose linears are in the scalar format
+// (docs/formats.md): format "scalar", group_size, symmetric, desc_act.
+void AddScalarFormat(const ScalarGridSpec& grid, nlohmann::json* q);
+
+// `bits` of a scalar weight grid: 2..8 (default 2), "must be in 2..8 for method <method>".
+Status ReadScalarBits(const RecipeSection& top, const std::string& method, int* bits);
+// `incoherence` for methods that quantize the weights as they are: false is accepted (the JSON
+// form of every recipe carries it), true is an error.
+Status RefuseIncoherence(const RecipeSection& top, const std::string& method);
+
+// Hessian damping δ of H + δ·mean(diag H)·I, key `damp` in (0, 1].
+Status ReadDamp(const RecipeSection& top, double* damp);
+
+// QuaRot rotations. R1: randomized Hadamard of the hidden size fused into the embeddings, every
+// block's input and output weights and the head (RMSNorm scales fused first); R2: per-head
+// Hadamard fused into v_proj / o_proj; R3: online per-head Hadamard on queries and keys after
+// RoPE; R4: online Hadamard on the down_proj input (its inverse fused into W_down).
+struct RotationSpec {
+  bool enabled = true;  // false: no rotation at all (the unrotated twin of a recipe)
+  bool r1 = true, r2 = true, r3 = true, r4 = true;
+  uint64_t seed = 0;    // random signs of R1
+  bool any() const { return enabled && (r1 || r2 || r3 || r4); }
+};
+
+// Simulated quantization of every decoder-block linear input.
+struct ActivationQuantSpec {
+  int bits = 16;                          // 16: not quantized; else 2..8
+  double clip = 0.9;                      // (0, 1]: scale = clip·max|x| / qmax
+  std::string granularity = "per_token";  // per_token | per_tensor
+  bool is_static = false;                 // per_tensor only: scales calibrated once ("static")
+  bool symmetric = true;
+  bool enabled() const { return bits < 16; }
+};
+
+// Simulated quantization of the KV cache: keys after RoPE (and R3), values.
+struct KvCacheSpec {
+  int bits = 16;                          // 16: not quantized. int: 2..8; bfp: mantissa bits 2..8
+  std::string format = "int";             // int | bfp (block floating point)
+  std::string granularity = "per_group";  // int: per_group | per_token | per_tensor
+  int64_t group = 0;                      // per_group channels (0 = head_dim); bfp block size
+  double clip = 0.95;                     // int only, (0, 1]
+  bool symmetric = false;                 // int only (QuaRot: asymmetric)
+  bool is_static = false;                 // int per_tensor only: ranges calibrated once
+  bool k_sort = false;                    // bfp only: K-sort channel permutation of the keys
+  // bfp only: where keys enter the cache: pre_rope (k_proj's output, the K-sort paper's cache)
+  // or post_rope (after RoPE and R3, as the int cache and HF's cache hold them).
+  std::string key_point = "pre_rope";
+  bool enabled() const { return bits < 16; }
+};
+
+// The sections `rotation`, `activations` and `kv_cache` of `top` (their cross-checks included:
+// K-sort with R3 is refused).
+Status ReadRotationSections(const RecipeSection& top, RotationSpec* rotation,
+                            ActivationQuantSpec* activations, KvCacheSpec* kv_cache);
+nlohmann::json RotationJson(const RotationSpec& rotation);
+nlohmann::json ActivationsJson(const ActivationQuantSpec& activations);
+nlohmann::json KvCacheJson(const KvCacheSpec& kv_cache);
+
+}  // namespace qcal

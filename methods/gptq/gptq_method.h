@@ -1,0 +1,15 @@
+// GPTQ (method gptq), worker side: every linear of a block rounded on its own, GPTQ on the recipe's scalar grid with the float model's Hessians (act_order: columns by descending diag H), as a
+// quant::ScalarQuantLinear (the "scalar" layer format: worker/quant/scalar_linear.h); QuIP#'s
+// within-block fine-tuning when the recipe enables it.
+#pragma once
+
+#include <memory>
+
+#include "common/status.h"
+#include "methods/method.h"
+
+namespace qcal::methods::gptq {
+
+StatusOr<std::unique_ptr<Method>> Make(const Recipe& recipe, const LlamaConfig& config);
+
+}  // namespace qcal::methods::gptq

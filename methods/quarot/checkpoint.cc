@@ -1,0 +1,208 @@
+#include "methods/quarot/checkpoint.h"
+
+#include <cstring>
+
+#include <ATen/ATen.h>
+
+#include "absl/strings/str_cat.h"
+#include "common/atomic_file.h"
+#include "common/job_layout.h"
+#include "methods/quarot/quarot_model.h"
+#include "worker/model/tensor_io.h"
+#include "worker/qsim/act_quant.h"
+#include "worker/qsim/rotate.h"
+#include "worker/quant/scalar_linear.h"
+
+namespace qcal::methods::quarot {
+namespace {
+
+using model::AddF32Tensor;
+using model::AddF64Tensor;
+using namespace qcal::qsim;  // NOLINT
+
+constexpr char kExtraPrefix[] = "quarot.";
+
+std::string BlockPrefix(int64_t layer) { return absl::StrCat("model.layers.", layer, "."); }
+
+}  // namespace
+
+StatusOr<std::vector<std::string>> WriteQuarotBlockShard(const std::string& path, int64_t layer,
+                                                         const model::BlockWeights& weights) {
+  SafetensorsWriter writer;
+  writer.SetMetadata("format", "pt");
+  writer.SetMetadata("qcal_block", std::to_string(layer));
+  QCAL_RETURN_IF_ERROR(AppendQuarotBlockTensors(layer, weights, &writer));
+  QCAL_RETURN_IF_ERROR(writer.Write(path));
+  QCAL_ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open(path));
+  std::vector<std::string> names;
+  for (const TensorInfo& t : file->tensors()) names.push_back(t.name);
+  return names;
+}
+
+Status AppendQuarotBlockTensors(int64_t layer, const model::BlockWeights& weights,
+                                SafetensorsWriter* out) {
+  SafetensorsWriter& writer = *out;
+  const std::string p = BlockPrefix(layer);
+  QCAL_RETURN_IF_ERROR(AddF32Tensor(&writer, p + "input_layernorm.weight", weights.input_norm));
+  QCAL_RETURN_IF_ERROR(AddF32Tensor(&writer, p + "post_attention_layernorm.weight", weights.post_norm));
+  for (model::LinearKind k : model::kAllLinears) {
+    const std::string prefix = p + model::LinearName(k);
+    const model::Linear& carrier = WeightCarrier(weights.linear(k));
+    if (auto* s = dynamic_cast<const quant::ScalarQuantLinear*>(&carrier)) {
+      QCAL_RETURN_IF_ERROR(s->AppendTensors(prefix, &writer));
+    } else if (dynamic_cast<const model::DenseLinear*>(&carrier) != nullptr) {
+      QCAL_RETURN_IF_ERROR(AddF32Tensor(&writer, prefix + ".weight", carrier.DenseWeight()));
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          prefix, ": a QuaRot block holds scalar-quantized or dense linears only"));
+    }
+  }
+  for (const auto& [key, tensor] : weights.extra) {
+    if (key.rfind(kExtraPrefix, 0) != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("block ", layer, ": extra tensor '", key, "' is not a quarot.* tensor"));
+    }
+    QCAL_RETURN_IF_ERROR(AddF64Tensor(&writer, p + key, tensor));
+  }
+  if (weights.rope_perm.defined()) {
+    QCAL_RETURN_IF_ERROR(AddF64Tensor(&writer, p + kRopePermKey, weights.rope_perm));
+  }
+  return Status();
+}
+
+StatusOr<model::BlockWeights> LoadQuarotBlockWeights(CheckpointReader& ckpt,
+                                                     const LlamaConfig& config, int64_t layer) {
+  const std::string p = BlockPrefix(layer);
+  const std::vector<int64_t> shapes[7] = {
+      {config.q_dim(), config.hidden_size},   {config.kv_dim(), config.hidden_size},
+      {config.kv_dim(), config.hidden_size},  {config.hidden_size, config.q_dim()},
+      {config.intermediate_size, config.hidden_size},
+      {config.intermediate_size, config.hidden_size},
+      {config.hidden_size, config.intermediate_size}};
+  model::BlockWeights w;
+  QCAL_ASSIGN_OR_RETURN(w.input_norm, model::LoadTensorF32(ckpt, p + "input_layernorm.weight",
+                                                           {config.hidden_size}));
+  QCAL_ASSIGN_OR_RETURN(w.post_norm, model::LoadTensorF32(ckpt, p + "post_attention_layernorm.weight",
+                                                          {config.hidden_size}));
+  for (model::LinearKind k : model::kAllLinears) {
+    const std::string prefix = p + model::LinearName(k);
+    const std::vector<int64_t>& shape = shapes[static_cast<int>(k)];
+    std::unique_ptr<model::Linear> linear;
+    if (ckpt.Has(prefix + ".weight")) {
+      QCAL_ASSIGN_OR_RETURN(at::Tensor t, model::LoadTensorF32(ckpt, prefix + ".weight", shape));
+      linear = std::make_unique<model::DenseLinear>(t);
+    } else {
+      QCAL_ASSIGN_OR_RETURN(linear, quant::ScalarQuantLinear::Load(ckpt, prefix));
+      if (linear->out_features() != shape[0] || linear->in_features() != shape[1]) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            ckpt.dir(), ": ", prefix, " is ", linear->out_features(), "x",
+            linear->in_features(), ", expected ", shape[0], "x", shape[1], " from config.json"));
+      }
+    }
+    w.linears[static_cast<int>(k)] = std::move(linear);
+  }
+  QCAL_RETURN_IF_ERROR(LoadQuarotBlockExtras(ckpt, layer, &w));
+  if (w.rope_perm.defined() &&
+      (w.rope_perm.size(0) != config.num_key_value_heads || w.rope_perm.size(1) != config.head_dim)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        ckpt.dir(), ": ", p, kRopePermKey, " is [", w.rope_perm.size(0), ", ", w.rope_perm.size(1),
+        "], expected [", config.num_key_value_heads, ", ", config.head_dim, "] from config.json"));
+  }
+  return w;
+}
+
+Status LoadQuarotBlockExtras(CheckpointReader& ckpt, int64_t layer, model::BlockWeights* weights) {
+  const std::string p = BlockPrefix(layer);
+  const std::pair<std::string, std::vector<int64_t>> known[] = {
+      {kActRangesKey, {4, 2}}, {kKvRangesKey, {2, 2}}, {kRotationsKey, {4}}};
+  for (const auto& [key, shape] : known) {
+    if (!ckpt.Has(p + key)) continue;
+    QCAL_ASSIGN_OR_RETURN(auto found, ckpt.Find(p + key));
+    const TensorInfo& info = *found.second;
+    if (info.dtype != DType::kF64 || info.shape != shape) {
+      return absl::InvalidArgumentError(absl::StrCat(found.first->path(), ": tensor '", p, key,
+                                                     "' must be F64 of ", shape.size(),
+                                                     " dims [", shape[0], ", ...]"));
+    }
+    at::Tensor t = at::empty(shape, at::kDouble);
+    std::memcpy(t.data_ptr<double>(), found.first->Data(info), t.numel() * sizeof(double));
+    weights->extra[key] = t;
+  }
+  if (ckpt.Has(p + kRopePermKey)) {
+    QCAL_ASSIGN_OR_RETURN(auto found, ckpt.Find(p + kRopePermKey));
+    const TensorInfo& info = *found.second;
+    const std::string where = absl::StrCat(found.first->path(), ": tensor '", p, kRopePermKey, "'");
+    if (info.dtype != DType::kF64 || info.shape.size() != 2 || info.shape[1] < 2 ||
+        info.shape[1] % 2 != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, " must be F64 [kv_heads, head_dim] with an even head_dim"));
+    }
+    at::Tensor t = at::empty(info.shape, at::kDouble);
+    std::memcpy(t.data_ptr<double>(), found.first->Data(info), t.numel() * sizeof(double));
+    const at::Tensor whole = t.round();
+    const at::Tensor sorted = std::get<0>(whole.sort(1));
+    const at::Tensor expect = at::arange(info.shape[1], at::kDouble).expand_as(sorted);
+    if (!at::equal(whole, t) || !at::equal(sorted, expect)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, " has a row that is not a permutation of [0, ", info.shape[1], ")"));
+    }
+    weights->rope_perm = t.to(at::kLong);
+  }
+  return Status();
+}
+
+StatusOr<std::vector<std::string>> WriteQuarotNonBlockShard(const std::string& path,
+                                                            const model::LlamaModel& model) {
+  SafetensorsWriter writer;
+  writer.SetMetadata("format", "pt");
+  QCAL_RETURN_IF_ERROR(AddF32Tensor(&writer, "model.embed_tokens.weight", model.embed_weight()));
+  QCAL_RETURN_IF_ERROR(AddF32Tensor(&writer, "model.norm.weight", model.final_norm()));
+  QCAL_RETURN_IF_ERROR(AddF32Tensor(&writer, "lm_head.weight", model.head().DenseWeight()));
+  QCAL_RETURN_IF_ERROR(writer.Write(path));
+  return std::vector<std::string>{"model.embed_tokens.weight", "model.norm.weight",
+                                  "lm_head.weight"};
+}
+
+Status SaveQuarotCheckpoint(const model::LlamaModel& model, const Recipe& recipe,
+                            const std::string& model_dir, const std::string& out_dir,
+                            double code_bits, double stored_bits) {
+  QCAL_RETURN_IF_ERROR(QuarotSettings(recipe).status());
+  QCAL_RETURN_IF_ERROR(MakeDirs(out_dir));
+  const int64_t n = model.num_blocks();
+  QCAL_RETURN_IF_ERROR(WriteQuarotNonBlockShard(out_dir + "/" + ShardName(0, n), model).status());
+  for (int64_t l = 0; l < n; ++l) {
+    QCAL_RETURN_IF_ERROR(WriteQuarotBlockShard(out_dir + "/" + ShardName(l + 1, n), l,
+                                               model.block(l).weights())
+                             .status());
+  }
+  LlamaConfig config = model.config();
+  config.tie_word_embeddings = false;  // the rotated head is stored as lm_head
+  return FinalizeCheckpoint(out_dir, model_dir, config,
+                            MakeQuantizationConfig(recipe, code_bits, stored_bits));
+}
+
+Status CheckQuarotBlock(const std::string& where, int64_t layer, const model::BlockWeights& w,
+                        const Recipe& recipe, const RotationPlan& plan) {
+  QCAL_ASSIGN_OR_RETURN(const QuarotConfig* q, QuarotSettings(recipe));
+  const bool planned[4] = {plan.r1, plan.r2, plan.r3, plan.r4};
+  auto applied = w.extra.find(kRotationsKey);
+  if (applied == w.extra.end()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": block ", layer, " has no ", kRotationsKey, " (not written by the QuaRot pipeline)"));
+  }
+  for (int i = 0; i < 4; ++i) {
+    if ((applied->second[i].item<double>() != 0) != planned[i]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": block ", layer, " was quantized with other rotations than the recipe plans (",
+          plan.Describe(), ")"));
+    }
+  }
+  if (w.rope_perm.defined() != q->kv_cache.k_sort) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": block ", layer, q->kv_cache.k_sort ? " has no " : " has a ", kRopePermKey,
+        " but the recipe's kv_cache.k_sort is ", q->kv_cache.k_sort ? "true" : "false"));
+  }
+  return Status();
+}
+
+}  // namespace qcal::methods::quarot

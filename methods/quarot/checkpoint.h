@@ -1,0 +1,67 @@
+// QuaRot checkpoints (docs/formats.md, "QuaRot checkpoints"): the quantized-checkpoint layout
+// (common/job_layout.h: one shard per block, shard 0 for the rest) holding the *rotated* model:
+//   * shard 0: model.embed_tokens.weight (rotated by R1), model.norm.weight (ones after fusion),
+//     lm_head.weight (always: the fused and rotated head is no longer the embedding), F32;
+//   * block shards: both RMSNorm weights (F32, ones after fusion), each linear as a
+//     ScalarQuantLinear (codes packed two per byte at <= 4 bits, int8 above; F32 scales per
+//     output channel) or, for weights: none, a dense .weight F32 (R4 and R2 already fused), and
+//     the block's calibrated static ranges model.layers.N.quarot.act_ranges [4, 2] F64 /
+//     quarot.kv_ranges [2, 2] F64 when the recipe is static;
+//   * config.json: tie_word_embeddings false, quantization_config with method "quarot",
+//     format "scalar" and the recipe (its rotation / activations / kv_cache sections), from which
+//     a loader rebuilds the online transforms and quantizers.
+// Loading (methods/worker_registry.h LoadModel, through the method) runs the same simulated
+// W·A·KV inference as the in-memory model that was saved (bit-identical logits; tested).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/hf_config.h"
+#include "common/recipe.h"
+#include "common/safetensors.h"
+#include "common/status.h"
+#include "worker/model/llama.h"
+#include "worker/qsim/rotate.h"
+
+namespace qcal::methods::quarot {
+
+// One block's shard (atomic): norms, each linear's rounded layer (qsim::WeightCarrier: the
+// ScalarQuantLinear tensors or a dense .weight), the block's extras and its K-sort rope_perm
+// (kRopePermKey) when it has one. Returns the names.
+StatusOr<std::vector<std::string>> WriteQuarotBlockShard(const std::string& path, int64_t layer,
+                                                         const model::BlockWeights& weights);
+// The same tensors, added to a writer (the method's AppendBlockTensors).
+Status AppendQuarotBlockTensors(int64_t layer, const model::BlockWeights& weights,
+                                SafetensorsWriter* writer);
+
+// Reads block `layer` of a quarot checkpoint as stored: norms, rounded (or dense) linears without
+// any online transform, extras. Used to resume a job (SequentialCallbacks::load_finished) and by
+// the method's LoadBlock.
+StatusOr<model::BlockWeights> LoadQuarotBlockWeights(CheckpointReader& ckpt,
+                                                     const LlamaConfig& config, int64_t layer);
+
+// Reads block `layer`'s extras (model.layers.N.quarot.*) into weights->extra, and its K-sort
+// permutation into weights->rope_perm (InvalidArgument naming the file unless every row is a
+// permutation of [0, head_dim)).
+Status LoadQuarotBlockExtras(CheckpointReader& ckpt, int64_t layer, model::BlockWeights* weights);
+
+// Shard 0 of the rotated model: embedding, final norm, lm_head (F32).
+StatusOr<std::vector<std::string>> WriteQuarotNonBlockShard(const std::string& path,
+                                                            const model::LlamaModel& model);
+
+// Saves a model produced by QuantizeModel (with the same recipe) as a checkpoint in
+// out_dir: every shard, the index, config.json and the tokenizer files of model_dir.
+// `code_bits` / `stored_bits`: the average bits per weight recorded in quantization_config.
+Status SaveQuarotCheckpoint(const model::LlamaModel& model, const Recipe& recipe,
+                            const std::string& model_dir, const std::string& out_dir,
+                            double code_bits, double stored_bits);
+
+// Checks that a block read back was made by this recipe: the rotations it records
+// (kRotationsKey) are the plan's, and it has a K-sort permutation exactly when the recipe
+// K-sorts. InvalidArgument naming `where` (the checkpoint) and the block.
+Status CheckQuarotBlock(const std::string& where, int64_t layer, const model::BlockWeights& w,
+                        const Recipe& recipe, const qsim::RotationPlan& plan);
+
+}  // namespace qcal::methods::quarot

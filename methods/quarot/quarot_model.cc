@@ -1,0 +1,411 @@
+#include "methods/quarot/quarot_model.h"
+
+#include <cmath>
+#include <chrono>
+#include <optional>
+
+#include <ATen/ATen.h>
+
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "worker/calib/hessian.h"
+#include "worker/qsim/act_quant.h"
+#include "worker/qsim/bfp_kv.h"
+#include "worker/qsim/ksort.h"
+#include "worker/qsim/kv_quantizer.h"
+#include "worker/quant/scalar_quantize.h"
+
+namespace qcal::methods::quarot {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using model::LinearKind;
+using namespace qcal::qsim;  // NOLINT: the simulated-quantization pieces QuaRot is made of
+
+double Seconds(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Strips every ActQuantLinear and BfpKeyProjection around a block linear, returning the
+// innermost layer.
+std::unique_ptr<model::Linear> Unwrap(std::unique_ptr<model::Linear> linear) {
+  for (;;) {
+    if (auto* a = dynamic_cast<ActQuantLinear*>(linear.get())) {
+      linear = a->release_inner();
+    } else if (auto* b = dynamic_cast<BfpKeyProjection*>(linear.get())) {
+      linear = b->release_inner();
+    } else {
+      return linear;
+    }
+  }
+}
+
+// Reads a [rows, 2] F64 range table from the block's extras.
+StatusOr<at::Tensor> RangeTable(const model::BlockWeights& w, const char* key, int64_t rows,
+                                int64_t layer) {
+  auto it = w.extra.find(key);
+  if (it == w.extra.end()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "block ", layer, ": the recipe quantizes statically but the block has no calibrated '",
+        key, "'"));
+  }
+  const at::Tensor& t = it->second;
+  if (t.dim() != 2 || t.size(0) != rows || t.size(1) != 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block ", layer, ": '", key, "' must be [", rows, ", 2]"));
+  }
+  return t.to(at::kDouble).contiguous();
+}
+
+// Installs the R3 hook and R4 wrapper only (float activations, float cache): the state in which
+// blocks are calibrated and their outputs propagated.
+Status InstallFloatOnline(model::DecoderBlock& block, const RotationPlan& plan,
+                          std::shared_ptr<RangeObserver> observers[4],
+                          std::shared_ptr<const KvQuantizer> kv) {
+  model::BlockHooks hooks;
+  if (plan.r3) {
+    QCAL_ASSIGN_OR_RETURN(auto t3, OnlineHadamard::Create(plan.head_dim));
+    hooks.qk_rotation = t3->transposed_matrix();
+  }
+  hooks.kv_cache = std::move(kv);
+  block.set_hooks(std::move(hooks));
+  std::shared_ptr<const OnlineHadamard> t4;
+  if (plan.r4) {
+    QCAL_ASSIGN_OR_RETURN(t4, OnlineHadamard::Create(plan.intermediate));
+  }
+  for (LinearKind k : model::kAllLinears) {
+    auto& slot = block.mutable_weights().linears[static_cast<int>(k)];
+    slot = Unwrap(std::move(slot));
+    auto rotation = k == LinearKind::kDown ? t4 : nullptr;
+    std::shared_ptr<RangeObserver> observer;
+    if (observers != nullptr) observer = observers[static_cast<int>(calib::HessianKindOf(k))];
+    if (rotation || observer) {
+      slot = std::make_unique<ActQuantLinear>(std::move(slot), rotation, nullptr, observer);
+    }
+  }
+  return Status();
+}
+
+at::Tensor Forward(model::DecoderBlock& block, const at::Tensor& x, const model::Rope& rope,
+                   int64_t batch) {
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> outs;
+  for (int64_t s = 0; s < x.size(0); s += batch) {
+    outs.push_back(block.Forward(x.narrow(0, s, std::min(batch, x.size(0) - s)), rope));
+  }
+  return at::cat(outs, 0);
+}
+
+// QuaRot's rounding of a rotated block: a linear may be an ActQuantLinear carrying an online
+// transform T (R4 on down_proj) around its dense weight. The dense weight is rounded per the
+// recipe (rtn / gptq / none) with the Hessian of what it really multiplies, T·H·Tᵀ, and the
+// result is wrapped again with the same transform.
+StatusOr<quant::BlockTaskResult> RoundRotatedBlock(const QuarotConfig& q, int64_t layer,
+                                                   const model::BlockWeights& rotated,
+                                                   const calib::BlockHessians* hessians) {
+  const auto t0 = Clock::now();
+  if (rotated.extra.count(kRotationsKey) == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "block ", layer, ": method quarot needs the block rotated by qsim::RotateBlockWeights "
+        "first (methods/quarot/quarot_model.h PrepareBlockWeights)"));
+  }
+  if (q.gptq() && hessians == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block ", layer, ": quarot with gptq weights needs Hessians"));
+  }
+  quant::ScalarQuantizeOptions options;
+  options.bits = q.bits;
+  options.grid = q.scalar;
+  options.gptq = q.gptq();
+  options.damp = q.damp;
+  options.pack_int4 = true;  // QuaRot checkpoints store <= 4-bit codes two per byte
+  quant::BlockTaskResult result;
+  result.layer = layer;
+  result.weights.input_norm = rotated.input_norm.clone();
+  result.weights.post_norm = rotated.post_norm.clone();
+  result.weights.rope_perm = rotated.rope_perm;
+  result.weights.extra = rotated.extra;
+  for (LinearKind kind : model::kAllLinears) {
+    const model::Linear& linear = rotated.linear(kind);
+    const auto* wrapped = dynamic_cast<const ActQuantLinear*>(&linear);
+    std::shared_ptr<const OnlineHadamard> transform = wrapped ? wrapped->rotation() : nullptr;
+    const at::Tensor weight = WeightCarrier(linear).DenseWeight();
+    std::unique_ptr<model::Linear> layer_out;
+    quant::LinearMetrics metrics;
+    if (!q.quantizes_weights()) {
+      const auto t1 = Clock::now();
+      layer_out = std::make_unique<model::DenseLinear>(weight.to(at::kFloat).contiguous().clone());
+      metrics.name = model::LinearName(kind);
+      metrics.proxy_loss = metrics.relative = std::nan("");
+      metrics.code_bits = metrics.stored_bits = 32;
+      metrics.seconds = Seconds(t1);
+    } else {
+      at::Tensor h;
+      if (hessians) {
+        h = hessians->at(calib::HessianKindOf(kind)).Mean();
+        if (transform) {
+          QCAL_ASSIGN_OR_RETURN(h, RotateHessian(h, *transform));
+        }
+      }
+      QCAL_ASSIGN_OR_RETURN(
+          quant::QuantizedLinear ql,
+          quant::RoundLinear(layer, kind, weight, h, "quarot", q.gptq(),
+                             [&](const double* w, int64_t out, int64_t in, const double* hp) {
+                               return quant::QuantizeScalarLinear(options, w, out, in, hp);
+                             }));
+      layer_out = std::move(ql.layer);
+      metrics = ql.metrics;
+    }
+    if (transform) {
+      layer_out = std::make_unique<ActQuantLinear>(std::move(layer_out), transform, nullptr);
+    }
+    result.weights.linears[static_cast<int>(kind)] = std::move(layer_out);
+    result.linears.push_back(metrics);
+  }
+  result.seconds = Seconds(t0);
+  return result;
+}
+
+}  // namespace
+
+StatusOr<const QuarotConfig*> QuarotSettings(const Recipe& recipe) {
+  const auto* q = dynamic_cast<const QuarotConfig*>(recipe.config.get());
+  if (q == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("recipe '", recipe.name, "' has method ",
+                                                   recipe.method, ", not quarot"));
+  }
+  return q;
+}
+
+bool NeedsCalibration(const Recipe& recipe) {
+  const auto* q = dynamic_cast<const QuarotConfig*>(recipe.config.get());
+  return q != nullptr && q->sequential();
+}
+
+Status PrepareBlockWeights(model::BlockWeights& weights, const LlamaConfig& config,
+                           const Recipe& recipe, const RotationPlan& plan) {
+  QCAL_ASSIGN_OR_RETURN(const QuarotConfig* q, QuarotSettings(recipe));
+  QCAL_RETURN_IF_ERROR(RotateBlockWeights(weights, config, plan));
+  if (q->kv_cache.k_sort) {
+    QCAL_RETURN_IF_ERROR(KSortBlock(config, weights, KSortOptions{}).status());
+  }
+  return Status();
+}
+
+Status PrepareModel(model::LlamaModel& model, const Recipe& recipe, const RotationPlan& plan) {
+  for (int64_t l = 0; l < model.num_blocks(); ++l) {
+    model::DecoderBlock& block = model.mutable_block(l);
+    const Status s = PrepareBlockWeights(block.mutable_weights(), model.config(), recipe, plan);
+    if (!s.ok()) return Annotate(s, absl::StrCat("block ", l));
+    QCAL_RETURN_IF_ERROR(InstallOnlineRotations(block, plan));
+  }
+  return RotateNonBlockWeights(model, plan);
+}
+
+Status InstallQuantizedInference(model::DecoderBlock& block, const LlamaConfig& config,
+                                 int64_t layer, const Recipe& recipe, const RotationPlan& plan) {
+  QCAL_ASSIGN_OR_RETURN(const QuarotConfig* q, QuarotSettings(recipe));
+  const model::BlockWeights& w = block.weights();
+  model::BlockHooks hooks;
+  if (plan.r3) {
+    QCAL_ASSIGN_OR_RETURN(auto t3, OnlineHadamard::Create(plan.head_dim));
+    hooks.qk_rotation = t3->transposed_matrix();
+  }
+  if (q->kv_cache.enabled()) {
+    KvStaticRanges ranges;
+    const KvStaticRanges* rp = nullptr;
+    if (q->static_kv()) {
+      QCAL_ASSIGN_OR_RETURN(at::Tensor t, RangeTable(w, kKvRangesKey, 2, layer));
+      for (int r = 0; r < 2; ++r) {
+        ranges.lo[r] = t[r][0].item<double>();
+        ranges.hi[r] = t[r][1].item<double>();
+      }
+      rp = &ranges;
+    }
+    QCAL_ASSIGN_OR_RETURN(hooks.kv_cache, MakeKvQuantizer(q->kv_cache, config, layer, rp));
+  }
+  std::shared_ptr<const ActivationQuantizer> act[4];
+  if (q->activations.enabled()) {
+    if (q->static_activations()) {
+      QCAL_ASSIGN_OR_RETURN(at::Tensor t, RangeTable(w, kActRangesKey, 4, layer));
+      for (int i = 0; i < 4; ++i) {
+        QCAL_ASSIGN_OR_RETURN(act[i], ActivationQuantizer::CreateStatic(
+                                          q->activations, t[i][0].item<double>(),
+                                          t[i][1].item<double>()));
+      }
+    } else {
+      QCAL_ASSIGN_OR_RETURN(act[0], ActivationQuantizer::Create(q->activations));
+      for (int i = 1; i < 4; ++i) act[i] = act[0];
+    }
+  }
+  std::shared_ptr<const OnlineHadamard> t4;
+  if (plan.r4) {
+    QCAL_ASSIGN_OR_RETURN(t4, OnlineHadamard::Create(plan.intermediate));
+  }
+  // A BFP cache of pre-RoPE keys (the K-sort paper's) quantizes k_proj's output.
+  std::optional<kernels::BfpFormat> pre_rope_keys;
+  if (q->kv_cache.enabled() && q->kv_cache.format == "bfp" &&
+      q->kv_cache.key_point == "pre_rope") {
+    QCAL_ASSIGN_OR_RETURN(pre_rope_keys, BfpKeyFormat(q->kv_cache, config, layer));
+  }
+  block.set_hooks(std::move(hooks));
+  for (LinearKind k : model::kAllLinears) {
+    auto& slot = block.mutable_weights().linears[static_cast<int>(k)];
+    slot = Unwrap(std::move(slot));
+    if (k == LinearKind::kK && pre_rope_keys) {
+      slot = std::make_unique<BfpKeyProjection>(std::move(slot), config.head_dim, *pre_rope_keys);
+    }
+    auto rotation = k == LinearKind::kDown ? t4 : nullptr;
+    auto quantizer = act[static_cast<int>(calib::HessianKindOf(k))];
+    if (rotation || quantizer) {
+      slot = std::make_unique<ActQuantLinear>(std::move(slot), rotation, quantizer);
+    }
+  }
+  return Status();
+}
+
+StatusOr<quant::BlockTaskResult> QuantizeRotatedBlock(model::DecoderBlock& block,
+                                                      const model::Rope& rope,
+                                                      const Recipe& recipe,
+                                                      const RotationPlan& plan, int64_t layer,
+                                                      at::Tensor* x, int64_t batch,
+                                                      bool propagate) {
+  QCAL_ASSIGN_OR_RETURN(const QuarotConfig* q, QuarotSettings(recipe));
+  const bool calibrate = q->sequential();
+  if (calibrate && (x == nullptr || !x->defined())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "block ", layer, ": recipe '", recipe.name, "' needs the block's calibration inputs"));
+  }
+  calib::BlockHessians hessians;
+  if (q->gptq()) {
+    QCAL_RETURN_IF_ERROR(
+        calib::ForwardCollectingHessians(block, *x, rope, batch, &hessians).status());
+  }
+  QCAL_ASSIGN_OR_RETURN(quant::BlockTaskResult result,
+                        RoundRotatedBlock(*q, layer, block.weights(),
+                                          q->gptq() ? &hessians : nullptr));
+  block.mutable_weights() = std::move(result.weights);
+  // Propagate the calibration activations through the quantized block (recording static ranges
+  // on the way), unless nothing needs them any more.
+  const bool record = q->static_activations() || q->static_kv();
+  if (calibrate && (propagate || record)) {
+    std::shared_ptr<RangeObserver> observers[4];
+    std::shared_ptr<RecordingKvQuantizer> kv_recorder;
+    if (record) {
+      for (auto& o : observers) o = std::make_shared<RangeObserver>();
+      kv_recorder = std::make_shared<RecordingKvQuantizer>();
+    }
+    QCAL_RETURN_IF_ERROR(InstallFloatOnline(block, plan, record ? observers : nullptr, kv_recorder));
+    try {
+      at::Tensor y = Forward(block, *x, rope, batch);
+      if (propagate) *x = std::move(y);
+    } catch (const std::exception& e) {
+      return absl::InternalError(absl::StrCat("block ", layer, " forward: ", e.what()));
+    }
+    if (record) {
+      model::BlockWeights& w = block.mutable_weights();
+      if (q->static_activations()) {
+        at::Tensor t = at::empty({4, 2}, at::kDouble);
+        for (int i = 0; i < 4; ++i) {
+          t[i][0] = observers[i]->lo();
+          t[i][1] = observers[i]->hi();
+        }
+        w.extra[kActRangesKey] = t;
+      }
+      if (q->static_kv()) {
+        const KvStaticRanges r = kv_recorder->ranges();
+        at::Tensor t = at::empty({2, 2}, at::kDouble);
+        for (int i = 0; i < 2; ++i) {
+          t[i][0] = r.lo[i];
+          t[i][1] = r.hi[i];
+        }
+        w.extra[kKvRangesKey] = t;
+      }
+    }
+    QCAL_RETURN_IF_ERROR(InstallFloatOnline(block, plan, nullptr, nullptr));
+  }
+  return result;
+}
+
+StatusOr<at::Tensor> PropagateFinishedBlock(model::DecoderBlock& block, const model::Rope& rope,
+                                            const RotationPlan& plan, int64_t layer,
+                                            const at::Tensor& x, int64_t batch) {
+  QCAL_RETURN_IF_ERROR(InstallFloatOnline(block, plan, nullptr, nullptr));
+  try {
+    return Forward(block, x, rope, batch);
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("block ", layer, " forward: ", e.what()));
+  }
+}
+
+StatusOr<at::Tensor> EmbedCalibrationTokens(const model::LlamaModel& model, const Recipe& recipe,
+                                            const at::Tensor& calib_tokens) {
+  if (!calib_tokens.defined() || calib_tokens.dim() != 2 || calib_tokens.size(0) < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("recipe '", recipe.name, "' needs calibration tokens [N, S]"));
+  }
+  at::NoGradGuard no_grad;
+  return model.Embed(calib_tokens);
+}
+
+StatusOr<QuarotReport> QuantizeModel(model::LlamaModel& model, const Recipe& recipe,
+                                     const at::Tensor& calib_tokens, int64_t batch,
+                                     const SequentialCallbacks& callbacks) {
+  const auto t0 = Clock::now();
+  QCAL_ASSIGN_OR_RETURN(const QuarotConfig* q, QuarotSettings(recipe));
+  if (batch < 1) return absl::InvalidArgumentError("batch must be >= 1");
+  const LlamaConfig& config = model.config();
+  QuarotReport report;
+  QCAL_ASSIGN_OR_RETURN(report.plan, PlanRotations(q->rotation, config));
+  const RotationPlan& plan = report.plan;
+  QCAL_LOG_INFO("QuaRot '{}': rotations {}{}", recipe.name, plan.Describe(),
+                q->kv_cache.k_sort ? ", K-sort" : "");
+  QCAL_RETURN_IF_ERROR(PrepareModel(model, recipe, plan));
+
+  const bool calibrate = q->sequential();
+  at::Tensor x;
+  if (calibrate) {
+    QCAL_ASSIGN_OR_RETURN(x, EmbedCalibrationTokens(model, recipe, calib_tokens));
+    report.calib_tokens = calib_tokens.numel();
+  }
+  const int64_t n = model.num_blocks();
+  for (int64_t l = 0; l < n; ++l) {
+    model::DecoderBlock& block = model.mutable_block(l);
+    std::optional<model::BlockWeights> finished;
+    if (callbacks.load_finished) {
+      QCAL_ASSIGN_OR_RETURN(finished, callbacks.load_finished(l));
+    }
+    quant::BlockTaskResult result;
+    result.layer = l;
+    const bool resumed = finished.has_value();
+    if (resumed) {
+      block.mutable_weights() = std::move(*finished);
+      if (calibrate && l + 1 < n) {
+        QCAL_ASSIGN_OR_RETURN(x, PropagateFinishedBlock(block, model.rope(), plan, l, x, batch));
+      } else {
+        QCAL_RETURN_IF_ERROR(InstallFloatOnline(block, plan, nullptr, nullptr));
+      }
+    } else {
+      QCAL_ASSIGN_OR_RETURN(result, QuantizeRotatedBlock(block, model.rope(), recipe, plan, l,
+                                                         calibrate ? &x : nullptr, batch,
+                                                         l + 1 < n));
+    }
+    if (!resumed && callbacks.on_block_done) {
+      result.weights = std::move(block.mutable_weights());
+      const Status s = callbacks.on_block_done(result);
+      block.mutable_weights() = std::move(result.weights);
+      QCAL_RETURN_IF_ERROR(s);
+    }
+    report.blocks.push_back(std::move(result));
+    report.resumed.push_back(resumed);
+    if (callbacks.progress) callbacks.progress(l + 1, n);
+  }
+  for (int64_t l = 0; l < n; ++l) {
+    QCAL_RETURN_IF_ERROR(
+        InstallQuantizedInference(model.mutable_block(l), config, l, recipe, plan));
+  }
+  report.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  return report;
+}
+
+}  // namespace qcal::methods::quarot

@@ -1,0 +1,34 @@
+// QuIP# (method quip): the recipe keys, needs and quantization_config of the method (torch-free;
+// the worker side is methods/quip/quip_method.h).
+//
+//   method: quip
+//   bits: 2            # 2 (e8p, halfint2), 3 (rvq3_e8p_e8), 4 (rvq4_e8p_e8p); follows codebook
+//   codebook: e8p      # e8p | rvq3_e8p_e8 | rvq4_e8p_e8p | halfint2 | halfint3 | halfint4
+//   incoherence: true  # randomized Hadamard (RFFT fallback) on W and H
+//   scale: row         # row: one scale per row of the rotated W (RMS(row)/ρ) | matrix: RMS(W)/ρ
+//   damp: 0.01         # H + damp·mean(diag H)·I
+#pragma once
+
+#include <string>
+
+#include "common/recipe.h"
+
+namespace qcal::methods::quip {
+
+struct QuipConfig final : MethodConfig {
+  int bits = 2;
+  std::string codebook = "e8p";
+  bool incoherence = true;
+  std::string scale_mode = "row";
+  double damp = 0.01;
+
+  const char* method() const override { return "quip"; }
+  MethodNeeds needs() const override;
+  int weight_bits() const override { return bits; }
+  void AddToJson(nlohmann::json* recipe) const override;
+  void AddToQuantizationConfig(nlohmann::json* q) const override;
+};
+
+const MethodSpec& Spec();
+
+}  // namespace qcal::methods::quip

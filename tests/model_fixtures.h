@@ -1,0 +1,72 @@
+// Model fixtures shared by the tests that run real models: the bundled llama2.c models imported
+// once per process into a temp HF directory, loading, text tokens, and logit comparison.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/llama2c.h"
+#include "common/text.h"
+#include "common/tokenizer.h"
+#include "tests/test_util.h"
+#include "worker/model/llama.h"
+
+namespace qcal::testing {
+
+// The HF directory of a real model (stories260K or aidreams260K), imported on first use.
+inline std::string RealModelDir(const std::string& name) {
+  static std::string* root = new std::string(MakeTempDir("models"));
+  const std::string dir = *root + "/" + name;
+  if (!std::ifstream(dir + "/config.json").good()) {
+    const std::string src = SharedDir() + "/models/" + name;
+    auto r = ImportLlama2c(src + "/" + name + ".bin", src + "/tok512.bin", dir);
+    EXPECT_TRUE(r.ok()) << r.status();
+  }
+  return dir;
+}
+
+// Aborts the test binary with the load error: every caller needs the model.
+inline std::unique_ptr<model::LlamaModel> LoadModelOrDie(const std::string& dir) {
+  auto m = model::LlamaModel::Load(dir);
+  if (!m.ok()) {
+    std::fprintf(stderr, "LoadModelOrDie(%s): %s\n", dir.c_str(), m.status().ToString().c_str());
+    std::abort();
+  }
+  return std::move(*m);
+}
+
+// The first `count` tokens of the TinyStories sample, encoded with the model's tokenizer.
+inline std::vector<int32_t> StoryTokens(const std::string& model_dir, size_t count) {
+  auto tok = LoadTokenizerFromModelDir(model_dir);
+  EXPECT_TRUE(tok.ok()) << tok.status();
+  auto text = ReadTextFile(SharedDir() + "/data/tinystories/TinyStories-valid.sample30k.txt");
+  EXPECT_TRUE(text.ok()) << text.status();
+  if (!tok.ok() || !text.ok()) return {};
+  std::vector<int32_t> ids = (*tok)->Encode(*text);
+  if (ids.size() > count) ids.resize(count);
+  return ids;
+}
+
+// [1, n] int64: BOS followed by the tokens.
+inline at::Tensor WithBos(const std::vector<int32_t>& tokens, int64_t n, int32_t bos = 1) {
+  std::vector<int64_t> ids = {bos};
+  for (int64_t i = 0; i + 1 < n && i < static_cast<int64_t>(tokens.size()); ++i) {
+    ids.push_back(tokens[i]);
+  }
+  return at::from_blob(ids.data(), {1, static_cast<int64_t>(ids.size())}, at::kLong).clone();
+}
+
+// max |a - b| / max |a|.
+inline double RelMaxDiff(const at::Tensor& a, const at::Tensor& b) {
+  return (a - b).abs().max().item<double>() / a.abs().max().item<double>();
+}
+
+}  // namespace qcal::testing

@@ -1,0 +1,460 @@
+#include "worker/job/job_steps.h"
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "common/atomic_file.h"
+#include "common/job_layout.h"
+#include "common/log.h"
+#include "common/text.h"
+#include "common/tokenizer.h"
+#include "methods/worker_registry.h"
+#include "worker/calib/calibration.h"
+#include "worker/eval/perplexity.h"
+#include "worker/model/activation_store.h"
+#include "worker/model/tensor_io.h"
+#include "worker/quant/finetune.h"
+
+namespace qcal::job {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+void Emit(const JobEventFn& on_event, const std::string& phase, int64_t done, int64_t total,
+          std::string message = "") {
+  if (on_event) on_event(JobEvent{phase, done, total, std::move(message)});
+}
+
+std::string Resolve(const std::string& root, const std::string& path) {
+  return !path.empty() && path[0] == '/' ? path : root + "/" + path;
+}
+
+// Bytes a block task holds besides activations: the block's fp32 weights twice (loaded and
+// transformed or rounded) and the exact Hessian accumulators of its four inputs (16 bytes per
+// entry of one triangle, plus the fp32 product and fp64 mean of the largest).
+int64_t BlockWorkingBytes(const LlamaConfig& c) {
+  const int64_t h = c.hidden_size, ff = c.intermediate_size;
+  const int64_t params = (c.q_dim() + 2 * c.kv_dim()) * h + h * c.q_dim() + 3 * h * ff;
+  int64_t hessians = 0;
+  for (int64_t n : {h, c.q_dim(), h, ff}) hessians += n * (n + 1) / 2 * 16;
+  return 2 * params * 4 + hessians + ff * ff * (4 + 8);
+}
+
+// The activation budget of a rank: its max_memory less a block's working set.
+int64_t ActivationBudget(const JobContext& ctx) {
+  return std::max<int64_t>(0, ctx.options.max_memory - BlockWorkingBytes(ctx.config));
+}
+
+// Writes shard 0 from (prepared) non-block weights: embedding, final norm and, when untied,
+// the head (F32), as the attempt's staged file.
+StatusOr<v1::WrittenFile> WriteNonBlockShardStaged(JobContext* ctx,
+                                                   const model::NonBlockWeights& w,
+                                                   const std::string& attempt) {
+  SafetensorsWriter writer;
+  writer.SetMetadata("format", "pt");
+  QCAL_RETURN_IF_ERROR(model::AddF32Tensor(&writer, "model.embed_tokens.weight", w.embed));
+  QCAL_RETURN_IF_ERROR(model::AddF32Tensor(&writer, "model.norm.weight", w.final_norm));
+  if (!w.head_tied) {
+    QCAL_RETURN_IF_ERROR(model::AddF32Tensor(&writer, "lm_head.weight", w.head));
+  }
+  return WriteStagedFile(ctx->options.out_dir, ShardName(0, ctx->config.num_hidden_layers),
+                         attempt, writer);
+}
+
+// Block `layer`'s shard, as the attempt's staged file.
+StatusOr<v1::WrittenFile> WriteBlockShardStaged(JobContext* ctx, int64_t layer,
+                                                const model::BlockWeights& weights,
+                                                const std::string& attempt) {
+  SafetensorsWriter writer;
+  writer.SetMetadata("format", "pt");
+  writer.SetMetadata("qcal_block", std::to_string(layer));
+  QCAL_RETURN_IF_ERROR(ctx->method->AppendBlockTensors(layer, weights, &writer));
+  return WriteStagedFile(ctx->options.out_dir,
+                         ShardName(layer + 1, ctx->config.num_hidden_layers), attempt, writer);
+}
+
+// The calibration inputs of block `layer` of a sequential method (see QuantizeBlockStep).
+StatusOr<at::Tensor> SequentialInputs(JobContext* ctx, int64_t layer) {
+  const int64_t blocks = ctx->config.num_hidden_layers;
+  auto embedded = [&]() -> StatusOr<at::Tensor> {
+    QCAL_RETURN_IF_ERROR(EnsureCalibrationTokens(ctx));
+    at::NoGradGuard no_grad;
+    QCAL_ASSIGN_OR_RETURN(at::Tensor rows, ctx->source->Embed(ctx->tokens));
+    return ctx->method->PrepareEmbeddingRows(rows);
+  };
+  if (layer == 0) return embedded();
+  const std::string path = SequentialInputsPath(ctx->options.job_dir, layer);
+  const std::vector<int64_t> shape = {ctx->recipe.calibration.num_sequences, ctx->seq_len,
+                                      ctx->config.hidden_size};
+  auto loaded = calib::LoadActivation(path, ctx->calib_key, shape);
+  if (loaded.ok()) return loaded;
+  if (!absl::IsNotFound(loaded.status())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "block ", layer, ": unusable calibration inputs: ", loaded.status().message()));
+  }
+  // Gone (removed after block `layer` was done once, which is now being redone): rebuild from the
+  // embedding through the quantized blocks before it, as committed in out_dir.
+  QCAL_LOG_WARN("block {}: {} is missing; recomputing it through blocks 0..{} read back from {}",
+                layer, path, layer - 1, ctx->options.out_dir);
+  QCAL_ASSIGN_OR_RETURN(at::Tensor x, embedded());
+  std::vector<std::string> shards;
+  for (int64_t l = 0; l < layer; ++l) shards.push_back(ShardName(l + 1, blocks));
+  auto ckpt = CheckpointReader::OpenShards(ctx->options.out_dir, shards);
+  if (!ckpt.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "block ", layer, ": no calibration inputs (", path,
+        ") and the earlier blocks cannot be read back: ", ckpt.status().message()));
+  }
+  for (int64_t l = 0; l < layer; ++l) {
+    QCAL_ASSIGN_OR_RETURN(model::BlockWeights w, ctx->method->LoadBlock(**ckpt, l));
+    QCAL_ASSIGN_OR_RETURN(x, ctx->method->PropagateFinishedBlock(std::move(w), l, x,
+                                                                 ctx->source->rope(),
+                                                                 ctx->options.calib_batch));
+  }
+  return x;
+}
+
+}  // namespace
+
+void AddMetrics(const std::vector<quant::LinearMetrics>& linears, v1::BlockResult* out) {
+  for (const quant::LinearMetrics& m : linears) {
+    v1::LinearMetrics* p = out->add_metrics();
+    p->set_name(m.name);
+    p->set_proxy_loss(m.proxy_loss);
+    p->set_relative(m.relative);
+    p->set_code_bits(m.code_bits);
+    p->set_stored_bits(m.stored_bits);
+    p->set_seconds(m.seconds);
+  }
+}
+
+StatusOr<std::unique_ptr<JobContext>> OpenJob(const Recipe& recipe,
+                                              const QuantizeJobOptions& options) {
+  auto ctx = std::make_unique<JobContext>();
+  ctx->recipe = recipe;
+  ctx->options = options;
+  if (ctx->options.job_dir.empty()) ctx->options.job_dir = ctx->options.out_dir + ".job";
+  if (ctx->options.data_root.empty()) ctx->options.data_root = "../shared";
+  if (ctx->options.calib_batch < 1) ctx->options.calib_batch = 8;
+  if (ctx->options.max_memory <= 0) ctx->options.max_memory = model::DefaultMaxMemory();
+  QCAL_ASSIGN_OR_RETURN(ctx->source, model::OpenFloatCheckpoint(options.model_dir));
+  ctx->config = ctx->source->config();
+  QCAL_ASSIGN_OR_RETURN(ctx->method, methods::MakeMethod(recipe, ctx->config));
+  model::SetComputeThreads(options.threads > 0 ? options.threads
+                                               : model::AutoComputeThreads(ctx->config));
+  ctx->seq_len = std::min(recipe.calibration.seq_len, ctx->config.max_position_embeddings);
+  ctx->calib_key = calib::CalibrationKey(options.model_dir, ctx->config, recipe.calibration,
+                                         ctx->options.data_root, ctx->seq_len);
+  return ctx;
+}
+
+Status EnsureCalibrationTokens(JobContext* ctx) {
+  if (ctx->tokens.defined()) return absl::OkStatus();
+  QCAL_ASSIGN_OR_RETURN(auto tokenizer, LoadTokenizerFromModelDir(ctx->options.model_dir));
+  QCAL_ASSIGN_OR_RETURN(
+      ctx->tokens,
+      calib::SampleCalibrationTokens(*tokenizer, ctx->recipe.calibration, ctx->options.data_root,
+                                     ctx->seq_len, tokenizer->bos_id()));
+  return absl::OkStatus();
+}
+
+v1::CalibrateParams CalibrateParamsFor(const Recipe& recipe, bool all_blocks_finished) {
+  const MethodNeeds needs = recipe.needs();
+  v1::CalibrateParams p;
+  p.set_hessians(needs.float_hessians && !all_blocks_finished);
+  p.set_activations(needs.float_activations && !all_blocks_finished);
+  return p;
+}
+
+StatusOr<v1::CalibrateResult> CalibrateStep(runtime::Comm& comm, JobContext* ctx,
+                                            const v1::CalibrateParams& params,
+                                            const JobEventFn& on_event) {
+  // Every rank takes rank 0's decision, so all walk the same collectives.
+  int64_t flags[2] = {params.hessians(), params.activations()};
+  QCAL_RETURN_IF_ERROR(comm.Broadcast(flags, sizeof(flags), 0));
+  // Sampling reads the data files: a failure on one rank (a file missing on its host) must not
+  // leave the others waiting in a collective.
+  const Status sampled = EnsureCalibrationTokens(ctx);
+  int64_t failed = sampled.ok() ? 0 : 1;
+  QCAL_RETURN_IF_ERROR(comm.AllReduceSum(&failed, 1));
+  if (!sampled.ok()) return sampled;
+  if (failed > 0) {
+    return absl::AbortedError("another rank could not sample the calibration data");
+  }
+  v1::CalibrateResult result;
+  result.set_tokens(ctx->tokens.numel());
+  result.set_rank(comm.rank());
+  result.set_ranks(comm.size());
+  if (!flags[0] && !flags[1]) return result;
+  calib::CalibrationOptions options;
+  options.batch = ctx->options.calib_batch;
+  options.hessians = flags[0];
+  options.activations = flags[1];
+  options.keep_hessians = false;  // block tasks read them from the job directory
+  options.memory_budget_bytes = ActivationBudget(*ctx);
+  const int64_t blocks = ctx->config.num_hidden_layers;
+  // One walk produces both products; its progress is reported as "calibrate" (Hessians), and
+  // the activations as their own phase ("activations"), as the single-process job always did.
+  const std::string walk_phase = options.hessians ? "calibrate" : "activations";
+  Emit(on_event, walk_phase, 0, blocks);
+  QCAL_ASSIGN_OR_RETURN(
+      calib::CalibrationResult calib,
+      calib::Calibrate(comm, *ctx->source, ctx->tokens, ctx->options.job_dir, ctx->calib_key,
+                       options, [&](int64_t d, int64_t t) { Emit(on_event, walk_phase, d, t); }));
+  if (options.hessians && options.activations) {
+    Emit(on_event, "activations", blocks, blocks,
+         calib.activations_from_cache ? "cached" : "saved in the calibration pass");
+  }
+  result.set_tokens(calib.tokens);
+  result.set_seconds(calib.seconds);
+  result.set_hessians_from_cache(calib.from_cache);
+  result.set_activations_from_cache(calib.activations_from_cache);
+  return result;
+}
+
+std::string SequentialInputsPath(const std::string& job_dir, int64_t layer) {
+  return absl::StrCat(job_dir, "/sequential/inputs-", layer, ".safetensors");
+}
+
+StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
+                                            const std::string& attempt) {
+  const auto t0 = Clock::now();
+  const LlamaConfig& config = ctx->config;
+  const int64_t blocks = config.num_hidden_layers;
+  if (layer < 0 || layer >= blocks) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block ", layer, " does not exist (the model has ", blocks, ")"));
+  }
+  const MethodNeeds needs = ctx->recipe.needs();
+  const std::string& job_dir = ctx->options.job_dir;
+
+  // The float block, streamed in and prepared by the method.
+  QCAL_ASSIGN_OR_RETURN(model::BlockWeights weights, ctx->source->LoadBlockWeights(layer));
+  QCAL_RETURN_IF_ERROR(ctx->method->PrepareBlock(layer, &weights));
+
+  methods::BlockInputs in;
+  in.layer = layer;
+  in.rope = &ctx->source->rope();
+  in.batch = ctx->options.calib_batch;
+  calib::BlockHessians hessians;
+  if (needs.float_hessians) {
+    auto h = calib::LoadBlockHessians(calib::HessianPath(job_dir, layer), ctx->calib_key);
+    if (!h.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "block ", layer, ": no usable Hessians (run calibration first): ", h.status().message()));
+    }
+    hessians = std::move(*h);
+    in.hessians = &hessians;
+  }
+  at::Tensor ft_inputs, ft_targets;
+  if (needs.float_activations) {
+    const std::vector<int64_t> shape = {ctx->recipe.calibration.num_sequences, ctx->seq_len,
+                                        config.hidden_size};
+    auto inputs =
+        calib::LoadActivation(calib::ActivationPath(job_dir, layer), ctx->calib_key, shape);
+    auto targets = inputs.ok() ? calib::LoadActivation(calib::ActivationPath(job_dir, layer + 1),
+                                                       ctx->calib_key, shape)
+                               : inputs;
+    if (!inputs.ok() || !targets.ok()) {
+      const Status& s = inputs.ok() ? targets.status() : inputs.status();
+      return absl::FailedPreconditionError(absl::StrCat(
+          "block ", layer, ": no usable activations (run calibration first): ", s.message()));
+    }
+    ft_inputs = std::move(*inputs);
+    ft_targets = std::move(*targets);
+    in.ft_inputs = &ft_inputs;
+    in.ft_targets = &ft_targets;
+  }
+  at::Tensor x;
+  if (needs.sequential) {
+    QCAL_ASSIGN_OR_RETURN(x, SequentialInputs(ctx, layer));
+    in.x = &x;
+    in.propagate = layer + 1 < blocks;
+  }
+  QCAL_ASSIGN_OR_RETURN(quant::BlockTaskResult task,
+                        ctx->method->QuantizeBlock(std::move(weights), in));
+  if (in.propagate) {
+    QCAL_RETURN_IF_ERROR(MakeDirs(job_dir + "/sequential"));
+    QCAL_RETURN_IF_ERROR(
+        calib::SaveActivation(SequentialInputsPath(job_dir, layer + 1), x, ctx->calib_key));
+  }
+  if (needs.sequential && layer > 0) {
+    // Block l-1 is journaled (blocks are handed out in order): its inputs are no longer needed.
+    std::remove(SequentialInputsPath(job_dir, layer - 1).c_str());
+  }
+
+  v1::BlockResult result;
+  result.set_layer(layer);
+  if (needs.transforms_non_block && layer == 0) {
+    QCAL_ASSIGN_OR_RETURN(model::NonBlockWeights nb, ctx->source->LoadNonBlock());
+    QCAL_RETURN_IF_ERROR(ctx->method->PrepareNonBlock(&nb));
+    nb.head_tied = false;  // the transformed head is stored as lm_head
+    QCAL_ASSIGN_OR_RETURN(*result.add_also_wrote(), WriteNonBlockShardStaged(ctx, nb, attempt));
+  }
+  QCAL_ASSIGN_OR_RETURN(*result.mutable_shard(),
+                        WriteBlockShardStaged(ctx, layer, task.weights, attempt));
+  result.set_seconds(Seconds(t0));
+  result.set_mse_before_ft(task.mse_before_ft);
+  result.set_mse_after_ft(task.mse_after_ft);
+  AddMetrics(task.linears, &result);
+  return result;
+}
+
+StatusOr<v1::FinetuneResult> FinetuneE2EStep(JobContext* ctx,
+                                             const std::vector<v1::BlockResult>& blocks_done,
+                                             const std::string& attempt,
+                                             const JobEventFn& on_event) {
+  const auto t0 = Clock::now();
+  const LlamaConfig& config = ctx->config;
+  const int64_t blocks = config.num_hidden_layers;
+  QCAL_RETURN_IF_ERROR(EnsureCalibrationTokens(ctx));
+  Emit(on_event, "finetune", 0, 1);
+  std::map<int64_t, nlohmann::json> entries;
+  for (const v1::BlockResult& b : blocks_done) entries[b.layer()] = BlockDoneEntry(b);
+  for (int64_t l = 0; l < blocks; ++l) {
+    if (entries.count(l) == 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "end-to-end fine-tuning: block ", l, " has no finished shard in ", ctx->options.out_dir));
+    }
+  }
+  const FinetuneStage& stage = ctx->recipe.finetune.end_to_end;
+
+  // The quantized blocks as committed; the student's non-block weights are the float model's.
+  std::vector<model::BlockWeights> qblocks;
+  {
+    std::vector<std::string> shards;
+    for (int64_t l = 0; l < blocks; ++l) shards.push_back(ShardName(l + 1, blocks));
+    QCAL_ASSIGN_OR_RETURN(auto qckpt, CheckpointReader::OpenShards(ctx->options.out_dir, shards));
+    for (int64_t l = 0; l < blocks; ++l) {
+      QCAL_ASSIGN_OR_RETURN(model::BlockWeights w, ctx->method->LoadBlock(*qckpt, l));
+      qblocks.push_back(std::move(w));
+    }
+  }
+  QCAL_ASSIGN_OR_RETURN(model::NonBlockWeights non_block, ctx->source->LoadNonBlock());
+  const at::Tensor float_embed = non_block.embed;
+  QCAL_ASSIGN_OR_RETURN(quant::TunableModel tuned,
+                        quant::AssembleTunableModel(config, non_block, std::move(qblocks)));
+
+  // The teacher's final hidden states, one float block in memory at a time, in chunks of the
+  // stage's batch (the chunks a whole-model forward would run).
+  quant::TeacherOutputs teacher;
+  {
+    at::NoGradGuard no_grad;
+    const int64_t n = ctx->tokens.size(0), batch = std::max<int64_t>(1, stage.batch);
+    std::vector<std::vector<int64_t>> shapes;
+    for (int64_t b = 0; b < n; b += batch) {
+      shapes.push_back({std::min(n, b + batch) - b, ctx->tokens.size(1), config.hidden_size});
+    }
+    QCAL_RETURN_IF_ERROR(MakeDirs(ctx->options.job_dir + "/spill"));
+    QCAL_ASSIGN_OR_RETURN(auto store, model::ActivationStore::Create(
+                                          shapes, ActivationBudget(*ctx),
+                                          ctx->options.job_dir + "/spill/teacher.f32"));
+    for (int64_t c = 0; c < store->chunks(); ++c) {
+      QCAL_ASSIGN_OR_RETURN(at::Tensor x,
+                            ctx->source->Embed(ctx->tokens.narrow(0, c * batch, shapes[c][0])));
+      QCAL_RETURN_IF_ERROR(store->Put(c, x));
+    }
+    for (int64_t l = 0; l < blocks; ++l) {
+      QCAL_ASSIGN_OR_RETURN(std::unique_ptr<model::DecoderBlock> block,
+                            ctx->source->LoadBlock(l));
+      for (int64_t c = 0; c < store->chunks(); ++c) {
+        QCAL_ASSIGN_OR_RETURN(at::Tensor x, store->Get(c));
+        QCAL_RETURN_IF_ERROR(store->Put(c, block->Forward(x, ctx->source->rope())));
+      }
+    }
+    std::vector<at::Tensor> chunks;
+    for (int64_t c = 0; c < store->chunks(); ++c) {
+      QCAL_ASSIGN_OR_RETURN(at::Tensor x, store->Get(c));
+      chunks.push_back(x);
+    }
+    teacher.hidden = at::cat(chunks, 0);
+  }
+  model::ModelSource* source = ctx->source.get();
+  teacher.head = [source](const at::Tensor& h) {
+    StatusOr<at::Tensor> logits = source->Logits(h);
+    if (!logits.ok()) throw std::runtime_error(std::string(logits.status().message()));
+    return *logits;
+  };
+  StatusOr<quant::EndToEndResult> e2e = [&]() -> StatusOr<quant::EndToEndResult> {
+    try {
+      return quant::FinetuneEndToEnd(ctx->method->FinetuneOptionsFor(stage), &tuned, teacher,
+                                     ctx->tokens);
+    } catch (const std::exception& e) {
+      return absl::InternalError(absl::StrCat("end-to-end fine-tuning: ", e.what()));
+    }
+  }();
+  ctx->source->ReleaseHead();
+  QCAL_RETURN_IF_ERROR(e2e.status());
+
+  v1::FinetuneResult result;
+  for (int64_t l = 0; l < blocks; ++l) {
+    QCAL_ASSIGN_OR_RETURN(*result.add_shards(),
+                          WriteBlockShardStaged(ctx, l, tuned.model->block(l).weights(), attempt));
+  }
+  model::NonBlockWeights tuned_nb;
+  tuned_nb.embed = float_embed;
+  tuned_nb.final_norm = tuned.final_norm;
+  tuned_nb.head = tuned.head;
+  tuned_nb.head_tied = tuned.head_tied;
+  QCAL_ASSIGN_OR_RETURN(*result.add_shards(), WriteNonBlockShardStaged(ctx, tuned_nb, attempt));
+  result.set_kl_before(e2e->heldout_kl_before);
+  result.set_kl_after(e2e->heldout_kl_after);
+  result.set_best_epoch(e2e->best_epoch);
+  result.set_head_tuned(e2e->head_tuned);
+  result.set_seconds(Seconds(t0));
+  Emit(on_event, "finetune", 1, 1);
+  return result;
+}
+
+StatusOr<v1::EvalResult> EvaluateStep(JobContext* ctx, const v1::EvalParams& params,
+                                      const JobEventFn& on_event) {
+  const bool quantized = params.model() == "quantized";
+  if (!quantized && params.model() != "float") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("evaluation: model '", params.model(), "' is neither float nor quantized"));
+  }
+  const std::string dir = quantized ? ctx->options.out_dir : ctx->options.model_dir;
+  std::unique_ptr<model::ModelSource> source;
+  if (quantized) {
+    QCAL_ASSIGN_OR_RETURN(source, methods::OpenModel(dir));
+  } else {
+    QCAL_ASSIGN_OR_RETURN(source, model::OpenFloatCheckpoint(dir));
+  }
+  QCAL_ASSIGN_OR_RETURN(auto tokenizer, LoadTokenizerFromModelDir(dir));
+  QCAL_ASSIGN_OR_RETURN(std::string text,
+                        ReadTextFile(Resolve(ctx->options.data_root, params.path())));
+  eval::PerplexityOptions opt;
+  opt.ctx = params.ctx();
+  opt.max_tokens = params.max_tokens();
+  opt.bos_per_window = params.bos_per_window();
+  opt.bos_id = tokenizer->bos_id();
+  eval::StreamOptions stream;
+  stream.memory_budget_bytes = ActivationBudget(*ctx);
+  QCAL_RETURN_IF_ERROR(MakeDirs(ctx->options.job_dir + "/spill"));
+  stream.spill_path = absl::StrCat(ctx->options.job_dir, "/spill/eval-", params.model(), "-",
+                                   params.label(), ".f32");
+  const std::string phase = absl::StrCat("eval ", params.label(), " ", params.model());
+  stream.block_progress = [&](int64_t d, int64_t t) { Emit(on_event, phase, d, t); };
+  QCAL_ASSIGN_OR_RETURN(eval::PerplexityResult r,
+                        eval::EvaluatePerplexityStreamed(*source, tokenizer->Encode(text), opt,
+                                                         stream));
+  v1::EvalResult result;
+  *result.mutable_params() = params;
+  result.set_tokens(r.tokens_encoded);
+  result.set_scored(r.tokens_scored);
+  result.set_windows(r.windows);
+  result.set_perplexity(r.perplexity);
+  result.set_mean_nll(r.mean_nll);
+  result.set_seconds(r.seconds);
+  return result;
+}
+
+}  // namespace qcal::job

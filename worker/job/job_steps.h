@@ -1,0 +1,125 @@
+// The steps of a quantization job, shared by the single-process `qcal quantize`
+// (quantize_job.cc: SelfComm + these steps + its own journal) and the service worker's task
+// loop (worker/runtime/task_loop.cc: MpiComm + these steps; the coordinator journals):
+//
+//   OpenJob           the recipe's method, the float model as a streamed source (nothing of the
+//                     model is loaded yet), compute threads (every rank)
+//   CalibrateStep     collective over a Comm: Hessians and block-boundary activations on the
+//                     float model, cached in the job directory (calib/calibration.h), as the
+//                     task's CalibrateParams ask
+//   QuantizeBlockStep one block: the float block read from the source, prepared and quantized by
+//                     the method, its shard written as the attempt's staged file; returns the
+//                     BlockResult (the caller commits it and journals it)
+//   FinetuneE2EStep   end-to-end fine-tuning: rewrites every shard (staged); FinetuneResult
+//   EvaluateStep      perplexity of the float or the quantized model on one text file, one block
+//                     in memory at a time
+//   FinalizeJob       (common/job_layout.h) by whoever owns the journal
+//
+// Steps only read the source model, the job directory's calibration products and the committed
+// output, and write staged files, so a step run on any rank (after CalibrateStep finished on all
+// of them) computes the same bytes; no step names a method.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "common/hf_config.h"
+#include "common/recipe.h"
+#include "common/status.h"
+#include "methods/method.h"
+#include "proto/job.pb.h"
+#include "worker/comm/comm.h"
+#include "worker/model/model_source.h"
+
+namespace qcal::job {
+
+struct QuantizeJobOptions {
+  std::string model_dir;
+  std::string out_dir;
+  std::string job_dir;    // default: out_dir + ".job"
+  std::string data_root;  // where recipe calibration paths are resolved (default "../shared")
+  int64_t calib_batch = 8;
+  int threads = 0;        // 0: model::AutoComputeThreads
+  // Bytes of activations a rank holds in memory (calibration, evaluation, sequential inputs);
+  // above it they are spilled to the job directory. 0: calib::DefaultMaxMemory().
+  int64_t max_memory = 0;
+};
+
+struct JobEvent {
+  std::string phase;  // "calibrate", "activations", "quantize", "finetune", "finalize", "eval"
+  int64_t done = 0, total = 0;
+  std::string message;
+};
+using JobEventFn = std::function<void(const JobEvent&)>;
+
+// What a job's steps share. Created by OpenJob; not thread-safe (one per rank).
+struct JobContext {
+  Recipe recipe;
+  QuantizeJobOptions options;  // job_dir, data_root and max_memory resolved
+  LlamaConfig config;
+  std::unique_ptr<methods::Method> method;
+  std::unique_ptr<model::ModelSource> source;  // the float model, streamed
+  std::string calib_key;  // CalibrationKey of the recipe's data
+  int64_t seq_len = 0;    // calibration sequence length (capped)
+  at::Tensor tokens;      // calibration tokens, once sampled
+};
+
+// Resolves the options (job_dir default out_dir + ".job", data_root default "../shared",
+// max_memory), opens the float model as a streamed source, makes the recipe's method and sets
+// the compute threads (options.threads, else AutoComputeThreads).
+StatusOr<std::unique_ptr<JobContext>> OpenJob(const Recipe& recipe,
+                                              const QuantizeJobOptions& options);
+
+// Samples the calibration tokens into ctx->tokens (once).
+Status EnsureCalibrationTokens(JobContext* ctx);
+
+// What calibration must still produce, per the recipe and the plan (all blocks finished:
+// nothing; a method calibrated by its own block tasks: nothing).
+v1::CalibrateParams CalibrateParamsFor(const Recipe& recipe, bool all_blocks_finished);
+
+// Collective over `comm` (every rank, same arguments; rank 0's `params` are used). Samples the
+// tokens, then calib::Calibrate over the streamed float model. Events: "calibrate" (block,
+// blocks) for the walk ("activations" when only activations are needed), then "activations"
+// (blocks, blocks) when both were made.
+StatusOr<v1::CalibrateResult> CalibrateStep(runtime::Comm& comm, JobContext* ctx,
+                                            const v1::CalibrateParams& params,
+                                            const JobEventFn& on_event = nullptr);
+
+// Quantizes block `layer` and writes its shard as `attempt`'s staged file (job_layout.h). When
+// the method needs the float model's Hessians / activations they are read from the job
+// directory (FailedPrecondition naming the file when missing). When it calibrates sequentially,
+// block l reads its inputs from job_dir/sequential/inputs-<l>.safetensors (block 0: the embedded
+// calibration tokens, prepared by the method), writes block l+1's and deletes block l-1's, so
+// block l-1 must be done first (the scheduler hands these blocks out in order); lost inputs are
+// rebuilt from the committed shards of the blocks before. A method that transforms the non-block
+// weights has block 0 write shard 0 too (BlockResult.also_wrote).
+StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
+                                            const std::string& attempt);
+
+// job_dir/sequential/inputs-<layer>.safetensors.
+std::string SequentialInputsPath(const std::string& job_dir, int64_t layer);
+
+// End-to-end fine-tuning of the quantized model read back from its committed shards (all block
+// shards must be there) against the float model (streamed): writes every shard again (staged,
+// `attempt`). `blocks`: the finished blocks' results (for quantization_config's bits per weight).
+// Events: "finetune" (0/1, 1/1).
+StatusOr<v1::FinetuneResult> FinetuneE2EStep(JobContext* ctx,
+                                             const std::vector<v1::BlockResult>& blocks,
+                                             const std::string& attempt,
+                                             const JobEventFn& on_event = nullptr);
+
+// Perplexity of the job's float model (params.model "float") or its finalized output
+// ("quantized") on one text file, streamed block by block (eval/perplexity.h). The data path is
+// resolved against the data root when relative.
+StatusOr<v1::EvalResult> EvaluateStep(JobContext* ctx, const v1::EvalParams& params,
+                                      const JobEventFn& on_event = nullptr);
+
+// BlockTaskResult metrics -> proto.
+void AddMetrics(const std::vector<quant::LinearMetrics>& linears, v1::BlockResult* out);
+
+}  // namespace qcal::job

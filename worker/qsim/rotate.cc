@@ -1,0 +1,237 @@
+#include "worker/qsim/rotate.h"
+
+#include <ATen/ATen.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/log.h"
+#include "common/seed.h"
+#include "kernels/hadamard.h"
+#include "worker/qsim/act_quant.h"
+
+namespace qcal::qsim {
+namespace {
+
+using model::LinearKind;
+
+// The orthogonal transform of one rotation: a plain normalized Hadamard (R2), a randomized
+// Hadamard (R1), or, for sizes without a Hadamard matrix, the seeded randomized FFT.
+struct Ortho {
+  int64_t n = 0;
+  bool randomized = false;
+  uint64_t seed = 0;
+};
+
+// Applies T along `axis` of a row-major [rows, cols] double matrix (kRows: A ← A·Tᵀ; kColumns:
+// A ← T·A).
+Status ApplyOrtho(double* a, int64_t rows, int64_t cols, MatrixAxis axis, const Ortho& t) {
+  const bool hadamard = PlanHadamard(t.n).IsHadamard();
+  if (hadamard && !t.randomized) return HadamardTransformMatrix(a, rows, cols, axis, false);
+  return RandomizedOrthogonalTransformMatrix(a, rows, cols, axis, t.seed,
+                                             TransformDirection::kForward);
+}
+
+// w [rows, cols] float -> transformed copy (computed in double).
+StatusOr<at::Tensor> Transformed(const at::Tensor& w, int64_t rows, int64_t cols, MatrixAxis axis,
+                                 const Ortho& t) {
+  at::Tensor d = w.to(at::kDouble).contiguous().clone();
+  QCAL_RETURN_IF_ERROR(ApplyOrtho(d.data_ptr<double>(), rows, cols, axis, t));
+  return d.to(at::kFloat);
+}
+
+Ortho R1Transform(const RotationPlan& plan) { return {plan.hidden, true, plan.seed}; }
+Ortho R2Transform(const RotationPlan& plan) {
+  return {plan.head_dim, false, SplitMix64(plan.seed ^ 2)};
+}
+
+at::Tensor Weight(const model::BlockWeights& w, LinearKind k) {
+  return w.linear(k).DenseWeight().to(at::kFloat).contiguous();
+}
+
+}  // namespace
+
+std::string RotationPlan::Describe() const {
+  std::vector<std::string> on;
+  if (r1) on.push_back("R1");
+  if (r2) on.push_back("R2");
+  if (r3) on.push_back("R3");
+  if (r4) on.push_back("R4");
+  std::string s = on.empty() ? "none" : absl::StrJoin(on, " ");
+  if (!warnings.empty()) absl::StrAppend(&s, " (", absl::StrJoin(warnings, "; "), ")");
+  return s;
+}
+
+StatusOr<RotationPlan> PlanRotations(const RotationSpec& spec, const LlamaConfig& config) {
+  RotationPlan plan;
+  plan.seed = spec.seed;
+  plan.hidden = config.hidden_size;
+  plan.head_dim = config.head_dim;
+  plan.intermediate = config.intermediate_size;
+  if (!spec.enabled) return plan;
+  auto offline = [&](bool wanted, int64_t n, const char* name, const char* what) -> Status {
+    if (!wanted) return Status();
+    const HadamardPlan p = PlanHadamard(n);
+    if (p.kind == HadamardKind::kNone) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ": no orthogonal transform of ", what,
+                                                     " ", n, " (odd size)"));
+    }
+    if (!p.IsHadamard()) {
+      plan.warnings.push_back(absl::StrCat(name, ": no Hadamard matrix of ", what, " ", n,
+                                           ", randomized FFT used instead (offline, exact)"));
+    }
+    return Status();
+  };
+  QCAL_RETURN_IF_ERROR(offline(spec.r1, plan.hidden, "R1", "hidden size"));
+  QCAL_RETURN_IF_ERROR(offline(spec.r2, plan.head_dim, "R2", "head_dim"));
+  plan.r1 = spec.r1;
+  plan.r2 = spec.r2;
+  auto online = [&](bool wanted, int64_t n, const char* name, const char* what) {
+    if (!wanted) return false;
+    const HadamardPlan p = PlanHadamard(n);
+    if (p.IsHadamard()) return true;
+    plan.warnings.push_back(absl::StrCat(name, " skipped: no Hadamard matrix of ", what, " ", n,
+                                         " (", DescribeHadamardPlan(p),
+                                         "); the other rotations are kept"));
+    return false;
+  };
+  plan.r3 = online(spec.r3, plan.head_dim, "R3", "head_dim");
+  plan.r4 = online(spec.r4, plan.intermediate, "R4", "intermediate size");
+  for (const std::string& w : plan.warnings) QCAL_LOG_WARN("QuaRot: {}", w);
+  return plan;
+}
+
+Status RotateBlockWeights(model::BlockWeights& w, const LlamaConfig& config,
+                          const RotationPlan& plan) {
+  const int64_t hid = config.hidden_size, d = config.head_dim;
+  at::Tensor weights[7];
+  for (LinearKind k : model::kAllLinears) weights[static_cast<int>(k)] = Weight(w, k);
+  auto at_kind = [&](LinearKind k) -> at::Tensor& { return weights[static_cast<int>(k)]; };
+  if (plan.fuse_norms()) {
+    const at::Tensor a_in = w.input_norm.to(at::kFloat), a_post = w.post_norm.to(at::kFloat);
+    for (LinearKind k : {LinearKind::kQ, LinearKind::kK, LinearKind::kV}) {
+      at_kind(k) = (at_kind(k).to(at::kDouble) * a_in.to(at::kDouble)).to(at::kFloat);
+    }
+    for (LinearKind k : {LinearKind::kGate, LinearKind::kUp}) {
+      at_kind(k) = (at_kind(k).to(at::kDouble) * a_post.to(at::kDouble)).to(at::kFloat);
+    }
+    w.input_norm = at::ones_like(w.input_norm);
+    w.post_norm = at::ones_like(w.post_norm);
+  }
+  if (plan.r1) {
+    const Ortho t1 = R1Transform(plan);
+    for (LinearKind k : {LinearKind::kQ, LinearKind::kK, LinearKind::kV, LinearKind::kGate,
+                         LinearKind::kUp}) {
+      at::Tensor& x = at_kind(k);
+      QCAL_ASSIGN_OR_RETURN(x, Transformed(x, x.size(0), hid, MatrixAxis::kRows, t1));
+    }
+    for (LinearKind k : {LinearKind::kO, LinearKind::kDown}) {
+      at::Tensor& x = at_kind(k);
+      QCAL_ASSIGN_OR_RETURN(x, Transformed(x, hid, x.size(1), MatrixAxis::kColumns, t1));
+    }
+  }
+  if (plan.r2) {
+    const Ortho t2 = R2Transform(plan);
+    // v_proj [kv_heads·d, hid]: each head's d rows as [d, hid] (contiguous): T2·W_v^(h).
+    at::Tensor& v = at_kind(LinearKind::kV);
+    at::Tensor vd = v.to(at::kDouble).contiguous().clone();
+    for (int64_t h = 0; h < config.num_key_value_heads; ++h) {
+      QCAL_RETURN_IF_ERROR(ApplyOrtho(vd.data_ptr<double>() + h * d * hid, d, hid,
+                                      MatrixAxis::kColumns, t2));
+    }
+    v = vd.to(at::kFloat);
+    // o_proj [hid, heads·d]: every row is heads segments of d: viewed as [hid·heads, d], each
+    // segment becomes segment·T2ᵀ.
+    at::Tensor& o = at_kind(LinearKind::kO);
+    QCAL_ASSIGN_OR_RETURN(at::Tensor od, Transformed(o.reshape({-1, d}), o.numel() / d, d,
+                                                     MatrixAxis::kRows, t2));
+    o = od.view(o.sizes());
+  }
+  if (plan.r4) {
+    // W_down ← W_down·T4ᵀ with the T4 of OnlineHadamard (HadamardTransform, no transpose).
+    at::Tensor& down = at_kind(LinearKind::kDown);
+    at::Tensor dd = down.to(at::kDouble).contiguous().clone();
+    QCAL_RETURN_IF_ERROR(HadamardTransformMatrix(dd.data_ptr<double>(), dd.size(0), dd.size(1),
+                                                 MatrixAxis::kRows, false));
+    down = dd.to(at::kFloat);
+  }
+  for (LinearKind k : model::kAllLinears) {
+    w.linears[static_cast<int>(k)] =
+        std::make_unique<model::DenseLinear>(at_kind(k).contiguous());
+  }
+  at::Tensor applied = at::zeros({4}, at::kDouble);
+  applied[0] = plan.r1 ? 1.0 : 0.0;
+  applied[1] = plan.r2 ? 1.0 : 0.0;
+  applied[2] = plan.r3 ? 1.0 : 0.0;
+  applied[3] = plan.r4 ? 1.0 : 0.0;
+  w.extra[kRotationsKey] = applied;
+  return Status();
+}
+
+Status InstallOnlineRotations(model::DecoderBlock& block, const RotationPlan& plan) {
+  model::BlockHooks hooks = block.hooks();
+  if (plan.r3) {
+    QCAL_ASSIGN_OR_RETURN(auto t3, OnlineHadamard::Create(plan.head_dim));
+    hooks.qk_rotation = t3->transposed_matrix();
+  }
+  block.set_hooks(std::move(hooks));
+  if (plan.r4) {
+    QCAL_ASSIGN_OR_RETURN(auto t4, OnlineHadamard::Create(plan.intermediate));
+    auto& slot = block.mutable_weights().linears[static_cast<int>(LinearKind::kDown)];
+    slot = std::make_unique<ActQuantLinear>(std::move(slot), t4, nullptr);
+  }
+  return Status();
+}
+
+Status RotateNonBlockWeights(model::NonBlockWeights& w, const RotationPlan& plan) {
+  if (!plan.r1) return Status();
+  const int64_t hid = plan.hidden;
+  const Ortho t1 = R1Transform(plan);
+  at::Tensor head = w.head.to(at::kFloat).contiguous();
+  // Final norm fused into the head, then both embedding and head rotated on the input side.
+  head = (head.to(at::kDouble) * w.final_norm.to(at::kDouble)).to(at::kFloat);
+  QCAL_ASSIGN_OR_RETURN(head, Transformed(head, head.size(0), hid, MatrixAxis::kRows, t1));
+  const at::Tensor& e = w.embed;
+  QCAL_ASSIGN_OR_RETURN(at::Tensor embed, Transformed(e, e.size(0), hid, MatrixAxis::kRows, t1));
+  w.embed = embed;
+  w.final_norm = at::ones_like(w.final_norm);
+  w.head = head;
+  w.head_tied = false;
+  return Status();
+}
+
+StatusOr<at::Tensor> RotateEmbeddingRows(const at::Tensor& rows, const RotationPlan& plan) {
+  if (!plan.r1) return rows;
+  const int64_t hid = plan.hidden;
+  if (rows.size(-1) != hid) {
+    return absl::InvalidArgumentError(absl::StrCat("R1: embedding rows have ", rows.size(-1),
+                                                   " columns, expected the hidden size ", hid));
+  }
+  const at::Tensor flat = rows.reshape({-1, hid});
+  QCAL_ASSIGN_OR_RETURN(at::Tensor rotated, Transformed(flat, flat.size(0), hid,
+                                                        MatrixAxis::kRows, R1Transform(plan)));
+  return rotated.view(rows.sizes());
+}
+
+Status RotateNonBlockWeights(model::LlamaModel& m, const RotationPlan& plan) {
+  if (!plan.r1) return Status();
+  model::NonBlockWeights w;
+  w.embed = m.embed_weight();
+  w.final_norm = m.final_norm();
+  w.head = m.head().DenseWeight();
+  QCAL_RETURN_IF_ERROR(RotateNonBlockWeights(w, plan));
+  m.set_embed_weight(w.embed);
+  m.set_final_norm(w.final_norm);
+  m.set_head(std::make_unique<model::DenseLinear>(w.head));
+  return Status();
+}
+
+Status RotateModel(model::LlamaModel& m, const RotationPlan& plan) {
+  for (int64_t l = 0; l < m.num_blocks(); ++l) {
+    model::DecoderBlock& block = m.mutable_block(l);
+    QCAL_RETURN_IF_ERROR(RotateBlockWeights(block.mutable_weights(), m.config(), plan));
+    QCAL_RETURN_IF_ERROR(InstallOnlineRotations(block, plan));
+  }
+  return RotateNonBlockWeights(m, plan);
+}
+
+}  // namespace qcal::qsim

@@ -1,0 +1,29 @@
+// Rounding a linear onto the scalar grid of a recipe (ScalarGridSpec): round to nearest or GPTQ
+// (kernels/rounding.h), as a ScalarQuantLinear with its metrics. Shared by methods rtn, gptq and
+// quarot.
+#pragma once
+
+#include <cstdint>
+
+#include "common/quant_specs.h"
+#include "common/status.h"
+#include "worker/quant/block_task.h"
+
+namespace qcal::quant {
+
+struct ScalarQuantizeOptions {
+  int bits = 4;
+  ScalarGridSpec grid;
+  bool gptq = false;       // GPTQ with the Hessian (else round to nearest, which needs none)
+  double damp = 0.01;      // GPTQ only
+  bool pack_int4 = false;  // store codes two per byte (bits <= 4): QuaRot checkpoints
+};
+
+// w [out, in] fp64 row-major; h [in, in] fp64 or null (then no proxy loss). Stored bits count
+// the GPTQ layout (packed codes, fp16 scales and packed zeros per group) or, with pack_int4,
+// the packed codes and F32 scales.
+StatusOr<QuantizedLinear> QuantizeScalarLinear(const ScalarQuantizeOptions& options,
+                                               const double* w, int64_t out, int64_t in,
+                                               const double* h);
+
+}  // namespace qcal::quant
