@@ -159,7 +159,8 @@ void AddModelCommands(CLI::App& app, int* exit_code) {
   ev->add_option("--batch", eo->batch, "windows per forward pass")->capture_default_str();
   ev->add_flag("--bos-per-window", eo->bos_per_window,
                "each window is BOS + ctx-1 text tokens (llama2.c convention)");
-  ev->add_option("--threads", eo->threads, "compute threads (0 = auto: 1 for tiny models, else all cores)");
+  ev->add_option("--threads", eo->threads, "compute threads (0 = auto: 1 for tiny models, else all cores)")
+      ->check(CLI::Range(0, kMaxThreads));
   ev->add_flag("--json", eo->json, "print one JSON object on the last line");
   ev->callback([eo, exit_code] { *exit_code = RunEval(*eo); });
 
@@ -169,7 +170,8 @@ void AddModelCommands(CLI::App& app, int* exit_code) {
       CLI::ExistingDirectory);
   gen->add_option("--prompt", go->prompt, "prompt text (default: BOS only)");
   gen->add_option("--tokens", go->max_new_tokens, "new tokens")->capture_default_str();
-  gen->add_option("--threads", go->threads, "compute threads (0 = auto: 1 for tiny models, else all cores)");
+  gen->add_option("--threads", go->threads, "compute threads (0 = auto: 1 for tiny models, else all cores)")
+      ->check(CLI::Range(0, kMaxThreads));
   gen->add_flag("--json", go->json, "print one JSON object");
   gen->callback([go, exit_code] { *exit_code = RunGenerate(*go); });
 }

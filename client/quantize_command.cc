@@ -31,6 +31,7 @@ int RunQuantize(const QuantizeOptions& o_in) {
   }
   auto recipe = LoadRecipe(o.recipe_path);
   if (!recipe.ok()) return Fail(recipe.status());
+  o.job.recipe_source = o.recipe_path;
   std::unique_ptr<ProgressBar> bar;
   std::string phase;
   auto result = job::RunQuantizeJob(*recipe, o.job, [&](const job::JobEvent& e) {
@@ -110,7 +111,8 @@ void AddQuantizeCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--data-root", o->job.data_root,
                   "where the recipe's calibration files are resolved")
       ->capture_default_str();
-  cmd->add_option("--threads", o->job.threads, "compute threads (0 = auto)");
+  cmd->add_option("--threads", o->job.threads, "compute threads (0 = auto)")
+      ->check(CLI::Range(0, kMaxThreads));
   cmd->add_option("--max-memory", o->max_memory,
                   "activations kept in memory before spilling them to the job directory: 8G, "
                   "512M, ... (default: half the machine's RAM)");

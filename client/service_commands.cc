@@ -27,6 +27,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/cli.h"
+#include "common/utf8.h"
 #include "client/job_view.h"
 #include "client/progress.h"
 #include "common/atomic_file.h"
@@ -116,7 +117,8 @@ void AddSpecOptions(CLI::App* cmd, SpecOptions* o) {
   cmd->add_option("--data-root", o->data_root, "where the recipe's calibration files resolve")
       ->capture_default_str();
   cmd->add_option("--workers", o->workers, "MPI ranks")->capture_default_str();
-  cmd->add_option("--threads", o->threads, "compute threads per rank (0 = automatic)");
+  cmd->add_option("--threads", o->threads, "compute threads per rank (0 = automatic)")
+      ->check(CLI::Range(0, kMaxThreads));
   cmd->add_option("--calib-batch", o->calib_batch, "sequences per calibration forward (0 = 8)");
   cmd->add_option("--name", o->name, "a label shown by `qcal list`");
   cmd->add_option("--max-memory", o->max_memory,
@@ -135,6 +137,30 @@ std::string Absolute(const std::string& path) {
   std::error_code ec;
   fs::path p = fs::absolute(path, ec);
   return (ec ? fs::path(path) : p).lexically_normal().string();
+}
+
+// Protobuf strings (and the coordinator's JSON job records) are UTF-8: refuse anything else here,
+// naming what, rather than as an empty INTERNAL error from the RPC layer.
+Status RequireUtf8(const std::string& what, const std::string& value) {
+  if (const std::string where = DescribeInvalidUtf8(value); !where.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " is not UTF-8 text (at ", where, ")"));
+  }
+  return absl::OkStatus();
+}
+
+Status CheckSpecText(const v1::JobSpec& spec) {
+  QCAL_RETURN_IF_ERROR(RequireUtf8(absl::StrCat("the recipe path '", spec.recipe_path(), "'"),
+                                   spec.recipe_path()));
+  QCAL_RETURN_IF_ERROR(RequireUtf8(spec.recipe_path(), spec.recipe_yaml()));
+  const std::pair<const char*, const std::string*> fields[] = {
+      {"--model", &spec.model_dir()}, {"--out", &spec.out_dir()}, {"--job-dir", &spec.job_dir()},
+      {"--data-root", &spec.data_root()}, {"--name", &spec.name()}};
+  for (const auto& [flag, value] : fields) QCAL_RETURN_IF_ERROR(RequireUtf8(flag, *value));
+  for (const v1::EvalData& d : spec.eval().data()) {
+    QCAL_RETURN_IF_ERROR(RequireUtf8("--eval-data", d.path()));
+  }
+  return absl::OkStatus();
 }
 
 StatusOr<v1::JobSpec> MakeSpec(const SpecOptions& o) {
@@ -177,6 +203,7 @@ StatusOr<v1::JobSpec> MakeSpec(const SpecOptions& o) {
       }
     }
   }
+  QCAL_RETURN_IF_ERROR(CheckSpecText(spec));
   return spec;
 }
 
@@ -292,7 +319,7 @@ class LocalCoordinator {
     std::vector<std::string> args = {
         o.coordinator_binary.empty() ? FindCoordinatorBinary() : o.coordinator_binary,
         "--listen", "127.0.0.1:0", "--state", state, "--auth-token-file", token_file,
-        "--address-file", address_file};
+        "--address-file", address_file, "--exit-with-parent"};
     if (!o.worker_binary.empty()) args.insert(args.end(), {"--worker-binary", o.worker_binary});
     if (!o.mpirun.empty()) args.insert(args.end(), {"--mpirun", o.mpirun});
     std::vector<char*> argv;

@@ -277,7 +277,8 @@ void AddToolCommands(CLI::App& app, int* exit_code) {
       ->capture_default_str();
   kv->add_flag("--kl", ko->kl,
                "also run the float model: report its perplexity and the mean KL(float || this)");
-  kv->add_option("--threads", ko->threads, "compute threads (0 = auto)");
+  kv->add_option("--threads", ko->threads, "compute threads (0 = auto)")
+      ->check(CLI::Range(0, kMaxThreads));
   kv->add_flag("--json", ko->json, "print one JSON object");
   kv->callback([ko, exit_code] { *exit_code = RunKvEval(*ko); });
 }

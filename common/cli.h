@@ -19,6 +19,9 @@ int Fail(const Status& status);
 // (UNAUTHENTICATED, NOT_FOUND, ... tell the user which side to fix).
 int FailRpc(const Status& status);
 
+// The most compute threads a flag (--threads) or a job spec may ask for per process.
+inline constexpr int kMaxThreads = 1024;
+
 // "8G", "512M", "64K", "1024" (bytes) -> bytes. InvalidArgument naming `flag` otherwise.
 StatusOr<int64_t> ParseBytes(const std::string& text, const std::string& flag);
 

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <stdlib.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -16,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
 #include "common/hash.h"
+#include "common/io_util.h"
 #include "common/log.h"
 
 namespace qcal {
@@ -116,6 +118,35 @@ std::string ShardName(int64_t shard, int64_t num_blocks) {
 }
 
 // ---- Staged output files
+
+StatusOr<OutputDirLock> OutputDirLock::Acquire(const std::string& out_dir) {
+  const int fd = ::open(out_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return io::ErrnoError(errno, out_dir, "open the output directory");
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    ::close(fd);
+    if (err == EWOULDBLOCK) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          out_dir, ": another qcal job is writing this output directory (it is locked); wait for "
+          "it or choose another --out"));
+    }
+    return io::ErrnoError(err, out_dir, "lock the output directory");
+  }
+  return OutputDirLock(fd);
+}
+
+OutputDirLock& OutputDirLock::operator=(OutputDirLock&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = other.fd_;
+    other.fd_ = -1;
+  }
+  return *this;
+}
+
+OutputDirLock::~OutputDirLock() {
+  if (fd_ >= 0) ::close(fd_);
+}
 
 std::string StagingDir(const std::string& out_dir) { return out_dir + "/.staging"; }
 

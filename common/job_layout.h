@@ -33,6 +33,28 @@ namespace qcal {
 // "model-00003-of-00006.safetensors": shard 0 holds the non-block tensors, shard l+1 block l.
 std::string ShardName(int64_t shard, int64_t num_blocks);
 
+// ---- One job per output directory
+
+// An exclusive advisory lock (flock) on the output directory itself, held for the life of a
+// job by the process that writes it (`qcal quantize`, or the coordinator for a service job), so
+// two jobs can never interleave their shards in one directory. Leaves no file behind. Move-only;
+// released by the destructor.
+class OutputDirLock {
+ public:
+  // FailedPrecondition naming the directory when another process holds it.
+  static StatusOr<OutputDirLock> Acquire(const std::string& out_dir);
+  OutputDirLock() = default;
+  OutputDirLock(OutputDirLock&& other) noexcept : fd_(other.fd_) { other.fd_ = -1; }
+  OutputDirLock& operator=(OutputDirLock&& other) noexcept;
+  OutputDirLock(const OutputDirLock&) = delete;
+  OutputDirLock& operator=(const OutputDirLock&) = delete;
+  ~OutputDirLock();
+
+ private:
+  explicit OutputDirLock(int fd) : fd_(fd) {}
+  int fd_ = -1;
+};
+
 // ---- Staged output files (fencing: only an accepted attempt changes the output directory)
 
 // out_dir/.staging. Created by PlanJob; a worker never creates it, so nothing is written there

@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/utf8.h"
 
 namespace qcal {
 namespace {
@@ -26,6 +27,14 @@ using json = nlohmann::json;
 constexpr char kDefaultCalibrationFile[] = "data/wikitext2/wiki.valid.tokens";
 // Recipes are a few hundred bytes; a larger file is almost certainly the wrong path.
 constexpr std::streamoff kMaxRecipeBytes = 1 << 20;
+// Bounds that keep every size computed from a recipe far inside what a machine can allocate (a
+// 70B calibration uses thousands of sequences of a few thousand tokens): a larger value is a typo,
+// refused with the key and the limit rather than failing an allocation later.
+constexpr int64_t kMaxSequences = 1 << 20;
+constexpr int64_t kMaxSeqLen = 1 << 20;
+constexpr int64_t kMaxCalibrationTokens = int64_t{1} << 31;
+constexpr int64_t kMaxEpochs = 1 << 16;
+constexpr int64_t kMaxFinetuneBatch = 1 << 20;
 
 const std::vector<std::string> kCommonKeys = {"name", "method", "seed", "calibration",
                                               "finetune"};
@@ -38,12 +47,14 @@ Status ReadStage(const RecipeSection& section, FinetuneStage* stage) {
   QCAL_RETURN_IF_ERROR(section.ReadDouble("lr", &stage->lr));
   QCAL_RETURN_IF_ERROR(section.ReadInt("batch", &stage->batch));
   QCAL_RETURN_IF_ERROR(section.ReadDouble("holdout", &stage->holdout));
-  QCAL_RETURN_IF_ERROR(section.RequireRange("epochs", stage->epochs >= 1, "at least 1",
-                                            std::to_string(stage->epochs)));
+  QCAL_RETURN_IF_ERROR(section.RequireRange(
+      "epochs", stage->epochs >= 1 && stage->epochs <= kMaxEpochs,
+      absl::StrCat("in [1, ", kMaxEpochs, "]"), std::to_string(stage->epochs)));
   QCAL_RETURN_IF_ERROR(
       section.RequireRange("lr", stage->lr > 0, "greater than 0", FormatDouble(stage->lr)));
-  QCAL_RETURN_IF_ERROR(section.RequireRange("batch", stage->batch >= 1, "at least 1",
-                                            std::to_string(stage->batch)));
+  QCAL_RETURN_IF_ERROR(section.RequireRange(
+      "batch", stage->batch >= 1 && stage->batch <= kMaxFinetuneBatch,
+      absl::StrCat("in [1, ", kMaxFinetuneBatch, "]"), std::to_string(stage->batch)));
   QCAL_RETURN_IF_ERROR(section.RequireRange("holdout", stage->holdout >= 0 && stage->holdout < 1,
                                             "in [0, 1)", FormatDouble(stage->holdout)));
   return Status();
@@ -94,12 +105,18 @@ Status ReadCalibration(const RecipeSection& top, CalibrationSpec* spec) {
     }
   }
   QCAL_RETURN_IF_ERROR(calibration.ReadInt("num_sequences", &spec->num_sequences));
-  QCAL_RETURN_IF_ERROR(calibration.RequireRange("num_sequences", spec->num_sequences >= 1,
-                                                "at least 1",
-                                                std::to_string(spec->num_sequences)));
+  QCAL_RETURN_IF_ERROR(calibration.RequireRange(
+      "num_sequences", spec->num_sequences >= 1 && spec->num_sequences <= kMaxSequences,
+      absl::StrCat("in [1, ", kMaxSequences, "]"), std::to_string(spec->num_sequences)));
   QCAL_RETURN_IF_ERROR(calibration.ReadInt("seq_len", &spec->seq_len));
-  QCAL_RETURN_IF_ERROR(calibration.RequireRange("seq_len", spec->seq_len >= 2, "at least 2",
-                                                std::to_string(spec->seq_len)));
+  QCAL_RETURN_IF_ERROR(calibration.RequireRange(
+      "seq_len", spec->seq_len >= 2 && spec->seq_len <= kMaxSeqLen,
+      absl::StrCat("in [2, ", kMaxSeqLen, "]"), std::to_string(spec->seq_len)));
+  QCAL_RETURN_IF_ERROR(calibration.RequireRange(
+      "num_sequences", spec->num_sequences * spec->seq_len <= kMaxCalibrationTokens,
+      absl::StrCat("such that num_sequences × seq_len is at most ", kMaxCalibrationTokens,
+                   " tokens"),
+      absl::StrCat(spec->num_sequences, " × ", spec->seq_len)));
   return calibration.ReadUint("seed", &spec->seed);
 }
 
@@ -260,6 +277,12 @@ nlohmann::json Recipe::ToJson() const {
 StatusOr<Recipe> ParseRecipeWith(const std::string& yaml_text, const std::string& source_in,
                                  const std::vector<const MethodSpec*>& methods) {
   const std::string source = source_in.empty() ? "<recipe>" : source_in;
+  // YAML is Unicode text, and a recipe's strings end up in JSON (the journal, the job record) and
+  // protobuf messages, both of which require UTF-8: refuse other bytes here, for every path.
+  if (const std::string where = DescribeInvalidUtf8(yaml_text); !where.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": not UTF-8 text at ", where, "; a recipe must be UTF-8"));
+  }
   YAML::Node root;
   int document_count = 0;
   YAML::Mark second_document;

@@ -21,6 +21,7 @@
 #include "absl/strings/str_join.h"
 #include "common/atomic_file.h"
 #include "common/hash.h"
+#include "common/utf8.h"
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "safetensors data is little-endian; qcal reads it in place and supports little-endian hosts only"
@@ -65,43 +66,6 @@ std::string JsonTypeName(const json& value) {
   if (value.is_number_integer()) return "integer";
   if (value.is_number_float()) return "number";
   return value.type_name();
-}
-
-bool IsValidUtf8(std::string_view s) {
-  size_t i = 0;
-  while (i < s.size()) {
-    const unsigned char c = static_cast<unsigned char>(s[i]);
-    size_t extra;
-    uint32_t code;
-    if (c < 0x80) {
-      ++i;
-      continue;
-    } else if ((c & 0xe0) == 0xc0) {
-      extra = 1;
-      code = c & 0x1f;
-    } else if ((c & 0xf0) == 0xe0) {
-      extra = 2;
-      code = c & 0x0f;
-    } else if ((c & 0xf8) == 0xf0) {
-      extra = 3;
-      code = c & 0x07;
-    } else {
-      return false;
-    }
-    if (extra > s.size() - i - 1) return false;  // sequence cut off by the end of the string
-    for (size_t k = 1; k <= extra; ++k) {
-      const unsigned char cc = static_cast<unsigned char>(s[i + k]);
-      if ((cc & 0xc0) != 0x80) return false;
-      code = (code << 6) | (cc & 0x3f);
-    }
-    // Overlong encodings, surrogates and values past U+10FFFF are invalid.
-    if ((extra == 1 && code < 0x80) || (extra == 2 && code < 0x800) ||
-        (extra == 3 && code < 0x10000) || code > 0x10ffff || (code >= 0xd800 && code <= 0xdfff)) {
-      return false;
-    }
-    i += extra + 1;
-  }
-  return true;
 }
 
 // Bytes occupied by a tensor of `shape` x `dtype`, with every multiplication overflow-checked.

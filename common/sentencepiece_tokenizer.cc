@@ -30,6 +30,7 @@
 #include "common/atomic_file.h"
 #include "common/tokenizer.h"
 #include "common/tokenizer_bpe.h"
+#include "common/utf8.h"
 #include "proto/sentencepiece_model.pb.h"
 
 namespace qcal {
@@ -302,7 +303,7 @@ Status WriteSentencePieceModelFromLlama2c(const std::string& llama2c_path,
       piece->set_type(sp::ModelProto::SentencePiece::BYTE);
     } else {
       if (raw.empty()) return error(absl::StrFormat("token %d is empty", id));
-      if (!bpe::IsValidUtf8(raw)) {
+      if (!IsValidUtf8(raw)) {
         return error(absl::StrFormat("token %d is not valid UTF-8", id));
       }
       if (raw.find(bpe::kSpaceSymbol) != std::string::npos) {

@@ -50,9 +50,6 @@ int ParseBytePiece(std::string_view piece);
 // 0xAB -> "<0xAB>" (upper-case hex, as llama2.c and sentencepiece write them).
 std::string BytePiece(uint8_t byte);
 
-// Whether `s` is well-formed UTF-8 (no overlongs, surrogates or codepoints above U+10FFFF).
-bool IsValidUtf8(std::string_view s);
-
 // U+2581 LOWER ONE EIGHTH BLOCK, sentencepiece's visible space.
 inline constexpr std::string_view kSpaceSymbol = "\xE2\x96\x81";
 

@@ -7,6 +7,8 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/file.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <climits>
@@ -97,6 +99,10 @@ int main(int argc, char** argv) {
                  "SIGKILL)")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
+  bool exit_with_parent = false;
+  app.add_flag("--exit-with-parent", exit_with_parent,
+               "shut down (as on SIGTERM) when the process that started this one dies: for a "
+               "private coordinator such as `qcal run`'s");
   app.add_option("--log-level", log_level, "debug, info, warn, error, off")->capture_default_str();
   app.add_option("--log-file", log_file, "log file (default: STATE/coordinator.log)");
   CLI11_PARSE(app, argc, argv);
@@ -136,12 +142,30 @@ int main(int argc, char** argv) {
                   launcher_options.worker_binary);
   }
 
+  // A private key others can read is no longer private: say so (the operator decides).
+  for (const std::string* key : {&server_options.tls_key_file, &manager_options.worker_tls_key}) {
+    struct stat st;
+    if (!key->empty() && ::stat(key->c_str(), &st) == 0 && (st.st_mode & 077) != 0) {
+      QCAL_LOG_WARN("{}: the private key is readable by group or others (mode {:o}); "
+                    "chmod 600 it", *key, st.st_mode & 0777);
+    }
+  }
+
   // Signals are taken by sigwait below; block them before any thread starts.
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGINT);
   sigaddset(&signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  if (exit_with_parent) {
+    // The parent's death delivers SIGTERM, taken by the sigwait below like an operator's; a
+    // parent that died before this line is noticed by getppid() (re-parented to init/subreaper).
+    const pid_t parent = ::getppid();
+    ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (parent == 1 || ::kill(parent, 0) != 0) {
+      return Fail("--exit-with-parent: the parent process is already gone");
+    }
+  }
   ::signal(SIGPIPE, SIG_IGN);
 
   auto state_fs = MakeLocalStateFs();

@@ -493,21 +493,49 @@ TEST(RecipeErrors, Ranges) {
               {"key 'scalar.group_size' (line 2) must be -1 (per output channel) or a positive"});
   ExpectError("method: gptq\nscalar:\n  group_size: -2\n", {"key 'scalar.group_size' (line 3)", "got -2"});
   ExpectError("method: quip\ncalibration:\n  num_sequences: 0\n",
-              {"key 'calibration.num_sequences' (line 3) must be at least 1, got 0"});
+              {"key 'calibration.num_sequences' (line 3) must be in [1, 1048576], got 0"});
   ExpectError("method: quip\ncalibration:\n  seq_len: 1\n",
-              {"key 'calibration.seq_len' (line 3) must be at least 2, got 1"});
+              {"key 'calibration.seq_len' (line 3) must be in [2, 1048576], got 1"});
   ExpectError("method: quip\nfinetune:\n  block: {epochs: 0}\n",
-              {"key 'finetune.block.epochs' (line 3) must be at least 1, got 0"});
+              {"key 'finetune.block.epochs' (line 3) must be in [1, 65536], got 0"});
   ExpectError("method: quip\nfinetune:\n  block:\n    lr: 0\n",
               {"key 'finetune.block.lr' (line 4) must be greater than 0, got 0"});
   ExpectError("method: quip\nfinetune:\n  end_to_end:\n    lr: -1e-4\n",
               {"key 'finetune.end_to_end.lr' (line 4) must be greater than 0"});
   ExpectError("method: quip\nfinetune:\n  block:\n    batch: 0\n",
-              {"key 'finetune.block.batch' (line 4) must be at least 1, got 0"});
+              {"key 'finetune.block.batch' (line 4) must be in [1, 1048576], got 0"});
   ExpectError("method: quip\nfinetune:\n  block:\n    holdout: 1\n",
               {"key 'finetune.block.holdout' (line 4) must be in [0, 1), got 1"});
   ExpectError("method: quip\nfinetune:\n  end_to_end: {holdout: -0.1}\n",
               {"key 'finetune.end_to_end.holdout' (line 3) must be in [0, 1)"});
+}
+
+// Sizes a recipe implies are bounded before anything is allocated: a typo such as
+// num_sequences: 2000000000 is refused naming the key and the limit.
+TEST(RecipeErrors, SizesAreBoundedBeforeAllocation) {
+  ExpectError("method: quip\ncalibration:\n  num_sequences: 2000000000\n",
+              {"key 'calibration.num_sequences' (line 3) must be in [1, 1048576], got 2000000000"});
+  ExpectError("method: quip\ncalibration:\n  seq_len: 99999999\n",
+              {"key 'calibration.seq_len' (line 3) must be in [2, 1048576], got 99999999"});
+  ExpectError("method: quip\ncalibration: {num_sequences: 1048576, seq_len: 4096}\n",
+              {"key 'calibration.num_sequences' (line 2)", "num_sequences × seq_len is at most "
+               "2147483648 tokens, got 1048576 × 4096"});
+  ExpectError("method: quip\nfinetune:\n  end_to_end: {epochs: 100000000}\n",
+              {"key 'finetune.end_to_end.epochs' (line 3) must be in [1, 65536]"});
+  // At the limits, accepted.
+  EXPECT_TRUE(ParseRecipe("method: quip\ncalibration: {num_sequences: 4096, seq_len: 4096}\n",
+                          kSource).ok());
+}
+
+// A recipe is UTF-8 text, for `qcal quantize` and `qcal submit` alike (its strings go into JSON
+// and protobuf messages): any other byte, even in a comment, is refused with its place.
+TEST(RecipeErrors, NonUtf8BytesAreRefusedWithTheirPlace) {
+  ExpectError("method: quip\nname: caf\xe9\n",
+              {"not UTF-8 text at line 2, byte 10 (0xe9)", "a recipe must be UTF-8"});
+  ExpectError("method: quip  # \xff\n", {"not UTF-8 text at line 1, byte 17 (0xff)"});
+  ExpectError("method: quip\ncalibration: {files: [\"a\xc3\"]}\n", {"line 2"});
+  // Well-formed multi-byte text is fine.
+  EXPECT_TRUE(ParseRecipe("method: quip\nname: caf\xc3\xa9  # \xe2\x9c\x93\n", kSource).ok());
 }
 
 TEST(RecipeErrors, CalibrationFiles) {

@@ -19,7 +19,9 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "common/text.h"
 #include "common/tokenizer_bpe.h"
+#include "common/utf8.h"
 #include "proto/sentencepiece_model.pb.h"
 #include "tests/test_util.h"
 
@@ -496,6 +498,39 @@ INSTANTIATE_TEST_SUITE_P(SharedModels, GoldenTokenizerTest, ::testing::ValuesIn(
 // -----------------------------------------------------------------------------------------------
 // A synthetic vocabulary with many equal scores, so that the leftmost-on-ties rule decides most
 // merges: every string of length 2..4 over {a, b, ' '} plus single letters, scores in {0,-1,-2}.
+// Calibration text must be text: random bytes or zeros are refused naming the file; real text,
+// any language, with tabs and CRLF, passes.
+TEST(TextTest, BinaryDataIsNotText) {
+  std::mt19937 rng(5);
+  std::string random(1 << 16, '\0');
+  for (char& c : random) c = static_cast<char>(rng());
+  Status s = CheckLooksLikeText("data/x.bin", random);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("data/x.bin: does not look like text"), std::string::npos) << s;
+  s = CheckLooksLikeText("zeros", std::string(1 << 20, '\0'));
+  EXPECT_NE(s.message().find("zeros: does not look like text: 100.0% of its 1048576 bytes"),
+            std::string::npos) << s;
+  EXPECT_TRUE(CheckLooksLikeText("t", "Once upon a time,\tthere was\r\na caf\xc3\xa9.\f\n").ok());
+  EXPECT_TRUE(CheckLooksLikeText("t", "\xe6\x97\xa5\xe6\x9c\xac\xe8\xaa\x9e \xf0\x9f\x98\x80").ok());
+  // One stray byte in a large file is tolerated (1%), many are not.
+  std::string mostly(1000, 'a');
+  mostly[500] = '\xff';
+  EXPECT_TRUE(CheckLooksLikeText("t", mostly).ok());
+  for (int i = 0; i < 20; ++i) mostly[i * 7] = '\x01';
+  EXPECT_FALSE(CheckLooksLikeText("t", mostly).ok());
+}
+
+TEST(Utf8Test, FirstInvalidByteAndItsPlace) {
+  EXPECT_EQ(FirstInvalidUtf8("abc"), std::string_view::npos);
+  EXPECT_EQ(FirstInvalidUtf8("ab\xc3\xa9\xff"), 4u);
+  EXPECT_EQ(FirstInvalidUtf8("\xc0\x80"), 0u);            // overlong NUL
+  EXPECT_EQ(FirstInvalidUtf8("x\xed\xa0\x80"), 1u);       // surrogate
+  EXPECT_EQ(FirstInvalidUtf8("\xf4\x90\x80\x80"), 0u);   // above U+10FFFF
+  EXPECT_EQ(FirstInvalidUtf8("ok\xe2\x82"), 2u);          // cut off
+  EXPECT_EQ(DescribeInvalidUtf8("a\nbc\xfe"), "line 2, byte 3 (0xfe)");
+  EXPECT_EQ(DescribeInvalidUtf8("fine"), "");
+}
+
 TEST(BpeTest, HeapMatchesNaiveWithTiedScores) {
   const uint64_t seed = TestSeed();
   std::mt19937_64 rng(seed);

@@ -39,6 +39,19 @@ TEST(ValidationTest, EachProblemHasAPreciseMessage) {
   EXPECT_EQ(Problem(s), "workers must be at least 1 (got 0)");
   s = env.Spec(100000);
   EXPECT_EQ(Problem(s), "workers must be at most 1024 (got 100000)");
+  s = env.Spec();
+  s.set_threads_per_worker(2000);
+  EXPECT_EQ(Problem(s), "threads_per_worker must be in [0, 1024] (got 2000)");
+  s = env.Spec();
+  s.set_recipe_yaml("method: quip\nname: \xff\n");
+  EXPECT_NE(Problem(s).find("not UTF-8 text at line 2, byte 7 (0xff)"), std::string::npos)
+      << Problem(s);
+  s = env.Spec();
+  s.set_recipe_yaml("method: quip\ncalibration: {num_sequences: 2000000000}\n");
+  EXPECT_NE(Problem(s).find("key 'calibration.num_sequences' (line 2) must be in [1, 1048576], "
+                            "got 2000000000"),
+            std::string::npos)
+      << Problem(s);
 
   s = env.Spec();
   s.set_model_dir(env.root + "/missing");

@@ -1,6 +1,7 @@
 // The single-process quantization pipeline on stories260K: checkpoint round trip, resume without
 // losing finished blocks, Hessian reuse, and the perplexity orderings QuIP# reports.
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <string>
@@ -197,19 +198,58 @@ TEST_F(QuantizeJobTest, CheckpointRoundTripsAndJobResumes) {
       << refused.status();
 }
 
-TEST_F(QuantizeJobTest, BadInputIsAClearError) {
+// Every refusal names the path and the problem and leaves no directory behind; the checks are
+// the coordinator's (common/job_inputs.h), so `qcal quantize` and `qcal submit` agree.
+TEST_F(QuantizeJobTest, BadInputIsAClearErrorAndLeavesNothingBehind) {
+  namespace fs = std::filesystem;
+  auto expect_refused = [](const StatusOr<job::QuantizeJobResult>& r,
+                           const job::QuantizeJobOptions& opt, const std::string& piece) {
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.status().message().find(piece), std::string::npos) << r.status();
+    EXPECT_FALSE(fs::exists(opt.out_dir)) << opt.out_dir << " left behind after: " << r.status();
+    EXPECT_FALSE(fs::exists(opt.job_dir)) << opt.job_dir << " left behind after: " << r.status();
+  };
   Recipe recipe = MakeRecipe("bad", "quip", 2, "e8p");
   auto opt = Options("bad");
   opt.out_dir = opt.model_dir + "/inside";
-  auto r = job::RunQuantizeJob(recipe, opt);
-  ASSERT_FALSE(r.ok());
-  EXPECT_NE(r.status().message().find("inside the input model directory"), std::string::npos);
+  opt.job_dir = *root_ + "/bad.job";
+  expect_refused(job::RunQuantizeJob(recipe, opt), opt, "out_dir '" + opt.out_dir + "' is inside");
+
+  // The job directory inside the model directory, as the service refuses it.
+  opt = Options("bad-job-dir");
+  opt.job_dir = opt.model_dir + "/jobdir";
+  expect_refused(job::RunQuantizeJob(recipe, opt), opt, "job_dir '" + opt.job_dir + "' is inside");
 
   opt = Options("bad2");
   recipe = MakeRecipe("bad", "quip", 2, "e8p", "calibration: {files: [data/does-not-exist.txt]}\n");
-  r = job::RunQuantizeJob(recipe, opt);
+  expect_refused(job::RunQuantizeJob(recipe, opt), opt, "does-not-exist.txt");
+
+  // Found only while calibrating (too little text for one sequence): the directories the job
+  // created are removed, since nothing in them is worth keeping.
+  const std::string tiny = *root_ + "/tiny.txt";
+  ASSERT_TRUE(WriteFileAtomic(tiny, "Once upon a time.\n").ok());
+  opt = Options("bad3");
+  recipe = MakeRecipe("bad", "quip", 2, "e8p", "calibration: {files: [" + tiny + "]}\n");
+  expect_refused(job::RunQuantizeJob(recipe, opt), opt, "fewer than one sequence");
+}
+
+// One output directory, one job: a second job on a directory another process is writing is
+// refused at once, naming the directory, and removes nothing of the first job's.
+TEST_F(QuantizeJobTest, AnOutputDirectoryInUseIsRefused) {
+  Recipe recipe = MakeRecipe("locked", "rtn", 4, "", "calibration: {num_sequences: 4}\n");
+  auto opt = Options("locked");
+  ASSERT_TRUE(MakeDirs(opt.out_dir).ok());
+  auto held = OutputDirLock::Acquire(opt.out_dir);  // another job's lock (flock is per open file)
+  ASSERT_TRUE(held.ok()) << held.status();
+  auto r = job::RunQuantizeJob(recipe, opt);
   ASSERT_FALSE(r.ok());
-  EXPECT_NE(r.status().message().find("does-not-exist.txt"), std::string::npos) << r.status();
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_NE(r.status().message().find(opt.out_dir + ": another qcal job is writing"),
+            std::string::npos) << r.status();
+  EXPECT_TRUE(std::filesystem::exists(opt.out_dir));
+  *held = OutputDirLock();  // released: the job runs
+  auto ok = job::RunQuantizeJob(recipe, opt);
+  EXPECT_TRUE(ok.ok()) << ok.status();
 }
 
 }  // namespace

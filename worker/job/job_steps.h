@@ -43,6 +43,7 @@ struct QuantizeJobOptions {
   std::string out_dir;
   std::string job_dir;    // default: out_dir + ".job"
   std::string data_root;  // where recipe calibration paths are resolved (default "../shared")
+  std::string recipe_source = "recipe";  // the recipe's file, for messages
   int64_t calib_batch = 8;
   int threads = 0;        // 0: model::AutoComputeThreads
   // Bytes of activations a rank holds in memory (calibration, evaluation, sequential inputs);

@@ -2,11 +2,13 @@
 
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <map>
 
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "common/job_inputs.h"
 #include "common/job_layout.h"
 #include "worker/comm/comm.h"
 
@@ -34,20 +36,16 @@ std::vector<quant::LinearMetrics> MetricsOf(const v1::BlockResult& r) {
   return out;
 }
 
-}  // namespace
-
-StatusOr<QuantizeJobResult> RunQuantizeJob(const Recipe& recipe, const QuantizeJobOptions& opt_in,
-                                           const std::function<void(const JobEvent&)>& on_event) {
+// The job, once its inputs are checked and its output directory is locked. Sets *kept_work when
+// something worth keeping exists in the directories (a finished block, calibration products).
+StatusOr<QuantizeJobResult> RunLockedJob(const Recipe& recipe, const QuantizeJobOptions& opt,
+                                         JobPlan plan, const JobEventFn& on_event,
+                                         bool* kept_work) {
   const auto t0 = Clock::now();
-  QuantizeJobOptions opt = opt_in;
-  if (opt.job_dir.empty()) opt.job_dir = opt.out_dir + ".job";
-  if (opt.data_root.empty()) opt.data_root = "../shared";
   auto emit = [&](const std::string& phase, int64_t done, int64_t total, std::string msg = "") {
     if (on_event) on_event(JobEvent{phase, done, total, std::move(msg)});
   };
-
-  // ---- Plan: validate inputs before any work.
-  QCAL_ASSIGN_OR_RETURN(JobPlan plan, PlanJob(recipe, opt.model_dir, opt.out_dir, opt.job_dir));
+  *kept_work = !plan.block_done.empty();
   QCAL_ASSIGN_OR_RETURN(std::unique_ptr<JobContext> ctx, OpenJob(recipe, opt));
   const int64_t blocks = plan.num_blocks;
   QCAL_ASSIGN_OR_RETURN(Journal journal, Journal::Open(opt.job_dir + "/journal.jsonl"));
@@ -63,6 +61,7 @@ StatusOr<QuantizeJobResult> RunQuantizeJob(const Recipe& recipe, const QuantizeJ
     auto self = runtime::MakeSelfComm();
     QCAL_ASSIGN_OR_RETURN(v1::CalibrateResult calib,
                           CalibrateStep(*self, ctx.get(), params, on_event));
+    *kept_work = true;  // the calibration products are cached in the job directory
     result.calib_tokens = calib.tokens();
     result.calib_seconds = calib.seconds();
     result.hessians_from_cache = params.hessians() && calib.hessians_from_cache();
@@ -80,6 +79,7 @@ StatusOr<QuantizeJobResult> RunQuantizeJob(const Recipe& recipe, const QuantizeJ
       QCAL_ASSIGN_OR_RETURN(v1::BlockResult block,
                             QuantizeBlockStep(ctx.get(), l, absl::StrCat("block-", l)));
       QCAL_RETURN_IF_ERROR(CommitFiles(opt.out_dir, FilesOf(block)));
+      *kept_work = true;
       nlohmann::json entry = BlockDoneEntry(block);
       QCAL_RETURN_IF_ERROR(journal.Append(entry));
       done[l] = std::move(entry);
@@ -120,6 +120,42 @@ StatusOr<QuantizeJobResult> RunQuantizeJob(const Recipe& recipe, const QuantizeJ
   QCAL_RETURN_IF_ERROR(FinalizeJob(recipe, opt.model_dir, opt.out_dir, &journal).status());
   emit("finalize", 1, 1);
   result.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  return result;
+}
+
+}  // namespace
+
+StatusOr<QuantizeJobResult> RunQuantizeJob(const Recipe& recipe, const QuantizeJobOptions& opt_in,
+                                           const JobEventFn& on_event) {
+  QuantizeJobOptions opt = opt_in;
+  if (opt.job_dir.empty()) opt.job_dir = opt.out_dir + ".job";
+  if (opt.data_root.empty()) opt.data_root = "../shared";
+
+  // ---- Inputs: the checks the coordinator makes for a submitted job, before anything exists.
+  JobInputs inputs;
+  inputs.model_dir = opt.model_dir;
+  inputs.out_dir = opt.out_dir;
+  inputs.job_dir = opt.job_dir;
+  inputs.data_root = opt.data_root;
+  inputs.recipe_source = opt.recipe_source;
+  QCAL_RETURN_IF_ERROR(CheckJobInputs(recipe, inputs).status());
+
+  // ---- Plan (creates the directories), then hold the output directory for the whole job.
+  std::error_code ec;
+  const bool out_existed = std::filesystem::exists(opt.out_dir, ec);
+  const bool job_existed = std::filesystem::exists(opt.job_dir, ec);
+  bool kept_work = false;
+  StatusOr<QuantizeJobResult> result = [&]() -> StatusOr<QuantizeJobResult> {
+    QCAL_ASSIGN_OR_RETURN(JobPlan plan, PlanJob(recipe, opt.model_dir, opt.out_dir, opt.job_dir));
+    QCAL_ASSIGN_OR_RETURN(OutputDirLock lock, OutputDirLock::Acquire(opt.out_dir));
+    return RunLockedJob(recipe, opt, std::move(plan), on_event, &kept_work);
+  }();
+  // A job refused before it produced anything leaves nothing behind: the directories it created
+  // are removed. Finished work (blocks, cached calibration) is always kept for a resume.
+  if (!result.ok() && !kept_work) {
+    if (!job_existed) std::filesystem::remove_all(opt.job_dir, ec);
+    if (!out_existed) std::filesystem::remove_all(opt.out_dir, ec);
+  }
   return result;
 }
 

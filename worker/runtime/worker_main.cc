@@ -15,6 +15,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "common/cli.h"
 #include "common/log.h"
 #include "rpc/auth.h"
 #include "worker/runtime/coordinator_client.h"
@@ -32,7 +33,8 @@ int main(int argc, char** argv) {
   app.add_option("--tls-ca", tls_ca, "CA certificate for a TLS coordinator (default plaintext)");
   app.add_option("--tls-cert", tls_cert, "client certificate, for a coordinator that requires one");
   app.add_option("--tls-key", tls_key, "private key of --tls-cert");
-  app.add_option("--threads", threads, "compute threads (default: the job's setting)");
+  app.add_option("--threads", threads, "compute threads (default: the job's setting)")
+      ->check(CLI::Range(0, qcal::kMaxThreads));
   app.add_option("--log-level", log_level, "debug, info, warn, error");
   app.add_option("--log-file", log_file, "also log to this file");
   CLI11_PARSE(app, argc, argv);

@@ -1,0 +1,134 @@
+#include "common/job_inputs.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+#include "absl/strings/str_cat.h"
+
+namespace qcal {
+namespace {
+
+namespace fs = std::filesystem;
+
+Status Invalid(const std::string& message) { return absl::InvalidArgumentError(message); }
+
+// With symlinks resolved where the path exists.
+std::string Resolved(const std::string& path) {
+  std::error_code ec;
+  fs::path p = fs::weakly_canonical(path, ec);
+  return ec ? path : p.string();
+}
+
+bool IsInsideOrEqual(const std::string& path, const std::string& dir) {
+  if (path == dir) return true;
+  const std::string prefix = dir == "/" ? "/" : dir + "/";
+  return path.compare(0, prefix.size(), prefix) == 0;
+}
+
+// An output directory: outside the model, a directory if it exists, creatable otherwise.
+Status CheckOutputDir(const char* field, const std::string& path, const std::string& model_dir) {
+  const std::string resolved = Resolved(path);
+  const std::string model = Resolved(model_dir);
+  if (IsInsideOrEqual(resolved, model)) {
+    return Invalid(absl::StrCat(field, " '", path, "' is ",
+                                resolved == model ? "the model directory" : "inside model_dir '",
+                                resolved == model ? "" : model_dir + "'",
+                                "; write the output outside the input"));
+  }
+  struct stat st;
+  if (::stat(path.c_str(), &st) == 0) {
+    if (!S_ISDIR(st.st_mode)) {
+      return Invalid(absl::StrCat(field, " '", path, "' exists and is not a directory"));
+    }
+    if (::access(path.c_str(), W_OK | X_OK) != 0) {
+      return Invalid(absl::StrCat(field, " '", path, "' is not writable: ", std::strerror(errno)));
+    }
+    return absl::OkStatus();
+  }
+  // The nearest existing ancestor must let us create the rest (a relative path's, from the
+  // working directory).
+  std::error_code ec;
+  fs::path absolute = fs::absolute(path, ec);
+  if (ec) absolute = path;
+  fs::path ancestor = absolute.parent_path();
+  while (!ancestor.empty() && ::stat(ancestor.c_str(), &st) != 0) {
+    if (ancestor == ancestor.parent_path()) break;
+    ancestor = ancestor.parent_path();
+  }
+  if (ancestor.empty() || ::stat(ancestor.c_str(), &st) != 0) {
+    return Invalid(absl::StrCat(field, " '", path, "' cannot be created: no existing parent"));
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    return Invalid(absl::StrCat(field, " '", path, "' cannot be created: '", ancestor.string(),
+                                "' is not a directory"));
+  }
+  if (::access(ancestor.c_str(), W_OK | X_OK) != 0) {
+    return Invalid(absl::StrCat(field, " '", path, "' cannot be created: '", ancestor.string(),
+                                "' is not writable"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+Status CheckReadableDirectory(const std::string& field, const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) {
+    const int err = errno;
+    return Invalid(err == ENOENT ? absl::StrCat(field, " '", path, "' does not exist")
+                                 : absl::StrCat(field, " '", path, "': ", std::strerror(err)));
+  }
+  if (!S_ISDIR(st.st_mode)) return Invalid(absl::StrCat(field, " '", path, "' is not a directory"));
+  if (::access(path.c_str(), R_OK | X_OK) != 0) {
+    return Invalid(absl::StrCat(field, " '", path, "' is not readable: ", std::strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
+Status CheckReadableFile(const std::string& what, const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) {
+    const int err = errno;
+    return Invalid(err == ENOENT ? absl::StrCat(what, " '", path, "' does not exist")
+                                 : absl::StrCat(what, " '", path, "': ", std::strerror(err)));
+  }
+  if (!S_ISREG(st.st_mode)) return Invalid(absl::StrCat(what, " '", path, "' is not a file"));
+  if (::access(path.c_str(), R_OK) != 0) {
+    return Invalid(absl::StrCat(what, " '", path, "' is not readable: ", std::strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
+bool JobCalibrates(const Recipe& recipe) {
+  const MethodNeeds needs = recipe.needs();
+  return needs.float_hessians || needs.float_activations || needs.end_to_end || needs.sequential;
+}
+
+StatusOr<LlamaConfig> CheckJobInputs(const Recipe& recipe, const JobInputs& in) {
+  QCAL_RETURN_IF_ERROR(CheckReadableDirectory("model_dir", in.model_dir));
+  QCAL_RETURN_IF_ERROR(CheckReadableFile("model config", in.model_dir + "/config.json"));
+  QCAL_ASSIGN_OR_RETURN(LlamaConfig config, LoadLlamaConfig(in.model_dir + "/config.json"));
+  QCAL_RETURN_IF_ERROR(CheckOutputDir("out_dir", in.out_dir, in.model_dir));
+  QCAL_RETURN_IF_ERROR(CheckOutputDir("job_dir", in.job_dir, in.model_dir));
+  if (JobCalibrates(recipe)) {
+    if (recipe.calibration.files.empty()) {
+      return Invalid(
+          absl::StrCat(in.recipe_source, ": the recipe calibrates but lists no calibration files"));
+    }
+    bool relative = false;
+    for (const std::string& f : recipe.calibration.files) relative |= f.empty() || f[0] != '/';
+    if (relative) QCAL_RETURN_IF_ERROR(CheckReadableDirectory("data_root", in.data_root));
+    for (const std::string& f : recipe.calibration.files) {
+      const std::string path = !f.empty() && f[0] == '/' ? f : in.data_root + "/" + f;
+      QCAL_RETURN_IF_ERROR(CheckReadableFile(
+          absl::StrCat("calibration file (", in.recipe_source, ": '", f, "')"), path));
+    }
+  }
+  return config;
+}
+
+}  // namespace qcal

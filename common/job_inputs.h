@@ -1,0 +1,37 @@
+// The checks of a job's inputs that need no model loaded, shared by `qcal quantize` and the
+// coordinator's validation of a submitted job, so that both accept and refuse the same jobs with
+// the same messages, before anything is created: the model directory and its config.json, the
+// output and job directories (outside the model, directories or creatable), and, when the recipe
+// calibrates, its calibration files.
+#pragma once
+
+#include <string>
+
+#include "common/hf_config.h"
+#include "common/recipe.h"
+#include "common/status.h"
+
+namespace qcal {
+
+struct JobInputs {
+  std::string model_dir;
+  std::string out_dir;
+  std::string job_dir;    // resolved (out_dir + ".job" by default)
+  std::string data_root;  // what relative calibration paths are read under
+  std::string recipe_source;  // the recipe's file, for messages
+};
+
+// Whether the recipe reads calibration text (Hessians, activations, sequential calibration or
+// end-to-end fine-tuning).
+bool JobCalibrates(const Recipe& recipe);
+
+// InvalidArgument naming the field (model_dir, out_dir, job_dir, data_root, calibration file),
+// the path and the problem; the model's config on success.
+StatusOr<LlamaConfig> CheckJobInputs(const Recipe& recipe, const JobInputs& inputs);
+
+// `what` 'path' exists, is a regular file and is readable; InvalidArgument otherwise.
+Status CheckReadableFile(const std::string& what, const std::string& path);
+// `field` 'path' exists, is a directory and is readable.
+Status CheckReadableDirectory(const std::string& field, const std::string& path);
+
+}  // namespace qcal
