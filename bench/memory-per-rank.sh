@@ -58,7 +58,11 @@ for L in "${LAYERS[@]}"; do
   t1=$(date +%s.%N)
   touch "$WORK/done-$L"
   wait $sampler
-  peaks=$(sort -k2 -n "$WORK/peaks-$L.txt" | awk '{printf "%s%.2f", (NR>1?" / ":""), $2/1048576}')
+  # Only this job's ranks (their pids, from the run's "rank r registered: ..., pid N" lines):
+  # other qcal-worker processes on the machine (a test suite) are sampled too but not reported.
+  ranks=$(sed -n 's/.* registered: .*, pid \([0-9]*\) .*/\1/p' "$WORK/run-$L.log" | sort -u)
+  peaks=$(for p in $ranks; do grep "^$p " "$WORK/peaks-$L.txt" || true; done | sort -k2 -n |
+          awk '{printf "%s%.2f", (NR>1?" / ":""), $2/1048576}')
   printf "| %s | %s | %.0f |\n" "$L" "$peaks" "$(echo "$t1 - $t0" | bc)"
   rm -rf "$out" "$out.job"
 done
