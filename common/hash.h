@@ -10,22 +10,6 @@
 
 namespace qcal {
 
-inline uint64_t Fnv1a64(std::string_view bytes) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : bytes) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  return h;
-}
-
-// 16 lower-case hex digits.
-inline std::string Hex64(uint64_t v) {
-  char buf[17];
-  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(v));
-  return buf;
-}
-
 // FNV-1a over bytes fed in pieces (a file checksummed as it is written).
 class Fnv1a {
  public:
@@ -37,11 +21,26 @@ class Fnv1a {
     }
   }
   uint64_t value() const { return h_; }
-  std::string Hex() const { return Hex64(h_); }
+  std::string Hex() const;
 
  private:
   uint64_t h_ = 1469598103934665603ull;
 };
+
+inline uint64_t Fnv1a64(std::string_view bytes) {
+  Fnv1a h;
+  h.Update(bytes.data(), bytes.size());
+  return h.value();
+}
+
+// 16 lower-case hex digits.
+inline std::string Hex64(uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+inline std::string Fnv1a::Hex() const { return Hex64(h_); }
 
 // Hex64(Fnv1a64(bytes)).
 inline std::string Fnv1aHex(std::string_view bytes) { return Hex64(Fnv1a64(bytes)); }

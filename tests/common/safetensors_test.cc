@@ -23,6 +23,7 @@
 
 #include "common/atomic_file.h"
 #include "common/dtype.h"
+#include "common/hash.h"
 #include "tests/test_util.h"
 
 namespace qcal {
@@ -555,7 +556,18 @@ TEST_F(TempDirTest, RoundTripEveryDTypeWithMetadata) {
   writer.SetMetadata("format", "pt");
   writer.SetMetadata("qcal.recipe", "quip#-e8p \xc3\xa9");  // UTF-8 survives
   const std::string path = Path("model.safetensors");
-  ASSERT_TRUE(writer.Write(path).ok());
+  // The checksum computed while writing (fed in pieces) is the FNV-1a of the file's bytes, as a
+  // later read computes it (resume and commit compare the two).
+  StatusOr<std::string> written_sum = writer.WriteWithChecksum(path);
+  ASSERT_TRUE(written_sum.ok()) << written_sum.status();
+  StatusOr<std::string> file_bytes = ReadFile(path);
+  ASSERT_TRUE(file_bytes.ok());
+  EXPECT_EQ(*written_sum, Fnv1aHex(*file_bytes));
+  Fnv1a pieces;
+  for (size_t i = 0; i < file_bytes->size(); i += 1000) {
+    pieces.Update(file_bytes->data() + i, std::min<size_t>(1000, file_bytes->size() - i));
+  }
+  EXPECT_EQ(pieces.Hex(), *written_sum);
 
   // Layout: the header is padded with spaces so the data section is 8-byte aligned.
   auto raw = ReadFile(path);
