@@ -9,8 +9,10 @@
 #include <atomic>
 #include <cstring>
 #include <memory>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/hash.h"
 #include "common/io_util.h"
 
 namespace qcal {
@@ -71,6 +73,32 @@ StatusOr<std::string> ReadFile(const std::string& path) {
     contents.append(buffer, static_cast<size_t>(n));
   }
   return contents;
+}
+
+StatusOr<std::string> FileFnv1aHex(const std::string& path) {
+  ScopedFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) return ErrnoError(errno, path, "cannot open for reading");
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) return ErrnoError(errno, path, "cannot stat");
+  if (S_ISDIR(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat(path, ": is a directory, not a file"));
+  }
+  Fnv1a sum;
+  std::vector<char> buffer(1 << 20);
+  uint64_t total = 0;
+  while (true) {
+    const ssize_t n = ::read(fd.get(), buffer.data(), buffer.size());
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      const int error = errno;
+      return absl::DataLossError(
+          absl::StrCat(path, ": read failed after ", total, " bytes: ", ErrnoText(error)));
+    }
+    if (n == 0) break;
+    sum.Update(buffer.data(), static_cast<size_t>(n));
+    total += static_cast<uint64_t>(n);
+  }
+  return sum.Hex();
 }
 
 Status SyncParentDir(const std::string& path) { return FsyncDir(DirName(path)); }

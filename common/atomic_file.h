@@ -16,6 +16,9 @@ Status WriteFileAtomic(const std::string& path, std::string_view contents);
 
 // Reads a whole file; NotFound / PermissionDenied / DataLoss with the path in the message.
 StatusOr<std::string> ReadFile(const std::string& path);
+// Hex FNV-1a 64 of the file's bytes (common/hash.h), read in 1 MiB pieces; the read error
+// (naming the file) otherwise.
+StatusOr<std::string> FileFnv1aHex(const std::string& path);
 
 // fsyncs the directory holding `path`, making a rename into it durable.
 Status SyncParentDir(const std::string& path);

@@ -342,6 +342,61 @@ Status CheckBlockResult(const v1::BlockResult& r, const std::string& out_dir,
 
 // ---- Journal
 
+namespace {
+
+// The types of the keys journal readers use, checked once when the journal is read so that no
+// reader can meet a key of another type (nlohmann's value() throws on one): "" when the entry
+// is well-formed, else what is wrong with it. Unknown keys are allowed (newer versions).
+std::string JournalEntryProblem(const nlohmann::json& e) {
+  using json = nlohmann::json;
+  if (!e.is_object()) return "not a JSON object";
+  if (!e.contains("event") || !e["event"].is_string()) return "no string 'event'";
+  for (const char* key : {"recipe", "recipe_hash", "model", "shard", "checksum"}) {
+    if (e.contains(key) && !e[key].is_string()) return absl::StrCat("'", key, "' is not a string");
+  }
+  if (e.contains("layer") && !e["layer"].is_number_integer()) return "'layer' is not an integer";
+  if (e.contains("bytes") && !e["bytes"].is_number_unsigned()) {
+    return "'bytes' is not a non-negative integer";
+  }
+  if (e.contains("best_epoch") && !e["best_epoch"].is_number_integer()) {
+    return "'best_epoch' is not an integer";
+  }
+  if (e.contains("head_tuned") && !e["head_tuned"].is_boolean()) return "'head_tuned' is not a boolean";
+  if (e.contains("seconds") && !e["seconds"].is_number()) return "'seconds' is not a number";
+  for (const char* key : {"mse_before_ft", "mse_after_ft", "kl_before", "kl_after"}) {
+    if (e.contains(key) && !e[key].is_number() && !e[key].is_null()) {
+      return absl::StrCat("'", key, "' is not a number or null");
+    }
+  }
+  for (const char* key : {"also_wrote", "checksums"}) {
+    if (!e.contains(key)) continue;
+    if (!e[key].is_object()) return absl::StrCat("'", key, "' is not an object");
+    for (const auto& [name, sum] : e[key].items()) {
+      if (!sum.is_string()) return absl::StrCat("'", key, "' value for a file is not a string");
+    }
+  }
+  if (e.contains("metrics")) {
+    if (!e["metrics"].is_array()) return "'metrics' is not an array";
+    for (const json& m : e["metrics"]) {
+      if (!m.is_object()) return "a 'metrics' item is not an object";
+      if (m.contains("name") && !m["name"].is_string()) return "a metric's 'name' is not a string";
+      for (const char* key : {"proxy_loss", "relative"}) {
+        if (m.contains(key) && !m[key].is_number() && !m[key].is_null()) {
+          return absl::StrCat("a metric's '", key, "' is not a number or null");
+        }
+      }
+      for (const char* key : {"code_bits", "stored_bits", "seconds"}) {
+        if (m.contains(key) && !m[key].is_number()) {
+          return absl::StrCat("a metric's '", key, "' is not a number");
+        }
+      }
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
 StatusOr<Journal> Journal::Open(const std::string& path) {
   Journal j;
   j.path_ = path;
@@ -356,6 +411,11 @@ StatusOr<Journal> Journal::Open(const std::string& path) {
       // A torn last line (crash mid-append) is ignored; anything else is corruption.
       if (in.peek() == EOF) break;
       return absl::DataLossError(absl::StrCat(path, ": line ", lineno, " is not JSON"));
+    }
+    const std::string problem = JournalEntryProblem(e);
+    if (!problem.empty()) {
+      return absl::DataLossError(
+          absl::StrCat(path, ": line ", lineno, " is not a journal entry: ", problem));
     }
     j.entries_.push_back(std::move(e));
   }
@@ -499,7 +559,8 @@ BitsPerWeight AggregateBits(const LlamaConfig& config,
   return bits;
 }
 
-Status WriteShardIndex(const std::string& out_dir, int64_t num_blocks) {
+Status WriteShardIndex(const std::string& out_dir, int64_t num_blocks,
+                       const std::map<std::string, std::string>& checksums) {
   std::map<std::string, std::string> weight_map;
   uint64_t total = 0;
   for (int64_t shard = 0; shard <= num_blocks; ++shard) {
@@ -510,12 +571,11 @@ Status WriteShardIndex(const std::string& out_dir, int64_t num_blocks) {
       total += t.nbytes();
     }
   }
-  return WriteCheckpointIndex(out_dir, weight_map, total);
+  return WriteCheckpointIndex(out_dir, weight_map, total, checksums);
 }
 
 StatusOr<std::string> FileChecksum(const std::string& path) {
-  QCAL_ASSIGN_OR_RETURN(std::string bytes, ReadFile(path));
-  return Fnv1aHex(bytes);
+  return FileFnv1aHex(path);
 }
 
 Status CheckBlockDoneEntry(const nlohmann::json& entry, const std::string& out_dir,
@@ -570,8 +630,14 @@ Status CheckBlockDoneEntry(const nlohmann::json& entry, const std::string& out_d
 }
 
 Status FinalizeCheckpoint(const std::string& out_dir, const std::string& model_dir,
-                          const LlamaConfig& config, const nlohmann::json& quantization_config) {
-  QCAL_RETURN_IF_ERROR(WriteShardIndex(out_dir, config.num_hidden_layers));
+                          const LlamaConfig& config, const nlohmann::json& quantization_config,
+                          std::map<std::string, std::string> checksums) {
+  for (int64_t shard = 0; shard <= config.num_hidden_layers; ++shard) {
+    const std::string name = ShardName(shard, config.num_hidden_layers);
+    if (checksums.count(name)) continue;
+    QCAL_ASSIGN_OR_RETURN(checksums[name], FileFnv1aHex(out_dir + "/" + name));
+  }
+  QCAL_RETURN_IF_ERROR(WriteShardIndex(out_dir, config.num_hidden_layers, checksums));
   for (const char* f : {"tokenizer.model", "tokenizer_config.json", "generation_config.json",
                         "tokenizer.json", "special_tokens_map.json"}) {
     const std::string src = model_dir + "/" + f;
@@ -618,7 +684,25 @@ StatusOr<nlohmann::json> FinalizeJob(const Recipe& recipe, const std::string& mo
                            plan.config)
             .status());
   }
-  QCAL_RETURN_IF_ERROR(FinalizeCheckpoint(out_dir, model_dir, out_config, quant_config));
+  // The checksums the journal accepted (verified against the files by EvaluateJournal above)
+  // go into the index; shard 0, when finalize wrote it just now, is checksummed from its file.
+  std::map<std::string, std::string> checksums;
+  for (const auto& [layer, entry] : plan.block_done) {
+    checksums[entry.value("shard", "")] = entry.value("checksum", "");
+    if (entry.contains("also_wrote") && entry["also_wrote"].is_object()) {
+      for (const auto& [name, sum] : entry["also_wrote"].items()) {
+        if (sum.is_string()) checksums[name] = sum.get<std::string>();
+      }
+    }
+  }
+  if (plan.e2e_finished) {
+    for (const auto& [name, sum] : plan.e2e_done["checksums"].items()) {
+      if (sum.is_string()) checksums[name] = sum.get<std::string>();
+    }
+  }
+  if (!plan.e2e_enabled && !transformed) checksums.erase(ShardName(0, plan.num_blocks));
+  QCAL_RETURN_IF_ERROR(
+      FinalizeCheckpoint(out_dir, model_dir, out_config, quant_config, std::move(checksums)));
   QCAL_RETURN_IF_ERROR(RemoveStaging(out_dir));
   QCAL_RETURN_IF_ERROR(journal->Append({{"event", "job_done"}}));
   nlohmann::json summary = {{"out_dir", out_dir},

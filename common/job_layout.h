@@ -148,13 +148,19 @@ BitsPerWeight AggregateBits(const LlamaConfig& config,
 
 // Writes the index (from the shards' headers), config.json (last: its presence marks a complete
 // checkpoint) and copies the tokenizer files from `model_dir`.
+// The index records every shard's checksum (metadata.qcal_fnv1a64, which readers verify):
+// those in `checksums` (a job's journaled ones, for the shards accepted attempts wrote), the
+// others computed from the files.
 Status FinalizeCheckpoint(const std::string& out_dir, const std::string& model_dir,
-                          const LlamaConfig& config, const nlohmann::json& quantization_config);
+                          const LlamaConfig& config, const nlohmann::json& quantization_config,
+                          std::map<std::string, std::string> checksums = {});
 
 // Writes model.safetensors.index.json over shards 0..num_blocks already in out_dir (from their
 // headers). Used before end-to-end fine-tuning (so out_dir reads as a checkpoint) and by
 // FinalizeCheckpoint.
-Status WriteShardIndex(const std::string& out_dir, int64_t num_blocks);
+// With `checksums`, they are recorded in the index (FinalizeCheckpoint).
+Status WriteShardIndex(const std::string& out_dir, int64_t num_blocks,
+                       const std::map<std::string, std::string>& checksums = {});
 
 // Fnv1aHex of the file's bytes (the checksum journaled for shards); the read error otherwise.
 StatusOr<std::string> FileChecksum(const std::string& path);

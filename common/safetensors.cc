@@ -650,6 +650,26 @@ StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const std::st
       return absl::InvalidArgumentError(absl::StrCat(
           index_path, ": 'metadata' must be an object, got ", JsonTypeName(*metadata)));
     }
+    if (metadata != index.end() && metadata->is_object()) {
+      const auto sums = metadata->find("qcal_fnv1a64");
+      if (sums != metadata->end()) {
+        if (!sums->is_object()) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              index_path, ": 'metadata.qcal_fnv1a64' must be an object, got ",
+              JsonTypeName(*sums)));
+        }
+        for (auto it = sums->begin(); it != sums->end(); ++it) {
+          const auto* hex = it.value().get_ptr<const json::string_t*>();
+          if (hex == nullptr || hex->size() != 16 ||
+              hex->find_first_not_of("0123456789abcdef") != std::string::npos) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                index_path, ": metadata.qcal_fnv1a64 entry for '", Printable(it.key()),
+                "' must be 16 lower-case hex digits"));
+          }
+          reader->checksums_.emplace(it.key(), *hex);
+        }
+      }
+    }
     const auto weight_map = index.find("weight_map");
     if (weight_map == index.end()) {
       return absl::InvalidArgumentError(
@@ -725,8 +745,19 @@ std::vector<std::string> CheckpointReader::TensorNames() const {
 StatusOr<const SafetensorsFile*> CheckpointReader::Shard(const std::string& shard_name) {
   auto it = shards_.find(shard_name);
   if (it == shards_.end()) {
-    QCAL_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> file,
-                          SafetensorsFile::Open(JoinPath(dir_, shard_name)));
+    const std::string path = JoinPath(dir_, shard_name);
+    const auto want = checksums_.find(shard_name);
+    if (want != checksums_.end()) {
+      QCAL_ASSIGN_OR_RETURN(std::string got, FileFnv1aHex(path));
+      if (got != want->second) {
+        return absl::DataLossError(absl::StrCat(
+            path, ": checksum ", got, " does not match ", want->second, " recorded in ",
+            JoinPath(dir_, kIndexFileName),
+            " when the job finished: the shard was changed afterwards; re-run the job (its "
+            "journal redoes the block) or restore the file"));
+      }
+    }
+    QCAL_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> file, SafetensorsFile::Open(path));
     it = shards_.emplace(shard_name, std::move(file)).first;
   }
   return it->second.get();
@@ -785,7 +816,8 @@ Status CheckpointReader::Validate() {
 
 Status WriteCheckpointIndex(const std::string& dir,
                             const std::map<std::string, std::string>& weight_map,
-                            uint64_t total_size) {
+                            uint64_t total_size,
+                            const std::map<std::string, std::string>& checksums) {
   const std::string index_path = JoinPath(dir, kIndexFileName);
   json map = json::object();
   for (const auto& [name, shard] : weight_map) {
@@ -802,6 +834,17 @@ Status WriteCheckpointIndex(const std::string& dir,
   }
   json index = json::object();
   index["metadata"] = json::object({{"total_size", total_size}});
+  if (!checksums.empty()) {
+    json sums = json::object();
+    for (const auto& [shard, hex] : checksums) {
+      if (!IsPlainFileName(shard) || !IsValidUtf8(shard)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            index_path, ": checksum for '", Printable(shard), "', which is not a plain file name"));
+      }
+      sums[shard] = hex;
+    }
+    index["metadata"]["qcal_fnv1a64"] = std::move(sums);
+  }
   index["weight_map"] = std::move(map);
   // nlohmann's default object is a std::map, so keys come out sorted.
   std::string text = index.dump(2, ' ', false, json::error_handler_t::replace);

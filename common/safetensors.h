@@ -134,6 +134,9 @@ class SafetensorsWriter {
 // lazily on first access. Thread-compatible (external locking for concurrent first access).
 class CheckpointReader {
  public:
+  // A finished qcal output's index carries each shard's checksum (metadata.qcal_fnv1a64); then
+  // every shard is verified when first opened, and one changed after the job finished (a stale
+  // writer, a bad copy) is DataLoss naming the file, never loaded.
   static StatusOr<std::unique_ptr<CheckpointReader>> Open(const std::string& dir);
   // A reader over some shard files of `dir` (plain file names), without an index: what a job
   // reads back from an output directory that is not finalized yet. Errors name the file.
@@ -160,12 +163,18 @@ class CheckpointReader {
   std::string dir_;
   std::map<std::string, std::string, std::less<>> weight_map_;  // tensor -> shard file name
   std::map<std::string, std::unique_ptr<SafetensorsFile>> shards_;
+  // From the index's metadata.qcal_fnv1a64 (a finished qcal output): each listed shard's bytes
+  // are checked once, when it is first opened; a mismatch is DataLoss naming the shard.
+  std::map<std::string, std::string> checksums_;
 };
 
 // Writes model.safetensors.index.json (atomically) for shards already written into `dir`:
 // `weight_map` maps tensor name -> shard file name; total_size is the sum of tensor bytes.
+// `checksums` (shard file name -> Fnv1aHex of its bytes), when given, go into
+// metadata.qcal_fnv1a64: a reader then refuses a listed shard whose bytes changed.
 Status WriteCheckpointIndex(const std::string& dir,
                             const std::map<std::string, std::string>& weight_map,
-                            uint64_t total_size);
+                            uint64_t total_size,
+                            const std::map<std::string, std::string>& checksums = {});
 
 }  // namespace qcal

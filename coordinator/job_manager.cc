@@ -181,6 +181,7 @@ void JobManager::SetStateLocked(JobRuntime& rt, v1::JobState state, const std::s
   rt.job.set_state(state);
   if (!error.empty()) rt.job.set_error(error);
   if (IsFinalState(state)) {
+    if (rt.workspace) rt.workspace->Close();  // the output directory is free for the next job
     rt.ended_at = clock_->MonotonicSeconds();
     rt.job.set_eta_seconds(state == v1::JOB_STATE_SUCCEEDED ? 0 : -1);
     QCAL_LOG_INFO("job {}: {}{}{}", rt.job.id(), JobStateName(state), error.empty() ? "" : ": ",

@@ -62,6 +62,13 @@ int main(int argc, char** argv) {
   app.add_option("--listen", server_options.listen, "host:port to serve on (port 0: any free)")
       ->capture_default_str();
   app.add_option("--state", state_dir, "state directory (job records, log)")->required();
+  app.add_option("--max-threads", server_options.max_threads,
+                 "threads serving calls (each worker rank holds about 2; a call beyond the cap is "
+                 "refused with RESOURCE_EXHAUSTED)")
+      ->capture_default_str()
+      ->check(CLI::Range(8, 65536));
+  app.add_flag("--reflection", server_options.reflection,
+               "serve gRPC server reflection (grpcurl list/describe; needs no token)");
   app.add_option("--auth-token-file", token_file,
                  "file holding the bearer token every RPC must carry")
       ->required()

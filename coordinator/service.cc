@@ -178,13 +178,27 @@ StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   std::unique_ptr<CoordinatorServer> server(new CoordinatorServer());
   server->job_service_ = std::make_unique<JobServiceImpl>(manager, options.token);
   server->worker_service_ = std::make_unique<WorkerServiceImpl>(manager, options.token);
+  if (options.max_threads < 8) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-threads must be at least 8, got ", options.max_threads));
+  }
   grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  // A process-wide plugin registration: once on, every server built later in this process
+  // serves reflection too (only tests build more than one).
+  if (options.reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.listen, credentials, &server->port_);
   builder.RegisterService(server->job_service_.get());
   builder.RegisterService(server->worker_service_.get());
-  builder.SetMaxReceiveMessageSize(16 << 20);
+  builder.SetMaxReceiveMessageSize(kMaxRequestBytes);
+  grpc::ResourceQuota quota("qcal-coordinator");
+  quota.SetMaxThreads(options.max_threads);
+  quota.Resize(kMaxTransportMemoryBytes);
+  builder.SetResourceQuota(quota);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, kMaxStreamsPerConnection);
+  // No bandwidth-delay probing: it grows a connection's receive window ahead of demand, which
+  // an unauthenticated sender can fill.
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
   server->server_ = builder.BuildAndStart();
   if (!server->server_ || server->port_ == 0) {
     return absl::UnavailableError(

@@ -22,7 +22,20 @@ struct ServerOptions {
   std::string tls_cert_file;           // with tls_key_file: serve TLS
   std::string tls_key_file;
   std::string tls_client_ca_file;      // require client certificates signed by this CA
+  // Limits that hold before a call is authenticated (docs/service.md, "Limits"):
+  //  * a request message may be at most kMaxRequestBytes (a JobSpec with the largest recipe
+  //    qcal accepts, 1 MiB, and its paths); a larger one is refused with RESOURCE_EXHAUSTED from
+  //    its length prefix, before it is buffered;
+  //  * at most max_threads threads serve calls (gRPC's sync-server quota; a call beyond it gets
+  //    RESOURCE_EXHAUSTED), and kMaxStreamsPerConnection concurrent calls per connection;
+  //  * server reflection (unauthenticated, a thread per open stream) only when asked for.
+  int max_threads = 512;
+  bool reflection = false;
 };
+
+inline constexpr int kMaxRequestBytes = (1 << 20) + (64 << 10);
+inline constexpr int kMaxStreamsPerConnection = 64;
+inline constexpr size_t kMaxTransportMemoryBytes = size_t{16} << 20;
 
 // UNAUTHENTICATED unless the call carries "authorization: Bearer <token>".
 grpc::Status Authorize(const grpc::ServerContext& context, const std::string& token);

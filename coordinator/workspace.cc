@@ -10,6 +10,7 @@ class DiskWorkspace : public JobWorkspace {
   StatusOr<JobPlan> Open(const Recipe& recipe, const v1::JobSpec& spec) override {
     QCAL_ASSIGN_OR_RETURN(JobPlan plan,
                           PlanJob(recipe, spec.model_dir(), spec.out_dir(), spec.job_dir()));
+    QCAL_ASSIGN_OR_RETURN(lock_, OutputDirLock::Acquire(spec.out_dir()));
     QCAL_ASSIGN_OR_RETURN(Journal journal, Journal::Open(plan.job_dir + "/journal.jsonl"));
     journal_.emplace(std::move(journal));
     out_dir_ = spec.out_dir();
@@ -36,6 +37,8 @@ class DiskWorkspace : public JobWorkspace {
     return journal_->Append(entry);
   }
 
+  void Close() override { lock_ = OutputDirLock(); }
+
   StatusOr<nlohmann::json> Finalize(const Recipe& recipe, const v1::JobSpec& spec) override {
     if (!journal_) return absl::FailedPreconditionError("the job's journal is not open");
     return FinalizeJob(recipe, spec.model_dir(), spec.out_dir(), &*journal_);
@@ -43,6 +46,7 @@ class DiskWorkspace : public JobWorkspace {
 
  private:
   std::optional<Journal> journal_;
+  OutputDirLock lock_;
   std::string out_dir_;     // set by Open, read-only afterwards
   int64_t num_blocks_ = 0;
 };

@@ -26,8 +26,12 @@ class JobWorkspace {
  public:
   virtual ~JobWorkspace() = default;
   // Validates the model and any existing journal against the recipe (PlanJob), creates the
-  // output and job directories, opens JOB/journal.jsonl and appends job_start.
+  // output and job directories, locks the output directory for the job's life (OutputDirLock:
+  // a `qcal quantize` or another coordinator's job on it is refused, FailedPrecondition), opens
+  // JOB/journal.jsonl and appends job_start.
   virtual StatusOr<JobPlan> Open(const Recipe& recipe, const v1::JobSpec& spec) = 0;
+  // The job reached a final state: releases the output directory's lock.
+  virtual void Close() {}
   // Checks a worker's block result before it is accepted: the block's shard name, staged files
   // present with the sizes claimed (nothing is read: the checksum was computed as the worker
   // wrote them, and finalize verifies every shard against the journal).

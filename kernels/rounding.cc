@@ -9,6 +9,7 @@
 #include <thread>
 #include <utility>
 
+#include "common/cpu.h"
 #include "kernels/linalg.h"
 
 namespace qcal::kernels {
@@ -221,7 +222,7 @@ void QuantizeVectors(const VectorCodebook& cb, const float* in, int64_t count, f
   constexpr int64_t kMinVectorsPerThread = 256;
   int threads = num_threads > 0
                     ? num_threads
-                    : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+                    : qcal::AvailableCpus();
   threads = static_cast<int>(
       std::min<int64_t>(threads, (count + kMinVectorsPerThread - 1) / kMinVectorsPerThread));
   if (threads <= 1) {
@@ -456,7 +457,7 @@ VectorRoundingResult BlockLdlqSweep(const double* W, int64_t m, int64_t n, const
   // Each row is computed by the same arithmetic whatever the thread count.
   int threads = config.num_threads > 0
                     ? config.num_threads
-                    : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+                    : qcal::AvailableCpus();
   threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, m / 64)));
   const int64_t rows_per = (m + threads - 1) / threads;
   auto sweep_rows = [&](int64_t r0, int64_t r1, int64_t b0, int64_t b1) {

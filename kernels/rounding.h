@@ -114,7 +114,7 @@ struct VectorRoundingConfig {
   double scale = 0.0;
   int64_t lazy_block = 128;  // Rounded up to a multiple of the codebook dimension. BlockLDLQ only.
   // Threads for the codebook searches (VectorCodebook::Quantize on row chunks; codebooks are
-  // thread-safe). 0 = std::thread::hardware_concurrency(). Each vector is rounded independently,
+  // thread-safe). 0 = the CPUs of the affinity mask. Each vector is rounded independently,
   // so a deterministic codebook gives bit-identical results for any thread count; a stochastic
   // codebook that draws from one shared generator is only reproducible with 1.
   int num_threads = 0;

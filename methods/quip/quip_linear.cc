@@ -11,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "common/dtype.h"
 #include "methods/quip/transforms_torch.h"
+#include "worker/model/llama.h"
 #include "worker/model/tensor_io.h"
 
 namespace qcal::methods::quip {
@@ -176,7 +177,7 @@ at::Tensor QuipLinear::Forward(const at::Tensor& x) const {
   at::Tensor h = x;
   if (d.in_pad > d.in_features) h = at::constant_pad_nd(h, {0, d.in_pad - d.in_features}, 0);
   h = m.tv.Forward(h * WeightLike(m.sv, h));          // V x = T_v·diag(sv)·x
-  at::Tensor y = at::matmul(h, WeightLike(m.weight, h).t());  // Ŵ (V x)
+  at::Tensor y = model::LinearRows(h, WeightLike(m.weight, h));  // Ŵ (V x)
   y = m.tu.Inverse(y) * WeightLike(m.su, y);          // Uᵀ ŷ = diag(su)·T_uᵀ·ŷ
   if (d.out_pad > d.out_features) y = y.narrow(-1, 0, d.out_features);
   return y;

@@ -192,8 +192,9 @@ class CoordinatorIntegrationTest : public ::testing::Test {
     std::vector<std::string> args = {
         qcal::testing::BuildDir() + "/coordinator/qcal-coordinator",
         "--listen", "127.0.0.1:0", "--state", state, "--auth-token-file", token_file_,
-        "--address-file", address_file, "--kill-grace", "2", "--heartbeat-timeout", "30",
-        "--log-file", dir_ + "/coordinator.log"};
+        "--address-file", address_file, "--kill-grace", kill_grace_, "--heartbeat-timeout",
+        heartbeat_timeout_, "--log-file", dir_ + "/coordinator.log"};
+    std::remove(address_file.c_str());
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -325,12 +326,147 @@ class CoordinatorIntegrationTest : public ::testing::Test {
     return ProcessesWithArgs({id, address_});
   }
 
+  // Stops the coordinator (SIGTERM, as TearDown) and starts one with these settings.
+  void RestartCoordinator(const std::string& heartbeat_timeout, const std::string& kill_grace) {
+    ::kill(coordinator_pid_, SIGTERM);
+    int status = 0;
+    ::waitpid(coordinator_pid_, &status, 0);
+    coordinator_pid_ = 0;
+    heartbeat_timeout_ = heartbeat_timeout;
+    kill_grace_ = kill_grace;
+    StartCoordinator();
+  }
+
+  // The pid of rank `rank` of job `id` (from OMPI_COMM_WORLD_RANK in its environment), or -1.
+  pid_t RankPid(const std::string& id, int rank) {
+    for (int pid : JobProcesses(id)) {
+      auto env = ReadFile("/proc/" + std::to_string(pid) + "/environ");
+      if (!env.ok()) continue;
+      std::stringstream vars(*env);
+      std::string v;
+      bool worker = false, match = false;
+      while (std::getline(vars, v, '\0')) {
+        if (v == "OMPI_COMM_WORLD_RANK=" + std::to_string(rank)) match = true;
+      }
+      auto cmd = ReadFile("/proc/" + std::to_string(pid) + "/cmdline");
+      worker = cmd.ok() && cmd->find("qcal-worker") != std::string::npos &&
+               cmd->find("mpirun") == std::string::npos;
+      if (worker && match) return pid;
+    }
+    return -1;
+  }
+
+  // Every event of job `id` so far (GetJob does not carry them: one WatchJob replay, cut off
+  // after `wait`).
+  std::vector<v1::JobEvent> EventsSoFar(const std::string& id,
+                                        std::chrono::milliseconds wait = std::chrono::milliseconds(300)) {
+    grpc::ClientContext ctx;
+    AddBearerToken(&ctx, kToken);
+    ctx.set_deadline(std::chrono::system_clock::now() + wait);
+    v1::WatchJobRequest req;
+    req.set_job_id(id);
+    auto reader = jobs_->WatchJob(&ctx, req);
+    std::vector<v1::JobEvent> out;
+    v1::JobEvent e;
+    while (reader->Read(&e)) out.push_back(e);
+    reader->Finish();
+    return out;
+  }
+
+  // The stale-attempt race (issue 18): rank 1 is paused (SIGSTOP) in the middle of a block;
+  // after the heartbeat timeout the block is requeued and rank 0 redoes it. Rank 1 is resumed
+  // (SIGCONT) either as soon as the redo is done (the job still running) or after the job
+  // succeeded; it then finishes its stale attempt. The output must be byte-identical to an
+  // uninterrupted run (`qcal quantize`), and loadable (its index's checksums verified).
+  void StaleAttemptLeavesOutputIntact(bool resume_after_success) {
+    RestartCoordinator("3", "60");
+    recipe_ = WriteRecipe("ft-small.yaml", 32, "quip-e8p-2bit-ft");
+    ASSERT_FALSE(recipe_.empty());
+    const std::string ref = Reference();
+    const std::string out = dir_ + (resume_after_success ? "/stale-after-success" : "/stale-redo");
+    std::string id;
+    ASSERT_TRUE(Submit(Spec(out, 2), &id).ok());
+    // Rank 1 is paused while it holds a block; if it happened to be between tasks (no requeue
+    // follows), it is resumed and paused again a little later.
+    int64_t stolen_block = -1;
+    pid_t rank1 = -1;
+    const auto deadline = Clock::now() + std::chrono::seconds(300);
+    while (stolen_block < 0 && Clock::now() < deadline) {
+      const v1::Job job = Get(id);
+      ASSERT_FALSE(job.state() == v1::JOB_STATE_FAILED || job.state() == v1::JOB_STATE_CANCELLED)
+          << job.error();
+      ASSERT_NE(job.state(), v1::JOB_STATE_SUCCEEDED) << "the job ended before rank 1 was paused";
+      if (job.phase() != "quantize") {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        continue;
+      }
+      rank1 = RankPid(id, 1);
+      ASSERT_GT(rank1, 0) << "no rank 1 process";
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      ASSERT_EQ(::kill(rank1, SIGSTOP), 0);
+      // Heartbeat timeout 3 s: a held block returns to the queue within about 4 s.
+      const auto wait_until = Clock::now() + std::chrono::seconds(8);
+      while (stolen_block < 0 && Clock::now() < wait_until) {
+        for (const v1::JobEvent& e : EventsSoFar(id)) {
+          if (e.kind() == v1::JOB_EVENT_KIND_WARNING &&
+              e.message().find("returns to the queue") != std::string::npos) {
+            const size_t at = e.message().rfind("block ", e.message().find(" returns to"));
+            if (at != std::string::npos) stolen_block = std::atoll(e.message().c_str() + at + 6);
+          }
+        }
+      }
+      if (stolen_block < 0) {
+        ::kill(rank1, SIGCONT);  // it held no block: try again
+        std::this_thread::sleep_for(std::chrono::milliseconds(500));
+      }
+    }
+    ASSERT_GE(stolen_block, 0) << "rank 1 never held a block when paused";
+    std::printf("[ info     ] rank 1 (pid %d) paused in block %lld, which was requeued\n", rank1,
+                static_cast<long long>(stolen_block));
+    if (resume_after_success) {
+      const v1::Job job = WatchToEnd(id);
+      ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.error();
+      ASSERT_EQ(::kill(rank1, SIGCONT), 0);
+    } else {
+      // Resumed as soon as another rank has redone the block.
+      bool redone = false;
+      while (!redone && Clock::now() < deadline) {
+        const v1::Job job = Get(id);
+        for (const auto& b : job.blocks()) redone |= b.block() == stolen_block;
+        if (!redone) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+      ASSERT_TRUE(redone);
+      ASSERT_EQ(::kill(rank1, SIGCONT), 0);
+      const v1::Job job = WatchToEnd(id);
+      ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.error();
+    }
+    // The resumed rank finishes its stale attempt (and exits): wait for every process of the job.
+    for (int i = 0; i < 900 && !JobProcesses(id).empty(); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    EXPECT_TRUE(JobProcesses(id).empty()) << "job processes still running 90 s after the end";
+    ExpectSameFiles(ref, out);
+    EXPECT_NE(::access((out + "/.staging").c_str(), F_OK), 0) << "staging left behind";
+    Result eval = Shell(Qcal() + " eval --model " + out + " --data " + shared_ +
+                        "/data/tinystories/TinyStories-valid.sample30k.txt --ctx 256 --max-tokens 2048");
+    EXPECT_EQ(eval.exit_code, 0) << eval.out;
+  }
+
   static constexpr char kToken[] = "integration-test-token-0123456789";
+  std::string heartbeat_timeout_ = "30", kill_grace_ = "2";
   std::string shared_, dir_, model_, recipe_, token_file_, address_;
   pid_t coordinator_pid_ = 0;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::JobService::Stub> jobs_;
 };
+
+TEST_F(CoordinatorIntegrationTest, StaleAttemptResumedAfterItsBlockWasRedone) {
+  StaleAttemptLeavesOutputIntact(/*resume_after_success=*/false);
+}
+
+TEST_F(CoordinatorIntegrationTest, StaleAttemptResumedAfterTheJobSucceeded) {
+  StaleAttemptLeavesOutputIntact(/*resume_after_success=*/true);
+}
 
 TEST_F(CoordinatorIntegrationTest, TwoRanksMatchSingleProcessBitForBit) {
   ExpectBitIdenticalWithRanks(2);
@@ -650,6 +786,43 @@ TEST_F(CoordinatorIntegrationTest, QcalRunStopsItsWorkersOnSigterm) {
   ASSERT_TRUE(text.ok());
   EXPECT_NE(text->find("cancelling"), std::string::npos) << *text;
   EXPECT_NE(text->find("CANCELLED"), std::string::npos) << *text;
+}
+
+// Issue 18: after `kill -9` of `qcal run`, its private coordinator (started with
+// --exit-with-parent) goes too, and stops the workers, instead of lingering for minutes.
+TEST_F(CoordinatorIntegrationTest, QcalRunKilledTakesItsCoordinatorAndWorkersAlong) {
+  recipe_ = WriteRecipe("quip-longer-kill.yaml", 16384);
+  const std::string state = dir_ + "/kill9-state";
+  const std::vector<std::string> coordinator_args = {"--state", state};
+  const std::vector<std::string> worker_args = {"--job", state + "/auth-token"};
+  const std::string log = dir_ + "/kill9-run.log";
+  Result r = Shell(Qcal() + " run " + recipe_ + " --model " + model_ + " --out " + dir_ +
+                   "/kill9-out --workers 2 --data-root " + shared_ + " --no-eval --state " +
+                   state + " > " + log + " 2>&1 & echo $!");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  const pid_t run_pid = std::stoi(r.out);
+  const auto deadline = Clock::now() + std::chrono::seconds(120);
+  while (Clock::now() < deadline &&
+         (ProcessesWithArgs(coordinator_args).empty() || ProcessesWithArgs(worker_args).size() < 3)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_FALSE(ProcessesWithArgs(coordinator_args).empty()) << *ReadFile(log);
+  ASSERT_GE(ProcessesWithArgs(worker_args).size(), 3u) << *ReadFile(log);
+  ASSERT_EQ(::kill(run_pid, SIGKILL), 0);
+
+  const auto t0 = Clock::now();
+  while (Clock::now() - t0 < std::chrono::seconds(20) &&
+         (!ProcessesWithArgs(coordinator_args).empty() ||
+          !ProcessesWithArgs(worker_args).empty())) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_TRUE(ProcessesWithArgs(coordinator_args).empty())
+      << "qcal run's coordinator outlived it by 20 s";
+  EXPECT_TRUE(ProcessesWithArgs(worker_args).empty()) << "its workers outlived it by 20 s";
+  std::printf("[ info     ] coordinator and workers gone %.1f s after kill -9 of qcal run\n",
+              std::chrono::duration<double>(Clock::now() - t0).count());
+  for (int pid : ProcessesWithArgs(worker_args)) ::kill(pid, SIGKILL);
+  for (int pid : ProcessesWithArgs(coordinator_args)) ::kill(pid, SIGKILL);
 }
 
 }  // namespace

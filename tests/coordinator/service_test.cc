@@ -39,6 +39,7 @@ class ServiceTest : public ::testing::Test {
     ServerOptions so;
     so.listen = "127.0.0.1:0";
     so.token = kToken;
+    so.reflection = true;  // HealthAndReflectionNeedNoToken... reads it
     auto server = CoordinatorServer::Start(so, manager_.get());
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = std::move(*server);

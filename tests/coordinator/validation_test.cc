@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include "coordinator/workspace.h"
 #include "tests/coordinator/test_env.h"
 
 namespace qcal::coordinator {
@@ -117,6 +118,41 @@ TEST(ValidationTest, OutputMustBeCreatable) {
   s.set_out_dir(env.root + "/afile/sub");
   EXPECT_EQ(Problem(s), "out_dir '" + env.root + "/afile/sub' cannot be created: '" + env.root +
                             "/afile' is not a directory");
+}
+
+}  // namespace
+}  // namespace qcal::coordinator
+
+namespace qcal::coordinator {
+namespace {
+
+// Issue 18: one output directory, one job, across processes: a service job's workspace holds
+// the output directory's lock from Open until the job ends (Close), so a `qcal quantize` on the
+// same directory (the same OutputDirLock) is refused meanwhile, and the other way round.
+TEST(WorkspaceTest, TheOutputDirectoryIsLockedForTheJobsLife) {
+  const testing::TestEnv env = testing::TestEnv::Make("workspace-lock");
+  v1::JobSpec spec = env.Spec();
+  StatusOr<Recipe> recipe = ValidateJobSpec(&spec);
+  ASSERT_TRUE(recipe.ok()) << recipe.status();
+
+  ASSERT_TRUE(MakeDirs(env.out_dir).ok());
+  {
+    StatusOr<OutputDirLock> held = OutputDirLock::Acquire(env.out_dir);  // "qcal quantize"
+    ASSERT_TRUE(held.ok()) << held.status();
+    std::unique_ptr<JobWorkspace> ws = MakeDiskWorkspace();
+    StatusOr<JobPlan> plan = ws->Open(*recipe, spec);
+    ASSERT_FALSE(plan.ok());
+    EXPECT_TRUE(absl::IsFailedPrecondition(plan.status())) << plan.status();
+    EXPECT_NE(plan.status().message().find(env.out_dir + ": another qcal job"),
+              std::string::npos)
+        << plan.status();
+  }
+  std::unique_ptr<JobWorkspace> ws = MakeDiskWorkspace();
+  StatusOr<JobPlan> plan = ws->Open(*recipe, spec);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_FALSE(OutputDirLock::Acquire(env.out_dir).ok()) << "locked while the job runs";
+  ws->Close();
+  EXPECT_TRUE(OutputDirLock::Acquire(env.out_dir).ok()) << "released when the job ended";
 }
 
 }  // namespace

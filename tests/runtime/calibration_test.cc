@@ -242,3 +242,58 @@ TEST_F(CalibrationRanksTest, MoreRanksThanChunksStillAgree) {
 
 }  // namespace
 }  // namespace qcal
+
+namespace qcal {
+namespace {
+
+// Flips one bit of `path` at byte `offset`.
+void FlipBit(const std::string& path, size_t offset) {
+  auto bytes = ReadFile(path);
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  ASSERT_LT(offset, bytes->size());
+  (*bytes)[offset] ^= 0x10;
+  ASSERT_TRUE(WriteFileAtomic(path, *bytes).ok());
+}
+
+// Issue 18: a damaged Hessian or activation cache is never used. Loading names the file and the
+// problem; the next calibration recomputes it (bit-identical to the first computation).
+TEST_F(CalibrationRanksTest, DamagedCachesAreNamedAndRecomputed) {
+  const std::string dir = *root_ + "/damaged";
+  calib::CalibrationResult first = Run(1, dir);
+  ASSERT_FALSE(first.from_cache);
+  const std::string hpath = calib::HessianPath(dir, 1);
+  const std::string apath = calib::ActivationPath(dir, 2);
+  const auto h_original = ReadFile(hpath);
+  const auto a_original = ReadFile(apath);
+  ASSERT_TRUE(h_original.ok() && a_original.ok());
+  EXPECT_TRUE(ReadFile(calib::CacheChecksumPath(hpath)).ok());
+
+  FlipBit(hpath, h_original->size() - 100);  // inside the data: the header still parses
+  FlipBit(apath, a_original->size() / 2);
+  auto h = calib::LoadBlockHessians(hpath, "key");
+  ASSERT_FALSE(h.ok());
+  EXPECT_TRUE(absl::IsDataLoss(h.status())) << h.status();
+  EXPECT_NE(h.status().message().find(hpath + ": checksum"), std::string::npos) << h.status();
+  const std::vector<int64_t> shape = {tokens_->size(0), tokens_->size(1), 64};
+  auto a = calib::LoadActivation(apath, "key", shape);
+  ASSERT_FALSE(a.ok());
+  EXPECT_TRUE(absl::IsDataLoss(a.status())) << a.status();
+  EXPECT_NE(a.status().message().find(apath + ": checksum"), std::string::npos) << a.status();
+
+  calib::CalibrationResult again = Run(1, dir);
+  EXPECT_FALSE(again.from_cache);
+  EXPECT_FALSE(again.activations_from_cache);
+  EXPECT_EQ(*ReadFile(hpath), *h_original);
+  EXPECT_EQ(*ReadFile(apath), *a_original);
+  EXPECT_TRUE(calib::LoadBlockHessians(hpath, "key").ok());
+
+  // Without its checksum file a cache is not trusted either.
+  ASSERT_EQ(std::remove(calib::CacheChecksumPath(hpath).c_str()), 0);
+  h = calib::LoadBlockHessians(hpath, "key");
+  ASSERT_FALSE(h.ok());
+  EXPECT_TRUE(absl::IsFailedPrecondition(h.status())) << h.status();
+  EXPECT_NE(h.status().message().find("no checksum"), std::string::npos) << h.status();
+}
+
+}  // namespace
+}  // namespace qcal

@@ -114,6 +114,30 @@ TEST(JobLayoutTest, JournalAppendsReopensAndToleratesOnlyATornLastLine) {
   EXPECT_NE(bad.status().message().find("line 3"), std::string::npos) << bad.status();
 }
 
+// Issue 18 (found by journal_fuzz): a journal line that parses but holds a known key of another
+// type (an object as "event", a string as "layer", ...) is DataLoss naming the file and line,
+// not an uncaught exception in a reader.
+TEST(JobLayoutTest, JournalEntriesOfTheWrongShapeAreDataLoss) {
+  const std::string dir = testing::MakeTempDir("journal-shape");
+  const std::string path = dir + "/journal.jsonl";
+  for (const char* line :
+       {R"({"event":{"event":"job_start"}})", R"({"layer":0})",
+        R"({"event":"block_done","layer":"0"})", R"({"event":"block_done","shard":7})",
+        R"({"event":"block_done","bytes":-1})", R"({"event":"e2e_done","checksums":{"a":1}})",
+        R"({"event":"block_done","metrics":[{"code_bits":null}]})",
+        R"({"event":"block_done","also_wrote":[]})"}) {
+    ASSERT_TRUE(WriteFileAtomic(path, std::string("{\"event\":\"job_start\"}\n") + line +
+                                          "\n{\"event\":\"job_done\"}\n")
+                    .ok());
+    auto j = Journal::Open(path);
+    ASSERT_FALSE(j.ok()) << line;
+    EXPECT_EQ(j.status().code(), absl::StatusCode::kDataLoss) << line;
+    EXPECT_NE(j.status().message().find(path + ": line 2 is not a journal entry"),
+              std::string::npos)
+        << j.status();
+  }
+}
+
 TEST(JobLayoutTest, PlanResumesIntactBlocksAndRefusesAnotherRecipe) {
   const std::string root = testing::MakeTempDir("plan");
   const std::string model = MakeFloatModel(root);
@@ -214,6 +238,28 @@ TEST(JobLayoutTest, FinalizeJobWritesTheCheckpointAndRefusesMissingBlocks) {
   EXPECT_TRUE((*ckpt)->Has("model.layers.1.input_layernorm.weight"));
   EXPECT_TRUE((*ckpt)->Validate().ok());
   EXPECT_TRUE(ReadFile(out + "/tokenizer_config.json").ok());
+
+  // Issue 18: the index records every shard's checksum; a shard changed after the job finished
+  // (a stale writer, a bad copy) is refused by every reader, naming the file.
+  auto index = ReadFile(out + "/model.safetensors.index.json");
+  ASSERT_TRUE(index.ok());
+  const auto sums = nlohmann::json::parse(*index)["metadata"]["qcal_fnv1a64"];
+  ASSERT_EQ(sums.size(), 3u) << *index;
+  const std::string shard1 = out + "/" + ShardName(2, 2);
+  EXPECT_EQ(sums[ShardName(2, 2)], *FileChecksum(shard1));
+  auto bytes = ReadFile(shard1);
+  ASSERT_TRUE(bytes.ok());
+  (*bytes)[bytes->size() - 1] ^= 1;
+  ASSERT_TRUE(WriteFileAtomic(shard1, *bytes).ok());
+  auto reread = CheckpointReader::Open(out);
+  ASSERT_TRUE(reread.ok()) << reread.status();
+  EXPECT_TRUE((*reread)->Has("model.layers.0.input_layernorm.weight"));
+  EXPECT_TRUE((*reread)->Find("model.embed_tokens.weight").ok());  // shard 0 is intact
+  auto damaged = (*reread)->Find("model.layers.1.input_layernorm.weight");
+  ASSERT_FALSE(damaged.ok());
+  EXPECT_EQ(damaged.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(damaged.status().message().find(shard1 + ": checksum"), std::string::npos)
+      << damaged.status();
 }
 
 // Fencing: a task attempt's files live under .staging until the job's single writer commits

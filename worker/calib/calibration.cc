@@ -17,6 +17,7 @@
 #include "absl/strings/str_join.h"
 #include "common/atomic_file.h"
 #include "common/hash.h"
+#include "common/io_util.h"
 #include "common/safetensors.h"
 #include "common/log.h"
 #include "common/text.h"
@@ -108,6 +109,31 @@ std::string ActivationPath(const std::string& job_dir, int64_t boundary) {
   return absl::StrCat(job_dir, "/activations/block_", boundary, ".safetensors");
 }
 
+std::string CacheChecksumPath(const std::string& path) { return path + ".fnv1a64"; }
+
+Status WriteCacheChecksum(const std::string& path) {
+  QCAL_ASSIGN_OR_RETURN(std::string sum, FileFnv1aHex(path));
+  return WriteFileAtomic(CacheChecksumPath(path), sum + "\n");
+}
+
+Status VerifyCacheChecksum(const std::string& path) {
+  const std::string sidecar = CacheChecksumPath(path);
+  StatusOr<std::string> want = ReadFile(sidecar);
+  if (!want.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        path, ": no checksum (", sidecar, " is missing: written by an older qcal, or the "
+        "write was interrupted); recomputing"));
+  }
+  const std::string expected = want->substr(0, want->find('\n'));
+  QCAL_ASSIGN_OR_RETURN(std::string got, FileFnv1aHex(path));
+  if (got != expected) {
+    return absl::DataLossError(absl::StrCat(path, ": checksum ", got, " does not match ",
+                                            io::Printable(expected), " in ", sidecar,
+                                            ": the cached file is damaged; recomputing"));
+  }
+  return absl::OkStatus();
+}
+
 Status SaveBlockHessians(const std::string& path, const BlockHessians& h, const std::string& key) {
   static_assert(sizeof(Fixed128) == 2 * sizeof(int64_t), "int128 is two int64 words");
   SafetensorsWriter writer;
@@ -127,11 +153,13 @@ Status SaveBlockHessians(const std::string& path, const BlockHessians& h, const 
     const int64_t count = acc.count();
     QCAL_RETURN_IF_ERROR(writer.Add(base + ".count", DType::kI64, {}, &count, sizeof(count)));
   }
-  return writer.Write(path);
+  QCAL_RETURN_IF_ERROR(writer.Write(path));
+  return WriteCacheChecksum(path);
 }
 
 StatusOr<BlockHessians> LoadBlockHessians(const std::string& path, const std::string& key) {
   if (FileSize(path) < 0) return absl::NotFoundError(path + ": no cached Hessians");
+  QCAL_RETURN_IF_ERROR(VerifyCacheChecksum(path));
   QCAL_ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open(path));
   auto it = file->metadata().find("calibration_key");
   if (it == file->metadata().end() || it->second != key) {
@@ -221,6 +249,7 @@ namespace {
 StatusOr<std::pair<std::unique_ptr<SafetensorsFile>, const TensorInfo*>> OpenActivation(
     const std::string& path, const std::string& key, const std::vector<int64_t>& shape) {
   if (FileSize(path) < 0) return absl::NotFoundError(path + ": no cached activations");
+  QCAL_RETURN_IF_ERROR(VerifyCacheChecksum(path));
   QCAL_ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open(path));
   auto it = file->metadata().find("calibration_key");
   if (it == file->metadata().end() || it->second != key) {
@@ -317,6 +346,7 @@ class SharedActivationFile {
       local = ::rename(partial_.c_str(), path_.c_str()) == 0 ? Status()
                                                              : Errno(path_, "cannot rename into");
       if (local.ok()) local = SyncParentDir(path_);
+      if (local.ok()) local = WriteCacheChecksum(path_);
     }
     return AgreeOk(comm, local, path_);
   }
@@ -346,7 +376,8 @@ Status SaveActivation(const std::string& path, const at::Tensor& hidden, const s
   writer.SetMetadata("calibration_key", key);
   const at::Tensor c = hidden.detach().to(at::kFloat).contiguous();
   QCAL_RETURN_IF_ERROR(writer.AddF32("hidden", c.sizes().vec(), c.data_ptr<float>()));
-  return writer.Write(path);
+  QCAL_RETURN_IF_ERROR(writer.Write(path));
+  return WriteCacheChecksum(path);
 }
 
 StatusOr<CalibrationResult> Calibrate(runtime::Comm& comm, model::ModelSource& source,
@@ -376,11 +407,17 @@ StatusOr<CalibrationResult> Calibrate(runtime::Comm& comm, model::ModelSource& s
       for (int64_t l = 0; l < blocks && h_ok; ++l) {
         auto h = LoadBlockHessians(HessianPath(job_dir, l), key);
         h_ok = h.ok();
-        if (!h.ok() && !absl::IsNotFound(h.status())) QCAL_LOG_INFO("{}", h.status().ToString());
+        if (!h.ok() && !absl::IsNotFound(h.status())) {
+          QCAL_LOG_WARN("cached Hessians not reused: {}", std::string(h.status().message()));
+        }
       }
       bool a_ok = options.activations;
       for (int64_t l = 0; l <= blocks && a_ok; ++l) {
-        a_ok = OpenActivation(ActivationPath(job_dir, l), key, act_shape).ok();
+        auto a = OpenActivation(ActivationPath(job_dir, l), key, act_shape);
+        a_ok = a.ok();
+        if (!a.ok() && !absl::IsNotFound(a.status())) {
+          QCAL_LOG_WARN("cached activations not reused: {}", std::string(a.status().message()));
+        }
       }
       cached[0] = h_ok;
       cached[1] = a_ok;

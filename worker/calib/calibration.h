@@ -54,6 +54,13 @@ std::string CalibrationKey(const std::string& model_dir, const LlamaConfig& conf
                            int64_t seq_len);
 
 std::string HessianPath(const std::string& job_dir, int64_t block);
+// Every cache file (Hessians, activations) has a checksum beside it, "<file>.fnv1a64" (the hex
+// FNV-1a 64 of its bytes), written after the file and verified before any reuse: a missing
+// checksum is FailedPrecondition, a mismatch DataLoss naming the file; the calibration phase
+// then recomputes the caches instead of using them.
+std::string CacheChecksumPath(const std::string& path);
+Status WriteCacheChecksum(const std::string& path);
+Status VerifyCacheChecksum(const std::string& path);
 std::string ActivationPath(const std::string& job_dir, int64_t boundary);
 
 // Saves / loads one block's Hessians (exact sums + counts) under job_dir/hessians/.

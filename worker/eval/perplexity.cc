@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "worker/model/activation_store.h"
+#include "worker/model/llama.h"
 
 namespace qcal::eval {
 namespace {
@@ -116,7 +117,7 @@ StatusOr<Plan> PlanBatches(const std::vector<int32_t>& text_tokens, const Perple
 double BatchNll(const at::Tensor& logits, const at::Tensor& targets) {
   at::Tensor logp = at::log_softmax(logits, -1);
   at::Tensor picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1);  // [nb, T]
-  return -picked.to(at::kDouble).sum().item<double>();
+  return -model::SumToDouble(picked);
 }
 
 PerplexityResult Finish(const Plan& plan, double nll_sum, int64_t scored, double seconds) {

@@ -279,8 +279,16 @@ StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
     in.x = &x;
     in.propagate = layer + 1 < blocks;
   }
-  QCAL_ASSIGN_OR_RETURN(quant::BlockTaskResult task,
-                        ctx->method->QuantizeBlock(std::move(weights), in));
+  StatusOr<quant::BlockTaskResult> quantized = ctx->method->QuantizeBlock(std::move(weights), in);
+  if (!quantized.ok() && needs.float_hessians) {
+    // A Hessian that is not positive definite even after damping, say, names the file it came
+    // from (so a damaged or stale cache can be found and removed).
+    return Annotate(quantized.status(),
+                    absl::StrCat("block ", layer, " (Hessians from ",
+                                 calib::HessianPath(job_dir, layer), ")"));
+  }
+  QCAL_RETURN_IF_ERROR(quantized.status());
+  quant::BlockTaskResult task = std::move(*quantized);
   if (in.propagate) {
     QCAL_RETURN_IF_ERROR(MakeDirs(job_dir + "/sequential"));
     QCAL_RETURN_IF_ERROR(

@@ -8,15 +8,62 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/grad_mode.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/cpu.h"
+#include "kernels/blas_threads.h"
 
 namespace qcal::model {
 
 DenseLinear::DenseLinear(at::Tensor weight) : weight_(weight.contiguous()) {}
 
-at::Tensor DenseLinear::Forward(const at::Tensor& x) const { return at::matmul(x, weight_.t()); }
+at::Tensor DenseLinear::Forward(const at::Tensor& x) const { return LinearRows(x, weight_); }
+
+at::Tensor LinearRows(const at::Tensor& x, const at::Tensor& weight) {
+  if (at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad())) {
+    return at::matmul(x, weight.t());  // autograd's own GEMMs, each on one BLAS thread
+  }
+  const int64_t in = x.size(-1);
+  const at::Tensor x2 = x.reshape({-1, in}).contiguous();
+  const int64_t rows = x2.size(0);
+  std::vector<int64_t> out_sizes(x.sizes().begin(), x.sizes().end());
+  out_sizes.back() = weight.size(0);
+  if (rows <= kLinearChunkRows) return at::mm(x2, weight.t()).view(out_sizes);
+  at::Tensor out = at::empty({rows, weight.size(0)}, x2.options());
+  const at::Tensor wt = weight.t();
+  const int64_t chunks = (rows + kLinearChunkRows - 1) / kLinearChunkRows;
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t r0 = c * kLinearChunkRows;
+      const int64_t n = std::min(kLinearChunkRows, rows - r0);
+      at::Tensor dst = out.narrow(0, r0, n);
+      at::mm_out(dst, x2.narrow(0, r0, n), wt);
+    }
+  });
+  return out.view(out_sizes);
+}
+
+double SumToDouble(const at::Tensor& t) {
+  const at::Tensor flat = t.reshape({-1}).to(at::kDouble).contiguous();
+  const int64_t n = flat.numel();
+  constexpr int64_t kChunk = 4096;
+  const int64_t full = n / kChunk;
+  double sum = 0;
+  if (full > 0) {
+    // One partial sum per fixed 4096-element chunk: LibTorch reduces each row with the same
+    // arithmetic whichever thread takes it, where a whole-tensor sum() splits the elements by
+    // the thread count.
+    const at::Tensor partial = flat.narrow(0, 0, full * kChunk).view({full, kChunk}).sum(1)
+                                   .contiguous();
+    const double* p = partial.data_ptr<double>();
+    for (int64_t i = 0; i < full; ++i) sum += p[i];
+  }
+  const double* rest = flat.data_ptr<double>() + full * kChunk;
+  for (int64_t i = 0; i < n - full * kChunk; ++i) sum += rest[i];
+  return sum;
+}
 int64_t DenseLinear::in_features() const { return weight_.size(1); }
 int64_t DenseLinear::out_features() const { return weight_.size(0); }
 
@@ -273,13 +320,15 @@ int EnvThreads() {
 int AutoComputeThreads(const LlamaConfig& config) {
   if (EnvThreads() > 0) return EnvThreads();
   if (config.hidden_size < 512) return 1;
-  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return AvailableCpus();
 }
 
 void SetComputeThreads(int threads) {
   if (threads <= 0) threads = EnvThreads();
-  if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (threads <= 0) threads = AvailableCpus();
   at::set_num_threads(threads);
+  static const std::string blas = kernels::PinBlasToOneThread();
+  (void)blas;
 }
 
 }  // namespace qcal::model

@@ -205,13 +205,26 @@ class LlamaModel {
 std::vector<int32_t> GenerateGreedy(const LlamaModel& model, const std::vector<int32_t>& prompt,
                                     int64_t max_new_tokens, int32_t stop_token);
 
-// Sets LibTorch's intra-op threads. 0 means $QCAL_NUM_THREADS if set, else all hardware
-// threads (LibTorch itself defaults to 1 here).
+// Sets LibTorch's intra-op threads (0: $QCAL_NUM_THREADS if set, else the CPUs of the affinity
+// mask) and pins the BLAS library to one thread (kernels/blas_threads.h). The thread count is a
+// speed setting only: every result is the same bits for any value (docs/architecture.md,
+// "Determinism"). Call it before any numeric work in a process.
 void SetComputeThreads(int threads);
+
+// x [..., in] · weightᵀ [in, out]. Without autograd, the rows of x are cut into fixed chunks of
+// kLinearChunkRows, each one single-threaded GEMM, run in parallel: the bits of a row's output
+// depend only on the shapes, never on the thread count or the affinity. With autograd (x or
+// the weight requiring grad) it is at::matmul on one BLAS thread.
+inline constexpr int64_t kLinearChunkRows = 256;
+at::Tensor LinearRows(const at::Tensor& x, const at::Tensor& weight);
+
+// Σ t in double, the same bits for any thread count (LibTorch's whole-tensor sum() splits the
+// elements by the thread count once there are more than 32768).
+double SumToDouble(const at::Tensor& t);
 
 // The thread count that runs `config` fastest on CPU: $QCAL_NUM_THREADS if set; 1 for small
 // models (hidden_size < 512), whose per-op work is too small to split across threads (measured:
-// stories260K evaluates 2.4x faster on 1 thread than on 2); else all hardware threads.
+// stories260K evaluates 2.4x faster on 1 thread than on 2); else the CPUs of the affinity mask.
 int AutoComputeThreads(const LlamaConfig& config);
 
 }  // namespace qcal::model

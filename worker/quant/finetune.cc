@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 #include "common/seed.h"
+#include "worker/model/llama.h"
 
 namespace qcal::quant {
 namespace {
@@ -145,7 +146,7 @@ double BlockMse(const model::DecoderBlock& block, const model::Rope& rope,
     const at::Tensor d =
         (block.Forward(inputs.index_select(0, i), rope) - targets.index_select(0, i))
             .to(at::kDouble);
-    sum += d.pow(2).sum().item<double>();
+    sum += model::SumToDouble(d.pow(2));
     count += d.numel();
   }
   return count ? sum / static_cast<double>(count) : std::nan("");
@@ -396,7 +397,7 @@ StatusOr<EndToEndResult> FinetuneEndToEnd(const FinetuneOptions& options,
     const int64_t m = static_cast<int64_t>(eval_idx.size());
     for (int64_t b = 0; b < m; b += batch) {
       const at::Tensor kl = token_kl(IndexTensor(eval_idx, b, std::min(m, b + batch)));
-      sum += kl.to(at::kDouble).sum().item<double>();
+      sum += model::SumToDouble(kl);
       count += kl.numel();
     }
     return count ? sum / static_cast<double>(count) : std::nan("");

@@ -11,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "common/dtype.h"
 #include "kernels/scalar_quant.h"
+#include "worker/model/llama.h"
 #include "worker/model/tensor_io.h"
 
 namespace qcal::quant {
@@ -130,7 +131,7 @@ StatusOr<std::unique_ptr<ScalarQuantLinear>> ScalarQuantLinear::Create(ScalarLin
 }
 
 at::Tensor ScalarQuantLinear::Forward(const at::Tensor& x) const {
-  return at::matmul(x, WeightLike(impl_->weight, x).t());
+  return model::LinearRows(x, WeightLike(impl_->weight, x));
 }
 int64_t ScalarQuantLinear::in_features() const { return impl_->data.in_features; }
 int64_t ScalarQuantLinear::out_features() const { return impl_->data.out_features; }

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "worker/model/llama.h"
 
 namespace qcal::tools {
 
@@ -73,9 +74,9 @@ StatusOr<ModelComparison> CompareToReference(const model::LlamaModel& ref,
     at::Tensor tg = at::from_blob(w.target.data(), {len, 1}, at::kLong).clone();
     at::Tensor lp_ref = at::log_softmax(ref.Forward(in)[0].to(at::kDouble), -1);  // [len, V]
     at::Tensor lp = at::log_softmax(m.Forward(in)[0].to(at::kDouble), -1);
-    nll_ref -= lp_ref.gather(1, tg).sum().item<double>();
-    nll -= lp.gather(1, tg).sum().item<double>();
-    kl += (lp_ref.exp() * (lp_ref - lp)).sum().item<double>();
+    nll_ref -= model::SumToDouble(lp_ref.gather(1, tg));
+    nll -= model::SumToDouble(lp.gather(1, tg));
+    kl += model::SumToDouble(lp_ref.exp() * (lp_ref - lp));
     scored += len;
     if (progress) progress(static_cast<int64_t>(i + 1), static_cast<int64_t>(windows.size()));
   }

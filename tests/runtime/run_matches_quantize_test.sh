@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Issue 18: `qcal run` (a private coordinator + mpirun with its default binding, which on a
+# 2-core machine pins each of 1 or 2 ranks to one core) gives output byte-identical to the
+# single-process `qcal quantize`, whatever --workers and --threads, for QuIP# 2-bit and for a
+# fine-tuning recipe (quip-e8p-2bit-ft with 32 calibration sequences, to keep the test short).
+# Before the fix the fine-tuning recipe differed in every shard with 1 or 2 workers: OpenBLAS
+# splits a GEMM over the CPUs of the affinity mask, and the split changed the bits.
+# Usage (ctest runs it): run_matches_quantize_test.sh SOURCE_DIR BUILD_DIR
+set -euo pipefail
+src=$1 build=$2
+shared=${QCAL_SHARED_DIR:-$src/../shared}
+q="$build/client/qcal"
+work=$(mktemp -d /tmp/qcal-run-vs-quantize.XXXXXX)
+trap 'rm -rf "$work"' EXIT
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+unset QCAL_NUM_THREADS OPENBLAS_NUM_THREADS OMP_NUM_THREADS
+
+"$q" import llama2c "$shared/models/stories260K/stories260K.bin" \
+  "$shared/models/stories260K/tok512.bin" --out "$work/model" > /dev/null
+cp "$src/jobs/quip-e8p-2bit.yaml" "$work/quip2.yaml"
+sed -e 's/^name: quip-e8p-2bit-ft/name: quip-e8p-2bit-ft-small/' \
+    -e 's/num_sequences: 128/num_sequences: 32/' "$src/jobs/quip-e8p-2bit-ft.yaml" > "$work/ft.yaml"
+grep -q 'num_sequences: 32' "$work/ft.yaml" || { echo "could not shorten the ft recipe"; exit 2; }
+
+fail=0
+compare() {  # compare REF OUT LABEL: every file of REF byte-identical in OUT, same file set
+  local ref=$1 out=$2 label=$3 bad=0
+  if ! diff <(cd "$ref" && ls | sort) <(cd "$out" && ls | sort) > /dev/null; then
+    echo "FAIL $label: file sets differ: $(cd "$ref" && ls | tr '\n' ' ') vs $(cd "$out" && ls | tr '\n' ' ')"
+    bad=1
+  fi
+  for f in "$ref"/*; do
+    cmp -s "$f" "$out/$(basename "$f")" || { echo "FAIL $label: $(basename "$f") differs"; bad=1; }
+  done
+  [ $bad -eq 0 ] && echo "ok   $label: $(ls "$ref" | wc -l) files byte-identical to qcal quantize"
+  return $bad
+}
+
+for recipe in quip2 ft; do
+  ref="$work/$recipe-quantize"
+  "$q" quantize --recipe "$work/$recipe.yaml" --model "$work/model" --out "$ref" \
+    --data-root "$shared" > "$work/$recipe-quantize.log" 2>&1 \
+    || { echo "qcal quantize $recipe failed:"; tail -5 "$work/$recipe-quantize.log"; exit 1; }
+  # (workers, threads): 0 threads = the job's automatic choice.
+  for combo in "1 0" "2 0" "2 1" "1 2"; do
+    set -- $combo
+    label="$recipe run --workers $1 --threads $2"
+    out="$work/$recipe-w$1-t$2"
+    if ! "$q" run "$work/$recipe.yaml" --model "$work/model" --out "$out" --data-root "$shared" \
+        --workers "$1" --threads "$2" --no-eval > "$out.log" 2>&1; then
+      echo "FAIL $label: qcal run exited non-zero:"; tail -8 "$out.log"; fail=1; continue
+    fi
+    compare "$ref" "$out" "$label" || fail=1
+  done
+done
+exit $fail
