@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <functional>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -50,32 +51,14 @@ Status WriteFileAtomic(const std::string& path, std::string_view contents) {
   return writer->Commit();
 }
 
-StatusOr<std::string> ReadFile(const std::string& path) {
-  ScopedFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) return ErrnoError(errno, path, "cannot open for reading");
-  struct stat st;
-  if (::fstat(fd.get(), &st) != 0) return ErrnoError(errno, path, "cannot stat");
-  if (S_ISDIR(st.st_mode)) {
-    return absl::FailedPreconditionError(absl::StrCat(path, ": is a directory, not a file"));
-  }
-  std::string contents;
-  if (S_ISREG(st.st_mode) && st.st_size > 0) contents.reserve(static_cast<size_t>(st.st_size));
-  char buffer[1 << 16];
-  while (true) {
-    const ssize_t n = ::read(fd.get(), buffer, sizeof(buffer));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      const int error = errno;
-      return absl::DataLossError(
-          absl::StrCat(path, ": read failed after ", contents.size(), " bytes: ", ErrnoText(error)));
-    }
-    if (n == 0) break;
-    contents.append(buffer, static_cast<size_t>(n));
-  }
-  return contents;
-}
+namespace {
 
-StatusOr<std::string> FileFnv1aHex(const std::string& path) {
+// Reads the file at `path` to its end in pieces of up to `piece` bytes, handing each to `sink`;
+// `size_hint` first gets the size fstat reports for a regular file (0 otherwise). A directory is
+// FailedPrecondition; errors name the path.
+Status ReadPieces(const std::string& path, size_t piece,
+                  const std::function<void(uint64_t)>& size_hint,
+                  const std::function<void(const char*, size_t)>& sink) {
   ScopedFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) return ErrnoError(errno, path, "cannot open for reading");
   struct stat st;
@@ -83,8 +66,8 @@ StatusOr<std::string> FileFnv1aHex(const std::string& path) {
   if (S_ISDIR(st.st_mode)) {
     return absl::FailedPreconditionError(absl::StrCat(path, ": is a directory, not a file"));
   }
-  Fnv1a sum;
-  std::vector<char> buffer(1 << 20);
+  size_hint(S_ISREG(st.st_mode) && st.st_size > 0 ? static_cast<uint64_t>(st.st_size) : 0);
+  std::vector<char> buffer(piece);
   uint64_t total = 0;
   while (true) {
     const ssize_t n = ::read(fd.get(), buffer.data(), buffer.size());
@@ -95,9 +78,27 @@ StatusOr<std::string> FileFnv1aHex(const std::string& path) {
           absl::StrCat(path, ": read failed after ", total, " bytes: ", ErrnoText(error)));
     }
     if (n == 0) break;
-    sum.Update(buffer.data(), static_cast<size_t>(n));
+    sink(buffer.data(), static_cast<size_t>(n));
     total += static_cast<uint64_t>(n);
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+StatusOr<std::string> ReadFile(const std::string& path) {
+  std::string contents;
+  QCAL_RETURN_IF_ERROR(ReadPieces(
+      path, size_t{1} << 16, [&](uint64_t size) { contents.reserve(size); },
+      [&](const char* p, size_t n) { contents.append(p, n); }));
+  return contents;
+}
+
+StatusOr<std::string> FileFnv1aHex(const std::string& path) {
+  Fnv1a sum;
+  QCAL_RETURN_IF_ERROR(ReadPieces(
+      path, size_t{1} << 20, [](uint64_t) {},
+      [&](const char* p, size_t n) { sum.Update(p, n); }));
   return sum.Hex();
 }
 

@@ -7,12 +7,9 @@
 #include <string_view>
 
 #include "common/hf_config.h"
+#include "tests/fuzz/fuzz_util.h"
 
-namespace {
-void Check(bool condition) {
-  if (!condition) std::abort();
-}
-}  // namespace
+using qcal::fuzz::Check;
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string_view text(reinterpret_cast<const char*>(data), size);

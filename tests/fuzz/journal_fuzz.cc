@@ -1,9 +1,7 @@
 // libFuzzer entry point for the job journal (journal.jsonl: one JSON object per line, the last
 // possibly torn): any bytes open as a journal or give an error status; every entry that opens is
-// then read back as a block result, an end-to-end result and a block_done check against an empty
+// then read back as a block result and checked as a block_done entry against an empty
 // output directory, without a crash, an uncaught exception or UB.
-#include <unistd.h>
-
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -11,27 +9,12 @@
 #include <string>
 
 #include "common/job_layout.h"
+#include "tests/fuzz/fuzz_util.h"
 
-namespace {
-void Check(bool condition) {
-  if (!condition) std::abort();
-}
-
-std::string WriteInput(const uint8_t* data, size_t size) {
-  static const std::string path = [] {
-    const char* dir = ::access("/dev/shm", W_OK) == 0 ? "/dev/shm" : "/tmp";
-    return std::string(dir) + "/qcal-journal-fuzz-" + std::to_string(::getpid()) + ".jsonl";
-  }();
-  FILE* f = std::fopen(path.c_str(), "wb");
-  if (!f) std::abort();
-  if (size > 0 && std::fwrite(data, 1, size, f) != size) std::abort();
-  std::fclose(f);
-  return path;
-}
-}  // namespace
+using qcal::fuzz::Check;
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  const std::string path = WriteInput(data, size);
+  const std::string path = qcal::fuzz::WriteInput("journal", data, size);
   auto journal = qcal::Journal::Open(path);
   if (!journal.ok()) {
     Check(!journal.status().message().empty());

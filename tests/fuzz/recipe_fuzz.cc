@@ -9,12 +9,9 @@
 
 #include "common/utf8.h"
 #include "methods/registry.h"
+#include "tests/fuzz/fuzz_util.h"
 
-namespace {
-void Check(bool condition) {
-  if (!condition) std::abort();
-}
-}  // namespace
+using qcal::fuzz::Check;
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string text(reinterpret_cast<const char*>(data), size);

@@ -2,8 +2,6 @@
 // tokenizer.model, a protobuf; or llama2.c tokenizer .bin), the rest is the file. Any bytes give
 // a tokenizer or an error status; a tokenizer that loads must then encode and decode a fixed
 // text (with bytes outside any vocabulary) without a crash and with ids in its vocabulary.
-#include <unistd.h>
-
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -11,30 +9,14 @@
 #include <string>
 
 #include "common/tokenizer.h"
+#include "tests/fuzz/fuzz_util.h"
 
-namespace {
-void Check(bool condition) {
-  if (!condition) std::abort();
-}
-
-// The fuzz input as a file (the loaders read paths), in memory-backed /dev/shm when present.
-std::string WriteInput(const uint8_t* data, size_t size) {
-  static const std::string path = [] {
-    const char* dir = ::access("/dev/shm", W_OK) == 0 ? "/dev/shm" : "/tmp";
-    return std::string(dir) + "/qcal-tokenizer-fuzz-" + std::to_string(::getpid());
-  }();
-  FILE* f = std::fopen(path.c_str(), "wb");
-  if (!f) std::abort();
-  if (size > 0 && std::fwrite(data, 1, size, f) != size) std::abort();
-  std::fclose(f);
-  return path;
-}
-}  // namespace
+using qcal::fuzz::Check;
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
   const bool sentencepiece = data[0] & 1;
-  const std::string path = WriteInput(data + 1, size - 1);
+  const std::string path = qcal::fuzz::WriteInput("tokenizer", data + 1, size - 1);
   auto tok = sentencepiece ? qcal::LoadSentencePieceTokenizer(path)
                            : qcal::LoadLlama2cTokenizer(path, 0);
   if (!tok.ok()) {
