@@ -233,5 +233,21 @@ TEST(TaskLoopRetryTest, BadInputIsNotRetryable) {
   EXPECT_TRUE(runtime::IsRetryable(absl::ResourceExhaustedError("x")));
 }
 
+// Issue 18: "calibration: calibration: ..." is said once.
+TEST(TaskLoopRetryTest, TaskErrorsNameTheTaskOnce) {
+  EXPECT_EQ(runtime::AnnotateTaskError(absl::InvalidArgumentError("no files given"),
+                                       "calibration").message(),
+            "calibration: no files given");
+  EXPECT_EQ(runtime::AnnotateTaskError(absl::InvalidArgumentError("calibration: no files given"),
+                                       "calibration").message(),
+            "calibration: no files given");
+  EXPECT_EQ(runtime::AnnotateTaskError(absl::InternalError("calibration, block 2: out of range"),
+                                       "calibration").message(),
+            "calibration, block 2: out of range");
+  const Status s = runtime::AnnotateTaskError(absl::DataLossError("x.safetensors: bad"), "block 3");
+  EXPECT_EQ(s.message(), "block 3: x.safetensors: bad");
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+}
+
 }  // namespace
 }  // namespace qcal

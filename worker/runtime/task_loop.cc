@@ -8,6 +8,7 @@
 #include <mutex>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 #include "methods/registry.h"
@@ -270,7 +271,7 @@ class Worker {
       if (task.kind() == v1::TASK_KIND_QUANTIZE_BLOCK) ++result_.blocks_quantized;
       return client_.CompleteTask(done);
     }
-    const Status failure = Annotate(status, what);
+    const Status failure = AnnotateTaskError(status, what);
     QCAL_LOG_ERROR("worker {}: {}", result_.worker_id, failure.ToString());
     ++result_.tasks_failed;
     return client_.FailTask(result_.worker_id, task.task_id(), std::string(failure.message()),
@@ -287,6 +288,12 @@ class Worker {
 };
 
 }  // namespace
+
+Status AnnotateTaskError(const Status& status, const std::string& what) {
+  const bool named = absl::StartsWith(status.message(), what + ":") ||
+                     absl::StartsWith(status.message(), what + ",");
+  return named ? status : Annotate(status, what);
+}
 
 bool IsRetryable(const Status& status) {
   switch (status.code()) {

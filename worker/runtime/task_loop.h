@@ -61,4 +61,9 @@ StatusOr<TaskLoopResult> RunTaskLoop(CoordinatorClient& client, Comm& comm,
 // Whether a task failure is worth retrying elsewhere (false for bad input).
 bool IsRetryable(const Status& status);
 
+// A task's error prefixed with the task ("block 3: ..."), unless the message already starts with
+// it ("calibration: no files given", "calibration, block 2: ..." are not made "calibration:
+// calibration...").
+Status AnnotateTaskError(const Status& status, const std::string& what);
+
 }  // namespace qcal::runtime
