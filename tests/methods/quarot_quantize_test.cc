@@ -538,7 +538,15 @@ TEST_F(QuarotQuantizeTest, BfpKSortRecipeMatchesTheToolAndRoundTrips) {
   w->rope_perm[0][1] = w->rope_perm[0][0];
   const std::string shard = out + "/" + ShardName(2, 5);
   ASSERT_TRUE(quarot::WriteQuarotBlockShard(shard, 1, *w).ok());
+  // The index's checksum refuses the changed shard first (issue 18) ...
   auto bad = methods::LoadModel(out);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kDataLoss) << bad.status();
+  EXPECT_NE(bad.status().message().find(shard + ": checksum"), std::string::npos)
+      << bad.status();
+  // ... and behind an index that records no checksums, the content check does.
+  ASSERT_TRUE(WriteShardIndex(out, 5).ok());
+  bad = methods::LoadModel(out);
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("not a permutation"), std::string::npos) << bad.status();
   EXPECT_NE(bad.status().message().find(shard), std::string::npos) << bad.status();

@@ -159,7 +159,6 @@ Status SaveBlockHessians(const std::string& path, const BlockHessians& h, const 
 
 StatusOr<BlockHessians> LoadBlockHessians(const std::string& path, const std::string& key) {
   if (FileSize(path) < 0) return absl::NotFoundError(path + ": no cached Hessians");
-  QCAL_RETURN_IF_ERROR(VerifyCacheChecksum(path));
   QCAL_ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open(path));
   auto it = file->metadata().find("calibration_key");
   if (it == file->metadata().end() || it->second != key) {
@@ -174,6 +173,9 @@ StatusOr<BlockHessians> LoadBlockHessians(const std::string& path, const std::st
         format == file->metadata().end() ? "1 (fp64 sums)" : format->second, "', not '",
         kHessianFormat, "' (exact fixed-point sums); recomputing"));
   }
+  // Stale files are named as such above; a current one must match its checksum before its
+  // sums are used.
+  QCAL_RETURN_IF_ERROR(VerifyCacheChecksum(path));
   BlockHessians h;
   for (HessianKind k : kAllHessianKinds) {
     const std::string base = HessianKindName(k);
@@ -249,13 +251,13 @@ namespace {
 StatusOr<std::pair<std::unique_ptr<SafetensorsFile>, const TensorInfo*>> OpenActivation(
     const std::string& path, const std::string& key, const std::vector<int64_t>& shape) {
   if (FileSize(path) < 0) return absl::NotFoundError(path + ": no cached activations");
-  QCAL_RETURN_IF_ERROR(VerifyCacheChecksum(path));
   QCAL_ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open(path));
   auto it = file->metadata().find("calibration_key");
   if (it == file->metadata().end() || it->second != key) {
     return absl::FailedPreconditionError(
         absl::StrCat(path, ": cached activations belong to another calibration"));
   }
+  QCAL_RETURN_IF_ERROR(VerifyCacheChecksum(path));
   const TensorInfo* t = file->Find("hidden");
   if (t == nullptr || t->dtype != DType::kF32 || t->shape != shape) {
     return absl::DataLossError(absl::StrCat(path, ": missing or misshapen tensor 'hidden'"));
