@@ -802,12 +802,14 @@ TEST_F(CoordinatorIntegrationTest, QcalRunKilledTakesItsCoordinatorAndWorkersAlo
   ASSERT_EQ(r.exit_code, 0) << r.out;
   const pid_t run_pid = std::stoi(r.out);
   const auto deadline = Clock::now() + std::chrono::seconds(120);
-  while (Clock::now() < deadline &&
-         (ProcessesWithArgs(coordinator_args).empty() || ProcessesWithArgs(worker_args).size() < 3)) {
+  size_t coordinators = 0, workers = 0;  // as last seen together (mpirun's helpers come and go)
+  while (Clock::now() < deadline && (coordinators == 0 || workers < 3)) {
+    coordinators = ProcessesWithArgs(coordinator_args).size();
+    workers = ProcessesWithArgs(worker_args).size();
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  ASSERT_FALSE(ProcessesWithArgs(coordinator_args).empty()) << *ReadFile(log);
-  ASSERT_GE(ProcessesWithArgs(worker_args).size(), 3u) << *ReadFile(log);
+  ASSERT_GT(coordinators, 0u) << *ReadFile(log);
+  ASSERT_GE(workers, 3u) << *ReadFile(log);
   ASSERT_EQ(::kill(run_pid, SIGKILL), 0);
 
   const auto t0 = Clock::now();
