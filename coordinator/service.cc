@@ -1,6 +1,6 @@
 #include "coordinator/service.h"
 
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <dlfcn.h>
 #include <grpcpp/health_check_service_interface.h>
 
 #include "absl/strings/str_cat.h"
@@ -13,6 +13,24 @@
 namespace qcal::coordinator {
 using rpc::ConstantTimeEquals;
 using rpc::ToGrpcStatus;
+
+namespace {
+
+// Loads gRPC's reflection library, whose static initializer registers the reflection plugin
+// with every ServerBuilder created afterwards in this process. It is not linked: linked, it
+// would serve reflection (unauthenticated, a thread per stream) whether asked or not.
+Status LoadReflection() {
+  static const Status loaded = [] {
+    if (dlopen(QCAL_GRPC_REFLECTION_LIBRARY, RTLD_NOW | RTLD_GLOBAL) == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "--reflection: cannot load ", QCAL_GRPC_REFLECTION_LIBRARY, ": ", dlerror()));
+    }
+    return absl::OkStatus();
+  }();
+  return loaded;
+}
+
+}  // namespace
 
 grpc::Status Authorize(const grpc::ServerContext& context, const std::string& token) {
   const auto& metadata = context.client_metadata();
@@ -183,9 +201,7 @@ StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
         absl::StrCat("--max-threads must be at least 8, got ", options.max_threads));
   }
   grpc::EnableDefaultHealthCheckService(true);
-  // A process-wide plugin registration: once on, every server built later in this process
-  // serves reflection too (only tests build more than one).
-  if (options.reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  if (options.reflection) QCAL_RETURN_IF_ERROR(LoadReflection());
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.listen, credentials, &server->port_);
   builder.RegisterService(server->job_service_.get());
