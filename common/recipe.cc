@@ -14,6 +14,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/utf8.h"
 
@@ -282,6 +283,23 @@ StatusOr<Recipe> ParseRecipeWith(const std::string& yaml_text, const std::string
   if (const std::string where = DescribeInvalidUtf8(yaml_text); !where.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat(source, ": not UTF-8 text at ", where, "; a recipe must be UTF-8"));
+  }
+  // YAML does not allow C0 control characters other than tab, LF and CR (nor DEL) in a stream;
+  // yaml-cpp reads a NUL inside a scalar as a stray 0xA0 byte, which is not UTF-8.
+  {
+    int line = 1;
+    size_t line_start = 0;
+    for (size_t i = 0; i < yaml_text.size(); ++i) {
+      const unsigned char c = static_cast<unsigned char>(yaml_text[i]);
+      if (c == '\n') {
+        ++line;
+        line_start = i + 1;
+      } else if ((c < 0x20 && c != '\t' && c != '\r') || c == 0x7F) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "%s: control character 0x%02x at line %d, byte %d; YAML does not allow it", source,
+            c, line, static_cast<int>(i - line_start + 1)));
+      }
+    }
   }
   YAML::Node root;
   int document_count = 0;

@@ -538,6 +538,16 @@ TEST(RecipeErrors, NonUtf8BytesAreRefusedWithTheirPlace) {
   EXPECT_TRUE(ParseRecipe("method: quip\nname: caf\xc3\xa9  # \xe2\x9c\x93\n", kSource).ok());
 }
 
+// YAML allows no C0 control characters but tab, LF and CR. yaml-cpp read a NUL inside a quoted
+// name as a stray 0xA0 byte, and the recipe's JSON then aborted (found by recipe_fuzz).
+TEST(RecipeErrors, ControlCharactersAreRefusedWithTheirPlace) {
+  ExpectError(std::string("#ic.\nname: w7a\"\"\"\"\"\"\"\"\"\0_\"\"\"\"\"\"\"ot\nmethod: quarot", 49),
+              {"control character 0x00 at line 2, byte 19", "YAML does not allow it"});
+  ExpectError("method: quip\nname: a\x01" "b\n", {"control character 0x01 at line 2, byte 8"});
+  ExpectError("method: quip\x7f\n", {"control character 0x7f at line 1, byte 13"});
+  EXPECT_TRUE(ParseRecipe("method: quip\r\nname:\tq\r\n", kSource).ok());
+}
+
 TEST(RecipeErrors, CalibrationFiles) {
   ExpectError("method: quip\ncalibration:\n  files: []\n",
               {"key 'calibration.files' (line 3) must list at least one file"});
