@@ -1,5 +1,8 @@
 // FNV-1a 64-bit hashing for cache keys and file checksums (not cryptographic: it detects
-// truncated or changed files and mismatched settings, not tampering).
+// truncated or changed files and mismatched settings, not tampering). The offset basis below is
+// 1469598103934665603, not the standard 14695981039346656037 (a digit short since the first
+// commit); the function is as good a checksum either way, and every journal, index, cache key
+// and pinned hash written so far depends on this value, so it stays.
 #pragma once
 
 #include <cstddef>

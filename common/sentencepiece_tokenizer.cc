@@ -341,14 +341,4 @@ Status WriteSentencePieceModelFromLlama2c(const std::string& llama2c_path,
   return WriteFileAtomic(out_path, bytes);
 }
 
-StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerFromModelDir(const std::string& dir) {
-  const std::string path = dir + "/tokenizer.model";
-  struct stat st;
-  if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
-    return absl::NotFoundError(
-        absl::StrFormat("model directory %s has no tokenizer.model (looked for %s)", dir, path));
-  }
-  return LoadSentencePieceTokenizer(path);
-}
-
 }  // namespace qcal

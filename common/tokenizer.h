@@ -1,8 +1,9 @@
 // Tokenizers for the Llama family: the llama2.c `.bin` format and sentencepiece `tokenizer.model`
 // (read through qcal's own copy of the schema in proto/sentencepiece_model.proto; libsentencepiece
-// is never linked because it bundles a conflicting protobuf).
+// is never linked because it bundles a conflicting protobuf), and Hugging Face `tokenizer.json`
+// (common/hf_tokenizer.h: Llama 3's byte-level BPE, Llama-2-style files).
 //
-// Both encode the way Llama's sentencepiece BPE does: a dummy-prefix space, then repeatedly merge
+// The first two encode the way Llama's sentencepiece BPE does: a dummy-prefix space, then repeatedly merge
 // the adjacent pair whose concatenation is a vocabulary piece with the highest score (leftmost on
 // ties), and fall back to byte pieces <0xXX> for characters not in the vocabulary. The merge loop
 // uses a heap over a linked list, O(n log n), so a whole test set encodes in one call.
@@ -25,7 +26,9 @@ class Tokenizer {
   virtual int vocab_size() const = 0;
   virtual int bos_id() const = 0;
   virtual int eos_id() const = 0;
-  // Encodes `text` with the dummy-prefix space (none for empty text); adds no BOS/EOS.
+  // Encodes `text` as the model's tokenizer does, adding no BOS/EOS. The llama2.c and
+  // sentencepiece tokenizers add the dummy-prefix space (none for empty text); tokenizer.json
+  // files do what their normalizer and pre-tokenizer say (Llama 3: nothing is added).
   // The bytes are taken as given: no newline translation (the golden token counts read files the
   // way Python's text mode does, turning "\r\n" into "\n"), and malformed UTF-8 or characters
   // without a piece fall back to one byte piece per byte, so Decode(Encode(t)) == " " + t for
@@ -65,7 +68,9 @@ StatusOr<std::unique_ptr<Tokenizer>> LoadSentencePieceTokenizer(const std::strin
 Status WriteSentencePieceModelFromLlama2c(const std::string& llama2c_path,
                                           const std::string& out_path);
 
-// Loads <dir>/tokenizer.model (NotFound naming the path if it is missing).
+// Loads <dir>/tokenizer.json if present (BOS/EOS from <dir>/config.json's bos_token_id /
+// eos_token_id — the first of a list — else tokenizer_config.json; special tokens in text are not
+// parsed), else <dir>/tokenizer.model; NotFound naming the directory if it has neither.
 StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerFromModelDir(const std::string& dir);
 
 }  // namespace qcal

@@ -4,6 +4,7 @@
 #   hf_config_fuzz    config.json (ParseLlamaConfig, and a rewrite of what it accepts)
 #   recipe_fuzz       job recipes (YAML: the common keys and every method's keys)
 #   tokenizer_fuzz    tokenizer.model (sentencepiece protobuf) and llama2.c tokenizer .bin
+#   hf_tokenizer_fuzz tokenizer.json (Hugging Face tokenizers: BPE, regex pre-tokenizers)
 #   journal_fuzz      the job journal (journal.jsonl) and its entries
 #
 # Usage: scripts/fuzz.sh [SECONDS | -runs=N] [TARGET ...]   (default: 60 s each, every target)
@@ -27,7 +28,8 @@ else
 fi
 TARGETS=("$@")
 if [ ${#TARGETS[@]} -eq 0 ]; then
-  TARGETS=(safetensors_fuzz hf_config_fuzz recipe_fuzz tokenizer_fuzz journal_fuzz)
+  TARGETS=(safetensors_fuzz hf_config_fuzz recipe_fuzz tokenizer_fuzz hf_tokenizer_fuzz
+           journal_fuzz)
 fi
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -136,6 +138,36 @@ seeds_tokenizer_fuzz() {
     rm -rf "$tmp"
   fi
   printf '\x01' > "$W/seeds/empty-sentencepiece"
+}
+
+seeds_hf_tokenizer_fuzz() {
+  # First byte odd: special tokens are parsed. A byte-level file with the Llama 3 pre-tokenizer
+  # and a Llama-2-style one (Metaspace / normalizers, byte fallback), both tiny.
+  cat > "$W/seeds/llama3-style.json" <<'JSON'
+{"version":"1.0","added_tokens":[{"id":9,"content":"<|begin_of_text|>","single_word":false,"lstrip":false,"rstrip":false,"normalized":false,"special":true}],
+"normalizer":null,"pre_tokenizer":{"type":"Sequence","pretokenizers":[{"type":"Split","pattern":{"Regex":"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},"behavior":"Isolated","invert":false},{"type":"ByteLevel","add_prefix_space":false,"trim_offsets":true,"use_regex":false}]},
+"post_processor":{"type":"ByteLevel"},"decoder":{"type":"ByteLevel"},
+"model":{"type":"BPE","dropout":null,"unk_token":null,"fuse_unk":false,"byte_fallback":false,"ignore_merges":true,
+"vocab":{"O":0,"n":1,"c":2,"e":3,"On":4,"ce":5,"Once":6,"\u0120":7,"\u0120O":8},"merges":["O n","c e","On ce",["\u0120","O"]]}}
+JSON
+  cat > "$W/seeds/llama2-style.json" <<'JSON'
+{"version":"1.0","added_tokens":[{"id":0,"content":"<unk>","special":true},{"id":1,"content":"<s>","special":true}],
+"normalizer":{"type":"Sequence","normalizers":[{"type":"Prepend","prepend":"\u2581"},{"type":"Replace","pattern":{"String":" "},"content":"\u2581"}]},
+"pre_tokenizer":{"type":"Metaspace","replacement":"\u2581","prepend_scheme":"first","split":false},
+"post_processor":{"type":"TemplateProcessing","single":[{"SpecialToken":{"id":"<s>","type_id":0}},{"Sequence":{"id":"A","type_id":0}}]},
+"decoder":{"type":"Sequence","decoders":[{"type":"Replace","pattern":{"String":"\u2581"},"content":" "},{"type":"ByteFallback"},{"type":"Fuse"},{"type":"Strip","content":" ","start":1,"stop":0}]},
+"model":{"type":"BPE","unk_token":"<unk>","fuse_unk":true,"byte_fallback":true,"vocab":{"<unk>":0,"<s>":1,"<0x41>":2,"\u2581":3,"a":4,"\u2581a":5},"merges":["\u2581 a"]}}
+JSON
+  { printf '\x01'; cat "$W/seeds/llama3-style.json"; } > "$W/seeds/llama3-style.bin"
+  rm -f "$W/seeds/llama3-style.json"
+  { printf '\x00'; cat "$W/seeds/llama2-style.json"; } > "$W/seeds/llama2-style.bin"
+  rm -f "$W/seeds/llama2-style.json"
+  printf '%s\n' '"type"' '"BPE"' '"Split"' '"Regex"' '"String"' '"ByteLevel"' '"Metaspace"' \
+    '"Sequence"' '"Isolated"' '"MergedWithNext"' '"Contiguous"' '"Removed"' '"invert"' \
+    '"added_tokens"' '"special"' '"lstrip"' '"rstrip"' '"merges"' '"vocab"' '"ignore_merges"' \
+    '"byte_fallback"' '"unk_token"' '"fuse_unk"' '"normalizer"' '"pre_tokenizer"' '"decoder"' \
+    '"Prepend"' '"Replace"' '"ByteFallback"' '"Fuse"' '"Strip"' '"prepend_scheme"' \
+    '"\\p{L}"' '"(?!"' '"(?i:"' '"\\s+"' > "$W/dict"
 }
 
 seeds_journal_fuzz() {

@@ -8,7 +8,7 @@ PACKAGES=(
   libtorch-dev
   libopenmpi-dev openmpi-bin
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
-  nlohmann-json3-dev libyaml-cpp-dev libcli11-dev libspdlog-dev libfmt-dev libabsl-dev
+  libpcre2-dev nlohmann-json3-dev libyaml-cpp-dev libcli11-dev libspdlog-dev libfmt-dev libabsl-dev
   liblapack-dev libopenblas-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3-numpy
