@@ -169,6 +169,59 @@ Status Unsupported(absl::string_view source, absl::string_view what) {
 
 }  // namespace
 
+namespace {
+
+// rope_scaling (see RopeScaling in hf_config.h). Null is absent; "default" is plain RoPE.
+Status ParseRopeScaling(const FieldReader& fields, RopeScaling* out) {
+  const json* rs = fields.Get("rope_scaling");
+  if (rs == nullptr) return absl::OkStatus();
+  if (!rs->is_object()) return fields.TypeError("rope_scaling", "an object or null", *rs);
+  // Hugging Face writes "rope_type" (older files "type").
+  const char* type_key = rs->contains("rope_type") ? "rope_type" : "type";
+  auto type_it = rs->find(type_key);
+  if (type_it == rs->end() || !type_it->is_string()) {
+    return fields.Error("rope_scaling has no 'rope_type' string");
+  }
+  const std::string type = type_it->get<std::string>();
+  if (type == "default") return absl::OkStatus();
+  if (type != "linear" && type != "llama3") {
+    return fields.Error(absl::StrCat("rope_scaling type '", Printable(type),
+                                     "' is unsupported (supported: llama3, linear; absent or null "
+                                     "for plain RoPE)"));
+  }
+  auto number = [&](const char* key, double* value) -> Status {
+    auto it = rs->find(key);
+    if (it == rs->end() || !it->is_number() || !std::isfinite(it->get<double>()) ||
+        it->get<double>() <= 0) {
+      return fields.Error(absl::StrCat("rope_scaling type '", type, "' needs '", key,
+                                       "', a positive number"));
+    }
+    *value = it->get<double>();
+    return absl::OkStatus();
+  };
+  QCAL_RETURN_IF_ERROR(number("factor", &out->factor));
+  if (type == "linear") {
+    out->type = RopeScaling::Type::kLinear;
+    return absl::OkStatus();
+  }
+  out->type = RopeScaling::Type::kLlama3;
+  QCAL_RETURN_IF_ERROR(number("low_freq_factor", &out->low_freq_factor));
+  QCAL_RETURN_IF_ERROR(number("high_freq_factor", &out->high_freq_factor));
+  double original = 0;
+  QCAL_RETURN_IF_ERROR(number("original_max_position_embeddings", &original));
+  if (original != std::floor(original) || original > 1e9) {
+    return fields.Error("rope_scaling original_max_position_embeddings must be an integer");
+  }
+  out->original_max_position_embeddings = static_cast<int64_t>(original);
+  if (out->high_freq_factor <= out->low_freq_factor) {
+    return fields.Error(absl::StrCat("rope_scaling high_freq_factor ", out->high_freq_factor,
+                                     " must exceed low_freq_factor ", out->low_freq_factor));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 StatusOr<LlamaConfig> ParseLlamaConfig(std::string_view json_text,
                                        std::string_view source_view) {
   const absl::string_view source = ToAbsl(source_view);
@@ -240,19 +293,17 @@ StatusOr<LlamaConfig> ParseLlamaConfig(std::string_view json_text,
   QCAL_RETURN_IF_ERROR(fields.OptionalTokenId("bos_token_id", 1, &config.bos_token_id));
   QCAL_RETURN_IF_ERROR(fields.OptionalTokenId("eos_token_id", 2, &config.eos_token_id));
 
+  QCAL_RETURN_IF_ERROR(ParseRopeScaling(fields, &config.rope_scaling));
   // Features the Llama implementation does not have: refuse rather than compute wrong numbers.
-  if (const json* rope_scaling = fields.Get("rope_scaling")) {
-    std::string kind = JsonTypeName(*rope_scaling);
-    if (rope_scaling->is_object()) {
-      const auto type = rope_scaling->find("rope_type") != rope_scaling->end()
-                            ? rope_scaling->find("rope_type")
-                            : rope_scaling->find("type");
-      if (type != rope_scaling->end() && type->is_string()) {
-        kind = absl::StrCat("type '", Printable(*type->get_ptr<const json::string_t*>()), "'");
-      }
+  if (const json* window = fields.Get("sliding_window")) {
+    if (!window->is_number_integer()) {
+      return fields.TypeError("sliding_window", "an integer or null", *window);
     }
-    return fields.Error(absl::StrCat("rope_scaling is unsupported (qcal implements plain RoPE), got ",
-                                     kind));
+    if (window->get<int64_t>() < config.max_position_embeddings) {
+      return fields.Error(absl::StrCat(
+          "sliding_window ", window->get<int64_t>(), " is shorter than max_position_embeddings ",
+          config.max_position_embeddings, "; sliding-window attention is unsupported"));
+    }
   }
   for (const char* bias : {"attention_bias", "mlp_bias"}) {
     bool enabled = false;

@@ -12,6 +12,8 @@
 
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
+
 namespace qcal {
 namespace {
 
@@ -265,16 +267,114 @@ TEST(HfConfigTest, UnsupportedArchitecture) {
 
 TEST(HfConfigTest, UnsupportedFeatures) {
   json j = Minimal();
-  j["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}};
-  ExpectInvalid(j, {"rope_scaling is unsupported", "type 'llama3'"});
-  j["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}};
-  ExpectInvalid(j, {"rope_scaling is unsupported", "type 'linear'"});
+  j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
+  ExpectInvalid(j, {"rope_scaling type 'yarn' is unsupported", "supported: llama3, linear"});
+  for (const char* type : {"dynamic", "longrope", "su", "mrope"}) {
+    j["rope_scaling"] = {{"type", type}, {"factor", 2.0}};
+    ExpectInvalid(j, {absl::StrCat("rope_scaling type '", type, "' is unsupported")});
+  }
+  j["rope_scaling"] = {{"factor", 2.0}};
+  ExpectInvalid(j, {"rope_scaling has no 'rope_type'"});
+  j["rope_scaling"] = "linear";
+  ExpectInvalid(j, {"rope_scaling"});
   j = Minimal();
   j["attention_bias"] = true;
   ExpectInvalid(j, {"attention_bias=true is unsupported"});
   j = Minimal();
+  j["mlp_bias"] = true;
+  ExpectInvalid(j, {"mlp_bias=true is unsupported"});
+  j = Minimal();
+  j["max_position_embeddings"] = 32768;
+  j["sliding_window"] = 4096;
+  ExpectInvalid(j, {"sliding_window 4096 is shorter than max_position_embeddings 32768"});
+  j["sliding_window"] = "wide";
+  ExpectInvalid(j, {"sliding_window"});
+  j = Minimal();
   j["hidden_act"] = "gelu";
   ExpectInvalid(j, {"hidden_act 'gelu' is unsupported"});
+}
+
+TEST(HfConfigTest, RopeScalingParametersAreChecked) {
+  json j = Minimal();
+  const json llama3 = {{"rope_type", "llama3"}, {"factor", 8.0}, {"low_freq_factor", 1.0},
+                       {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 8192}};
+  for (const char* key :
+       {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}) {
+    j["rope_scaling"] = llama3;
+    j["rope_scaling"].erase(key);
+    ExpectInvalid(j, {"rope_scaling type 'llama3' needs", key});
+    j["rope_scaling"] = llama3;
+    j["rope_scaling"][key] = -1;
+    ExpectInvalid(j, {key, "a positive number"});
+  }
+  j["rope_scaling"] = llama3;
+  j["rope_scaling"]["high_freq_factor"] = 0.5;
+  ExpectInvalid(j, {"high_freq_factor 0.5 must exceed low_freq_factor 1"});
+  j["rope_scaling"] = llama3;
+  j["rope_scaling"]["original_max_position_embeddings"] = 8192.5;
+  ExpectInvalid(j, {"original_max_position_embeddings must be an integer"});
+  j["rope_scaling"] = {{"type", "linear"}};
+  ExpectInvalid(j, {"rope_scaling type 'linear' needs 'factor'"});
+}
+
+// Llama 3.1-8B's and Llama 3.2-1B's config.json as Meta publishes them (values, not weights).
+TEST(HfConfigTest, Llama31And32ConfigsAreAccepted) {
+  const char kLlama31_8B[] = R"({
+    "architectures": ["LlamaForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "hidden_act": "silu",
+    "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+    "max_position_embeddings": 131072, "mlp_bias": false, "model_type": "llama",
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0", "use_cache": true, "vocab_size": 128256})";
+  auto c = ParseLlamaConfig(kLlama31_8B, "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->rope_scaling.type, RopeScaling::Type::kLlama3);
+  EXPECT_EQ(c->rope_scaling.factor, 8.0);
+  EXPECT_EQ(c->rope_scaling.low_freq_factor, 1.0);
+  EXPECT_EQ(c->rope_scaling.high_freq_factor, 4.0);
+  EXPECT_EQ(c->rope_scaling.original_max_position_embeddings, 8192);
+  EXPECT_EQ(c->eos_token_id, 128001);
+  EXPECT_EQ(c->head_dim, 128);
+  // The rewrite keeps rope_scaling and the eos list.
+  const json out = LlamaConfigToJson(*c);
+  EXPECT_EQ(out.at("rope_scaling").at("rope_type"), "llama3");
+  EXPECT_EQ(out.at("eos_token_id"), json::parse("[128001, 128008, 128009]"));
+
+  const char kLlama32_1B[] = R"({
+    "architectures": ["LlamaForCausalLM"], "attention_bias": false, "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009], "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 2048, "intermediate_size": 8192, "max_position_embeddings": 131072,
+    "mlp_bias": false, "model_type": "llama", "num_attention_heads": 32,
+    "num_hidden_layers": 16, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "sliding_window": null, "tie_word_embeddings": true,
+    "torch_dtype": "bfloat16", "vocab_size": 128256})";
+  c = ParseLlamaConfig(kLlama32_1B, "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->rope_scaling.factor, 32.0);
+  EXPECT_TRUE(c->tie_word_embeddings);
+  EXPECT_EQ(c->head_dim, 64);
+
+  json j = json::parse(kLlama31_8B);
+  j["rope_scaling"] = {{"type", "linear"}, {"factor", 4.0}};
+  c = ParseLlamaConfig(j.dump(), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->rope_scaling.type, RopeScaling::Type::kLinear);
+  EXPECT_EQ(c->rope_scaling.factor, 4.0);
+  j["rope_scaling"] = {{"rope_type", "default"}};
+  c = ParseLlamaConfig(j.dump(), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->rope_scaling.type, RopeScaling::Type::kNone);
+  j["rope_scaling"] = nullptr;
+  j["sliding_window"] = 131072;  // a window as long as the context is no window
+  c = ParseLlamaConfig(j.dump(), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->rope_scaling.type, RopeScaling::Type::kNone);
 }
 
 TEST(HfConfigTest, ToJsonKeepsUnknownKeysAndRoundTrips) {

@@ -223,8 +223,7 @@ TEST(SyntheticRotationTest, QuarotBlockTaskNeedsARotatedBlock) {
   ASSERT_TRUE(recipe.ok()) << recipe.status();
   auto method = methods::MakeMethod(*recipe, m->config());
   ASSERT_TRUE(method.ok()) << method.status();
-  const model::Rope rope(m->config().head_dim, m->config().rope_theta,
-                         m->config().max_position_embeddings);
+  const model::Rope rope(m->config());
   methods::BlockInputs in;
   in.layer = 0;
   in.rope = &rope;

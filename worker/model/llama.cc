@@ -106,14 +106,32 @@ at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return x * at::rsqrt(var + eps) * weight;
 }
 
-Rope::Rope(int64_t head_dim, double theta, int64_t max_positions)
-    : max_positions_(max_positions) {
+Rope::Rope(int64_t head_dim, double theta, int64_t max_positions, const RopeScaling& scaling)
+    : max_positions_(std::min(max_positions, kMaxRopePositions)) {
   // Computed in double, stored in float: matches references that build the tables in float64.
   const int64_t half = head_dim / 2;
   at::Tensor inv_freq = at::empty({half}, at::kDouble);
   auto inv = inv_freq.accessor<double, 1>();
   for (int64_t i = 0; i < half; ++i) inv[i] = std::pow(theta, -2.0 * i / head_dim);
-  at::Tensor pos = at::arange(max_positions, at::kDouble);
+  if (scaling.type == RopeScaling::Type::kLinear) {
+    for (int64_t i = 0; i < half; ++i) inv[i] /= scaling.factor;
+  } else if (scaling.type == RopeScaling::Type::kLlama3) {
+    // Hugging Face's _compute_llama3_parameters.
+    const double original = static_cast<double>(scaling.original_max_position_embeddings);
+    const double low_freq_wavelen = original / scaling.low_freq_factor;
+    const double high_freq_wavelen = original / scaling.high_freq_factor;
+    for (int64_t i = 0; i < half; ++i) {
+      const double wavelen = 2.0 * M_PI / inv[i];
+      if (wavelen > low_freq_wavelen) {
+        inv[i] /= scaling.factor;
+      } else if (wavelen >= high_freq_wavelen) {
+        const double smooth = (original / wavelen - scaling.low_freq_factor) /
+                              (scaling.high_freq_factor - scaling.low_freq_factor);
+        inv[i] = (1.0 - smooth) * inv[i] / scaling.factor + smooth * inv[i];
+      }
+    }
+  }
+  at::Tensor pos = at::arange(max_positions_, at::kDouble);
   at::Tensor freqs = at::outer(pos, inv_freq);     // [P, half]
   at::Tensor emb = at::cat({freqs, freqs}, -1);    // [P, head_dim]
   cos_ = emb.cos().to(at::kFloat);
@@ -253,7 +271,7 @@ LlamaModel::LlamaModel(LlamaConfig config, at::Tensor embed, std::vector<Decoder
       blocks_(std::move(blocks)),
       final_norm_(std::move(final_norm)),
       head_(std::move(head)),
-      rope_(config_.head_dim, config_.rope_theta, config_.max_position_embeddings) {}
+      rope_(config_) {}
 
 StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& dir) {
   QCAL_ASSIGN_OR_RETURN(LlamaConfig config, LoadLlamaConfig(dir));

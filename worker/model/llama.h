@@ -77,9 +77,17 @@ struct BlockWeights {
 };
 
 // Rotary embedding tables for positions [0, max_positions).
+// Rotary position embedding tables (half-split layout, as Hugging Face's rotate_half), with the
+// config's rope_scaling applied to the inverse frequencies (hf_config.h RopeScaling). Tables cover
+// min(max_positions, kMaxRopePositions) positions.
+inline constexpr int64_t kMaxRopePositions = 32768;
 class Rope {
  public:
-  Rope(int64_t head_dim, double theta, int64_t max_positions);
+  Rope(int64_t head_dim, double theta, int64_t max_positions,
+       const RopeScaling& scaling = RopeScaling());
+  explicit Rope(const LlamaConfig& config)
+      : Rope(config.head_dim, config.rope_theta, config.max_position_embeddings,
+             config.rope_scaling) {}
   // x [batch, heads, seq, head_dim] at positions [0, seq) -> rotated copy.
   at::Tensor Apply(const at::Tensor& x) const;
   // As Apply, with the channels of each head permuted: channel j of head h holds the half-split

@@ -9,7 +9,7 @@ namespace qcal::model {
 CheckpointSource::CheckpointSource(LlamaConfig config, std::unique_ptr<CheckpointReader> ckpt)
     : config_(std::move(config)),
       ckpt_(std::move(ckpt)),
-      rope_(config_.head_dim, config_.rope_theta, config_.max_position_embeddings) {}
+      rope_(config_) {}
 
 StatusOr<at::Tensor> CheckpointSource::Embed(const at::Tensor& ids_in) {
   const at::Tensor ids = ids_in.to(at::kLong).contiguous();
