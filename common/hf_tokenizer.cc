@@ -21,6 +21,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/atomic_file.h"
+#include "common/log.h"
 #include "common/utf8.h"
 
 namespace qcal {
@@ -712,6 +713,7 @@ class HfTokenizer final : public Tokenizer {
     std::vector<int32_t> ids;
     std::unordered_map<std::string, std::vector<int32_t>> cache;
     bool first = true;
+    bool warned = false;
     auto encode_text = [&](std::string_view segment) {
       if (segment.empty()) return;
       std::string s(segment);
@@ -720,6 +722,14 @@ class HfTokenizer final : public Tokenizer {
       first = false;
       bool regex_ok = true;
       for (const PreTokenizer& p : pre_tokenizers_) p.Apply(&pieces, &regex_ok);
+      if (!regex_ok && !warned) {
+        // PCRE2 hit its match or JIT-stack limit: the rest of that piece was left unsplit, so
+        // these ids can differ from `tokenizers`'.
+        QCAL_LOG_WARN("tokenizer.json: the pre-tokenizer regex gave up (PCRE2 limit) on a {}-byte "
+                      "piece of text; it was tokenized without that split",
+                      segment.size());
+        warned = true;
+      }
       for (const auto& piece : pieces) {
         auto hit = cache.find(piece.text);
         if (hit == cache.end()) hit = cache.emplace(piece.text, EncodeWord(piece.text)).first;

@@ -13,7 +13,9 @@
 # and tests/fuzz/ are built), writes a seed corpus per target, and runs each fuzzer for SECONDS
 # (or exactly N executions). Exits non-zero if any fuzzer finds a crash, leak, sanitizer report
 # or timeout; the input is kept under build-fuzz/fuzz-<target>/artifacts/. Prints one summary
-# line per target (executions, seconds, peak RSS). JOBS sets the build parallelism (default 2).
+# line per target (executions, seconds, peak RSS). JOBS sets the build parallelism (default 2);
+# QCAL_FUZZ_TIMEOUT the seconds one input may take (default 10; raise it when the machine is
+# shared, or a starved run reports a timeout).
 set -euo pipefail
 
 LIMIT="${1:-60}"
@@ -192,7 +194,7 @@ for target in "${TARGETS[@]}"; do
   [ -s "$W/dict" ] && dict=(-dict="$W/dict")
   LOG="$W/fuzz.log"
   set +e
-  "$BUILD/tests/fuzz/$target" "$LIMIT_FLAG" -timeout=10 -rss_limit_mb=4096 -print_final_stats=1 \
+  "$BUILD/tests/fuzz/$target" "$LIMIT_FLAG" -timeout="${QCAL_FUZZ_TIMEOUT:-10}" -rss_limit_mb=4096 -print_final_stats=1 \
     "${dict[@]}" -artifact_prefix="$W/artifacts/" "$W/corpus" "$W/seeds" > "$LOG" 2>&1
   status=$?
   set -e

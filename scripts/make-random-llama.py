@@ -131,7 +131,7 @@ def main():
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     for f in os.listdir(tok_dir):
         if f.startswith("tokenizer") or f in ("generation_config.json", "special_tokens_map.json"):
-            shutil.copy(os.path.join(tok_dir, f), a.out)
+            shutil.copyfile(os.path.join(tok_dir, f), os.path.join(a.out, f))
     json.dump(cfg, open(os.path.join(a.out, "config.json"), "w"), indent=2)
 
 
