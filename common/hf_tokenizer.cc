@@ -1097,14 +1097,20 @@ Status HfTokenizer::Load(const json& root, const Reader& r, const HfTokenizerOpt
     // TemplateProcessing: {"single": [{"SpecialToken": {"id": "<s>"}}, ...]}.
     const json pp = root.value("post_processor", json());
     std::vector<json> processors;
-    if (pp.is_object() && pp.value("type", "") == "Sequence" && pp.contains("processors") &&
+    // A post-processor's "type", or "" when it is not a string (post-processors are not
+    // otherwise read, so a malformed one is not an error).
+    auto type_of = [](const json& j) -> std::string {
+      auto it = j.find("type");
+      return it != j.end() && it->is_string() ? it->get<std::string>() : std::string();
+    };
+    if (pp.is_object() && type_of(pp) == "Sequence" && pp.contains("processors") &&
         pp["processors"].is_array()) {
       for (const auto& p : pp["processors"]) processors.push_back(p);
     } else {
       processors.push_back(pp);
     }
     for (const json& p : processors) {
-      if (!p.is_object() || p.value("type", "") != "TemplateProcessing") continue;
+      if (!p.is_object() || type_of(p) != "TemplateProcessing") continue;
       const json single = p.value("single", json());
       if (single.is_array() && !single.empty() && single[0].is_object() &&
           single[0].contains("SpecialToken") && single[0]["SpecialToken"].is_object()) {
