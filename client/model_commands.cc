@@ -14,6 +14,7 @@
 #include "common/text.h"
 #include "common/tokenizer.h"
 #include "worker/eval/perplexity.h"
+#include "worker/export/export.h"
 #include "worker/model/llama.h"
 #include "common/cli.h"
 #include "methods/worker_registry.h"
@@ -135,6 +136,36 @@ int RunGenerate(const GenerateOptions& o) {
   return 0;
 }
 
+int RunExport(const ExportCommandOptions& o) {
+  exporter::ExportOptions options;
+  options.format = o.format;
+  options.in_dir = o.in_dir;
+  options.out_dir = o.out_dir;
+  auto bytes = ParseBytes(o.max_shard_size, "--max-shard-size");
+  if (!bytes.ok()) return Fail(bytes.status());
+  options.max_shard_bytes = *bytes;
+  auto result = exporter::ExportCheckpoint(options);
+  if (!result.ok()) return Fail(result.status());
+  if (o.json) {
+    nlohmann::json j = {{"out_dir", result->out_dir},
+                        {"format", o.format},
+                        {"shards", result->shards},
+                        {"tensors", result->tensors},
+                        {"tensor_bytes", result->tensor_bytes},
+                        {"quantization_config", result->quantization_config}};
+    std::printf("%s\n", j.dump().c_str());
+  } else {
+    std::printf("exported %s -> %s (%s): %lld tensors, %.1f MB in %zu shard%s\n",
+                o.in_dir.c_str(), result->out_dir.c_str(), o.format.c_str(),
+                (long long)result->tensors, result->tensor_bytes / 1e6, result->shards.size(),
+                result->shards.size() == 1 ? "" : "s");
+    if (!result->quantization_config.is_null()) {
+      std::printf("quantization_config %s\n", result->quantization_config.dump().c_str());
+    }
+  }
+  return 0;
+}
+
 void AddModelCommands(CLI::App& app, int* exit_code) {
   auto* imp = app.add_subcommand("import", "Convert a checkpoint into a Hugging Face model dir");
   auto io = std::make_shared<ImportOptions>();
@@ -174,6 +205,22 @@ void AddModelCommands(CLI::App& app, int* exit_code) {
       ->check(CLI::Range(0, kMaxThreads));
   gen->add_flag("--json", go->json, "print one JSON object");
   gen->callback([go, exit_code] { *exit_code = RunGenerate(*go); });
+
+  auto* ex = app.add_subcommand(
+      "export", "Write a quantized checkpoint in a format other programs load: gptq (the GPTQ "
+                "layout of transformers, AutoGPTQ and vLLM) or dense (dequantized float)");
+  auto xo = std::make_shared<ExportCommandOptions>();
+  ex->add_option("--format", xo->format, "gptq | dense")
+      ->check(CLI::IsMember({"gptq", "dense"}))
+      ->capture_default_str();
+  ex->add_option("in", xo->in_dir, "a finished qcal checkpoint")->required()->check(
+      CLI::ExistingDirectory);
+  ex->add_option("out", xo->out_dir, "the new checkpoint directory")->required();
+  ex->add_option("--max-shard-size", xo->max_shard_size,
+                 "largest shard (K, M, G = 2^10, 2^20, 2^30 bytes)")
+      ->capture_default_str();
+  ex->add_flag("--json", xo->json, "print one JSON object");
+  ex->callback([xo, exit_code] { *exit_code = RunExport(*xo); });
 }
 
 }  // namespace qcal::client

@@ -1,5 +1,5 @@
-// `qcal import`, `qcal eval`, `qcal generate`: commands that work on a model directory in this
-// process (no coordinator). Each Run* returns the process exit code.
+// `qcal import`, `qcal eval`, `qcal generate`, `qcal export`: commands that work on a model
+// directory in this process (no coordinator). Each Run* returns the process exit code.
 #pragma once
 
 #include <cstdint>
@@ -16,6 +16,14 @@ struct ImportOptions {
   std::string model_path;
   std::string tokenizer_path;
   std::string out_dir;
+  bool json = false;
+};
+
+struct ExportCommandOptions {
+  std::string format = "gptq";  // gptq | dense
+  std::string in_dir;
+  std::string out_dir;
+  std::string max_shard_size = "5G";
   bool json = false;
 };
 
@@ -44,5 +52,6 @@ void AddModelCommands(CLI::App& app, int* exit_code);
 int RunImport(const ImportOptions& options);
 int RunEval(const EvalOptions& options);
 int RunGenerate(const GenerateOptions& options);
+int RunExport(const ExportCommandOptions& options);
 
 }  // namespace qcal::client

@@ -146,4 +146,62 @@ uint16_t FloatToBFloat16(float f) {
   return static_cast<uint16_t>((bits + rounding_bias) >> 16);
 }
 
+namespace {
+
+template <typename T>
+T LoadLE(const uint8_t* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));
+  return v;
+}
+
+template <typename T>
+void StoreLE(T v, uint8_t* p) {
+  std::memcpy(p, &v, sizeof(T));
+}
+
+}  // namespace
+
+bool IsFloatingDType(DType d) {
+  return d == DType::kF32 || d == DType::kF64 || d == DType::kF16 || d == DType::kBF16;
+}
+
+void ConvertToF32(DType dtype, const uint8_t* src, size_t n, float* out) {
+  switch (dtype) {
+    case DType::kF32:
+      if (n > 0) std::memcpy(out, src, n * sizeof(float));
+      break;
+    case DType::kF64:
+      for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(LoadLE<double>(src + 8 * i));
+      break;
+    case DType::kF16:
+      for (size_t i = 0; i < n; ++i) out[i] = HalfToFloat(LoadLE<uint16_t>(src + 2 * i));
+      break;
+    case DType::kBF16:
+      for (size_t i = 0; i < n; ++i) out[i] = BFloat16ToFloat(LoadLE<uint16_t>(src + 2 * i));
+      break;
+    default:
+      break;
+  }
+}
+
+void ConvertFromF32(DType dtype, const float* src, size_t n, uint8_t* out) {
+  switch (dtype) {
+    case DType::kF32:
+      if (n > 0) std::memcpy(out, src, n * sizeof(float));
+      break;
+    case DType::kF64:
+      for (size_t i = 0; i < n; ++i) StoreLE<double>(src[i], out + 8 * i);
+      break;
+    case DType::kF16:
+      for (size_t i = 0; i < n; ++i) StoreLE<uint16_t>(FloatToHalf(src[i]), out + 2 * i);
+      break;
+    case DType::kBF16:
+      for (size_t i = 0; i < n; ++i) StoreLE<uint16_t>(FloatToBFloat16(src[i]), out + 2 * i);
+      break;
+    default:
+      break;
+  }
+}
+
 }  // namespace qcal

@@ -29,4 +29,11 @@ uint16_t FloatToHalf(float f);
 float BFloat16ToFloat(uint16_t b);
 uint16_t FloatToBFloat16(float f);
 
+// Floating dtypes: F64, F32, F16, BF16.
+bool IsFloatingDType(DType dtype);
+// n values of floating `dtype` stored little-endian at src (any alignment) -> float32.
+void ConvertToF32(DType dtype, const uint8_t* src, size_t n, float* out);
+// n float32 values -> floating `dtype` at out (little-endian; F16/BF16 round to nearest even).
+void ConvertFromF32(DType dtype, const float* src, size_t n, uint8_t* out);
+
 }  // namespace qcal

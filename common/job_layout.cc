@@ -499,9 +499,9 @@ StatusOr<std::vector<std::string>> WriteNonBlockShard(const std::string& path,
   std::vector<std::string> names = {"model.embed_tokens.weight", "model.norm.weight"};
   if (ckpt.Has("lm_head.weight")) names.push_back("lm_head.weight");
   for (const std::string& name : names) {
+    // As stored (a bf16 128k-vocabulary table stays bf16), streamed from the source file.
     QCAL_ASSIGN_OR_RETURN(auto found, ckpt.Find(name));
-    QCAL_ASSIGN_OR_RETURN(std::vector<float> data, found.first->ReadF32(name));
-    QCAL_RETURN_IF_ERROR(writer.AddF32(name, found.second->shape, data.data()));
+    QCAL_RETURN_IF_ERROR(AddCopiedTensor(&writer, name, *found.first, *found.second));
   }
   QCAL_RETURN_IF_ERROR(writer.Write(path));
   return names;
@@ -629,6 +629,17 @@ Status CheckBlockDoneEntry(const nlohmann::json& entry, const std::string& out_d
   return absl::OkStatus();
 }
 
+Status CopyTokenizerFiles(const std::string& model_dir, const std::string& out_dir) {
+  for (const char* f : {"tokenizer.model", "tokenizer_config.json", "generation_config.json",
+                        "tokenizer.json", "special_tokens_map.json"}) {
+    const std::string src = model_dir + "/" + f;
+    if (!Exists(src)) continue;
+    QCAL_ASSIGN_OR_RETURN(std::string bytes, ReadFile(src));
+    QCAL_RETURN_IF_ERROR(WriteFileAtomic(out_dir + "/" + f, bytes));
+  }
+  return absl::OkStatus();
+}
+
 Status FinalizeCheckpoint(const std::string& out_dir, const std::string& model_dir,
                           const LlamaConfig& config, const nlohmann::json& quantization_config,
                           std::map<std::string, std::string> checksums) {
@@ -638,13 +649,7 @@ Status FinalizeCheckpoint(const std::string& out_dir, const std::string& model_d
     QCAL_ASSIGN_OR_RETURN(checksums[name], FileFnv1aHex(out_dir + "/" + name));
   }
   QCAL_RETURN_IF_ERROR(WriteShardIndex(out_dir, config.num_hidden_layers, checksums));
-  for (const char* f : {"tokenizer.model", "tokenizer_config.json", "generation_config.json",
-                        "tokenizer.json", "special_tokens_map.json"}) {
-    const std::string src = model_dir + "/" + f;
-    if (!Exists(src)) continue;
-    QCAL_ASSIGN_OR_RETURN(std::string bytes, ReadFile(src));
-    QCAL_RETURN_IF_ERROR(WriteFileAtomic(out_dir + "/" + f, bytes));
-  }
+  QCAL_RETURN_IF_ERROR(CopyTokenizerFiles(model_dir, out_dir));
   LlamaConfig out = config;
   out.raw["quantization_config"] = quantization_config;
   return WriteFileAtomic(out_dir + "/config.json", LlamaConfigToJson(out).dump(2) + "\n");

@@ -130,7 +130,8 @@ StatusOr<JobPlan> PlanJob(const Recipe& recipe, const std::string& model_dir,
 nlohmann::json JobStartEntry(const Recipe& recipe, const std::string& recipe_hash,
                              const std::string& model_dir);
 
-// Copies the embeddings, final norm and (untied) head from the float checkpoint.
+// Copies the embeddings, final norm and (untied) head from the float checkpoint as stored (their
+// dtype and bytes), streamed: no table is held in memory.
 StatusOr<std::vector<std::string>> WriteNonBlockShard(const std::string& path,
                                                       CheckpointReader& float_ckpt,
                                                       const LlamaConfig& config);
@@ -145,6 +146,10 @@ struct BitsPerWeight {
 };
 BitsPerWeight AggregateBits(const LlamaConfig& config,
                             const std::map<int64_t, nlohmann::json>& block_done);
+
+// Copies the tokenizer files a model directory has (tokenizer.model, tokenizer.json,
+// tokenizer_config.json, special_tokens_map.json, generation_config.json) into out_dir.
+Status CopyTokenizerFiles(const std::string& model_dir, const std::string& out_dir);
 
 // Writes the index (from the shards' headers), config.json (last: its presence marks a complete
 // checkpoint) and copies the tokenizer files from `model_dir`.

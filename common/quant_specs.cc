@@ -8,8 +8,8 @@ Status ReadScalarGrid(const RecipeSection& top, const std::string& act_order_err
                       ScalarGridSpec* out) {
   QCAL_ASSIGN_OR_RETURN(
       RecipeSection scalar,
-      top.ReadSection("scalar",
-                      {"group_size", "symmetric", "act_order", "clip_search", "per_tensor"}));
+      top.ReadSection("scalar", {"group_size", "symmetric", "act_order", "clip_search",
+                                 "per_tensor", "scale_dtype"}));
   QCAL_RETURN_IF_ERROR(scalar.ReadInt("group_size", &out->group_size));
   QCAL_RETURN_IF_ERROR(scalar.RequireRange(
       "group_size", out->group_size == -1 || out->group_size > 0,
@@ -21,6 +21,7 @@ Status ReadScalarGrid(const RecipeSection& top, const std::string& act_order_err
   }
   QCAL_RETURN_IF_ERROR(scalar.ReadBool("clip_search", &out->clip_search));
   QCAL_RETURN_IF_ERROR(scalar.ReadBool("per_tensor", &out->per_tensor));
+  QCAL_RETURN_IF_ERROR(scalar.ReadChoice("scale_dtype", {"f16", "f32"}, &out->scale_dtype));
   if (out->per_tensor && out->group_size != -1) {
     return scalar.KeyError("per_tensor", absl::StrCat("cannot be combined with group_size ",
                                                       out->group_size, " (line ",
@@ -35,6 +36,7 @@ nlohmann::json ScalarGridJson(const ScalarGridSpec& grid) {
                       {"act_order", grid.act_order},
                       {"clip_search", grid.clip_search}};
   if (grid.per_tensor) j["per_tensor"] = true;  // left out when off (older JSON)
+  if (grid.scale_dtype != "f32") j["scale_dtype"] = grid.scale_dtype;  // likewise
   return j;
 }
 

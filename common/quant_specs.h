@@ -21,9 +21,13 @@ struct ScalarGridSpec {
   bool act_order = false;   // gptq only
   bool clip_search = false;
   bool per_tensor = false;  // one scale for the whole matrix (needs group_size -1)
+  // "f16": scales rounded to IEEE half before the codes are chosen, so the GPTQ format (fp16
+  // scales) and fp16 inference kernels hold exactly the quantizer's grid (the rtn and gptq
+  // default); "f32": float32 scales (QuaRot's simulated-quantization default).
+  std::string scale_dtype = "f32";
 };
-// Reads the `scalar` section of `top`. `act_order_error` non-empty: act_order: true is refused
-// with that text ("applies only to method gptq").
+// Reads the `scalar` section of `top` over the defaults in *out. `act_order_error` non-empty:
+// act_order: true is refused with that text ("applies only to method gptq").
 Status ReadScalarGrid(const RecipeSection& top, const std::string& act_order_error,
                       ScalarGridSpec* out);
 nlohmann::json ScalarGridJson(const ScalarGridSpec& grid);

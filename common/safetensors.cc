@@ -378,49 +378,30 @@ const uint8_t* SafetensorsFile::Data(const TensorInfo& info) const {
   return map_ + header_.data_offset + info.begin;
 }
 
-namespace {
-
-bool IsFloating(DType d) {
-  return d == DType::kF32 || d == DType::kF64 || d == DType::kF16 || d == DType::kBF16;
-}
-
-// Converts n floating values of `dtype` at src to float32.
-void ConvertToF32(DType dtype, const uint8_t* src, size_t n, float* out) {
-  switch (dtype) {
-    case DType::kF32:
-      if (n > 0) std::memcpy(out, src, n * sizeof(float));
-      break;
-    case DType::kF64:
-      for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(LoadUnaligned<double>(src + 8 * i));
-      break;
-    case DType::kF16:
-      for (size_t i = 0; i < n; ++i) out[i] = HalfToFloat(LoadUnaligned<uint16_t>(src + 2 * i));
-      break;
-    case DType::kBF16:
-      for (size_t i = 0; i < n; ++i) out[i] = BFloat16ToFloat(LoadUnaligned<uint16_t>(src + 2 * i));
-      break;
-    default:
-      break;
-  }
-}
-
-}  // namespace
-
 StatusOr<std::vector<float>> SafetensorsFile::ReadF32(std::string_view name) const {
+  const TensorInfo* info = Find(name);
+  std::vector<float> out(info == nullptr ? 0 : static_cast<size_t>(info->numel()));
+  QCAL_RETURN_IF_ERROR(ReadF32Into(name, out.data(), out.size()));
+  return out;
+}
+
+Status SafetensorsFile::ReadF32Into(std::string_view name, float* out, size_t count) const {
   const TensorInfo* info = Find(name);
   if (info == nullptr) {
     return absl::NotFoundError(absl::StrCat(path_, ": no tensor named '", ToAbsl(name), "'"));
   }
-  if (!IsFloating(info->dtype)) {
+  if (!IsFloatingDType(info->dtype)) {
     return absl::InvalidArgumentError(
         absl::StrCat(path_, ": tensor '", ToAbsl(name), "' has dtype ", DTypeStr(info->dtype),
                      "; ReadF32 converts only F64, F32, F16 and BF16"));
   }
-  const size_t n = static_cast<size_t>(info->numel());
-  std::vector<float> out(n);
-  ConvertToF32(info->dtype, Data(*info), n, out.data());
+  if (static_cast<size_t>(info->numel()) != count) {
+    return absl::InvalidArgumentError(absl::StrCat(path_, ": tensor '", ToAbsl(name), "' has ",
+                                                   info->numel(), " elements, not ", count));
+  }
+  ConvertToF32(info->dtype, Data(*info), count, out);
   ReleasePages(*info);
-  return out;
+  return absl::OkStatus();
 }
 
 StatusOr<std::vector<float>> SafetensorsFile::ReadRowsF32(std::string_view name,
@@ -429,7 +410,7 @@ StatusOr<std::vector<float>> SafetensorsFile::ReadRowsF32(std::string_view name,
   if (info == nullptr) {
     return absl::NotFoundError(absl::StrCat(path_, ": no tensor named '", ToAbsl(name), "'"));
   }
-  if (!IsFloating(info->dtype) || info->shape.size() != 2) {
+  if (!IsFloatingDType(info->dtype) || info->shape.size() != 2) {
     return absl::InvalidArgumentError(
         absl::StrCat(path_, ": tensor '", ToAbsl(name), "' is ", DTypeStr(info->dtype), " with ",
                      info->shape.size(), " dims; rows are read from 2-D F64/F32/F16/BF16 tensors"));
@@ -451,10 +432,16 @@ StatusOr<std::vector<float>> SafetensorsFile::ReadRowsF32(std::string_view name,
 }
 
 void SafetensorsFile::ReleasePages(const TensorInfo& info) const {
+  ReleasePages(info, 0, info.nbytes());
+}
+
+void SafetensorsFile::ReleasePages(const TensorInfo& info, uint64_t from, uint64_t to) const {
   static const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
-  // Whole pages inside the tensor's bytes only: neighbours may still be in use.
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(Data(info));
-  const uintptr_t end = begin + info.nbytes();
+  to = std::min<uint64_t>(to, info.nbytes());
+  if (from >= to) return;
+  // Whole pages inside the range only: neighbours may still be in use.
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(Data(info)) + from;
+  const uintptr_t end = begin + (to - from);
   const uintptr_t first = (begin + page - 1) / page * page;
   const uintptr_t last = end / page * page;
   if (last > first) {
@@ -466,8 +453,8 @@ void SafetensorsFile::ReleasePages(const TensorInfo& info) const {
 // SafetensorsWriter
 // ---------------------------------------------------------------------------------------------
 
-Status SafetensorsWriter::Add(std::string name, DType dtype, std::vector<int64_t> shape,
-                              const void* data, size_t nbytes) {
+StatusOr<uint64_t> SafetensorsWriter::CheckNewEntry(const std::string& name, DType dtype,
+                                                    const std::vector<int64_t>& shape) const {
   if (name.empty()) return absl::InvalidArgumentError("SafetensorsWriter: empty tensor name");
   if (name == "__metadata__") {
     return absl::InvalidArgumentError(
@@ -483,14 +470,20 @@ Status SafetensorsWriter::Add(std::string name, DType dtype, std::vector<int64_t
           absl::StrCat("SafetensorsWriter: duplicate tensor name '", name, "'"));
     }
   }
-  StatusOr<uint64_t> expected = ShapeBytes(shape, dtype);
-  if (!expected.ok()) {
-    return Annotate(expected.status(), absl::StrCat("SafetensorsWriter: tensor '", name, "'"));
+  StatusOr<uint64_t> bytes = ShapeBytes(shape, dtype);
+  if (!bytes.ok()) {
+    return Annotate(bytes.status(), absl::StrCat("SafetensorsWriter: tensor '", name, "'"));
   }
-  if (*expected != nbytes) {
+  return *bytes;
+}
+
+Status SafetensorsWriter::Add(std::string name, DType dtype, std::vector<int64_t> shape,
+                              const void* data, size_t nbytes) {
+  QCAL_ASSIGN_OR_RETURN(const uint64_t expected, CheckNewEntry(name, dtype, shape));
+  if (expected != nbytes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "SafetensorsWriter: tensor '", name, "': ", nbytes, " bytes given for shape ",
-        ShapeString(shape), " x ", DTypeStr(dtype), " (", *expected, " bytes)"));
+        ShapeString(shape), " x ", DTypeStr(dtype), " (", expected, " bytes)"));
   }
   if (nbytes > 0 && data == nullptr) {
     return absl::InvalidArgumentError(
@@ -520,28 +513,33 @@ void SafetensorsWriter::SetMetadata(std::string key, std::string value) {
 }
 
 Status SafetensorsWriter::Reserve(std::string name, DType dtype, std::vector<int64_t> shape) {
-  if (name.empty() || name == "__metadata__" || !IsValidUtf8(name)) {
+  QCAL_ASSIGN_OR_RETURN(const uint64_t bytes, CheckNewEntry(name, dtype, shape));
+  Entry entry;
+  entry.name = std::move(name);
+  entry.dtype = dtype;
+  entry.shape = std::move(shape);
+  entry.nbytes = bytes;
+  entry.reserved = true;
+  entries_.push_back(std::move(entry));
+  data_bytes_ += bytes;
+  return absl::OkStatus();
+}
+
+Status SafetensorsWriter::AddStreamed(std::string name, DType dtype, std::vector<int64_t> shape,
+                                      Producer produce) {
+  QCAL_ASSIGN_OR_RETURN(const uint64_t bytes, CheckNewEntry(name, dtype, shape));
+  if (!produce) {
     return absl::InvalidArgumentError(
-        absl::StrCat("SafetensorsWriter: bad tensor name '", Printable(name), "'"));
-  }
-  for (const Entry& entry : entries_) {
-    if (entry.name == name) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("SafetensorsWriter: duplicate tensor name '", name, "'"));
-    }
-  }
-  StatusOr<uint64_t> bytes = ShapeBytes(shape, dtype);
-  if (!bytes.ok()) {
-    return Annotate(bytes.status(), absl::StrCat("SafetensorsWriter: tensor '", name, "'"));
+        absl::StrCat("SafetensorsWriter: tensor '", name, "': no producer for its bytes"));
   }
   Entry entry;
   entry.name = std::move(name);
   entry.dtype = dtype;
   entry.shape = std::move(shape);
-  entry.nbytes = *bytes;
-  entry.reserved = true;
+  entry.nbytes = bytes;
+  entry.produce = std::move(produce);
   entries_.push_back(std::move(entry));
-  data_bytes_ += *bytes;
+  data_bytes_ += bytes;
   return absl::OkStatus();
 }
 
@@ -595,11 +593,50 @@ StatusOr<std::string> SafetensorsWriter::WriteWithChecksum(const std::string& pa
   sum.Update(prefix.data(), prefix.size());
   QCAL_RETURN_IF_ERROR(writer->Append(prefix));
   for (const Entry& entry : entries_) {
-    sum.Update(entry.bytes.data(), entry.bytes.size());
-    QCAL_RETURN_IF_ERROR(writer->Append(entry.bytes));
+    if (!entry.produce) {
+      sum.Update(entry.bytes.data(), entry.bytes.size());
+      QCAL_RETURN_IF_ERROR(writer->Append(entry.bytes));
+      continue;
+    }
+    uint64_t handed = 0;
+    const ByteSink sink = [&](const void* data, size_t size) -> Status {
+      if (size == 0) return absl::OkStatus();
+      if (size > entry.nbytes - handed) {
+        return absl::InternalError(absl::StrCat(path, ": tensor '", entry.name, "': its producer ",
+                                                "handed more than its ", entry.nbytes, " bytes"));
+      }
+      handed += size;
+      sum.Update(data, size);
+      return writer->Append(data, size);
+    };
+    QCAL_RETURN_IF_ERROR(Annotate(entry.produce(sink), absl::StrCat(path, ": tensor '",
+                                                                    entry.name, "'")));
+    if (handed != entry.nbytes) {
+      return absl::InternalError(absl::StrCat(path, ": tensor '", entry.name, "': its producer ",
+                                              "handed ", handed, " of its ", entry.nbytes,
+                                              " bytes"));
+    }
   }
   QCAL_RETURN_IF_ERROR(writer->Commit());
   return sum.Hex();
+}
+
+Status AddCopiedTensor(SafetensorsWriter* writer, std::string name, const SafetensorsFile& file,
+                       const TensorInfo& info) {
+  const SafetensorsFile* f = &file;
+  const TensorInfo* t = &info;
+  return writer->AddStreamed(
+      std::move(name), info.dtype, info.shape,
+      [f, t](const SafetensorsWriter::ByteSink& sink) -> Status {
+        constexpr uint64_t kPiece = uint64_t{64} << 20;
+        const uint8_t* data = f->Data(*t);
+        for (uint64_t at = 0; at < t->nbytes(); at += kPiece) {
+          const uint64_t n = std::min(kPiece, t->nbytes() - at);
+          QCAL_RETURN_IF_ERROR(sink(data + at, n));
+          f->ReleasePages(*t, at, at + n);
+        }
+        return absl::OkStatus();
+      });
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -73,6 +74,9 @@ class SafetensorsFile {
   // Converts a floating tensor (F64/F32/F16/BF16) to float32. NotFound / InvalidArgument. The
   // tensor's pages are released afterwards (ReleasePages).
   StatusOr<std::vector<float>> ReadF32(std::string_view name) const;
+  // The same into `out`, which holds exactly numel() floats (a caller-owned tensor: no second
+  // copy). InvalidArgument when `count` differs from the tensor's element count.
+  Status ReadF32Into(std::string_view name, float* out, size_t count) const;
   // Rows `rows` of a 2-D floating tensor converted to float32 ([rows.size(), cols], row-major),
   // reading only those rows. NotFound / InvalidArgument (not 2-D, not floating) / OutOfRange (a
   // row index outside the tensor), naming the file and the tensor.
@@ -82,6 +86,8 @@ class SafetensorsFile {
   // and a later access reads them again. Streaming a checkpoint block by block thereby keeps one
   // block resident, not every block read so far.
   void ReleasePages(const TensorInfo& info) const;
+  // The same for bytes [begin, end) of the tensor's data (a table streamed in pieces).
+  void ReleasePages(const TensorInfo& info, uint64_t begin, uint64_t end) const;
 
  private:
   SafetensorsFile() = default;
@@ -92,14 +98,27 @@ class SafetensorsFile {
   std::map<std::string, size_t, std::less<>> index_;
 };
 
-// Collects tensors (copied in) and writes one safetensors file atomically. Tensors are written
-// in the order added; the header is padded with spaces to a multiple of 8 bytes.
+// Collects tensors (copied in, or streamed: AddStreamed) and writes one safetensors file
+// atomically. Tensors are written in the order added; the header is padded with spaces to a
+// multiple of 8 bytes.
 class SafetensorsWriter {
  public:
+  // Appends the next `size` bytes of a streamed tensor to the file.
+  using ByteSink = std::function<Status(const void* data, size_t size)>;
+  // Hands a streamed tensor's bytes, in order and in pieces of any size, to the sink.
+  using Producer = std::function<Status(const ByteSink& sink)>;
+
   // InvalidArgument when the name is duplicate/empty or nbytes != product(shape) * dtype size.
   Status Add(std::string name, DType dtype, std::vector<int64_t> shape, const void* data,
              size_t nbytes);
   Status AddF32(std::string name, std::vector<int64_t> shape, const float* data);
+  // Declares a tensor whose bytes `produce` hands over while the file is written, so the writer
+  // never holds them (a 128k-row embedding table copied from its source, or transformed row
+  // chunk by row chunk). Write runs each producer once, in the tensors' order; a producer that
+  // hands more or fewer than product(shape)·dtype-size bytes fails the write (Internal, naming
+  // the tensor), and its error fails the write as well (the file is then not created).
+  Status AddStreamed(std::string name, DType dtype, std::vector<int64_t> shape,
+                     Producer produce);
   void SetMetadata(std::string key, std::string value);
   // Declares a tensor whose bytes the caller writes into the file itself, at
   // Prefix().size() + its offset in the data section (a file filled in place, e.g. by several
@@ -120,10 +139,14 @@ class SafetensorsWriter {
     std::string name;
     DType dtype;
     std::vector<int64_t> shape;
-    std::string bytes;  // empty for a reserved entry
+    std::string bytes;  // empty for a reserved or streamed entry
     uint64_t nbytes = 0;
     bool reserved = false;
+    Producer produce;   // streamed entries only
   };
+  // The checks every new entry gets (name, no duplicate); its byte count from shape and dtype.
+  StatusOr<uint64_t> CheckNewEntry(const std::string& name, DType dtype,
+                                   const std::vector<int64_t>& shape) const;
   std::vector<Entry> entries_;
   std::map<std::string, std::string> metadata_;
   uint64_t data_bytes_ = 0;
@@ -167,6 +190,12 @@ class CheckpointReader {
   // are checked once, when it is first opened; a mismatch is DataLoss naming the shard.
   std::map<std::string, std::string> checksums_;
 };
+
+// Adds tensor `info` of `file` to `writer` under `name` exactly as stored (dtype, shape and
+// bytes), streamed from the file in pieces whose pages are released once written: copying a
+// table costs no memory beyond a piece.
+Status AddCopiedTensor(SafetensorsWriter* writer, std::string name, const SafetensorsFile& file,
+                       const TensorInfo& info);
 
 // Writes model.safetensors.index.json (atomically) for shards already written into `dir`:
 // `weight_map` maps tensor name -> shard file name; total_size is the sum of tensor bytes.

@@ -5,6 +5,8 @@
 #include <limits>
 #include <string>
 
+#include "common/dtype.h"
+
 namespace qcal::kernels {
 namespace {
 
@@ -66,11 +68,22 @@ Status ValidateScalarQuantConfig(const ScalarQuantConfig& c) {
   return absl::OkStatus();
 }
 
+double RoundScaleToHalf(double scale) {
+  constexpr double kMinNormal = 6.103515625e-05;  // 2^-14
+  constexpr double kMax = 65504.0;
+  if (!(scale > kMinNormal)) return kMinNormal;  // NaN too
+  if (scale >= kMax) return kMax;
+  return static_cast<double>(HalfToFloat(FloatToHalf(static_cast<float>(scale))));
+}
+
 template <typename T>
 ScalarQuantParams<T> ScalarQuantParamsFromRange(double lo, double hi, double clip_ratio,
                                                 const ScalarQuantConfig& c) {
   ScalarQuantParams<T> p;
   p.clip_ratio = clip_ratio;
+  auto scale_of = [&c](double s) {
+    return static_cast<T>(c.f16_scales ? RoundScaleToHalf(s) : s);
+  };
   if (c.symmetric) {
     const double qmax = static_cast<double>(ScalarCodeMax(c));
     const double m = clip_ratio * std::max(std::fabs(lo), std::fabs(hi));
@@ -78,7 +91,7 @@ ScalarQuantParams<T> ScalarQuantParamsFromRange(double lo, double hi, double cli
       p.scale = T(1);
       p.zero = 0;
     } else {
-      p.scale = static_cast<T>(m / qmax);
+      p.scale = scale_of(m / qmax);
       p.zero = 0;
     }
   } else {
@@ -89,7 +102,7 @@ ScalarQuantParams<T> ScalarQuantParamsFromRange(double lo, double hi, double cli
       xmin = -1.0;
       xmax = 1.0;
     }
-    p.scale = static_cast<T>((xmax - xmin) / qmax);
+    p.scale = scale_of((xmax - xmin) / qmax);
     const double z = std::nearbyint(-xmin / static_cast<double>(p.scale));
     p.zero = static_cast<int32_t>(std::min(std::max(z, 0.0), qmax));
   }

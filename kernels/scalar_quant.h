@@ -11,6 +11,8 @@
 //                       lo = r·min(min x, 0), hi = r·max(max x, 0)   (the range always holds 0)
 //                       s = (hi - lo) / qmax, z = nearbyint(-lo / s) ∈ [0, qmax]
 //
+//   with f16_scales, s is rounded to IEEE half (RoundScaleToHalf) before z and the codes.
+//
 //   code(x)    = clamp(nearbyint(x / s) + z, cmin, cmax)   (x / s evaluated in double; nearbyint
 //                                                            rounds half to even, like torch.round)
 //   dequant(c) = T(c - z) · s                               (in the element type T)
@@ -69,7 +71,15 @@ struct ScalarQuantConfig {
   int clip_search_grid = 100;           // GPTQ's `grid`.
   double clip_search_max_shrink = 0.8;  // GPTQ's `maxshrink`: the smallest ratio is 1 - 0.79.
   double clip_search_norm = 2.4;        // GPTQ's `norm` (p of the L_p error); 2 gives the MSE.
+  // Scales rounded to IEEE half (RoundScaleToHalf) before any code is chosen, so the codes,
+  // scales and zero points are exact in a format with fp16 scales (GPTQ checkpoints, fp16
+  // inference kernels) and dequantize there to the values the quantizer chose.
+  bool f16_scales = false;
 };
+
+// A positive scale rounded to the nearest IEEE half (ties to even), kept inside the normal
+// half range [2^-14, 65504]: a scale below it would lose precision as a subnormal or round to 0.
+double RoundScaleToHalf(double scale);
 
 // InvalidArgument if a field is out of range (bits, group_size, clip ratio, search grid, norm).
 Status ValidateScalarQuantConfig(const ScalarQuantConfig& config);

@@ -21,9 +21,14 @@ nlohmann::json Method::QuantizationFields() const {
 }
 
 Status Method::PrepareBlock(int64_t, model::BlockWeights*) const { return Status(); }
-Status Method::PrepareNonBlock(model::NonBlockWeights*) const { return Status(); }
 StatusOr<at::Tensor> Method::PrepareEmbeddingRows(const at::Tensor& rows) const { return rows; }
+at::Tensor Method::PrepareFinalNorm(const at::Tensor& final_norm) const { return final_norm; }
+StatusOr<at::Tensor> Method::PrepareHeadRows(const at::Tensor& rows, const at::Tensor&) const {
+  return rows;
+}
+
 Status Method::InstallInference(model::DecoderBlock*, int64_t) const { return Status(); }
+Status Method::CheckPlainForward() const { return Status(); }
 
 StatusOr<at::Tensor> Method::PropagateFinishedBlock(model::BlockWeights, int64_t layer,
                                                     const at::Tensor&, const model::Rope&,

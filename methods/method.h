@@ -6,8 +6,8 @@
 // A job runs a method like this (worker/job/job_steps.h):
 //   * every float block, as it streams in from the source checkpoint, goes through
 //     PrepareBlock (the method's function-preserving transforms: QuaRot's norm fusion and
-//     rotations, K-sort); the non-block weights through PrepareNonBlock and embedding rows
-//     through PrepareEmbeddingRows;
+//     rotations, K-sort); the non-block weights, in row chunks (a 128k-row table is never
+//     whole in memory), through PrepareEmbeddingRows, PrepareFinalNorm and PrepareHeadRows;
 //   * QuantizeBlock gets the prepared float block and what its MethodNeeds asked for (the float
 //     model's Hessians and activations from the calibration phase, or the block's calibration
 //     inputs for a sequential method) and returns the quantized block and its metrics;
@@ -72,10 +72,16 @@ class Method {
   // --- the float model, as it streams in
   // Function-preserving transforms of float block `layer` (identity by default).
   virtual Status PrepareBlock(int64_t layer, model::BlockWeights* weights) const;
-  // ... of the embedding table, final norm and head (identity by default).
-  virtual Status PrepareNonBlock(model::NonBlockWeights* weights) const;
-  // Rows of the float embedding table ([..., hidden]) as the prepared table holds them.
+  // ... of the embedding table, final norm and head, each row on its own (identity by default;
+  // a method that changes them says so with MethodNeeds::transforms_non_block):
+  // rows of the float embedding table ([..., hidden]) as the prepared table holds them;
   virtual StatusOr<at::Tensor> PrepareEmbeddingRows(const at::Tensor& rows) const;
+  // the prepared final norm's weights [hidden], given the float ones;
+  virtual at::Tensor PrepareFinalNorm(const at::Tensor& final_norm) const;
+  // rows [n, hidden] of the float head as the prepared (untied) head holds them, given the
+  // float final norm's weights.
+  virtual StatusOr<at::Tensor> PrepareHeadRows(const at::Tensor& rows,
+                                               const at::Tensor& final_norm) const;
 
   // --- one block
   virtual StatusOr<quant::BlockTaskResult> QuantizeBlock(model::BlockWeights float_weights,
@@ -94,6 +100,11 @@ class Method {
   // What inference computes with, installed on a block LoadBlock read (online transforms,
   // activation and KV-cache quantizers). Nothing by default.
   virtual Status InstallInference(model::DecoderBlock* block, int64_t layer) const;
+  // Whether a checkpoint of this recipe computes exactly what its stored linears compute in a
+  // plain Llama forward pass (float activations and KV cache, no online transforms), so that its
+  // weights can be exported to formats inference engines load (worker/export). FailedPrecondition
+  // saying what such a forward cannot express otherwise. OK by default.
+  virtual Status CheckPlainForward() const;
   // Sequential methods: the outputs of finished block `layer` (as LoadBlock reads it) on its
   // calibration inputs x, as QuantizeBlock propagates them; used to rebuild inputs a resumed job
   // lost. Unimplemented by default.

@@ -15,6 +15,7 @@ class GptqSpec final : public MethodSpec {
     QCAL_RETURN_IF_ERROR(ReadScalarBits(top, "gptq", &c->bits));
     QCAL_RETURN_IF_ERROR(RefuseIncoherence(top, "gptq"));
     QCAL_RETURN_IF_ERROR(ReadDamp(top, &c->damp));
+    c->scalar.scale_dtype = "f16";  // exact in the GPTQ format engines load
     QCAL_RETURN_IF_ERROR(ReadScalarGrid(top, "", &c->scalar));
     return std::shared_ptr<const MethodConfig>(std::move(c));
   }

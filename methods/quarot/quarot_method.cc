@@ -1,6 +1,10 @@
 #include "methods/quarot/quarot_method.h"
 
+#include <string>
+#include <vector>
+
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/log.h"
 #include "methods/quarot/checkpoint.h"
 #include "methods/quarot/quarot_model.h"
@@ -19,11 +23,15 @@ class QuarotMethod final : public Method {
     return Annotate(PrepareBlockWeights(*weights, config(), recipe(), plan_),
                     absl::StrCat("block ", layer));
   }
-  Status PrepareNonBlock(model::NonBlockWeights* weights) const override {
-    return qsim::RotateNonBlockWeights(*weights, plan_);
-  }
   StatusOr<at::Tensor> PrepareEmbeddingRows(const at::Tensor& rows) const override {
     return qsim::RotateEmbeddingRows(rows, plan_);
+  }
+  at::Tensor PrepareFinalNorm(const at::Tensor& final_norm) const override {
+    return qsim::FusedFinalNorm(final_norm, plan_);
+  }
+  StatusOr<at::Tensor> PrepareHeadRows(const at::Tensor& rows,
+                                       const at::Tensor& final_norm) const override {
+    return qsim::RotateHeadRows(rows, final_norm, plan_);
   }
 
   StatusOr<quant::BlockTaskResult> QuantizeBlock(model::BlockWeights float_weights,
@@ -49,6 +57,28 @@ class QuarotMethod final : public Method {
   }
   Status InstallInference(model::DecoderBlock* block, int64_t layer) const override {
     return InstallQuantizedInference(*block, config(), layer, recipe(), plan_);
+  }
+  Status CheckPlainForward() const override {
+    // R1 and R2 are fused into the stored weights (and R1 into the embedding and head): a plain
+    // forward reproduces them. The rest runs at inference time.
+    QCAL_ASSIGN_OR_RETURN(const QuarotConfig* q, QuarotSettings(recipe()));
+    std::vector<std::string> online;
+    if (plan_.r3) online.push_back("the online Hadamard R3 on queries and keys");
+    if (plan_.r4) online.push_back("the online Hadamard R4 on the down_proj input");
+    if (q->activations.enabled()) {
+      online.push_back(absl::StrCat(q->activations.bits, "-bit activation quantization"));
+    }
+    if (q->kv_cache.enabled()) {
+      online.push_back(absl::StrCat(q->kv_cache.bits, "-bit ", q->kv_cache.format,
+                                    " KV-cache quantization",
+                                    q->kv_cache.k_sort ? " with K-sort" : ""));
+    }
+    if (online.empty()) return Status();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "recipe '", recipe().name, "' (method ", recipe().method, ") computes ",
+        absl::StrJoin(online, ", "),
+        " at inference time, which a plain Llama forward pass (and so this format) cannot "
+        "express"));
   }
   StatusOr<at::Tensor> PropagateFinishedBlock(model::BlockWeights weights, int64_t layer,
                                               const at::Tensor& x, const model::Rope& rope,

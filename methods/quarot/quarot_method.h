@@ -1,6 +1,6 @@
-// QuaRot (method quarot), worker side: the rotations are the method's PrepareBlock /
-// PrepareNonBlock / PrepareEmbeddingRows (norm fusion, R1, R2, R4's fused half, K-sort), every
-// block task quantizes one rotated block on the outputs of the quantized blocks before it
+// QuaRot (method quarot), worker side: the rotations are the method's PrepareBlock and its
+// non-block row functions (norm fusion, R1, R2, R4's fused half, K-sort), every block task
+// quantizes one rotated block on the outputs of the quantized blocks before it
 // (quarot_model.h QuantizeRotatedBlock), its shard holds the rounded linears, the calibrated
 // static ranges and the K-sort permutation (checkpoint.h), and InstallInference puts back the
 // online Hadamards and the activation and KV-cache quantizers.

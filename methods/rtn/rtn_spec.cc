@@ -17,6 +17,7 @@ class RtnSpec final : public MethodSpec {
     if (top.Has("damp")) {
       return top.KeyError("damp", "does not apply to method rtn, which uses no Hessian");
     }
+    c->scalar.scale_dtype = "f16";  // exact in the GPTQ format engines load
     QCAL_RETURN_IF_ERROR(
         ReadScalarGrid(top, "applies only to method gptq, not rtn", &c->scalar));
     return std::shared_ptr<const MethodConfig>(std::move(c));

@@ -683,6 +683,106 @@ TEST_F(TempDirTest, WriterRejectsBadInput) {
               {"missing/out.safetensors"});
 }
 
+TEST_F(TempDirTest, StreamedTensorsWriteTheSameBytesAsCopiedOnes) {
+  std::vector<uint16_t> table(1000 * 3);
+  for (size_t i = 0; i < table.size(); ++i) table[i] = FloatToBFloat16(0.25f * (i % 97) - 7.0f);
+  const float norm[3] = {1.0f, 0.5f, -2.0f};
+  SafetensorsWriter copied, streamed;
+  for (SafetensorsWriter* w : {&copied, &streamed}) w->SetMetadata("format", "pt");
+  ASSERT_TRUE(copied.Add("t", DType::kBF16, {1000, 3}, table.data(), table.size() * 2).ok());
+  ASSERT_TRUE(copied.AddF32("n", {3}, norm).ok());
+  // In uneven pieces, including an empty one.
+  ASSERT_TRUE(streamed
+                  .AddStreamed("t", DType::kBF16, {1000, 3},
+                               [&](const SafetensorsWriter::ByteSink& sink) -> Status {
+                                 const char* p = reinterpret_cast<const char*>(table.data());
+                                 QCAL_RETURN_IF_ERROR(sink(p, 7));
+                                 QCAL_RETURN_IF_ERROR(sink(p + 7, 0));
+                                 return sink(p + 7, table.size() * 2 - 7);
+                               })
+                  .ok());
+  ASSERT_TRUE(streamed.AddF32("n", {3}, norm).ok());
+  EXPECT_EQ(streamed.data_bytes(), copied.data_bytes());
+  auto a = copied.WriteWithChecksum(Path("a.safetensors"));
+  auto b = streamed.WriteWithChecksum(Path("b.safetensors"));
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(*a, *b);
+  auto bytes_a = ReadFile(Path("a.safetensors"));
+  auto bytes_b = ReadFile(Path("b.safetensors"));
+  ASSERT_TRUE(bytes_a.ok() && bytes_b.ok());
+  EXPECT_EQ(*bytes_a, *bytes_b);
+  auto sum = FileFnv1aHex(Path("b.safetensors"));
+  ASSERT_TRUE(sum.ok());
+  EXPECT_EQ(*sum, *b);
+
+  // AddCopiedTensor: the stored dtype and bytes, through a file opened for reading.
+  auto file = SafetensorsFile::Open(Path("a.safetensors"));
+  ASSERT_TRUE(file.ok()) << file.status();
+  SafetensorsWriter copy;
+  copy.SetMetadata("format", "pt");
+  ASSERT_TRUE(AddCopiedTensor(&copy, "t", **file, *(*file)->Find("t")).ok());
+  ASSERT_TRUE(AddCopiedTensor(&copy, "n", **file, *(*file)->Find("n")).ok());
+  ASSERT_TRUE(copy.Write(Path("c.safetensors")).ok());
+  auto bytes_c = ReadFile(Path("c.safetensors"));
+  ASSERT_TRUE(bytes_c.ok());
+  EXPECT_EQ(*bytes_c, *bytes_a);
+}
+
+TEST_F(TempDirTest, StreamedTensorWithTheWrongByteCountOrAnErrorWritesNothing) {
+  const std::string data(24, 'x');
+  auto producer = [&](size_t n) {
+    return [&data, n](const SafetensorsWriter::ByteSink& sink) { return sink(data.data(), n); };
+  };
+  {
+    SafetensorsWriter w;
+    ASSERT_TRUE(w.AddStreamed("short", DType::kF32, {2, 3}, producer(20)).ok());
+    ExpectError(w.Write(Path("short.safetensors")), absl::StatusCode::kInternal,
+                {"short.safetensors", "tensor 'short'", "handed 20 of its 24 bytes"});
+  }
+  {
+    SafetensorsWriter w;
+    ASSERT_TRUE(w.AddStreamed("long", DType::kF32, {1, 5}, producer(24)).ok());
+    ExpectError(w.Write(Path("long.safetensors")), absl::StatusCode::kInternal,
+                {"tensor 'long'", "more than its 20 bytes"});
+  }
+  {
+    SafetensorsWriter w;
+    ASSERT_TRUE(w.AddStreamed("bad", DType::kU8, {3},
+                              [](const SafetensorsWriter::ByteSink&) -> Status {
+                                return absl::DataLossError("source shard changed");
+                              })
+                    .ok());
+    ExpectError(w.Write(Path("bad.safetensors")), absl::StatusCode::kDataLoss,
+                {"bad.safetensors", "tensor 'bad'", "source shard changed"});
+  }
+  SafetensorsWriter w;
+  ExpectError(w.AddStreamed("none", DType::kU8, {3}, nullptr), kInvalid, {"no producer"});
+  ExpectError(w.AddStreamed("neg", DType::kU8, {-3}, producer(3)), kInvalid,
+              {"negative dimension"});
+  // No file, no temporary file.
+  EXPECT_TRUE(ListDir().empty());
+}
+
+TEST(DTypeTest, ConvertToAndFromF32) {
+  const std::vector<float> values = {1.0f, -2.5f, 0.099975586f, 65504.0f, -0.0f, 3.0e-5f};
+  for (DType d : {DType::kF64, DType::kF32, DType::kF16, DType::kBF16}) {
+    std::vector<uint8_t> bytes(values.size() * DTypeSize(d) + 1);
+    // At an odd address: conversions take any alignment.
+    ConvertFromF32(d, values.data(), values.size(), bytes.data() + 1);
+    std::vector<float> back(values.size());
+    ConvertToF32(d, bytes.data() + 1, values.size(), back.data());
+    for (size_t i = 0; i < values.size(); ++i) {
+      float expected = values[i];
+      if (d == DType::kF16) expected = HalfToFloat(FloatToHalf(values[i]));
+      if (d == DType::kBF16) expected = BFloat16ToFloat(FloatToBFloat16(values[i]));
+      EXPECT_EQ(BitsOf(back[i]), BitsOf(expected)) << DTypeName(d) << " " << i;
+    }
+  }
+  EXPECT_TRUE(IsFloatingDType(DType::kBF16));
+  EXPECT_FALSE(IsFloatingDType(DType::kI32));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Checkpoints
 // ---------------------------------------------------------------------------------------------

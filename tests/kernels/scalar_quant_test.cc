@@ -14,6 +14,7 @@
 #include <random>
 #include <vector>
 
+#include "common/dtype.h"
 #include "tests/test_util.h"
 
 namespace qcal::kernels {
@@ -233,6 +234,46 @@ TEST(ScalarQuantTest, PerChannelRtnErrorBoundAndRoundTrip) {
             ASSERT_LE(err, 0.5 * p.scale * (1 + 1e-12)) << r << "," << j;
           }
         }
+      }
+    }
+  }
+}
+
+TEST(ScalarQuantTest, HalfScalesAreExactInFp16AndKeepTheErrorBound) {
+  EXPECT_EQ(RoundScaleToHalf(0.1), static_cast<double>(HalfToFloat(FloatToHalf(0.1f))));
+  EXPECT_EQ(RoundScaleToHalf(1e-9), 0x1.0p-14);  // below the normal half range
+  EXPECT_EQ(RoundScaleToHalf(1e9), 65504.0);
+  EXPECT_EQ(RoundScaleToHalf(0.375), 0.375);     // already a half
+  const uint64_t seed = testing::TestSeed();
+  Gaussian gauss(seed);
+  const int64_t rows = 16, cols = 96;
+  std::vector<double> x(rows * cols);
+  for (auto& v : x) v = 0.02 * gauss();  // weight-sized values
+  for (bool sym : {true, false}) {
+    for (bool clip : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "sym " << sym << " clip " << clip);
+      ScalarQuantConfig c = Cfg(4, sym, QuantGranularity::kPerGroup, 32);
+      c.clip_search = clip;
+      c.f16_scales = true;
+      auto q = QuantizeScalar(x.data(), rows, cols, c);
+      ASSERT_TRUE(q.ok()) << q.status();
+      c.f16_scales = false;
+      auto q32 = QuantizeScalar(x.data(), rows, cols, c);
+      ASSERT_TRUE(q32.ok());
+      bool any_differs = false;
+      for (size_t k = 0; k < q->scales.size(); ++k) {
+        const double s = q->scales[k];
+        // The scale is a half value, and fp32 dequantization in an fp16-scale format is exact.
+        EXPECT_EQ(s, static_cast<double>(HalfToFloat(FloatToHalf(static_cast<float>(s))))) << k;
+        any_differs |= s != q32->scales[k];
+      }
+      EXPECT_TRUE(any_differs);  // the rounding did something, so the test can fail
+      for (int64_t i = 0; i < rows * cols; ++i) {
+        const auto p = q->params(i / cols, i % cols);
+        const float f32 = static_cast<float>(p.scale) *
+                          static_cast<float>(q->codes[i] - p.zero);
+        ASSERT_EQ(static_cast<double>(f32), q->values[i]) << i;
+        if (!clip) ASSERT_LE(std::fabs(q->values[i] - x[i]), 0.5 * p.scale * (1 + 1e-12)) << i;
       }
     }
   }

@@ -53,18 +53,77 @@ int64_t ActivationBudget(const JobContext& ctx) {
   return std::max<int64_t>(0, ctx.options.max_memory - BlockWorkingBytes(ctx.config));
 }
 
-// Writes shard 0 from (prepared) non-block weights: embedding, final norm and, when untied,
-// the head (F32), as the attempt's staged file.
-StatusOr<v1::WrittenFile> WriteNonBlockShardStaged(JobContext* ctx,
-                                                   const model::NonBlockWeights& w,
-                                                   const std::string& attempt) {
+// Adds the [rows, hidden] float32 table `name` to `writer`, its row chunks
+// (model::TableChunkRows) made by `make(begin, count)` while the writer writes: the table is
+// never whole in memory.
+Status AddTableStreamed(SafetensorsWriter* writer, const std::string& name, int64_t rows,
+                        int64_t hidden,
+                        std::function<StatusOr<at::Tensor>(int64_t, int64_t)> make) {
+  return writer->AddStreamed(
+      name, DType::kF32, {rows, hidden},
+      [name, rows, hidden, make = std::move(make)](const SafetensorsWriter::ByteSink& sink)
+          -> Status {
+        at::NoGradGuard no_grad;
+        const int64_t step = model::TableChunkRows(hidden);
+        for (int64_t begin = 0; begin < rows; begin += step) {
+          const int64_t n = std::min(step, rows - begin);
+          QCAL_ASSIGN_OR_RETURN(at::Tensor chunk, make(begin, n));
+          chunk = chunk.to(at::kFloat).contiguous();
+          if (chunk.dim() != 2 || chunk.size(0) != n || chunk.size(1) != hidden) {
+            return absl::InternalError(absl::StrCat("rows [", begin, ", ", begin + n, ") of '",
+                                                    name, "' came back with shape ",
+                                                    model::ShapeStr(chunk.sizes().vec())));
+          }
+          QCAL_RETURN_IF_ERROR(sink(chunk.data_ptr<float>(),
+                                    static_cast<size_t>(chunk.numel()) * sizeof(float)));
+        }
+        return absl::OkStatus();
+      });
+}
+
+// Shard 0 of a method that transforms the non-block weights, as the attempt's staged file:
+// the embedding table and the (untied) head streamed from the float model in row chunks
+// through the method's row functions, stored F32 (transformed values); the prepared final
+// norm, F32.
+StatusOr<v1::WrittenFile> WritePreparedNonBlockShardStaged(JobContext* ctx,
+                                                           const std::string& attempt) {
+  model::ModelSource* source = ctx->source.get();
+  const methods::Method* method = ctx->method.get();
+  const int64_t vocab = ctx->config.vocab_size, hidden = ctx->config.hidden_size;
+  QCAL_ASSIGN_OR_RETURN(const at::Tensor norm, source->FinalNorm());
   SafetensorsWriter writer;
   writer.SetMetadata("format", "pt");
-  QCAL_RETURN_IF_ERROR(model::AddF32Tensor(&writer, "model.embed_tokens.weight", w.embed));
-  QCAL_RETURN_IF_ERROR(model::AddF32Tensor(&writer, "model.norm.weight", w.final_norm));
-  if (!w.head_tied) {
-    QCAL_RETURN_IF_ERROR(model::AddF32Tensor(&writer, "lm_head.weight", w.head));
-  }
+  QCAL_RETURN_IF_ERROR(AddTableStreamed(
+      &writer, "model.embed_tokens.weight", vocab, hidden,
+      [source, method](int64_t begin, int64_t n) -> StatusOr<at::Tensor> {
+        QCAL_ASSIGN_OR_RETURN(at::Tensor rows, source->Embed(at::arange(begin, begin + n,
+                                                                        at::kLong)));
+        return method->PrepareEmbeddingRows(rows);
+      }));
+  QCAL_RETURN_IF_ERROR(
+      model::AddF32Tensor(&writer, "model.norm.weight", method->PrepareFinalNorm(norm)));
+  QCAL_RETURN_IF_ERROR(AddTableStreamed(
+      &writer, "lm_head.weight", vocab, hidden,
+      [source, method, norm](int64_t begin, int64_t n) -> StatusOr<at::Tensor> {
+        QCAL_ASSIGN_OR_RETURN(at::Tensor rows, source->HeadRows(begin, n));
+        return method->PrepareHeadRows(rows, norm);
+      }));
+  return WriteStagedFile(ctx->options.out_dir, ShardName(0, ctx->config.num_hidden_layers),
+                         attempt, writer);
+}
+
+// Shard 0 after end-to-end fine-tuning, as the attempt's staged file: the embedding table as
+// the float model stores it (not tuned; streamed), the tuned final norm and, when untied, the
+// tuned head (F32).
+StatusOr<v1::WrittenFile> WriteTunedNonBlockShardStaged(JobContext* ctx,
+                                                        const at::Tensor& final_norm,
+                                                        const at::Tensor& head, bool head_tied,
+                                                        const std::string& attempt) {
+  SafetensorsWriter writer;
+  writer.SetMetadata("format", "pt");
+  QCAL_RETURN_IF_ERROR(ctx->source->AddStoredTensor(&writer, "model.embed_tokens.weight"));
+  QCAL_RETURN_IF_ERROR(model::AddF32Tensor(&writer, "model.norm.weight", final_norm));
+  if (!head_tied) QCAL_RETURN_IF_ERROR(model::AddF32Tensor(&writer, "lm_head.weight", head));
   return WriteStagedFile(ctx->options.out_dir, ShardName(0, ctx->config.num_hidden_layers),
                          attempt, writer);
 }
@@ -302,10 +361,8 @@ StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
   v1::BlockResult result;
   result.set_layer(layer);
   if (needs.transforms_non_block && layer == 0) {
-    QCAL_ASSIGN_OR_RETURN(model::NonBlockWeights nb, ctx->source->LoadNonBlock());
-    QCAL_RETURN_IF_ERROR(ctx->method->PrepareNonBlock(&nb));
-    nb.head_tied = false;  // the transformed head is stored as lm_head
-    QCAL_ASSIGN_OR_RETURN(*result.add_also_wrote(), WriteNonBlockShardStaged(ctx, nb, attempt));
+    QCAL_ASSIGN_OR_RETURN(*result.add_also_wrote(),
+                          WritePreparedNonBlockShardStaged(ctx, attempt));
   }
   QCAL_ASSIGN_OR_RETURN(*result.mutable_shard(),
                         WriteBlockShardStaged(ctx, layer, task.weights, attempt));
@@ -347,7 +404,6 @@ StatusOr<v1::FinetuneResult> FinetuneE2EStep(JobContext* ctx,
     }
   }
   QCAL_ASSIGN_OR_RETURN(model::NonBlockWeights non_block, ctx->source->LoadNonBlock());
-  const at::Tensor float_embed = non_block.embed;
   QCAL_ASSIGN_OR_RETURN(quant::TunableModel tuned,
                         quant::AssembleTunableModel(config, non_block, std::move(qblocks)));
 
@@ -407,12 +463,9 @@ StatusOr<v1::FinetuneResult> FinetuneE2EStep(JobContext* ctx,
     QCAL_ASSIGN_OR_RETURN(*result.add_shards(),
                           WriteBlockShardStaged(ctx, l, tuned.model->block(l).weights(), attempt));
   }
-  model::NonBlockWeights tuned_nb;
-  tuned_nb.embed = float_embed;
-  tuned_nb.final_norm = tuned.final_norm;
-  tuned_nb.head = tuned.head;
-  tuned_nb.head_tied = tuned.head_tied;
-  QCAL_ASSIGN_OR_RETURN(*result.add_shards(), WriteNonBlockShardStaged(ctx, tuned_nb, attempt));
+  QCAL_ASSIGN_OR_RETURN(*result.add_shards(),
+                        WriteTunedNonBlockShardStaged(ctx, tuned.final_norm, tuned.head,
+                                                      tuned.head_tied, attempt));
   result.set_kl_before(e2e->heldout_kl_before);
   result.set_kl_after(e2e->heldout_kl_after);
   result.set_best_epoch(e2e->best_epoch);

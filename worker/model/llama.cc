@@ -236,8 +236,25 @@ StatusOr<at::Tensor> LoadTensorF32(CheckpointReader& ckpt, const std::string& na
                      absl::StrJoin(info.shape, ", "), "], expected [",
                      absl::StrJoin(expected_shape, ", "), "] from config.json"));
   }
-  QCAL_ASSIGN_OR_RETURN(std::vector<float> data, found.first->ReadF32(name));
-  return at::from_blob(data.data(), expected_shape, at::kFloat).clone();
+  // Converted straight into the tensor: one float32 copy, not two.
+  at::Tensor t = at::empty(expected_shape, at::kFloat);
+  QCAL_RETURN_IF_ERROR(found.first->ReadF32Into(name, t.data_ptr<float>(),
+                                                static_cast<size_t>(t.numel())));
+  return t;
+}
+
+std::vector<int64_t> LinearShape(const LlamaConfig& c, LinearKind kind) {
+  const int64_t hid = c.hidden_size, inter = c.intermediate_size;
+  switch (kind) {
+    case LinearKind::kQ: return {c.q_dim(), hid};
+    case LinearKind::kK:
+    case LinearKind::kV: return {c.kv_dim(), hid};
+    case LinearKind::kO: return {hid, c.q_dim()};
+    case LinearKind::kGate:
+    case LinearKind::kUp: return {inter, hid};
+    case LinearKind::kDown: return {hid, inter};
+  }
+  return {};
 }
 
 StatusOr<BlockWeights> LoadBlockWeights(CheckpointReader& ckpt, const LlamaConfig& c,
@@ -247,10 +264,7 @@ StatusOr<BlockWeights> LoadBlockWeights(CheckpointReader& ckpt, const LlamaConfi
                                               c.num_hidden_layers, ")"));
   }
   const std::string p = absl::StrCat("model.layers.", layer, ".");
-  const int64_t hid = c.hidden_size, inter = c.intermediate_size;
-  const std::vector<int64_t> shapes[7] = {{c.q_dim(), hid}, {c.kv_dim(), hid}, {c.kv_dim(), hid},
-                                          {hid, c.q_dim()}, {inter, hid},      {inter, hid},
-                                          {hid, inter}};
+  const int64_t hid = c.hidden_size;
   BlockWeights w;
   QCAL_ASSIGN_OR_RETURN(w.input_norm, LoadTensorF32(ckpt, p + "input_layernorm.weight", {hid}));
   QCAL_ASSIGN_OR_RETURN(w.post_norm,
@@ -258,7 +272,7 @@ StatusOr<BlockWeights> LoadBlockWeights(CheckpointReader& ckpt, const LlamaConfi
   for (LinearKind k : kAllLinears) {
     const int i = static_cast<int>(k);
     QCAL_ASSIGN_OR_RETURN(at::Tensor t,
-                          LoadTensorF32(ckpt, p + LinearName(k) + ".weight", shapes[i]));
+                          LoadTensorF32(ckpt, p + LinearName(k) + ".weight", LinearShape(c, k)));
     w.linears[i] = std::make_unique<DenseLinear>(std::move(t));
   }
   return w;

@@ -60,6 +60,8 @@ inline constexpr LinearKind kAllLinears[] = {LinearKind::kQ,    LinearKind::kK, 
                                              LinearKind::kUp,   LinearKind::kDown};
 // "self_attn.q_proj", ..., "mlp.down_proj"
 const char* LinearName(LinearKind kind);
+// The [out_features, in_features] of a linear of a block of `config`.
+std::vector<int64_t> LinearShape(const LlamaConfig& config, LinearKind kind);
 
 struct BlockWeights {
   at::Tensor input_norm;  // [hidden]

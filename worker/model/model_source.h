@@ -7,7 +7,9 @@
 //     shards when asked for, converted from the stored dtype (F32, F16, BF16) to float32 tensor by
 //     tensor, and the shards' pages are released after each read (SafetensorsFile::ReleasePages),
 //     so resident memory stays at one block whatever the depth of the model. Embed() reads only
-//     the embedding rows of the ids asked for; the head is loaded on the first Logits().
+//     the embedding rows of the ids asked for; the head is set up on the first Logits(): a
+//     float32 head is loaded, a 16-bit one (a bf16 128k-vocabulary table) stays as stored and
+//     is converted in row chunks as each Logits() call multiplies by it.
 //   Quantized checkpoints: methods/worker_registry.h OpenModel (the method reads its blocks and
 //     installs what inference computes with).
 //
@@ -47,7 +49,26 @@ class ModelSource {
   virtual StatusOr<NonBlockWeights> LoadNonBlock() = 0;
   // Frees the head loaded by Logits().
   virtual void ReleaseHead() = 0;
+
+  // The non-block weights in pieces, for writers that stream them (a 128k-row table is never
+  // whole in memory): rows [begin, begin + count) of the head ([count, hidden] float32; the
+  // embedding's rows when the head is tied); the final norm's weights [hidden] float32; whether
+  // the head is the embedding table.
+  virtual StatusOr<at::Tensor> HeadRows(int64_t begin, int64_t count) = 0;
+  virtual StatusOr<at::Tensor> FinalNorm() = 0;
+  virtual bool HeadTied() const = 0;
+  // Adds the source's tensor `name` to `writer` exactly as stored (dtype and bytes), streamed
+  // while the writer writes (the source must outlive that).
+  virtual Status AddStoredTensor(SafetensorsWriter* writer, const std::string& name) = 0;
 };
+
+// Rows per chunk when a [rows, cols] table is streamed (a 16-bit head multiplied per Logits()
+// call, a transformed table written in pieces): TableChunkElements() / cols, at least 1. The
+// default, 2^24 elements, is 64 MB of float32 per chunk. Process-wide; tests lower it to run
+// the chunking on small models.
+int64_t TableChunkRows(int64_t cols);
+int64_t TableChunkElements();
+void SetTableChunkElements(int64_t elements);
 
 // A float checkpoint directory. Errors name the directory and the problem (config.json,
 // missing tensors, shapes that do not match the config).
@@ -66,11 +87,17 @@ class CheckpointSource : public ModelSource {
   StatusOr<at::Tensor> Logits(const at::Tensor& hidden) override;
   StatusOr<NonBlockWeights> LoadNonBlock() override;
   void ReleaseHead() override;
+  StatusOr<at::Tensor> HeadRows(int64_t begin, int64_t count) override;
+  StatusOr<at::Tensor> FinalNorm() override;
+  bool HeadTied() const override;
+  Status AddStoredTensor(SafetensorsWriter* writer, const std::string& name) override;
   CheckpointReader& reader() { return *ckpt_; }
 
  protected:
   // What LoadBlock adds to the loaded weights (nothing by default).
   virtual Status InstallOnBlock(DecoderBlock* block, int64_t layer) { return Status(); }
+  // The head's table (lm_head, or the embedding when tied), checked against the config.
+  StatusOr<std::pair<const SafetensorsFile*, const TensorInfo*>> HeadTable();
 
  private:
   LlamaConfig config_;

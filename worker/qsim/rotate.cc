@@ -184,16 +184,10 @@ Status InstallOnlineRotations(model::DecoderBlock& block, const RotationPlan& pl
 
 Status RotateNonBlockWeights(model::NonBlockWeights& w, const RotationPlan& plan) {
   if (!plan.r1) return Status();
-  const int64_t hid = plan.hidden;
-  const Ortho t1 = R1Transform(plan);
-  at::Tensor head = w.head.to(at::kFloat).contiguous();
-  // Final norm fused into the head, then both embedding and head rotated on the input side.
-  head = (head.to(at::kDouble) * w.final_norm.to(at::kDouble)).to(at::kFloat);
-  QCAL_ASSIGN_OR_RETURN(head, Transformed(head, head.size(0), hid, MatrixAxis::kRows, t1));
-  const at::Tensor& e = w.embed;
-  QCAL_ASSIGN_OR_RETURN(at::Tensor embed, Transformed(e, e.size(0), hid, MatrixAxis::kRows, t1));
+  QCAL_ASSIGN_OR_RETURN(at::Tensor head, RotateHeadRows(w.head, w.final_norm, plan));
+  QCAL_ASSIGN_OR_RETURN(at::Tensor embed, RotateEmbeddingRows(w.embed, plan));
   w.embed = embed;
-  w.final_norm = at::ones_like(w.final_norm);
+  w.final_norm = FusedFinalNorm(w.final_norm, plan);
   w.head = head;
   w.head_tied = false;
   return Status();
@@ -210,6 +204,25 @@ StatusOr<at::Tensor> RotateEmbeddingRows(const at::Tensor& rows, const RotationP
   QCAL_ASSIGN_OR_RETURN(at::Tensor rotated, Transformed(flat, flat.size(0), hid,
                                                         MatrixAxis::kRows, R1Transform(plan)));
   return rotated.view(rows.sizes());
+}
+
+StatusOr<at::Tensor> RotateHeadRows(const at::Tensor& rows, const at::Tensor& final_norm,
+                                    const RotationPlan& plan) {
+  if (!plan.r1) return rows;
+  const int64_t hid = plan.hidden;
+  if (rows.dim() != 2 || rows.size(1) != hid || final_norm.numel() != hid) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "R1: head rows [", absl::StrJoin(rows.sizes(), ", "), "] and final norm [",
+        final_norm.numel(), "] do not match the hidden size ", hid));
+  }
+  // The final norm fused into the head (in double), then the head rotated on its input side.
+  const at::Tensor fused =
+      (rows.to(at::kDouble) * final_norm.to(at::kDouble)).to(at::kFloat).contiguous();
+  return Transformed(fused, fused.size(0), hid, MatrixAxis::kRows, R1Transform(plan));
+}
+
+at::Tensor FusedFinalNorm(const at::Tensor& final_norm, const RotationPlan& plan) {
+  return plan.r1 ? at::ones_like(final_norm) : final_norm;
 }
 
 Status RotateNonBlockWeights(model::LlamaModel& m, const RotationPlan& plan) {

@@ -88,6 +88,13 @@ Status RotateNonBlockWeights(model::NonBlockWeights& weights, const RotationPlan
 // Rows of the float embedding table ([..., hidden]) as RotateNonBlockWeights leaves them (each
 // row transformed on its own, so rows rotated alone equal the rows of the rotated table).
 StatusOr<at::Tensor> RotateEmbeddingRows(const at::Tensor& rows, const RotationPlan& plan);
+// Rows [n, hidden] of the float head as RotateNonBlockWeights leaves them: the final norm's
+// weights fused in, then R1 (row by row, so a table rotated in row chunks equals the whole
+// table rotated).
+StatusOr<at::Tensor> RotateHeadRows(const at::Tensor& rows, const at::Tensor& final_norm,
+                                    const RotationPlan& plan);
+// The final norm's weights once fused into the head: ones with R1, else unchanged.
+at::Tensor FusedFinalNorm(const at::Tensor& final_norm, const RotationPlan& plan);
 
 // The whole model: every block (RotateBlockWeights + InstallOnlineRotations) and the non-block
 // weights. The float function is unchanged up to rounding.

@@ -29,8 +29,11 @@ int64_t NumGroups(const ScalarLinearData& d) {
 }
 
 // Packs `count` values of `bits` bits into a little-endian bit stream of 32-bit words.
+// Words of a packed run of `count` values (the last one zero-padded when partial).
+int64_t PackedWords(int64_t count, int bits) { return (count * bits + 31) / 32; }
+
 void PackBitStream(const uint32_t* values, int64_t count, int bits, uint32_t* words) {
-  const int64_t nwords = count * bits / 32;
+  const int64_t nwords = PackedWords(count, bits);
   std::fill(words, words + nwords, 0u);
   for (int64_t j = 0; j < count; ++j) {
     const uint64_t v = values[j];
@@ -146,14 +149,14 @@ bool ScalarQuantLinear::GptqExportable() const {
          (d.out_features * b) % 32 == 0;
 }
 
-StatusOr<GptqTensors> ScalarQuantLinear::ExportGptq() const {
+StatusOr<GptqTensors> ScalarQuantLinear::ExportGptq(bool pad_words) const {
   const ScalarLinearData& d = impl_->data;
   const int b = d.bits;
   if (b != 2 && b != 3 && b != 4 && b != 8) {
     return absl::InvalidArgumentError(absl::StrCat(
         "GPTQ export supports 2, 3, 4 and 8 bits (AutoGPTQ's packings), not ", b));
   }
-  if ((d.in_features * b) % 32 != 0 || (d.out_features * b) % 32 != 0) {
+  if (!pad_words && ((d.in_features * b) % 32 != 0 || (d.out_features * b) % 32 != 0)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "GPTQ export of a ", d.out_features, "x", d.in_features, " layer at ", b,
         " bits: in_features·bits and out_features·bits must be multiples of 32"));
@@ -166,7 +169,7 @@ StatusOr<GptqTensors> ScalarQuantLinear::ExportGptq() const {
   g.in_features = in;
   g.out_features = out;
   g.groups = groups;
-  const int64_t wrows = in * b / 32, zcols = out * b / 32;
+  const int64_t wrows = PackedWords(in, b), zcols = PackedWords(out, b);
   g.qweight.assign(wrows * out, 0);
   std::vector<uint32_t> vals(std::max(in, out)), words(std::max(wrows, zcols));
   for (int64_t c = 0; c < out; ++c) {
@@ -233,8 +236,8 @@ Status ScalarQuantLinear::AppendTensors(const std::string& prefix,
                      g.scales.size() * sizeof(uint16_t));
 }
 
-StatusOr<std::unique_ptr<ScalarQuantLinear>> ScalarQuantLinear::Load(CheckpointReader& ckpt,
-                                                                     const std::string& prefix) {
+StatusOr<ScalarLinearData> ScalarQuantLinear::ReadGrid(CheckpointReader& ckpt,
+                                                       const std::string& prefix) {
   auto fail = [&](const Status& s) {
     return Annotate(s, absl::StrCat("ScalarQuantLinear '", prefix, "' in ", ckpt.dir()));
   };
@@ -251,6 +254,15 @@ StatusOr<std::unique_ptr<ScalarQuantLinear>> ScalarQuantLinear::Load(CheckpointR
     return fail(absl::InvalidArgumentError(
         absl::StrCat("invalid qconfig {", absl::StrJoin(*cfg, ", "), "}")));
   }
+  return d;
+}
+
+StatusOr<std::unique_ptr<ScalarQuantLinear>> ScalarQuantLinear::Load(CheckpointReader& ckpt,
+                                                                     const std::string& prefix) {
+  auto fail = [&](const Status& s) {
+    return Annotate(s, absl::StrCat("ScalarQuantLinear '", prefix, "' in ", ckpt.dir()));
+  };
+  QCAL_ASSIGN_OR_RETURN(ScalarLinearData d, ReadGrid(ckpt, prefix));
   const int64_t groups = NumGroups(d);
   const bool wide = d.bits > 8;
   const DType code_dtype =

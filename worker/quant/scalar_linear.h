@@ -69,8 +69,11 @@ class ScalarQuantLinear final : public model::Linear {
   const ScalarLinearData& data() const;
 
   // The GPTQ layout (see GptqTensors). InvalidArgument for bits other than 2, 3, 4, 8 or when
-  // in·bits or out·bits is not a multiple of 32.
-  StatusOr<GptqTensors> ExportGptq() const;
+  // in·bits or out·bits is not a multiple of 32 — unless `pad_words`: then a packed run that
+  // does not fill its last 32-bit word is zero-padded to a whole word (qweight gets
+  // ceil(in·bits/32) rows, qzeros ceil(out·bits/32) columns), which a reader of the documented
+  // bit stream decodes but loaders that assume whole words (transformers, vLLM) refuse.
+  StatusOr<GptqTensors> ExportGptq(bool pad_words = false) const;
   bool GptqExportable() const;
 
   // qcal tensors: prefix.codes [out, in] I8/I16 (signed, symmetric) or U8/U16 (asymmetric) by
@@ -84,6 +87,10 @@ class ScalarQuantLinear final : public model::Linear {
   // [groups, out·bits/32] I32, prefix.scales_gptq [groups, out] F16 (prefix.g_idx is shared:
   // same name, same meaning in both layouts); never with pack_int4.
   Status AppendTensors(const std::string& prefix, SafetensorsWriter* writer) const;
+  // The shape and grid a checkpoint's layer `prefix` was stored with (its prefix.qconfig), read
+  // without its codes: out_features, in_features, bits, group_size, symmetric. NotFound when
+  // the layer is not in the scalar format.
+  static StatusOr<ScalarLinearData> ReadGrid(CheckpointReader& ckpt, const std::string& prefix);
   // Rebuilds from the qcal tensors (the GPTQ ones are not read; codes_int4 when present, which
   // sets pack_int4). NotFound naming the missing tensor; InvalidArgument for a wrong dtype/shape
   // or anything Create rejects.

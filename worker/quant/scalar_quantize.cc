@@ -12,6 +12,7 @@ kernels::ScalarQuantConfig ScalarConfig(const ScalarQuantizeOptions& o) {
   q.bits = o.bits;
   q.symmetric = o.grid.symmetric;
   q.clip_search = o.grid.clip_search;
+  q.f16_scales = o.grid.scale_dtype == "f16";
   if (o.grid.per_tensor) {
     q.granularity = kernels::QuantGranularity::kPerTensor;
   } else if (o.grid.group_size > 0) {

@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Issue 12: `qcal export` on stories260K.
+#  * GPTQ export of a gptq-4bit checkpoint (and of a 3-bit asymmetric act-order checkpoint with
+#    groups of 32, whose g_idx makes desc_act true): tests/reference/gptq_dequant.py, a numpy
+#    reader written from docs/formats.md, dequantizes it to exactly the weights of
+#    `qcal export --format dense` (bit for bit), and the perplexity of its float model equals
+#    `qcal eval` of the quantized checkpoint within 1e-4 relative; also split into shards.
+#  * Refused, with the reason, exit 1, nothing left behind: lattice codes (QuIP#), QuaRot with
+#    online rotations and activation / KV quantization, float32 scales.
+#  * Dense export of QuIP# 2-bit evaluates like the quantized checkpoint (1e-4 relative).
+# Usage (ctest runs it): export_test.sh SOURCE_DIR BUILD_DIR
+set -euo pipefail
+src=$1 build=$2
+shared=${QCAL_SHARED_DIR:-$src/../shared}
+q="$build/client/qcal"
+py=/usr/bin/python3
+ref="$src/tests/reference/gptq_dequant.py"
+work=$(mktemp -d /tmp/qcal-export.XXXXXX)
+trap 'rm -rf "$work"' EXIT
+data="$shared/data/tinystories/TinyStories-valid.sample30k.txt"
+
+"$q" import llama2c "$shared/models/stories260K/stories260K.bin" \
+  "$shared/models/stories260K/tok512.bin" --out "$work/model" > /dev/null
+
+fail=0
+quantize() {  # quantize RECIPE_FILE OUT
+  "$q" quantize --recipe "$1" --model "$work/model" --out "$2" --data-root "$shared" \
+    --threads 1 > "$2.log" 2>&1 || { cat "$2.log"; exit 1; }
+}
+ppl() {  # ppl MODEL_DIR -> perplexity
+  "$q" eval --model "$1" --data "$data" --ctx 256 --bos-per-window --threads 1 --json | tail -1 |
+    "$py" -c 'import json, sys; print(repr(json.load(sys.stdin)["perplexity"]))'
+}
+close() {  # close A B LABEL: |A - B| <= 1e-4 |A|
+  if "$py" -c "import sys; a, b = $1, $2; sys.exit(0 if abs(a - b) <= 1e-4 * abs(a) else 1)"; then
+    echo "ok   $3: perplexity $1 vs $2"
+  else
+    echo "FAIL $3: perplexity $1 vs $2 (more than 1e-4 relative apart)"; fail=1
+  fi
+}
+refused() {  # refused FORMAT IN OUT EXPECTED_TEXT LABEL
+  local out=$3 msg
+  if msg=$("$q" export --format "$1" "$2" "$out" 2>&1); then
+    echo "FAIL $5: exported"; fail=1; return
+  fi
+  if [[ "$msg" != *"$4"* || "$msg" != *"$2"* ]]; then
+    echo "FAIL $5: message does not name the checkpoint and '$4': $msg"; fail=1
+  elif [ -e "$out" ] || [ -e "$out.partial" ]; then
+    echo "FAIL $5: left $out behind"; fail=1
+  else
+    echo "ok   $5: refused: $msg"
+  fi
+}
+exact() {  # exact GPTQ_EXPORT DENSE_EXPORT DEQUANT_OUT LABEL
+  "$py" "$ref" dequant "$1" "$3" > /dev/null
+  if "$py" "$ref" compare "$3" "$2" > "$3.cmp"; then
+    echo "ok   $4: $(tail -1 "$3.cmp") (reference dequantizer vs qcal export --format dense)"
+  else
+    echo "FAIL $4:"; cat "$3.cmp"; fail=1
+  fi
+}
+
+# 1. gptq-4bit as shipped (per-channel symmetric, act-order, fp16 scales).
+quantize "$src/jobs/gptq-4bit.yaml" "$work/g4"
+"$q" export "$work/g4" "$work/g4-gptq" > /dev/null 2>&1
+"$q" export --format dense "$work/g4" "$work/g4-dense" > /dev/null
+exact "$work/g4-gptq" "$work/g4-dense" "$work/g4-deq" "gptq-4bit"
+"$py" - "$work/g4-gptq" <<'EOF' || fail=1
+import json, sys
+q = json.load(open(sys.argv[1] + "/config.json"))["quantization_config"]
+want = {"quant_method": "gptq", "bits": 4, "group_size": -1, "sym": True, "desc_act": False,
+        "checkpoint_format": "gptq"}
+bad = {k: (q.get(k), v) for k, v in want.items() if q.get(k) != v}
+print("FAIL quantization_config" if bad else "ok   quantization_config", bad or q)
+sys.exit(1 if bad else 0)
+EOF
+close "$(ppl "$work/g4")" "$(ppl "$work/g4-deq")" "gptq-4bit: qcal eval of the checkpoint vs its GPTQ export"
+
+# 2. 3-bit asymmetric groups of 32 with act-order (values straddle words; desc_act true), in
+#    shards of at most 32 KiB.
+cat > "$work/g3.yaml" <<'EOF'
+name: gptq-3bit-g32-asym
+method: gptq
+bits: 3
+scalar: {group_size: 32, symmetric: false, act_order: true, clip_search: true}
+calibration: {files: [data/wikitext2/wiki.valid.tokens], num_sequences: 32, seq_len: 128}
+EOF
+quantize "$work/g3.yaml" "$work/g3"
+"$q" export --max-shard-size 32K "$work/g3" "$work/g3-gptq" > /dev/null 2>&1
+"$q" export --format dense "$work/g3" "$work/g3-dense" > /dev/null
+shards=$(ls "$work/g3-gptq" | grep -c '^model-.*-of-.*\.safetensors$' || true)
+if [ "$shards" -gt 1 ] && [ -f "$work/g3-gptq/model.safetensors.index.json" ]; then
+  echo "ok   3-bit export in $shards shards with an index"
+else
+  echo "FAIL 3-bit export: $shards shards"; fail=1
+fi
+grep -q '"desc_act": true' "$work/g3-gptq/config.json" && echo "ok   desc_act true" ||
+  { echo "FAIL desc_act is not true for act-order groups"; fail=1; }
+exact "$work/g3-gptq" "$work/g3-dense" "$work/g3-deq" "gptq 3-bit asym g32"
+close "$(ppl "$work/g3")" "$(ppl "$work/g3-deq")" "gptq 3-bit: checkpoint vs GPTQ export"
+
+# 3. What the format cannot express.
+sed -e 's/^name: rtn-4bit/name: rtn-4bit-f32/' -e 's/  clip_search: true.*/  clip_search: true\n  scale_dtype: f32/' \
+  "$src/jobs/rtn-4bit.yaml" > "$work/rtn32.yaml"
+grep -q 'scale_dtype: f32' "$work/rtn32.yaml" || { echo "could not write the f32 recipe"; exit 2; }
+quantize "$work/rtn32.yaml" "$work/rtn32"
+refused gptq "$work/rtn32" "$work/rtn32-gptq" "is not exact in fp16" "float32 scales"
+quantize "$src/jobs/quip-e8p-2bit.yaml" "$work/quip2"
+refused gptq "$work/quip2" "$work/quip2-gptq" "not on a scalar integer grid" "QuIP# lattice codes"
+quantize "$src/jobs/quarot-w4a4kv4.yaml" "$work/quarot"
+refused gptq "$work/quarot" "$work/quarot-gptq" "the online Hadamard R3" "QuaRot W4A4KV4"
+refused dense "$work/quarot" "$work/quarot-dense" "4-bit activation quantization" "QuaRot dense"
+
+# 4. Dense export of QuIP# 2-bit: the decoded weights compute what the checkpoint computes.
+"$q" export --format dense "$work/quip2" "$work/quip2-dense" > /dev/null
+close "$(ppl "$work/quip2")" "$(ppl "$work/quip2-dense")" "QuIP# 2-bit: checkpoint vs dense export"
+
+exit $fail

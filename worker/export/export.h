@@ -1,0 +1,52 @@
+// Exporting a qcal checkpoint into formats other programs load (`qcal export`):
+//
+//   gptq   the standard GPTQ layout ("checkpoint_format": "gptq", a.k.a. v1) that Hugging Face
+//          transformers' GPTQ integration, AutoGPTQ / GPTQModel and vLLM load: Hugging Face
+//          tensor names, qweight / qzeros / scales / g_idx per linear (ScalarQuantLinear's
+//          GptqTensors), the unquantized tensors (embedding, norms, head) in the model's
+//          torch_dtype, config.json with quantization_config {"quant_method": "gptq", "bits",
+//          "group_size", "desc_act", "sym", "checkpoint_format": "gptq"} and quantize_config.json,
+//          the tokenizer files, shards split by size with an index. Only checkpoints whose every
+//          linear is on a scalar integer grid with fp16-exact scales (rtn, gptq; QuaRot weights
+//          without online transforms) and whose function a plain Llama forward computes
+//          (Method::CheckPlainForward) can be expressed; anything else is refused with the
+//          reason (lattice codes, online rotations, activation or KV-cache quantization).
+//   dense  a float checkpoint whose linears are the quantized checkpoint's dequantized weights
+//          (float32), for any method whose function a plain forward computes: what an engine
+//          without quantized kernels, or an independent check, runs.
+//
+// docs/formats.md ("GPTQ export") documents the layout. The output directory is written as
+// "<out>.partial" and renamed when complete; nothing is left behind on failure. Tensors stream
+// into their shards (one block in memory at a time, tables converted in row chunks).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "common/status.h"
+
+namespace qcal::exporter {
+
+struct ExportOptions {
+  std::string format;   // "gptq" | "dense"
+  std::string in_dir;   // a finished qcal checkpoint
+  std::string out_dir;  // must not exist, or be an empty directory
+  // Shards hold at most this many bytes of tensor data, except a single larger tensor, which
+  // gets a shard of its own (Hugging Face's rule). One shard: model.safetensors, no index.
+  int64_t max_shard_bytes = int64_t{5} << 30;
+};
+
+struct ExportResult {
+  std::string out_dir;
+  std::vector<std::string> shards;
+  int64_t tensors = 0;
+  uint64_t tensor_bytes = 0;
+  nlohmann::json quantization_config;  // null for dense
+};
+
+StatusOr<ExportResult> ExportCheckpoint(const ExportOptions& options);
+
+}  // namespace qcal::exporter
