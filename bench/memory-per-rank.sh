@@ -29,18 +29,7 @@ recipe="$WORK/gptq-4bit-small-calib.yaml"
 sed -e 's/num_sequences: 128/num_sequences: 8/' -e 's/^name: .*/name: gptq-4bit-small-calib/' \
     jobs/gptq-4bit.yaml > "$recipe"
 
-# Samples VmHWM (kB) of every qcal-worker process every 0.2 s; prints the largest per pid.
-sample_peaks() {
-  declare -A peak
-  while [ ! -f "$1" ]; do
-    for p in $(pgrep -x qcal-worker || true); do
-      v=$(awk '/VmHWM/{print $2}' "/proc/$p/status" 2>/dev/null || true)
-      if [ -n "$v" ] && { [ -z "${peak[$p]:-}" ] || [ "$v" -gt "${peak[$p]}" ]; }; then peak[$p]=$v; fi
-    done
-    sleep 0.2
-  done
-  for p in "${!peak[@]}"; do echo "$p ${peak[$p]}"; done
-}
+source bench/rank-peaks.sh
 
 echo "| layers | peak per rank (GiB) | qcal run wall s |"
 echo "|---|---|---|"
@@ -50,19 +39,14 @@ for L in "${LAYERS[@]}"; do
       --layers "$L" --tokenizer-from "$tok" --out "$model"
   out="$WORK/out-$L"
   rm -rf "$out" "$out.job" "$WORK/done-$L"
-  sample_peaks "$WORK/done-$L" > "$WORK/peaks-$L.txt" &
-  sampler=$!
+  rank_peaks_start "$WORK/done-$L" "$WORK/peaks-$L.txt"
   t0=$(date +%s.%N)
   $Q run "$recipe" --model "$model" --out "$out" --workers 2 --no-eval --data-root "$SHARED" \
       "${EXTRA[@]}" > "$WORK/run-$L.log" 2>&1 || { echo "run with $L layers failed: $WORK/run-$L.log"; }
   t1=$(date +%s.%N)
   touch "$WORK/done-$L"
-  wait $sampler
-  # Only this job's ranks (their pids, from the run's "rank r registered: ..., pid N" lines):
-  # other qcal-worker processes on the machine (a test suite) are sampled too but not reported.
-  ranks=$(sed -n 's/.* registered: .*, pid \([0-9]*\) .*/\1/p' "$WORK/run-$L.log" | sort -u)
-  peaks=$(for p in $ranks; do grep "^$p " "$WORK/peaks-$L.txt" || true; done | sort -k2 -n |
-          awk '{printf "%s%.2f", (NR>1?" / ":""), $2/1048576}')
+  wait "$RANK_PEAKS_PID"
+  peaks=$(rank_peaks_report "$WORK/run-$L.log" "$WORK/peaks-$L.txt")
   printf "| %s | %s | %.0f |\n" "$L" "$peaks" "$(echo "$t1 - $t0" | bc)"
   rm -rf "$out" "$out.job"
 done

@@ -138,9 +138,9 @@ StatusOr<quant::BlockTaskResult> PerLinearMethod::QuantizeBlock(model::BlockWeig
   result.layer = layer;
   result.weights.input_norm = float_weights.input_norm.clone();
   result.weights.post_norm = float_weights.post_norm.clone();
+  calib::HessianMeans means(in.hessians);  // consumes the accumulators kind by kind
   for (model::LinearKind kind : model::kAllLinears) {
-    at::Tensor h;
-    if (in.hessians) h = in.hessians->at(calib::HessianKindOf(kind)).Mean();
+    const at::Tensor h = means.For(kind);
     QCAL_ASSIGN_OR_RETURN(quant::QuantizedLinear q,
                           QuantizeLinear(layer, kind, float_weights.linear(kind).DenseWeight(), h));
     result.weights.linears[static_cast<int>(kind)] = std::move(q.layer);

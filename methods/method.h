@@ -43,8 +43,9 @@ struct BlockInputs {
   int64_t layer = 0;
   const model::Rope* rope = nullptr;
   int64_t batch = 8;  // sequences per forward pass
-  // needs().float_hessians: the block's Hessians on the float model; else null.
-  const calib::BlockHessians* hessians = nullptr;
+  // needs().float_hessians: the block's Hessians on the float model; else null. The method may
+  // consume them (calib::HessianMeans releases each kind's sums once its mean exists).
+  calib::BlockHessians* hessians = nullptr;
   // needs().float_activations (within-block fine-tuning): the float model's inputs to this block
   // and the float block's outputs, [N, S, hidden]; else null.
   const at::Tensor* ft_inputs = nullptr;

@@ -102,7 +102,7 @@ at::Tensor Forward(model::DecoderBlock& block, const at::Tensor& x, const model:
 // result is wrapped again with the same transform.
 StatusOr<quant::BlockTaskResult> RoundRotatedBlock(const QuarotConfig& q, int64_t layer,
                                                    const model::BlockWeights& rotated,
-                                                   const calib::BlockHessians* hessians) {
+                                                   calib::BlockHessians* hessians) {
   const auto t0 = Clock::now();
   if (rotated.extra.count(kRotationsKey) == 0) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -125,6 +125,7 @@ StatusOr<quant::BlockTaskResult> RoundRotatedBlock(const QuarotConfig& q, int64_
   result.weights.post_norm = rotated.post_norm.clone();
   result.weights.rope_perm = rotated.rope_perm;
   result.weights.extra = rotated.extra;
+  calib::HessianMeans means(hessians);  // consumes the accumulators kind by kind
   for (LinearKind kind : model::kAllLinears) {
     const model::Linear& linear = rotated.linear(kind);
     const auto* wrapped = dynamic_cast<const ActQuantLinear*>(&linear);
@@ -142,7 +143,7 @@ StatusOr<quant::BlockTaskResult> RoundRotatedBlock(const QuarotConfig& q, int64_
     } else {
       at::Tensor h;
       if (hessians) {
-        h = hessians->at(calib::HessianKindOf(kind)).Mean();
+        h = means.For(kind);
         if (transform) {
           QCAL_ASSIGN_OR_RETURN(h, RotateHessian(h, *transform));
         }

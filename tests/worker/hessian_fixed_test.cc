@@ -186,6 +186,41 @@ TEST(HessianFixedTest, CacheRoundTripsExactlyAndOldFilesAreStale) {
   auto stale = LoadBlockHessians(dir + "/old.safetensors", "key1");
   EXPECT_EQ(stale.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(stale.status().message().find("format"), std::string::npos) << stale.status();
+  // Format "2" (which also held an fp64 copy of the sums): stale too.
+  SafetensorsWriter v2;
+  v2.SetMetadata("calibration_key", "key1");
+  v2.SetMetadata("hessian_format", "2");
+  int64_t c = 1;
+  ASSERT_TRUE(v2.Add("qkv.count", DType::kI64, {}, &c, 8).ok());
+  ASSERT_TRUE(v2.Write(dir + "/v2.safetensors").ok());
+  auto stale2 = LoadBlockHessians(dir + "/v2.safetensors", "key1");
+  EXPECT_EQ(stale2.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(stale2.status().message().find("format '2'"), std::string::npos) << stale2.status();
+}
+
+TEST(HessianMeansTest, EachKindOnceAndItsSumsReleased) {
+  BlockHessians h;
+  const int64_t dims[4] = {6, 5, 6, 9};
+  at::manual_seed(3);
+  for (int k = 0; k < 4; ++k) {
+    h.h[k] = HessianAccumulator(dims[k]);
+    ASSERT_TRUE(h.h[k].Add(at::randn({2, 7, dims[k]}, at::kFloat)).ok());
+  }
+  std::vector<at::Tensor> expected;
+  for (int k = 0; k < 4; ++k) expected.push_back(h.h[k].Mean());
+  HessianMeans means(&h);
+  const at::Tensor q = means.For(model::LinearKind::kQ);
+  EXPECT_TRUE(at::equal(q, expected[0]));
+  EXPECT_EQ(h.h[0].dim(), 0);           // released once its mean exists
+  EXPECT_TRUE(h.h[0].packed().empty());
+  EXPECT_TRUE(means.For(model::LinearKind::kV).is_same(q));  // the same kind: not recomputed
+  EXPECT_EQ(h.h[1].dim(), 5);           // not asked for yet
+  EXPECT_TRUE(at::equal(means.For(model::LinearKind::kO), expected[1]));
+  EXPECT_TRUE(at::equal(means.For(model::LinearKind::kUp), expected[2]));
+  EXPECT_TRUE(at::equal(means.For(model::LinearKind::kDown), expected[3]));
+  EXPECT_EQ(h.h[3].dim(), 0);
+  HessianMeans none(nullptr);
+  EXPECT_FALSE(none.For(model::LinearKind::kQ).defined());
 }
 
 }  // namespace

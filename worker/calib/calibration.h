@@ -12,10 +12,10 @@
 // the reduced Hessians bit-identical for any number of ranks.
 //
 // Files (job_dir): hessians/block_<l>.safetensors, per kind "<kind>.fixed" (I64 [n(n+1)/2, 2]:
-// the exact int128 sums T as little-endian (low, high) words), "<kind>.sum" (F64 [n, n], the
-// symmetrised sum derived from T, for readers that want plain floats) and "<kind>.count" (I64),
-// metadata calibration_key and hessian_format "2". Files of the old fp64-only format (no
-// hessian_format) are treated as stale and recomputed. activations/block_<l>.safetensors:
+// the exact int128 sums T as little-endian (low, high) words), "<kind>.dim" (I64, n) and
+// "<kind>.count" (I64), metadata calibration_key and hessian_format "3". Files of older formats
+// ("2" also held an fp64 copy of the sums, doubling the file; without hessian_format: fp64
+// sums only) are treated as stale and recomputed. activations/block_<l>.safetensors:
 // tensor "hidden" [N, S, hidden] F32 = the float model's input of block l (l = num_blocks: the
 // last block's output), all N sequences in order, metadata calibration_key. Rank 0 writes the
 // Hessian files; every rank writes its own rows of the activation files; all read them from the

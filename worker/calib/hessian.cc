@@ -175,6 +175,27 @@ at::Tensor HessianAccumulator::Mean() const {
   return sum().div_(static_cast<double>(count_));
 }
 
+std::vector<Fixed128> HessianAccumulator::ReleasePacked() {
+  std::vector<Fixed128> out = std::move(packed_);
+  packed_ = {};
+  n_ = 0;
+  count_ = 0;
+  return out;
+}
+
+at::Tensor HessianMeans::For(model::LinearKind linear) {
+  if (h_ == nullptr) return at::Tensor();
+  const int kind = static_cast<int>(HessianKindOf(linear));
+  if (kind != current_) {
+    mean_ = at::Tensor();  // the previous kind's
+    HessianAccumulator& acc = h_->h[kind];
+    mean_ = acc.Mean();
+    acc.ReleasePacked();
+    current_ = kind;
+  }
+  return mean_;
+}
+
 void HessianAccumulator::SplitDigits(const Fixed128* values, size_t n, int64_t* limbs) {
   for (size_t i = 0; i < n; ++i) {
     const unsigned __int128 u = static_cast<unsigned __int128>(values[i]);

@@ -65,6 +65,8 @@ class HessianAccumulator {
   int64_t count() const { return count_; }
   // T, packed upper triangle, row-major: entry (i, j), i <= j, at PackedIndex(i, j).
   const std::vector<Fixed128>& packed() const { return packed_; }
+  // Moves T out (for an in-place reduction), leaving the accumulator empty (dimension 0).
+  std::vector<Fixed128> ReleasePacked();
   int64_t PackedIndex(int64_t i, int64_t j) const { return i * n_ - i * (i - 1) / 2 + (j - i); }
   // (S + Sᵀ)/2 in fp64 ([n, n], exactly symmetric), derived from T.
   at::Tensor sum() const;
@@ -95,6 +97,23 @@ struct BlockHessians {
   std::array<HessianAccumulator, 4> h;
   HessianAccumulator& at(HessianKind k) { return h[static_cast<int>(k)]; }
   const HessianAccumulator& at(HessianKind k) const { return h[static_cast<int>(k)]; }
+};
+
+// The mean Hessians of a block task's linears, each kind's computed once when its first linear
+// asks (kAllLinears order: q, k, v share one; gate, up share one) and dropped when the next
+// kind is asked for; each accumulator is released once its mean exists. At a 70B shape the
+// down_proj input's exact sums (6.6 GB) and its fp64 mean (6.6 GB) are then never both held
+// with the other kinds' means. Not thread-safe.
+class HessianMeans {
+ public:
+  explicit HessianMeans(BlockHessians* hessians) : h_(hessians) {}  // null: undefined means
+  // [n, n] fp64 mean of the Hessian of `linear`'s input (undefined without Hessians).
+  at::Tensor For(model::LinearKind linear);
+
+ private:
+  BlockHessians* h_;
+  int current_ = -1;
+  at::Tensor mean_;
 };
 
 // Runs x [num_seqs, seq, hidden] through `block` in chunks of `batch` sequences, accumulating the
