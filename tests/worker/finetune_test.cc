@@ -243,7 +243,8 @@ TEST_F(FinetuneTest, BlockAndEndToEndFinetuningBeatNoFt) {
     methods::BlockInputs in;
     in.layer = l;
     in.rope = &model_->rope();
-    in.hessians = &(*hessians_)[l];
+    calib::BlockHessians consumed = (*hessians_)[l];  // QuantizeBlock may consume its Hessians
+    in.hessians = &consumed;
     auto base = noft_method_->QuantizeBlock(CopyBlock(model_->block(l).weights()), in);
     ASSERT_TRUE(base.ok()) << base.status();
     auto tuned = Finetune(l, (*acts_)[l + 1]);
