@@ -621,22 +621,26 @@ StatusOr<std::string> SafetensorsWriter::WriteWithChecksum(const std::string& pa
   return sum.Hex();
 }
 
+Status SinkStoredBytes(const SafetensorsFile& file, const TensorInfo& info,
+                       const SafetensorsWriter::ByteSink& sink) {
+  constexpr uint64_t kPiece = uint64_t{64} << 20;
+  const uint8_t* data = file.Data(info);
+  for (uint64_t at = 0; at < info.nbytes(); at += kPiece) {
+    const uint64_t n = std::min(kPiece, info.nbytes() - at);
+    QCAL_RETURN_IF_ERROR(sink(data + at, n));
+    file.ReleasePages(info, at, at + n);
+  }
+  return absl::OkStatus();
+}
+
 Status AddCopiedTensor(SafetensorsWriter* writer, std::string name, const SafetensorsFile& file,
                        const TensorInfo& info) {
   const SafetensorsFile* f = &file;
   const TensorInfo* t = &info;
-  return writer->AddStreamed(
-      std::move(name), info.dtype, info.shape,
-      [f, t](const SafetensorsWriter::ByteSink& sink) -> Status {
-        constexpr uint64_t kPiece = uint64_t{64} << 20;
-        const uint8_t* data = f->Data(*t);
-        for (uint64_t at = 0; at < t->nbytes(); at += kPiece) {
-          const uint64_t n = std::min(kPiece, t->nbytes() - at);
-          QCAL_RETURN_IF_ERROR(sink(data + at, n));
-          f->ReleasePages(*t, at, at + n);
-        }
-        return absl::OkStatus();
-      });
+  return writer->AddStreamed(std::move(name), info.dtype, info.shape,
+                             [f, t](const SafetensorsWriter::ByteSink& sink) {
+                               return SinkStoredBytes(*f, *t, sink);
+                             });
 }
 
 // ---------------------------------------------------------------------------------------------

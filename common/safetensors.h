@@ -191,6 +191,11 @@ class CheckpointReader {
   std::map<std::string, std::string> checksums_;
 };
 
+// Hands the stored bytes of tensor `info` of `file` to `sink` in 64 MiB pieces, releasing each
+// piece's pages once handed over (a table streamed into another file costs one piece).
+Status SinkStoredBytes(const SafetensorsFile& file, const TensorInfo& info,
+                       const SafetensorsWriter::ByteSink& sink);
+
 // Adds tensor `info` of `file` to `writer` under `name` exactly as stored (dtype, shape and
 // bytes), streamed from the file in pieces whose pages are released once written: copying a
 // table costs no memory beyond a piece.

@@ -211,17 +211,7 @@ class Exporter {
     Planned p{name, dtype, info->shape, 0, nullptr};
     p.bytes = static_cast<uint64_t>(info->numel()) * DTypeSize(dtype);
     p.produce = [file, info, dtype](const Sink& sink) -> Status {
-      if (info->dtype == dtype) {
-        // The stored bytes, streamed.
-        const uint8_t* data = file->Data(*info);
-        constexpr uint64_t kPiece = uint64_t{64} << 20;
-        for (uint64_t at = 0; at < info->nbytes(); at += kPiece) {
-          const uint64_t n = std::min(kPiece, info->nbytes() - at);
-          QCAL_RETURN_IF_ERROR(sink(data + at, n));
-          file->ReleasePages(*info, at, at + n);
-        }
-        return absl::OkStatus();
-      }
+      if (info->dtype == dtype) return SinkStoredBytes(*file, *info, sink);
       const int64_t rows = info->shape[0], cols = info->shape[1];
       const int64_t step = model::TableChunkRows(cols);
       const size_t row_bytes = static_cast<size_t>(cols) * DTypeSize(info->dtype);

@@ -67,7 +67,8 @@ StatusOr<std::pair<const SafetensorsFile*, const TensorInfo*>> CheckpointSource:
   const std::vector<int64_t> shape = {config_.vocab_size, config_.hidden_size};
   if (found.second->shape != shape || !IsFloatingDType(found.second->dtype)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        found.first->path(), ": tensor '", name, "' is ", std::string(DTypeName(found.second->dtype)), " [",
+        found.first->path(), ": tensor '", name, "' is ",
+        std::string(DTypeName(found.second->dtype)), " [",
         absl::StrJoin(found.second->shape, ", "), "], expected a floating [", config_.vocab_size,
         ", ", config_.hidden_size, "] table as config.json says"));
   }
