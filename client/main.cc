@@ -4,6 +4,7 @@
 #include "client/model_commands.h"
 #include "client/quantize_command.h"
 #include "client/service_commands.h"
+#include "client/slurm_command.h"
 #include "client/tool_commands.h"
 #include "common/log.h"
 
@@ -18,6 +19,7 @@ int main(int argc, char** argv) {
   qcal::client::AddModelCommands(app, &exit_code);
   qcal::client::AddQuantizeCommand(app, &exit_code);
   qcal::client::AddServiceCommands(app, &exit_code);
+  qcal::client::AddSlurmCommand(app, &exit_code);
   qcal::client::AddToolCommands(app, &exit_code);
   CLI11_PARSE(app, argc, argv);
   return exit_code;

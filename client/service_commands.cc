@@ -19,6 +19,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <optional>
 #include <thread>
 
 #include <CLI/CLI.hpp>
@@ -299,6 +300,10 @@ struct RunOptions {
   SpecOptions spec;
   std::string state_dir;
   std::string coordinator_binary, worker_binary, mpirun;
+  std::string launcher;        // mpirun (default) or srun (inside a Slurm allocation)
+  std::string listen = "127.0.0.1:0";
+  std::string advertise_host;  // what the workers dial (multi-node: this host's name)
+  int max_group_restarts = -1;  // -1: the coordinator's default
   bool no_eval = false;
   bool json = false;
 };
@@ -318,10 +323,17 @@ class LocalCoordinator {
     ::unlink(address_file.c_str());
     std::vector<std::string> args = {
         o.coordinator_binary.empty() ? FindCoordinatorBinary() : o.coordinator_binary,
-        "--listen", "127.0.0.1:0", "--state", state, "--auth-token-file", token_file,
+        "--listen", o.listen, "--state", state, "--auth-token-file", token_file,
         "--address-file", address_file, "--exit-with-parent"};
     if (!o.worker_binary.empty()) args.insert(args.end(), {"--worker-binary", o.worker_binary});
     if (!o.mpirun.empty()) args.insert(args.end(), {"--mpirun", o.mpirun});
+    if (!o.launcher.empty()) args.insert(args.end(), {"--launcher", o.launcher});
+    if (!o.advertise_host.empty()) {
+      args.insert(args.end(), {"--advertise-host", o.advertise_host});
+    }
+    if (o.max_group_restarts >= 0) {
+      args.insert(args.end(), {"--max-group-restarts", std::to_string(o.max_group_restarts)});
+    }
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -382,13 +394,27 @@ class LocalCoordinator {
 
   const std::string& address() const { return address_; }
 
+  // The coordinator exited without Stop (killed, crashed): reaps it and says how.
+  std::optional<std::string> Died() {
+    if (pid_ <= 0) return std::nullopt;
+    int status = 0;
+    if (::waitpid(pid_, &status, WNOHANG) != pid_) return std::nullopt;
+    pid_ = 0;
+    if (WIFSIGNALED(status)) return absl::StrCat("killed by signal ", WTERMSIG(status));
+    return absl::StrCat("exit code ", WEXITSTATUS(status));
+  }
+
  private:
   pid_t pid_ = 0;
   std::string state_, address_, output_;
 };
 
 std::atomic<int> g_interrupts{0};
-void OnInterrupt(int) { g_interrupts.fetch_add(1); }
+std::atomic<int> g_terms{0};
+void OnInterrupt(int sig) {
+  g_interrupts.fetch_add(1);
+  if (sig == SIGTERM) g_terms.fetch_add(1);
+}
 
 int RunRun(const RunOptions& o_in) {
   RunOptions o = o_in;
@@ -420,6 +446,26 @@ int RunRun(const RunOptions& o_in) {
     ::close(fd);
   }
 
+  // A job an interrupted run left QUEUED or RUNNING in this state directory (a Slurm requeue, a
+  // preemption, a crash): the coordinator resumes it when it starts, and we follow it instead of
+  // submitting a second job for the same output. Read before the start, since a resumed job
+  // with nothing left but finalizing may already be over when we could ask.
+  std::string resumed_id;
+  if (!temporary_state) {
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(state + "/jobs", ec)) {
+      auto text = ReadFile(entry.path().string());
+      if (!text.ok()) continue;
+      const json record = json::parse(*text, nullptr, /*allow_exceptions=*/false);
+      if (!record.is_object() || !record.contains("spec") || !record["spec"].is_object()) continue;
+      const std::string job_state = record.value("state", "");
+      if ((job_state == "JOB_STATE_QUEUED" || job_state == "JOB_STATE_RUNNING") &&
+          record["spec"].value("out_dir", "") == spec->out_dir() &&
+          record.value("id", "") > resumed_id) {
+        resumed_id = record.value("id", "");
+      }
+    }
+  }
   LocalCoordinator coordinator;
   if (auto s = coordinator.Start(o, state, token_file); !s.ok()) return Fail(s);
   ConnectionOptions conn;
@@ -432,7 +478,12 @@ int RunRun(const RunOptions& o_in) {
     if (!channel.ok()) return Fail(channel.status());
     if (auto s = rpc::WaitForHealthy(*channel, std::chrono::seconds(30)); !s.ok()) return Fail(s);
   }
-  auto submitted = (*client)->Submit(*spec);
+  StatusOr<std::string> submitted =
+      resumed_id.empty() ? (*client)->Submit(*spec) : StatusOr<std::string>(resumed_id);
+  if (!resumed_id.empty() && !o.json) {
+    std::printf("%s: resumed by the coordinator on %s (an earlier run was interrupted); "
+                "following it\n", resumed_id.c_str(), state.c_str());
+  }
   if (!submitted.ok()) {
     // Refused before it existed: nothing in the state directory is worth keeping.
     coordinator.Stop();
@@ -450,9 +501,12 @@ int RunRun(const RunOptions& o_in) {
     std::fflush(stdout);
   }
 
-  // First Ctrl-C (or SIGTERM, e.g. from `timeout` or a batch system) cancels the job, so its
-  // workers are stopped rather than orphaned; the second gives up at once.
+  // First Ctrl-C cancels the job, so its workers are stopped rather than orphaned; the second
+  // gives up at once. SIGTERM (`timeout`, a batch system's requeue or preemption) does the same
+  // with a temporary state directory; with --state it stops the coordinator instead, leaving the
+  // job resumable: qcal run on the same --state continues it (exit code 3).
   g_interrupts = 0;
+  g_terms = 0;
   struct sigaction sa = {}, old_int = {}, old_term = {};
   sa.sa_handler = OnInterrupt;
   sigemptyset(&sa.sa_mask);
@@ -463,6 +517,13 @@ int RunRun(const RunOptions& o_in) {
     bool cancelled = false;
     while (watching) {
       const int n = g_interrupts.load();
+      if (n >= 1 && !cancelled && !temporary_state && g_terms.load() >= 1) {
+        std::fprintf(stderr, "\nqcal: SIGTERM: stopping the coordinator; %s resumes when qcal "
+                             "run is started again with --state %s\n",
+                     id.c_str(), state.c_str());
+        coordinator.Stop();
+        std::_Exit(3);
+      }
       if (n >= 1 && !cancelled) {
         std::fprintf(stderr, "\nqcal: cancelling %s (Ctrl-C again to quit now)\n", id.c_str());
         (*client)->Cancel(id).IgnoreError();
@@ -476,6 +537,32 @@ int RunRun(const RunOptions& o_in) {
     }
   });
   auto job = JobWatcher(**client, o.json).Follow(id);
+  // A coordinator that died under us (killed, out of memory) is started again on the same state
+  // directory: it resumes the job from its journal, and we follow it there.
+  for (int restarts = 1; !job.ok() && g_interrupts.load() == 0 && restarts <= 3; ++restarts) {
+    const std::optional<std::string> died = coordinator.Died();
+    if (!died) break;
+    std::fprintf(stderr,
+                 "qcal: the local coordinator died (%s); starting it again on %s (%d of 3): the "
+                 "job resumes from its journal\n",
+                 died->c_str(), state.c_str(), restarts);
+    if (auto s = coordinator.Start(o, state, token_file); !s.ok()) {
+      job = s;
+      break;
+    }
+    conn.address = coordinator.address();
+    auto again = Connect(conn);
+    if (!again.ok()) {
+      job = again.status();
+      break;
+    }
+    auto channel = rpc::MakeChannel(conn.address, conn.tls);
+    if (channel.ok()) rpc::WaitForHealthy(*channel, std::chrono::seconds(30)).IgnoreError();
+    auto old_client = std::move(*client);
+    *client = std::move(*again);
+    old_client.reset();
+    job = JobWatcher(**client, o.json).Follow(id);
+  }
   watching = false;
   canceller.join();
   sigaction(SIGINT, &old_int, nullptr);
@@ -581,12 +668,25 @@ void AddServiceCommands(CLI::App& app, int* exit_code) {
     auto o = std::make_shared<RunOptions>();
     AddSpecOptions(cmd, &o->spec);
     cmd->add_option("--state", o->state_dir,
-                    "coordinator state directory (default: a temporary one, removed on success)");
+                    "coordinator state directory (default: a temporary one, removed on success); "
+                    "run again on the same one after an interruption, the job resumes");
     cmd->add_option("--coordinator-binary", o->coordinator_binary,
                     "qcal-coordinator (default: beside qcal or in the build tree)");
     cmd->add_option("--worker-binary", o->worker_binary,
                     "qcal-worker (default: the coordinator's choice)");
     cmd->add_option("--mpirun", o->mpirun, "mpirun to launch the workers with");
+    cmd->add_option("--launcher", o->launcher,
+                    "mpirun (this machine, default) or srun (a job step in the Slurm allocation "
+                    "qcal runs in: the sbatch templates in slurm/)")
+        ->check(CLI::IsMember({"mpirun", "srun"}));
+    cmd->add_option("--listen", o->listen,
+                    "host:port the private coordinator serves on (0.0.0.0:0 for workers on "
+                    "other nodes)")
+        ->capture_default_str();
+    cmd->add_option("--advertise-host", o->advertise_host,
+                    "host the workers dial (default: the listening host)");
+    cmd->add_option("--max-group-restarts", o->max_group_restarts,
+                    "relaunches of a worker group that died before the job fails (default 3)");
     cmd->add_flag("--no-eval", o->no_eval,
                   "skip the evaluation phase (float and quantized perplexity by the workers)");
     cmd->add_flag("--json", o->json, "print JSON events and one JSON summary at the end");

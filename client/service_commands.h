@@ -14,7 +14,8 @@
 // Connection flags: --coordinator HOST:PORT (env QCAL_COORDINATOR, default 127.0.0.1:50051),
 // --auth-token-file F (env QCAL_AUTH_TOKEN_FILE), --tls-ca F [--tls-cert F --tls-key F].
 // Exit codes of watch / run / submit --watch: 0 SUCCEEDED, 1 FAILED (or any error),
-// 2 CANCELLED.
+// 2 CANCELLED; qcal run also 3: stopped by SIGTERM with --state, the job resumes when qcal run
+// is started again on that state directory.
 #pragma once
 
 namespace CLI {

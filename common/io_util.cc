@@ -1,5 +1,8 @@
 #include "common/io_util.h"
 
+#include <errno.h>
+#include <sys/statvfs.h>
+
 #include <cstdlib>
 
 #include <cstring>
@@ -7,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 
 namespace qcal::io {
 namespace {
@@ -54,6 +58,24 @@ std::string ErrnoText(int error) {
 }
 
 Status ErrnoError(int error, absl::string_view path, absl::string_view what) {
+  if (error == ENOSPC || error == EDQUOT) {
+    // Name the room left, and make it FailedPrecondition: retrying elsewhere cannot help until
+    // someone frees space (then resubmitting resumes from the journal).
+    const std::string p(path);
+    std::string dir = p.substr(0, p.rfind('/') == std::string::npos ? 0 : p.rfind('/'));
+    if (dir.empty()) dir = p.rfind('/') == 0 ? "/" : ".";
+    struct statvfs vfs;
+    std::string room;
+    if (::statvfs(dir.c_str(), &vfs) == 0) {
+      const double free_mib = static_cast<double>(vfs.f_bavail) * vfs.f_frsize / (1 << 20);
+      const double total_mib = static_cast<double>(vfs.f_blocks) * vfs.f_frsize / (1 << 20);
+      room = absl::StrFormat(" (%.1f MiB free of %.1f MiB on the filesystem of %s)", free_mib,
+                             total_mib, dir);
+    }
+    return absl::FailedPreconditionError(
+        absl::StrCat(path, ": ", what, ": ", ErrnoText(error), room,
+                     "; free space and resubmit: finished work is kept"));
+  }
   return Status(absl::ErrnoToStatusCode(error),
                 absl::StrCat(path, ": ", what, ": ", ErrnoText(error)));
 }

@@ -54,9 +54,31 @@ Status JobManager::Start() {
     rt->job = job;
     jobs_[job.id()] = rt;
     if (!IsFinalState(job.state())) {
-      FailLocked(*rt, absl::StrCat("the coordinator restarted while the job was ",
-                                   JobStateName(job.state()),
-                                   "; resubmit it to resume from its journal"));
+      // Resume: plan again from the journal (finished blocks are skipped) and launch a new group.
+      v1::JobSpec spec = job.spec();
+      StatusOr<Recipe> recipe = ValidateJobSpec(&spec);
+      if (!recipe.ok()) {
+        FailLocked(*rt, absl::StrCat("the coordinator restarted while the job was ",
+                                     JobStateName(job.state()), " and cannot resume it: ",
+                                     recipe.status().message()));
+        continue;
+      }
+      const std::string was = JobStateName(job.state());
+      rt->recipe = std::move(*recipe);
+      rt->workspace = workspaces_();
+      rt->job.set_state(v1::JOB_STATE_QUEUED);
+      rt->job.set_phase(kPhasePlan);
+      rt->job.clear_blocks();
+      rt->job.set_blocks_done(0);
+      rt->job.set_workers_alive(0);
+      rt->job.set_eta_seconds(-1);
+      rt->phase_started_at = clock_->MonotonicSeconds();
+      const std::string msg = absl::StrCat("the coordinator restarted while the job was ", was,
+                                           "; resuming it from its journal");
+      QCAL_LOG_WARN("job {}: {}", job.id(), msg);
+      EmitLocked(*rt, v1::JOB_EVENT_KIND_WARNING, msg);
+      SaveLocked(*rt);
+      rt->driver = std::thread([this, rt] { Drive(rt); });
     } else {
       // The events of a previous life are not kept; a watcher sees the final state.
       EmitLocked(*rt, v1::JOB_EVENT_KIND_STATE, "");
@@ -80,6 +102,7 @@ Status JobManager::Start() {
 void JobManager::SetWorkerAddress(const std::string& address) {
   Lock lock(mu_);
   worker_address_ = address;
+  for (auto& [id, rt] : jobs_) rt->cv.notify_all();  // resumed jobs wait for it to launch
 }
 
 void JobManager::Shutdown() {
@@ -90,8 +113,11 @@ void JobManager::Shutdown() {
     shutting_down_ = true;
     for (auto& [id, rt] : jobs_) {
       if (!IsFinalState(rt->job.state())) {
-        FailLocked(*rt, "the coordinator shut down while the job was running; resubmit it to "
-                        "resume from its journal");
+        // The record stays QUEUED/RUNNING: the next coordinator on this state resumes it.
+        EmitLocked(*rt, v1::JOB_EVENT_KIND_WARNING,
+                   "the coordinator is shutting down; the job resumes from its journal when a "
+                   "coordinator starts again on the same state directory");
+        SaveLocked(*rt);
       }
       rt->cv.notify_all();
       all.push_back(rt);
@@ -243,6 +269,63 @@ JobManager::WorkerAndJobLocked(const std::string& worker_id) {
   return std::make_pair(w, rt);
 }
 
+Status JobManager::LaunchGroupLocked(JobRuntime& rt) {
+  // Workers of an earlier group (a previous coordinator's, or ranks that outlived their
+  // launcher) must not compute beside the new ones.
+  if (Status s = launcher_->StopLeftovers(rt.launch); !s.ok()) {
+    QCAL_LOG_WARN("job {}: {}", rt.job.id(), std::string(s.message()));
+  }
+  StatusOr<std::unique_ptr<WorkerGroup>> group = launcher_->Launch(rt.launch);
+  if (!group.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot start the workers: ", group.status().message()));
+  }
+  rt.group = std::move(*group);
+  EmitLocked(rt, v1::JOB_EVENT_KIND_LOG,
+             absl::StrCat("started ", rt.launch.workers, " worker rank(s): ",
+                          rt.group->Describe()));
+  return absl::OkStatus();
+}
+
+void JobManager::GroupDiedLocked(JobRuntime& rt, const std::string& how) {
+  const std::string log = JobDirOf(rt.job.spec()) + "/workers.log";
+  const std::string what =
+      absl::StrCat("the worker processes exited before the job finished (", rt.group->Describe(),
+                   ": ", how, ")");
+  const std::string tail = rt.group->LogTail(20);
+  registry_.RemoveJob(rt.job.id());
+  rt.job.set_workers_alive(0);
+  if (shutting_down_) {  // the group was stopped with the coordinator: the job stays resumable
+    rt.group.reset();
+    return;
+  }
+  const bool work_left = rt.scheduler && !rt.scheduler->done();
+  if (!work_left || rt.group_restarts >= options_.max_group_restarts) {
+    rt.group.reset();
+    FailLocked(rt, absl::StrCat(what,
+                                rt.group_restarts > 0
+                                    ? absl::StrCat(" after ", rt.group_restarts, " relaunch(es)")
+                                    : "",
+                                "; last lines of ", log, ":\n", tail));
+    return;
+  }
+  ++rt.group_restarts;
+  rt.group.reset();
+  const std::string msg =
+      absl::StrCat(what, "; relaunching the group (", rt.group_restarts, " of ",
+                   options_.max_group_restarts, "), the job continues from its journal");
+  QCAL_LOG_WARN("job {}: {}", rt.job.id(), msg);
+  EmitLocked(rt, v1::JOB_EVENT_KIND_WARNING, msg);
+  WarnRequeuesLocked(rt, rt.scheduler->GroupLost(what), "the worker group was lost");
+  ApplySchedulerErrorLocked(rt);
+  if (IsFinalState(rt.job.state())) return;
+  if (Status launched = LaunchGroupLocked(rt); !launched.ok()) {
+    FailLocked(rt, std::string(launched.message()));
+    return;
+  }
+  if (!rt.scheduler->awaiting_finalize()) SetPhaseLocked(rt, rt.scheduler->phase());
+}
+
 // ------------------------------------------------------------------------------------------
 // Driver thread: plan → launch → wait for the tasks → finalize.
 
@@ -293,10 +376,14 @@ void JobManager::DriveUnsafe(const std::shared_ptr<JobRuntime>& rt) {
   rt->scheduler = std::make_unique<JobScheduler>(rt->job.id(), spec.workers(), tasks,
                                                  options_.max_attempts, options_.wait_ms);
   if (tasks.needs_workers()) {
-    if (worker_address_.empty()) {
+    // A job resumed at start-up gets here before the server listens.
+    if (!rt->cv.wait_for(lock, std::chrono::seconds(60), [&] {
+          return !worker_address_.empty() || shutting_down_ || IsFinalState(rt->job.state());
+        })) {
       FailLocked(*rt, "the coordinator does not know the address its workers should dial");
       return;
     }
+    if (IsFinalState(rt->job.state()) || shutting_down_) return;
     LaunchSpec ls;
     ls.job_id = rt->job.id();
     ls.workers = spec.workers();
@@ -307,15 +394,12 @@ void JobManager::DriveUnsafe(const std::shared_ptr<JobRuntime>& rt) {
     ls.tls_cert_file = options_.worker_tls_cert;
     ls.tls_key_file = options_.worker_tls_key;
     ls.log_path = plan->job_dir + "/workers.log";
-    StatusOr<std::unique_ptr<WorkerGroup>> group = launcher_->Launch(ls);
-    if (!group.ok()) {
-      FailLocked(*rt, absl::StrCat("cannot start the workers: ", group.status().message()));
+    ls.pid_file = plan->job_dir + "/workers.pid";
+    rt->launch = ls;
+    if (Status launched = LaunchGroupLocked(*rt); !launched.ok()) {
+      FailLocked(*rt, std::string(launched.message()));
       return;
     }
-    rt->group = std::move(*group);
-    EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG,
-               absl::StrCat("started ", spec.workers(), " worker rank(s): ",
-                            rt->group->Describe()));
     SetStateLocked(*rt, v1::JOB_STATE_RUNNING, "");
     SetPhaseLocked(*rt, rt->scheduler->phase());
     rt->cv.wait(lock, [&] {
@@ -703,17 +787,29 @@ void JobManager::Tick() {
     EmitLocked(*rt, v1::JOB_EVENT_KIND_WARNING, why);
     WarnRequeuesLocked(*rt, rt->scheduler->WorkerLost(dead.worker_id, dead.rank), why);
     ApplySchedulerErrorLocked(*rt);
+    if (!IsFinalState(rt->job.state()) && rt->scheduler->needs_new_group() && rt->group) {
+      // The collective calibration cannot finish without the lost rank: replace the world
+      // (the exit is seen below, or on the next tick, and relaunches it).
+      EmitLocked(*rt, v1::JOB_EVENT_KIND_WARNING,
+                 absl::StrCat("rank ", dead.rank, " was lost during calibration, a collective "
+                              "step: stopping the worker group (", rt->group->Describe(),
+                              ") to start a new one"));
+      rt->group->Kill();
+    }
   }
   const double now = clock_->MonotonicSeconds();
   for (auto& [id, rt] : jobs_) {
     if (!rt->group) continue;
     std::optional<std::string> exit = rt->group->Poll();
+    for (const WorkerGroup::Note& note : rt->group->TakeNotes()) {
+      if (note.warning) QCAL_LOG_WARN("job {}: {}", id, note.message);
+      EmitLocked(*rt, note.warning ? v1::JOB_EVENT_KIND_WARNING : v1::JOB_EVENT_KIND_LOG,
+                 note.message);
+    }
     if (exit) {
       if (!IsFinalState(rt->job.state())) {
-        const std::string log = JobDirOf(rt->job.spec()) + "/workers.log";
-        FailLocked(*rt, absl::StrCat("the worker processes exited before the job finished (",
-                                     rt->group->Describe(), ": ", *exit, "); last lines of ",
-                                     log, ":\n", rt->group->LogTail(20)));
+        GroupDiedLocked(*rt, *exit);  // relaunches, or fails the job
+        if (rt->group) continue;      // the new group
       }
       EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG, absl::StrCat("worker processes exited: ", *exit));
       rt->group.reset();

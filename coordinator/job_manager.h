@@ -11,9 +11,17 @@
 //   CancelJob marks the job CANCELLED at once: Heartbeat/ReportProgress answer cancelled=true,
 //   NextTask answers SHUTDOWN, and a worker group still running `kill_grace_s` after the job
 //   ended gets SIGTERM, then SIGKILL after as long again.
-//   A worker silent for heartbeat_timeout_s is dead: its task returns to the queue (or, during
-//   the collective calibration, the job fails). If the group's launcher process exits before the
-//   job ended, the job fails with the tail of JOB/workers.log.
+//   A worker silent for heartbeat_timeout_s is dead: its task returns to the queue (during the
+//   collective calibration, which cannot go on without it, the whole group is replaced).
+//
+// Recovery: when a job's worker group dies before the job ended (a rank killed takes the MPI
+//   world with it; mpirun or srun died; a node was lost), the manager relaunches it, up to
+//   max_group_restarts times (a WARNING event each time): held tasks return to the queue as new
+//   attempts, an unfinished calibration starts over (the workers reuse its complete cached
+//   products), finished blocks are never redone (the journal). After that the job fails with
+//   the tail of JOB/workers.log. A coordinator started on a state directory whose jobs were
+//   QUEUED or RUNNING resumes them from their journals (stopping any workers the previous
+//   coordinator left behind first, Launcher::StopLeftovers); Shutdown leaves them resumable.
 //
 // Thread-safety: every public method is thread-safe (one mutex). Watch blocks the calling thread
 // until events arrive; it wakes on a per-job condition variable, and returns when the job ended,
@@ -53,6 +61,7 @@ struct ManagerOptions {
   int64_t heartbeat_interval_ms = 1000;  // told to workers at registration
   double kill_grace_s = 5;            // see the class comment
   int max_attempts = 3;               // hand-outs of one block before the job fails
+  int max_group_restarts = 3;         // relaunches of a job's dead worker group before it fails
   int64_t wait_ms = 200;              // WAIT tasks: ask again after this long
   double tick_s = 0.2;                // monitor period; 0: no monitor thread (tests call Tick)
   size_t max_events_per_job = 20000;  // older events are dropped from memory
@@ -70,13 +79,14 @@ class JobManager {
   JobManager(const JobManager&) = delete;
   JobManager& operator=(const JobManager&) = delete;
 
-  // Jobs a previous coordinator left QUEUED or RUNNING become FAILED (their workers are gone;
-  // resubmitting resumes from the journal). Starts the monitor thread.
+  // Jobs a previous coordinator left QUEUED or RUNNING resume from their journals (a WARNING
+  // event says so; their launch waits for SetWorkerAddress). Starts the monitor thread.
   Status Start();
-  // The address workers dial (known once the server listens). Call before the first Submit.
+  // The address workers dial (known once the server listens).
   void SetWorkerAddress(const std::string& address);
-  // Fails unfinished jobs ("the coordinator shut down"), wakes every Watch, joins the threads,
-  // stops every worker group. Idempotent.
+  // Wakes every Watch (Unavailable), joins the threads, stops every worker group. Unfinished
+  // jobs stay QUEUED/RUNNING in the store: a coordinator started again on the same state
+  // directory resumes them. Idempotent.
   void Shutdown();
 
   // --- JobService
@@ -116,6 +126,8 @@ class JobManager {
     std::unique_ptr<JobWorkspace> workspace;
     std::unique_ptr<JobScheduler> scheduler;
     std::unique_ptr<WorkerGroup> group;
+    LaunchSpec launch;             // how the group was launched (relaunches reuse it)
+    int group_restarts = 0;        // relaunches so far
     std::thread driver;
     double ended_at = -1;          // monotonic, when the job reached a final state
     int stop_stage = 0;            // 1: SIGTERM sent to the group, 2: SIGKILL sent
@@ -144,6 +156,11 @@ class JobManager {
                           const std::string& why);
   void UpdateEtaLocked(JobRuntime& rt);
   v1::Task ShutdownTask(const JobRuntime& rt) const;
+  // Stops what a previous group of the job left behind and launches rt.launch.
+  Status LaunchGroupLocked(JobRuntime& rt);
+  // The group died (`how`) before the job ended: relaunch it, or fail the job when the
+  // relaunches are used up.
+  void GroupDiedLocked(JobRuntime& rt, const std::string& how);
 
   const ManagerOptions options_;
   const Clock* clock_;

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -15,6 +16,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "common/atomic_file.h"
 #include "common/log.h"
 #include "coordinator/launcher.h"
 
@@ -58,7 +60,8 @@ std::string DescribeWaitStatus(int status) {
 
 class LocalWorkerGroup : public WorkerGroup {
  public:
-  LocalWorkerGroup(pid_t pid, std::string log_path) : pid_(pid), log_path_(std::move(log_path)) {
+  LocalWorkerGroup(pid_t pid, std::string log_path, std::string style)
+      : pid_(pid), log_path_(std::move(log_path)), style_(std::move(style)) {
     Remember();
   }
   ~LocalWorkerGroup() override {
@@ -92,7 +95,7 @@ class LocalWorkerGroup : public WorkerGroup {
 
   std::string LogTail(int max_lines) override { return TailOfFile(log_path_, max_lines); }
   std::string Describe() const override {
-    return absl::StrCat("mpirun pid ", pid_, " (log ", log_path_, ")");
+    return absl::StrCat(style_, " pid ", pid_, " (log ", log_path_, ")");
   }
 
  private:
@@ -121,6 +124,7 @@ class LocalWorkerGroup : public WorkerGroup {
 
   pid_t pid_;
   std::string log_path_;
+  std::string style_;
   std::optional<std::string> exit_;
   std::map<int, unsigned long long> known_;  // descendant pid -> start time
 };
@@ -186,9 +190,44 @@ class LocalMpiLauncher : public Launcher {
       return absl::FailedPreconditionError(absl::StrCat("cannot run '", args[0], "': ",
                                                         std::strerror(rc)));
     }
-    QCAL_LOG_INFO("job {}: started {} ranks: mpirun pid {}, log {}", spec.job_id, spec.workers,
-                  pid, spec.log_path);
-    return std::unique_ptr<WorkerGroup>(new LocalWorkerGroup(pid, spec.log_path));
+    QCAL_LOG_INFO("job {}: started {} ranks: {} pid {}, log {}", spec.job_id, spec.workers,
+                  options_.style, pid, spec.log_path);
+    if (!spec.pid_file.empty()) {
+      ProcStat st;
+      const unsigned long long start = ReadProcStat(pid, &st) ? st.start_time : 0;
+      if (Status s = WriteFileAtomic(spec.pid_file, absl::StrCat(pid, " ", start, "\n"));
+          !s.ok()) {
+        QCAL_LOG_WARN("job {}: {}", spec.job_id, std::string(s.message()));
+      }
+    }
+    return std::unique_ptr<WorkerGroup>(
+        new LocalWorkerGroup(pid, spec.log_path, options_.style));
+  }
+
+  Status StopLeftovers(const LaunchSpec& spec) override {
+    if (spec.pid_file.empty()) return absl::OkStatus();
+    StatusOr<std::string> text = ReadFile(spec.pid_file);
+    if (!text.ok()) return absl::OkStatus();  // never launched
+    long long pid = 0;
+    unsigned long long start = 0;
+    if (std::sscanf(text->c_str(), "%lld %llu", &pid, &start) != 2 || pid <= 1) {
+      return absl::DataLossError(absl::StrCat(spec.pid_file, ": not 'PID START_TIME'"));
+    }
+    ProcStat st;
+    if (!ReadProcStat(static_cast<int>(pid), &st)) {
+      // The launcher is gone; its ranks (its process group, which keeps the id while any member
+      // lives, so the id cannot have been reused) may have outlived it.
+      ::kill(-static_cast<pid_t>(pid), SIGKILL);
+      return absl::OkStatus();
+    }
+    if (st.start_time != start) return absl::OkStatus();  // the pid now names another process
+    QCAL_LOG_WARN("job {}: stopping the worker group an earlier coordinator left running "
+                  "(pid {})", spec.job_id, pid);
+    const std::vector<int> descendants = DescendantPids(static_cast<int>(pid));
+    ::kill(-static_cast<pid_t>(pid), SIGKILL);
+    ::kill(static_cast<pid_t>(pid), SIGKILL);
+    for (int d : descendants) ::kill(d, SIGKILL);
+    return absl::OkStatus();
   }
 
  private:
@@ -203,10 +242,23 @@ class LocalMpiLauncher : public Launcher {
 }  // namespace
 
 std::vector<std::string> LocalMpiCommand(const LocalMpiLauncherOptions& o, const LaunchSpec& s) {
-  std::vector<std::string> args = {o.mpirun, "--oversubscribe", "-np", std::to_string(s.workers)};
+  std::vector<std::string> args;
+  if (o.style == "srun") {
+    // --kill-on-bad-exit: a rank that dies ends the step (and so the group), like mpirun does.
+    args = {o.srun, "--mpi=pmix", "--ntasks", std::to_string(s.workers), "--kill-on-bad-exit=1",
+            "--job-name", "qcal-workers-" + s.job_id};
+  } else {
+    args = {o.mpirun, "--oversubscribe", "-np", std::to_string(s.workers)};
+  }
   args.insert(args.end(), o.extra_mpirun_args.begin(), o.extra_mpirun_args.end());
-  args.insert(args.end(), {o.worker_binary, "--coordinator", s.coordinator_address, "--job",
-                           s.job_id, "--auth-token-file", s.auth_token_file});
+  const std::vector<std::string> worker = WorkerCommand(o.worker_binary, s);
+  args.insert(args.end(), worker.begin(), worker.end());
+  return args;
+}
+
+std::vector<std::string> WorkerCommand(const std::string& worker_binary, const LaunchSpec& s) {
+  std::vector<std::string> args = {worker_binary, "--coordinator", s.coordinator_address,
+                                   "--job", s.job_id, "--auth-token-file", s.auth_token_file};
   if (!s.tls_ca_file.empty()) args.insert(args.end(), {"--tls-ca", s.tls_ca_file});
   if (!s.tls_cert_file.empty()) {
     args.insert(args.end(), {"--tls-cert", s.tls_cert_file, "--tls-key", s.tls_key_file});

@@ -2,8 +2,9 @@
 //
 //   qcal-coordinator --listen 127.0.0.1:50051 --state /var/lib/qcal --auth-token-file token
 //
-// SIGINT / SIGTERM: unfinished jobs fail ("resubmit to resume"), their workers are stopped,
-// the server drains and the process exits 0.
+// SIGINT / SIGTERM: the workers are stopped, the server drains and the process exits 0;
+// unfinished jobs stay QUEUED/RUNNING in STATE and resume from their journals when a
+// coordinator starts again on it (also after a crash: see JobManager).
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/file.h>
@@ -97,6 +98,42 @@ int main(int argc, char** argv) {
                  "qcal-worker executable (default: beside this program or in ../worker)");
   app.add_option("--mpirun", launcher_options.mpirun, "mpirun to launch workers with")
       ->capture_default_str();
+  app.add_option("--launcher", launcher_options.style,
+                 "how worker groups start: mpirun (this machine), srun (a job step in the "
+                 "Slurm allocation this coordinator runs in; see slurm/), or slurm (each group "
+                 "its own Slurm job, submitted with sbatch; --slurm-* options)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"mpirun", "srun", "slurm"}));
+  SlurmLauncherOptions slurm_options;
+  app.add_option("--slurm-partition", slurm_options.partition, "--launcher slurm: partition");
+  app.add_option("--slurm-account", slurm_options.account, "--launcher slurm: account");
+  app.add_option("--slurm-qos", slurm_options.qos, "--launcher slurm: quality of service");
+  app.add_option("--slurm-time", slurm_options.time, "--launcher slurm: time limit per group");
+  app.add_option("--slurm-ranks-per-node", slurm_options.ranks_per_node,
+                 "--launcher slurm: ranks per node (0: Slurm places them; 8 on 8-GPU nodes)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--slurm-gpus-per-rank", slurm_options.gpus_per_rank,
+                 "--launcher slurm: GPUs per rank (--gpus-per-task)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--slurm-cpus-per-rank", slurm_options.cpus_per_rank,
+                 "--launcher slurm: CPUs per rank (--cpus-per-task)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--slurm-arg", slurm_options.extra_sbatch_args,
+                 "--launcher slurm: one more sbatch argument (repeatable), e.g. --slurm-arg=--exclusive");
+  app.add_option("--slurm-poll", slurm_options.poll_interval_s,
+                 "--launcher slurm: seconds between scontrol polls of a group")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--srun", launcher_options.srun, "srun for --launcher srun")->capture_default_str();
+  std::string advertise_host;
+  app.add_option("--advertise-host", advertise_host,
+                 "host name or address the workers dial, with the bound port (default: the "
+                 "listening host, or this host's name for a wildcard)");
+  app.add_option("--max-group-restarts", manager_options.max_group_restarts,
+                 "relaunches of a job's worker group that died (a rank killed, mpirun or srun "
+                 "gone, a node lost) before the job fails")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--heartbeat-timeout", manager_options.heartbeat_timeout_s,
                  "seconds of silence after which a worker is dead")
       ->capture_default_str()
@@ -178,7 +215,13 @@ int main(int argc, char** argv) {
   auto state_fs = MakeLocalStateFs();
   auto store = JobStore::Open(state_fs.get(), state_dir);
   if (!store.ok()) return Fail(std::string(store.status().message()));
-  auto launcher = MakeLocalMpiLauncher(launcher_options);
+  std::unique_ptr<Launcher> launcher;
+  if (launcher_options.style == "slurm") {
+    slurm_options.worker_binary = launcher_options.worker_binary;
+    launcher = MakeSlurmLauncher(slurm_options);
+  } else {
+    launcher = MakeLocalMpiLauncher(launcher_options);
+  }
   JobManager manager(manager_options, SystemClock(), launcher.get(),
                      [] { return MakeDiskWorkspace(); }, std::move(*store));
   if (auto s = manager.Start(); !s.ok()) return Fail(std::string(s.message()));
@@ -186,7 +229,9 @@ int main(int argc, char** argv) {
   if (!server.ok()) return Fail(std::string(server.status().message()));
   const int port = (*server)->port();
   const std::string worker_address =
-      advertise.empty() ? AdvertisedAddress(server_options.listen, port) : advertise;
+      !advertise.empty()        ? advertise
+      : !advertise_host.empty() ? absl::StrCat(advertise_host, ":", port)
+                                : AdvertisedAddress(server_options.listen, port);
   manager.SetWorkerAddress(worker_address);
   const std::string bound =
       absl::StrCat(server_options.listen.substr(0, server_options.listen.rfind(':')), ":", port);

@@ -317,11 +317,10 @@ StatusOr<std::vector<JobScheduler::Requeue>> JobScheduler::Fail(const std::strin
 std::vector<JobScheduler::Requeue> JobScheduler::WorkerLost(const std::string& worker_id,
                                                             int rank) {
   std::vector<Requeue> out;
-  if (phase_ == kPhaseCalibrate && calibrate_done_.count(rank) == 0) {
-    SetError(absl::StrCat(
-        "rank ", rank, " (worker ", worker_id,
-        ") was lost during calibration, a collective step every rank takes part in; "
-        "resubmit the job to resume from its journal"));
+  if (phase_ == kPhaseCalibrate) {
+    // The collective cannot finish without this rank (and the ranks that finished wait for the
+    // others): only a new world can calibrate.
+    needs_new_group_ = true;
     return out;
   }
   std::vector<std::string> held;
@@ -336,6 +335,25 @@ std::vector<JobScheduler::Requeue> JobScheduler::WorkerLost(const std::string& w
       out.push_back(r);
     }
   }
+  return out;
+}
+
+std::vector<JobScheduler::Requeue> JobScheduler::GroupLost(const std::string& reason) {
+  needs_new_group_ = false;
+  if (phase_ == kPhaseCalibrate) {
+    calibrate_given_.clear();
+    calibrate_done_.clear();
+  }
+  std::vector<std::string> held;
+  for (const auto& [task_id, a] : assigned_) held.push_back(task_id);
+  std::vector<Requeue> out;
+  for (const std::string& task_id : held) {
+    Requeue r;
+    if (RequeueAssignment(task_id, reason, &r)) out.push_back(r);
+  }
+  // Lowest layer (and evaluation) first again, whatever order the tasks were held in.
+  std::sort(pending_.begin(), pending_.end());
+  std::sort(evals_pending_.begin(), evals_pending_.end());
   return out;
 }
 

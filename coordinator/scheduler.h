@@ -94,9 +94,18 @@ class JobScheduler {
                                       const std::string& task_id, const std::string& message,
                                       bool retryable);
 
-  // `worker_id` (of `rank`) is gone. Its task returns to the queue; during the collective
-  // calibration error() is set instead.
+  // `worker_id` (of `rank`) is gone. Its task returns to the queue. During the collective
+  // calibration nothing can go on without it: needs_new_group() turns true (the manager
+  // replaces the whole worker group, or fails the job when it may not).
   std::vector<Requeue> WorkerLost(const std::string& worker_id, int rank);
+
+  // The whole worker group is gone (a rank killed takes the MPI world with it; mpirun or srun
+  // died; a node was lost) and a new one is being launched: every held task returns to the
+  // queue (counting as an attempt, so a block that kills its group every time still ends the
+  // job after max_attempts), and an unfinished calibration starts over for the new world (its
+  // complete cached products are reused by the workers). Clears needs_new_group().
+  std::vector<Requeue> GroupLost(const std::string& reason);
+  bool needs_new_group() const { return needs_new_group_; }
 
   int64_t blocks_total() const { return static_cast<int64_t>(blocks_.size()); }
   int64_t blocks_done() const { return static_cast<int64_t>(blocks_done_.size()); }
@@ -133,6 +142,7 @@ class JobScheduler {
   bool sequential_ = false;  // one block task in flight at a time, in layer order
   std::set<int> calibrate_given_;  // ranks that received CALIBRATE
   std::set<int> calibrate_done_;
+  bool needs_new_group_ = false;
 
   std::vector<int64_t> blocks_;          // all blocks this run quantizes
   std::deque<int64_t> pending_;          // not handed out (or requeued)

@@ -12,6 +12,7 @@ PACKAGES=(
   liblapack-dev libopenblas-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3-numpy
+  slurmctld slurmd slurm-client munge  # the local test cluster (slurm/local-cluster.sh)
 )
 
 missing=()

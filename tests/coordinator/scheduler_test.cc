@@ -121,17 +121,49 @@ TEST(SchedulerTest, LostWorkersBlockReturnsToTheQueueForAnotherRank) {
   EXPECT_TRUE(s.awaiting_finalize());
 }
 
-TEST(SchedulerTest, LossDuringCalibrationFailsTheJob) {
+TEST(SchedulerTest, LossDuringCalibrationAsksForANewGroupWhichCalibratesAgain) {
   JobScheduler s("job-1", 2, Plan(3, true));
   s.Next("w0", 0);
   s.Next("w1", 1);
+  ASSERT_TRUE(s.Complete("w0", 0, "calibrate").ok());
   EXPECT_TRUE(s.WorkerLost("w1", 1).empty());
-  EXPECT_NE(s.error().find("rank 1 (worker w1) was lost during calibration"), std::string::npos)
+  EXPECT_TRUE(s.error().empty()) << s.error();
+  EXPECT_TRUE(s.needs_new_group());
+  EXPECT_TRUE(s.GroupLost("rank 1 was lost").empty());
+  EXPECT_FALSE(s.needs_new_group());
+  // The new world (new worker ids) calibrates from the start: rank 0's part of the old world
+  // does not count.
+  EXPECT_EQ(s.phase(), "calibrate");
+  EXPECT_EQ(s.Next("v0", 0).kind(), v1::TASK_KIND_CALIBRATE);
+  EXPECT_EQ(s.Next("v1", 1).kind(), v1::TASK_KIND_CALIBRATE);
+  ASSERT_TRUE(s.Complete("v0", 0, "calibrate").ok());
+  EXPECT_EQ(s.phase(), "calibrate");
+  auto last = s.Complete("v1", 1, "calibrate");
+  ASSERT_TRUE(last.ok());
+  EXPECT_TRUE(last->phase_finished);
+  EXPECT_EQ(s.Next("v1", 1).block(), 0);
+}
+
+TEST(SchedulerTest, GroupLossRequeuesEveryHeldBlockAsANewAttempt) {
+  JobScheduler s("job-1", 2, Plan(4, false), /*max_attempts=*/2);
+  v1::Task a = s.Next("w0", 0);
+  v1::Task b = s.Next("w1", 1);
+  ASSERT_TRUE(s.Complete("w0", 0, a.task_id()).ok());
+  v1::Task c = s.Next("w0", 0);
+  auto requeued = s.GroupLost("mpirun exited");
+  ASSERT_EQ(requeued.size(), 2u);
+  EXPECT_TRUE(s.error().empty());
+  // Lowest layer first; the finished block 0 is not redone.
+  v1::Task b2 = s.Next("v0", 0);
+  v1::Task c2 = s.Next("v1", 1);
+  EXPECT_EQ(b2.block(), b.block());
+  EXPECT_EQ(b2.attempt(), 2);
+  EXPECT_EQ(c2.block(), c.block());
+  EXPECT_EQ(s.blocks_done(), 1);
+  // A block that takes its group down every time still ends the job after max_attempts.
+  s.GroupLost("mpirun exited again");
+  EXPECT_NE(s.error().find("was attempted 2 times; last: mpirun exited again"), std::string::npos)
       << s.error();
-  EXPECT_NE(s.error().find("resubmit"), std::string::npos);
-  v1::Task t = s.Next("w0", 0);
-  EXPECT_EQ(t.kind(), v1::TASK_KIND_SHUTDOWN);
-  EXPECT_EQ(t.reason(), s.error());
 }
 
 TEST(SchedulerTest, RetryableFailuresRequeueUntilAttemptsRunOut) {

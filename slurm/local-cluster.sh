@@ -1,0 +1,176 @@
+#!/usr/bin/env bash
+# A throwaway Slurm cluster on this machine, for tests and for trying the sbatch templates:
+# munged + slurmctld + N slurmd processes emulating N nodes, all state under one directory, as
+# root without systemd. Nothing outside DIR is written (no /etc, /run or /var changes).
+#
+#   slurm/local-cluster.sh up DIR [--nodes N] [--cpus C] [--port-base P]
+#   slurm/local-cluster.sh env DIR        # prints the exports a client needs (eval it)
+#   slurm/local-cluster.sh status DIR
+#   slurm/local-cluster.sh down DIR       # stops every daemon and job step; keeps DIR
+#
+# Ports: slurmctld P, slurmd n1..nN at P+1..P+N (default P: derived from DIR, so two build trees
+# on one machine get different clusters). Each slurmd runs in its own hostname namespace
+# (unshare --uts) so Open MPI's shared-memory segments of the emulated nodes do not collide.
+# Settings that matter on Debian 12 (Slurm 22.05, Open MPI 4.1 with PMIx): MpiDefault=pmix
+# (this Open MPI has no PMI2), TmpFS per node (the pmix plugin's per-step directories would
+# clash), proctrack/linuxproc and task/none (no cgroups), AuthInfo cred_expire=5 (a smaller value silently
+# becomes 120 s, the delay before a requeued job restarts). See docs/slurm.md.
+set -euo pipefail
+
+die() { echo "local-cluster: $*" >&2; exit 1; }
+[ $# -ge 2 ] || die "usage: $0 up|env|status|down DIR [--nodes N] [--cpus C] [--port-base P]"
+cmd=$1 dir=$2
+shift 2
+nodes=2 cpus=$(nproc) port_base=""
+while [ $# -gt 0 ]; do
+  case $1 in
+    --nodes) nodes=$2; shift 2 ;;
+    --cpus) cpus=$2; shift 2 ;;
+    --port-base) port_base=$2; shift 2 ;;
+    *) die "unknown option $1" ;;
+  esac
+done
+
+mkdir -p "$dir"
+dir=$(cd "$dir" && pwd)
+conf=$dir/slurm.conf
+if [ -z "$port_base" ]; then
+  # 20000..39990 in steps of 10, from the directory name: stable per build tree.
+  port_base=$(( 20000 + ($(printf '%s' "$dir" | cksum | cut -d' ' -f1) % 2000) * 10 ))
+fi
+
+print_env() {
+  echo "export SLURM_CONF=$conf"
+  echo "export OMPI_MCA_btl_tcp_if_include=lo OMPI_MCA_oob_tcp_if_include=lo"
+  echo "export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"
+  echo "export PMIX_MCA_gds=hash"
+}
+
+pids_of() {  # the pids recorded in DIR/pids/*.pid that are still alive
+  local f p
+  for f in "$dir"/pids/*.pid; do
+    [ -f "$f" ] || continue
+    p=$(cat "$f" 2>/dev/null || true)
+    [ -n "$p" ] && kill -0 "$p" 2>/dev/null && echo "$p"
+  done
+  return 0
+}
+
+stop_all() {
+  export SLURM_CONF=$conf
+  if [ -f "$conf" ] && [ -n "$(pids_of)" ]; then
+    scancel --full --quiet --signal=KILL --user=root 2>/dev/null || true
+  fi
+  local p pids
+  pids=$(pids_of)
+  # slurmstepd processes started for this cluster: their environment names our slurm.conf.
+  for p in $(pgrep -x slurmstepd 2>/dev/null || true); do
+    if tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qx "SLURM_CONF=$conf"; then
+      pids="$pids $p"
+    fi
+  done
+  for p in $(pgrep -f "slurmd .*-f $conf" 2>/dev/null || true) \
+           $(pgrep -f "slurmctld .*-f $conf" 2>/dev/null || true); do
+    pids="$pids $p"
+  done
+  [ -n "${pids// /}" ] || return 0
+  kill -TERM $pids 2>/dev/null || true
+  for _ in $(seq 1 20); do
+    local alive=""
+    for p in $pids; do kill -0 "$p" 2>/dev/null && alive="$alive $p"; done
+    [ -z "$alive" ] && break
+    sleep 0.1
+  done
+  for p in $pids; do kill -KILL "$p" 2>/dev/null || true; done
+  rm -f "$dir"/pids/*.pid
+}
+
+case $cmd in
+  env) print_env; exit 0 ;;
+  down) stop_all; echo "local-cluster: stopped ($dir)"; exit 0 ;;
+  status)
+    SLURM_CONF=$conf sinfo -N -o '%N %T %c' 2>&1
+    exit 0 ;;
+  up) ;;
+  *) die "unknown command $cmd (up, env, status, down)" ;;
+esac
+
+for bin in munged mungekey slurmctld slurmd sbatch scontrol unshare; do
+  command -v "$bin" > /dev/null || [ -x "/usr/sbin/$bin" ] ||
+    die "$bin is missing: run scripts/install-deps.sh (Debian packages slurmctld slurmd slurm-client munge)"
+done
+[ "$(id -u)" -eq 0 ] || die "needs root (SlurmUser=root, hostname namespaces)"
+stop_all
+rm -rf "$dir/state" "$dir/spool" "$dir/tmp" "$dir/log" "$dir/munge"
+mkdir -p "$dir/state" "$dir/log" "$dir/pids" "$dir/munge"
+chmod 711 "$dir/munge"  # clients need to reach the socket
+
+# munge: a fresh key and socket under DIR.
+mungekey --create --keyfile="$dir/munge/munge.key" --force > /dev/null 2>&1 ||
+  dd if=/dev/urandom of="$dir/munge/munge.key" bs=1024 count=1 status=none
+chmod 600 "$dir/munge/munge.key"
+/usr/sbin/munged --force --key-file="$dir/munge/munge.key" --socket="$dir/munge/munge.sock" \
+  --pid-file="$dir/pids/munged.pid" --log-file="$dir/log/munged.log" \
+  --seed-file="$dir/munge/seed" > "$dir/log/munged.out" 2>&1 ||
+  die "munged failed to start: $(cat "$dir/log/munged.out" "$dir/log/munged.log" 2>/dev/null | tail -5)"
+
+node_lines=""
+for i in $(seq 1 "$nodes"); do
+  mkdir -p "$dir/spool/n$i" "$dir/tmp/n$i"
+  node_lines+="NodeName=n$i NodeHostname=n$i NodeAddr=127.0.0.1 Port=$((port_base + i)) CPUs=$cpus RealMemory=1000 State=UNKNOWN"$'\n'
+done
+cat > "$conf" <<EOF
+# Generated by slurm/local-cluster.sh: a test cluster on this machine.
+ClusterName=qcal-local
+SlurmctldHost=localhost(127.0.0.1)
+SlurmctldPort=$port_base
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket=$dir/munge/munge.sock,cred_expire=5
+StateSaveLocation=$dir/state
+SlurmdSpoolDir=$dir/spool/%n
+SlurmctldPidFile=$dir/pids/slurmctld.pid
+SlurmdPidFile=$dir/pids/slurmd-%n.pid
+SlurmctldLogFile=$dir/log/slurmctld.log
+SlurmdLogFile=$dir/log/slurmd-%n.log
+TmpFS=$dir/tmp/%n
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+MpiDefault=pmix
+SwitchType=switch/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+ReturnToService=2
+KillWait=5
+MinJobAge=300
+InactiveLimit=0
+SlurmctldTimeout=30
+SlurmdTimeout=30
+MessageTimeout=20
+SchedulerParameters=defer_batch_retry
+JobRequeue=1
+$node_lines
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+EOF
+
+eval "$(print_env)"
+/usr/sbin/slurmctld -f "$conf" -i > "$dir/log/slurmctld.out" 2>&1 ||
+  die "slurmctld failed: $(tail -5 "$dir/log/slurmctld.out" "$dir/log/slurmctld.log" 2>/dev/null)"
+for i in $(seq 1 "$nodes"); do
+  unshare --uts sh -c "hostname n$i && exec /usr/sbin/slurmd -f '$conf' -N n$i" \
+    > "$dir/log/slurmd-n$i.out" 2>&1 ||
+    die "slurmd n$i failed: $(tail -5 "$dir/log/slurmd-n$i.out" "$dir/log/slurmd-n$i.log" 2>/dev/null)"
+done
+
+# Ready when every node is idle.
+for _ in $(seq 1 150); do
+  idle=$(sinfo -h -N -t idle -o '%N' 2>/dev/null | sort -u | wc -l)
+  [ "$idle" -ge "$nodes" ] && { echo "local-cluster: up: $nodes node(s) x $cpus CPU(s), slurmctld port $port_base, SLURM_CONF=$conf"; exit 0; }
+  sleep 0.2
+done
+die "nodes did not become idle within 30 s: $(sinfo -N 2>&1 | tail -5); logs in $dir/log"
