@@ -448,8 +448,9 @@ int RunRun(const RunOptions& o_in) {
 
   // A job an interrupted run left QUEUED or RUNNING in this state directory (a Slurm requeue, a
   // preemption, a crash): the coordinator resumes it when it starts, and we follow it instead of
-  // submitting a second job for the same output. Read before the start, since a resumed job
-  // with nothing left but finalizing may already be over when we could ask.
+  // submitting a second job for the same output (same model and recipe; else the submission is
+  // refused, naming that job). Read before the start, since a resumed job with nothing left but
+  // finalizing may already be over when we could ask.
   std::string resumed_id;
   if (!temporary_state) {
     std::error_code ec;
@@ -461,6 +462,8 @@ int RunRun(const RunOptions& o_in) {
       const std::string job_state = record.value("state", "");
       if ((job_state == "JOB_STATE_QUEUED" || job_state == "JOB_STATE_RUNNING") &&
           record["spec"].value("out_dir", "") == spec->out_dir() &&
+          record["spec"].value("model_dir", "") == spec->model_dir() &&
+          record["spec"].value("recipe_yaml", "") == spec->recipe_yaml() &&
           record.value("id", "") > resumed_id) {
         resumed_id = record.value("id", "");
       }

@@ -748,8 +748,9 @@ TEST_F(CoordinatorIntegrationTest, MutualTlsWorkersPresentTheirCertificate) {
   EXPECT_FALSE(Running(pid));
 }
 
-// SIGTERM to `qcal run` (from `timeout`, a batch system's time limit) cancels its job like a
-// Ctrl-C: the private coordinator stops the workers instead of leaving them running.
+// SIGTERM to `qcal run --state` (from `timeout`, a batch system's requeue or time limit) stops the
+// private coordinator, which stops the workers instead of leaving them running, and leaves the
+// job resumable.
 TEST_F(CoordinatorIntegrationTest, QcalRunStopsItsWorkersOnSigterm) {
   // Calibration takes about a minute, so orphaned workers would outlive the 15 s allowed below.
   recipe_ = WriteRecipe("quip-longer.yaml", 16384);
@@ -784,8 +785,16 @@ TEST_F(CoordinatorIntegrationTest, QcalRunStopsItsWorkersOnSigterm) {
               std::chrono::duration<double>(Clock::now() - t0).count());
   auto text = ReadFile(log);
   ASSERT_TRUE(text.ok());
-  EXPECT_NE(text->find("cancelling"), std::string::npos) << *text;
-  EXPECT_NE(text->find("CANCELLED"), std::string::npos) << *text;
+  // With --state, SIGTERM (a batch system's requeue or preemption) leaves the job resumable
+  // rather than cancelling it (issue 14): qcal run on the same state continues it.
+  EXPECT_NE(text->find("SIGTERM: stopping the coordinator; job-000001 resumes when qcal run is "
+                       "started again with --state"),
+            std::string::npos)
+      << *text;
+  EXPECT_EQ(text->find("CANCELLED"), std::string::npos) << *text;
+  auto record = ReadFile(state + "/jobs/job-000001.json");
+  ASSERT_TRUE(record.ok());
+  EXPECT_NE(record->find("JOB_STATE_RUNNING"), std::string::npos) << *record;
 }
 
 // Issue 18: after `kill -9` of `qcal run`, its private coordinator (started with

@@ -46,9 +46,11 @@ grep -q 'num_sequences: 32' "$work/ft.yaml" || { echo "could not shorten the ft 
 "$q" quantize --recipe "$work/ft.yaml" --model "$work/model" --out "$work/ref" \
   --data-root "$shared" > "$work/ref.log" 2>&1 || { tail -5 "$work/ref.log"; exit 1; }
 
-run() {  # run OUT STATE LOG: qcal run in the background; sets run_pid
-  "$q" run "$work/ft.yaml" --model "$work/model" --out "$1" --state "$2" --data-root "$shared" \
-    --workers 2 --threads 1 --no-eval >> "$3" 2>&1 &
+run() {  # run OUT STATE LOG [ARGS...]: qcal run in the background; sets run_pid
+  local out=$1 state=$2 log=$3
+  shift 3
+  "$q" run "$work/ft.yaml" --model "$work/model" --out "$out" --state "$state" \
+    --data-root "$shared" --workers 2 --threads 1 --no-eval "$@" >> "$log" 2>&1 &
   run_pid=$!
 }
 phase_of() {  # the job record's phase in STATE
@@ -56,8 +58,8 @@ phase_of() {  # the job record's phase in STATE
 f=sorted(glob.glob(sys.argv[1]+"/jobs/job-*.json"))
 print(json.load(open(f[-1])).get("phase","") if f else "")' "$1" 2>/dev/null || true
 }
-journal() {  # "BLOCKS_DONE DUPLICATES" of OUT.job/journal.jsonl
-  /usr/bin/python3 - "$1.job/journal.jsonl" <<'PY'
+journal() {  # "BLOCKS_DONE DUPLICATES" of JOB/journal.jsonl (JOB: \$2, default OUT.job)
+  /usr/bin/python3 - "${2:-$1.job}/journal.jsonl" <<'PY'
 import collections, json, sys
 try:
     lines = open(sys.argv[1]).read().splitlines()
@@ -97,17 +99,18 @@ for c in "${cases[@]}"; do
   recovery="" redone="-" lost="-" same=no
   t0=$(now)
   if [ "$c" = disk-full ]; then
-    mkdir -p "$mnt" && mount -t tmpfs -o size=600k tmpfs "$mnt"
+    # Room for four of the five block shards (24 KiB each); the job directory elsewhere.
+    mkdir -p "$mnt" && mount -t tmpfs -o size=100k tmpfs "$mnt"
     out="$mnt/out"
-    run "$out" "$state" "$log"
+    run "$out" "$state" "$log" --job-dir "$work/$c.job"
     rc=0; wait "$run_pid" || rc=$?
     msg=$(grep -m1 -o 'No space left on device ([^)]*)' "$log" || true)
     if [ $rc -eq 0 ] || [ -z "$msg" ]; then
       echo "FAIL disk-full: expected a failure naming the free space (rc $rc):"; tail -20 "$log"; fail=1; continue
     fi
-    before=$(journal "$out" | cut -d' ' -f1)
+    before=$(journal "$out" "$work/$c.job" | cut -d' ' -f1)
     mount -o remount,size=64m "$mnt"
-    run "$out" "$state" "$log"
+    run "$out" "$state" "$log" --job-dir "$work/$c.job"
     rc=0; wait "$run_pid" || rc=$?
     recovery="failed: ${msg}; grown, same command: resumed"
   else
@@ -144,7 +147,8 @@ for c in "${cases[@]}"; do
     fi
   fi
   t1=$(now)
-  read -r n dups < <(journal "$out")
+  jd="$out.job"; [ "$c" = disk-full ] && jd="$work/$c.job"
+  read -r n dups < <(journal "$out" "$jd")
   redone=$dups
   lost=$(printf '%.1f' "$(echo "$t1 - $t0 - $base_s" | bc)")
   if [ $rc -eq 0 ] && identical "$out"; then same=yes; fi
