@@ -115,6 +115,9 @@ struct CommandResult {
 };
 StatusOr<CommandResult> RunCommand(const std::vector<std::string>& argv, double timeout_s = 30);
 
+// OK when `path` is executable; else FailedPrecondition naming it and how to get it.
+Status CheckWorkerBinary(const std::string& path);
+
 // `qcal-worker --coordinator ADDR --job ID --auth-token-file F [TLS flags] [--threads N]`.
 std::vector<std::string> WorkerCommand(const std::string& worker_binary, const LaunchSpec& spec);
 

@@ -134,11 +134,7 @@ class LocalMpiLauncher : public Launcher {
   explicit LocalMpiLauncher(LocalMpiLauncherOptions options) : options_(std::move(options)) {}
 
   StatusOr<std::unique_ptr<WorkerGroup>> Launch(const LaunchSpec& spec) override {
-    if (::access(options_.worker_binary.c_str(), X_OK) != 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "worker binary '", options_.worker_binary, "' is missing or not executable (",
-          std::strerror(errno), "); build the qcal-worker target or pass --worker-binary"));
-    }
+    QCAL_RETURN_IF_ERROR(CheckWorkerBinary(options_.worker_binary));
     const std::vector<std::string> args = LocalMpiCommand(options_, spec);
     std::vector<char*> argv;
     for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
@@ -254,6 +250,13 @@ std::vector<std::string> LocalMpiCommand(const LocalMpiLauncherOptions& o, const
   const std::vector<std::string> worker = WorkerCommand(o.worker_binary, s);
   args.insert(args.end(), worker.begin(), worker.end());
   return args;
+}
+
+Status CheckWorkerBinary(const std::string& path) {
+  if (::access(path.c_str(), X_OK) == 0) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "worker binary '", path, "' is missing or not executable (", std::strerror(errno),
+      "); build the qcal-worker target or pass --worker-binary"));
 }
 
 std::vector<std::string> WorkerCommand(const std::string& worker_binary, const LaunchSpec& s) {

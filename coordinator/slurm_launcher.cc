@@ -148,11 +148,7 @@ class SlurmLauncher : public Launcher {
   explicit SlurmLauncher(SlurmLauncherOptions options) : o_(std::move(options)) {}
 
   StatusOr<std::unique_ptr<WorkerGroup>> Launch(const LaunchSpec& spec) override {
-    if (::access(o_.worker_binary.c_str(), X_OK) != 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "worker binary '", o_.worker_binary, "' is missing or not executable (",
-          std::strerror(errno), "); build the qcal-worker target or pass --worker-binary"));
-    }
+    QCAL_RETURN_IF_ERROR(CheckWorkerBinary(o_.worker_binary));
     const std::string dir = spec.log_path.substr(0, spec.log_path.rfind('/'));
     const std::string script = dir + "/workers.sbatch";
     QCAL_RETURN_IF_ERROR(WriteFileAtomic(script, SlurmWorkerScript(o_, spec)));
