@@ -206,8 +206,13 @@ void BM_BlockLdlq(benchmark::State& state) {
   const VectorCodebook& cb = Codebook(state.range(2) != 0);
   state.SetLabel(cb.name());
   RunTimed(state, p, [&] {
-    auto r = qcal::kernels::BlockLdlq(p.w.data(), m, n, p.h.data(), cb,
-                                      qcal::kernels::VectorRoundingConfig{});
+    qcal::kernels::VectorRoundingConfig cfg;
+    cfg.refine_sweeps = static_cast<int>(state.range(3));
+    auto r = qcal::kernels::BlockLdlq(p.w.data(), m, n, p.h.data(), cb, cfg);
+    if (r.ok() && cfg.refine_sweeps > 0) {
+      state.counters["sweeps_run"] = r->refine.sweeps;
+      state.counters["loss_ratio"] = r->refine.loss_after / r->refine.loss_before;
+    }
     benchmark::DoNotOptimize(r.ok() ? r->w_hat.data() : nullptr);
     return r.ok();
   });
@@ -231,8 +236,14 @@ int main(int argc, char** argv) {
     setup(benchmark::RegisterBenchmark("BM_Ldlq", BM_Ldlq)->ArgNames({"m", "n"})->Args({m, n}));
     for (int64_t e8p : {0, 1}) {
       setup(benchmark::RegisterBenchmark("BM_BlockLdlq", BM_BlockLdlq)
-                ->ArgNames({"m", "n", "e8p"})
-                ->Args({m, n, e8p}));
+                ->ArgNames({"m", "n", "e8p", "sweeps"})
+                ->Args({m, n, e8p, 0}));
+    }
+    // The refinement sweeps' cost: BlockLDLQ-E8P followed by 1 and by 10 sweeps.
+    for (int64_t sweeps : {1, 10}) {
+      setup(benchmark::RegisterBenchmark("BM_BlockLdlq", BM_BlockLdlq)
+                ->ArgNames({"m", "n", "e8p", "sweeps"})
+                ->Args({m, n, 1, sweeps}));
     }
   }
   benchmark::Initialize(&argc, argv);

@@ -73,6 +73,15 @@ Status ReadDamp(const RecipeSection& top, double* damp) {
   return top.RequireRange("damp", *damp > 0 && *damp <= 1, "in (0, 1]", FormatDouble(*damp));
 }
 
+Status ReadRefineSweeps(const RecipeSection& top, int* sweeps) {
+  int64_t value = *sweeps;
+  QCAL_RETURN_IF_ERROR(top.ReadInt("refine_sweeps", &value));
+  QCAL_RETURN_IF_ERROR(top.RequireRange("refine_sweeps", value >= 0 && value <= 100, "in 0..100",
+                                        std::to_string(value)));
+  *sweeps = static_cast<int>(value);
+  return Status();
+}
+
 Status ReadRotationSections(const RecipeSection& top, RotationSpec* rot,
                             ActivationQuantSpec* a, KvCacheSpec* k) {
   // --- rotation ---

@@ -43,6 +43,9 @@ Status RefuseIncoherence(const RecipeSection& top, const std::string& method);
 
 // Hessian damping δ of H + δ·mean(diag H)·I, key `damp` in (0, 1].
 Status ReadDamp(const RecipeSection& top, double* damp);
+// Refinement sweeps after LDLQ / GPTQ / BlockLDLQ (kernels::RefineRounding), key
+// `refine_sweeps`, 0..100 (0: none).
+Status ReadRefineSweeps(const RecipeSection& top, int* sweeps);
 
 // QuaRot rotations. R1: randomized Hadamard of the hidden size fused into the embeddings, every
 // block's input and output weights and the head (RMSNorm scales fused first); R2: per-head

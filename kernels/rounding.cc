@@ -357,6 +357,12 @@ StatusOr<ScalarRoundingResult> Gptq(const double* w, int64_t m, int64_t n, const
     }
   }
   FinishScalarResult(codes, &res);
+  if (config.refine_sweeps > 0) {
+    QCAL_RETURN_IF_ERROR(Annotate(RefineRounding(w, h, config.refine_sweeps, config.damp,
+                                                 config.lazy_block, 0, qc, &res)
+                                      .status(),
+                                  what));
+  }
   return res;
 }
 
@@ -420,6 +426,12 @@ StatusOr<ScalarRoundingResult> Ldlq(const double* w, int64_t m, int64_t n, const
     }
   }
   FinishScalarResult(codes, &res);
+  if (config.refine_sweeps > 0) {
+    QCAL_RETURN_IF_ERROR(Annotate(RefineRounding(w, h, config.refine_sweeps, config.damp,
+                                                 config.lazy_block, 0, qc, &res)
+                                      .status(),
+                                  what));
+  }
   return res;
 }
 
@@ -556,7 +568,16 @@ StatusOr<VectorRoundingResult> BlockLdlq(const double* w, int64_t m, int64_t n, 
   QCAL_ASSIGN_OR_RETURN(Prepared prep, Prepare(w, m, n, h, config.damp, false, what));
   StatusOr<BlockLdl> ldl = BlockLdlDecompose(std::move(prep.h), n, cb.dim(), LdlForm::kLtDL);
   if (!ldl.ok()) return Annotate(ldl.status(), what);
-  return BlockLdlqSweep(prep.w.data(), m, n, *ldl, cb, scale, config);
+  VectorRoundingResult res = BlockLdlqSweep(prep.w.data(), m, n, *ldl, cb, scale, config);
+  if (config.refine_sweeps > 0) {
+    ldl = BlockLdl();  // the factor is no longer needed
+    QCAL_RETURN_IF_ERROR(Annotate(RefineRounding(prep.w.data(), h, config.refine_sweeps,
+                                                 config.damp, config.lazy_block,
+                                                 config.num_threads, cb, &res)
+                                      .status(),
+                                  what));
+  }
+  return res;
 }
 
 StatusOr<VectorRoundingResult> BlockLdlqConsumingHessian(const double* w, int64_t m, int64_t n,
@@ -572,6 +593,9 @@ StatusOr<VectorRoundingResult> BlockLdlqConsumingHessian(const double* w, int64_
   QCAL_ASSIGN_OR_RETURN(const double scale, ResolveScale(w, m * n, cb, config.scale, what));
   // Prepare() without act order, in place: dead inputs (zero diagonal) get diagonal 1 and zero
   // weight columns; then damping. Only a weight copy is made, and only when a column is dead.
+  // The sweeps need the undamped H after the factorization has consumed it.
+  std::vector<double> h_undamped;
+  if (config.refine_sweeps > 0) h_undamped = h;
   std::vector<double> w_dead;
   const double* W = w;
   for (int64_t j = 0; j < n; ++j) {
@@ -585,7 +609,16 @@ StatusOr<VectorRoundingResult> BlockLdlqConsumingHessian(const double* w, int64_
   if (!added.ok()) return Annotate(added.status(), what);
   StatusOr<BlockLdl> ldl = BlockLdlDecompose(std::move(h), n, cb.dim(), LdlForm::kLtDL);
   if (!ldl.ok()) return Annotate(ldl.status(), what);
-  return BlockLdlqSweep(W, m, n, *ldl, cb, scale, config);
+  VectorRoundingResult res = BlockLdlqSweep(W, m, n, *ldl, cb, scale, config);
+  if (config.refine_sweeps > 0) {
+    ldl = BlockLdl();
+    QCAL_RETURN_IF_ERROR(Annotate(RefineRounding(W, h_undamped.data(), config.refine_sweeps,
+                                                 config.damp, config.lazy_block,
+                                                 config.num_threads, cb, &res)
+                                      .status(),
+                                  what));
+  }
+  return res;
 }
 
 StatusOr<VectorRoundingResult> NearestVectorRounding(const double* w, int64_t m, int64_t n,

@@ -62,6 +62,16 @@ struct ScalarRoundingConfig {
   double damp = 0.01;        // δ of H + δ·mean(diag H)·I.
   bool act_order = false;    // GPTQ's act-order (desc_act).
   int64_t lazy_block = 128;  // Columns per lazy batch update (GPTQ's blocksize); >= 1.
+  // Refinement sweeps after the pass (RefineRounding below; 0: none).
+  int refine_sweeps = 0;
+};
+
+// What the refinement sweeps did (RefineRounding).
+struct RefineStats {
+  int sweeps = 0;          // sweeps run: it stops early after one that changes nothing
+  int64_t changed = 0;     // g-blocks re-rounded (kept), over all sweeps
+  double loss_before = 0;  // tr((Ŵ − W) H (Ŵ − W)ᵀ) with the H the sweeps used, before / after
+  double loss_after = 0;
 };
 
 struct ScalarRoundingResult {
@@ -78,6 +88,7 @@ struct ScalarRoundingResult {
   std::vector<int32_t> zeros;
   std::vector<int32_t> g_idx;  // [cols].
   std::vector<int64_t> perm;   // [cols]: perm[k] = the original column rounded k-th.
+  RefineStats refine;          // zero without refinement sweeps
 
   ScalarQuantParams<double> params(int64_t row, int64_t col) const {
     const int64_t k = (param_rows == 1 ? 0 : row) * param_cols + g_idx[col];
@@ -118,6 +129,9 @@ struct VectorRoundingConfig {
   // so a deterministic codebook gives bit-identical results for any thread count; a stochastic
   // codebook that draws from one shared generator is only reproducible with 1.
   int num_threads = 0;
+  // Refinement sweeps after BlockLDLQ (RefineRounding below; 0: none). BlockLdlqConsumingHessian
+  // then keeps a copy of the undamped H (one more n×n).
+  int refine_sweeps = 0;
 };
 
 struct VectorRoundingResult {
@@ -128,6 +142,7 @@ struct VectorRoundingResult {
   double scale = 0.0;           // The scale used.
   std::vector<double> w_hat;    // [rows, cols]; every g-block of a row is scale · codebook point.
   std::vector<uint32_t> codes;  // [rows, cols / dim, code_words] row-major.
+  RefineStats refine;           // zero without refinement sweeps
 };
 
 // BlockLDLQ (QuIP# §4.1): g = codebook.dim() must divide cols. g-block LDL H = Lᵀ D L
@@ -152,5 +167,32 @@ StatusOr<VectorRoundingResult> BlockLdlqConsumingHessian(const double* w, int64_
 StatusOr<VectorRoundingResult> NearestVectorRounding(const double* w, int64_t rows, int64_t cols,
                                                      const VectorCodebook& codebook,
                                                      const VectorRoundingConfig& config);
+
+// Refinement sweeps (the QuIP# reference's quip_tune_iters; not in the paper). After a rounding
+// pass every g-column block is revisited in turn, front to back, lazy blocks of columns at a
+// time: with C = (Ŵ − W)H for the current Ŵ, block k of row r is re-rounded to the codebook
+// (grid) point nearest the target t = Ŵ_rk − C_rk (H_kk + λI)⁻¹, the minimiser of the row's loss
+// over that block with the other blocks fixed (λ = max(damp, 1e-6)·mean(diag H) only keeps the
+// inverse defined). The new point is kept only if it lowers the row's loss, by
+// Δ = 2 d·C_rk + d H_kk dᵀ < −1e-12·(the row's loss) with d the change, so the proxy loss never
+// increases (the reference keeps every re-rounding); C is then updated (rank-g within the lazy
+// block, one dgemm per lazy block for the rest). Up to `sweeps` passes, stopping after a pass
+// that keeps nothing. Cost per pass about one m×n×n GEMM plus m·n/g codebook searches, memory
+// C [m, n]. Rows are independent: threads take row chunks, each row computed by the same
+// arithmetic whatever the thread count, so the result is bit-identical across thread counts.
+//
+// For scalar grids g = 1 and the nearest grid point to t is the exact minimiser over the grid
+// of the row's loss in that column, so every kept move is coordinate descent; for lattices the
+// Euclidean nearest point is a heuristic, which the Δ test makes safe.
+//
+// The two forms below refine a Gptq / Ldlq / RoundToNearest result (original column order,
+// its grid parameters fixed; w, h: the caller's, undamped) and a BlockLdlq result (w: the
+// matrix it rounded, at the result's scale; h: undamped).
+StatusOr<RefineStats> RefineRounding(const double* w, const double* h, int sweeps, double damp,
+                                     int64_t lazy_block, int num_threads,
+                                     const ScalarQuantConfig& quant, ScalarRoundingResult* res);
+StatusOr<RefineStats> RefineRounding(const double* w, const double* h, int sweeps, double damp,
+                                     int64_t lazy_block, int num_threads,
+                                     const VectorCodebook& codebook, VectorRoundingResult* res);
 
 }  // namespace qcal::kernels

@@ -15,6 +15,7 @@ StatusOr<std::unique_ptr<Method>> Make(const Recipe& recipe, const LlamaConfig& 
   options.grid = c->scalar;
   options.gptq = true;
   options.damp = c->damp;
+  options.refine_sweeps = c->refine_sweeps;
   return std::unique_ptr<Method>(std::make_unique<ScalarGridMethod>(recipe, config, options));
 }
 

@@ -7,7 +7,7 @@ class GptqSpec final : public MethodSpec {
  public:
   const char* name() const override { return "gptq"; }
   std::vector<std::string> keys() const override {
-    return {"bits", "incoherence", "damp", "scalar"};
+    return {"bits", "incoherence", "damp", "scalar", "refine_sweeps"};
   }
   StatusOr<std::shared_ptr<const MethodConfig>> Parse(const RecipeSection& top,
                                                       const Recipe&) const override {
@@ -15,6 +15,7 @@ class GptqSpec final : public MethodSpec {
     QCAL_RETURN_IF_ERROR(ReadScalarBits(top, "gptq", &c->bits));
     QCAL_RETURN_IF_ERROR(RefuseIncoherence(top, "gptq"));
     QCAL_RETURN_IF_ERROR(ReadDamp(top, &c->damp));
+    QCAL_RETURN_IF_ERROR(ReadRefineSweeps(top, &c->refine_sweeps));
     c->scalar.scale_dtype = "f16";  // exact in the GPTQ format engines load
     QCAL_RETURN_IF_ERROR(ReadScalarGrid(top, "", &c->scalar));
     return std::shared_ptr<const MethodConfig>(std::move(c));
@@ -34,6 +35,7 @@ void GptqConfig::AddToJson(nlohmann::json* j) const {
   (*j)["bits"] = bits;
   (*j)["incoherence"] = false;
   (*j)["damp"] = damp;
+  (*j)["refine_sweeps"] = refine_sweeps;
   (*j)["scalar"] = ScalarGridJson(scalar);
 }
 

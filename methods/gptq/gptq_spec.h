@@ -6,6 +6,7 @@
 //   scalar: {group_size: -1, symmetric: true, act_order: false, clip_search: false,
 //            per_tensor: false}
 //   damp: 0.01             # H + damp·mean(diag H)·I
+//   refine_sweeps: 0       # refinement sweeps after GPTQ (kernels::RefineRounding)
 //
 // GPTQ (Frantar et al.) on the float model's Hessians, optionally in activation order.
 #pragma once
@@ -19,6 +20,8 @@ struct GptqConfig final : MethodConfig {
   int bits = 2;
   ScalarGridSpec scalar;
   double damp = 0.01;
+  int refine_sweeps = kDefaultRefineSweeps;
+  static constexpr int kDefaultRefineSweeps = 0;
 
   const char* method() const override { return "gptq"; }
   MethodNeeds needs() const override;

@@ -118,6 +118,7 @@ StatusOr<quant::BlockTaskResult> RoundRotatedBlock(const QuarotConfig& q, int64_
   options.grid = q.scalar;
   options.gptq = q.gptq();
   options.damp = q.damp;
+  options.refine_sweeps = q.refine_sweeps;
   options.pack_int4 = true;  // QuaRot checkpoints store <= 4-bit codes two per byte
   quant::BlockTaskResult result;
   result.layer = layer;

@@ -9,8 +9,8 @@ class QuarotSpec final : public MethodSpec {
  public:
   const char* name() const override { return "quarot"; }
   std::vector<std::string> keys() const override {
-    return {"weights", "bits", "incoherence", "damp", "scalar", "rotation", "activations",
-            "kv_cache"};
+    return {"weights", "bits", "incoherence", "damp", "refine_sweeps", "scalar", "rotation",
+            "activations", "kv_cache"};
   }
   StatusOr<std::shared_ptr<const MethodConfig>> Parse(const RecipeSection& top,
                                                       const Recipe&) const override {
@@ -39,6 +39,11 @@ class QuarotSpec final : public MethodSpec {
                                                "', which uses no Hessian"));
     }
     QCAL_RETURN_IF_ERROR(ReadDamp(top, &c->damp));
+    if (!c->gptq() && top.Has("refine_sweeps")) {
+      return top.KeyError("refine_sweeps", absl::StrCat("does not apply with 'weights: ",
+                                                        c->weights, "', which uses no Hessian"));
+    }
+    QCAL_RETURN_IF_ERROR(ReadRefineSweeps(top, &c->refine_sweeps));
     if (!c->quantizes_weights() && top.Has("scalar")) {
       return top.KeyError("scalar", "does not apply with 'weights: none' (float weights)");
     }
@@ -67,7 +72,10 @@ void QuarotConfig::AddToJson(nlohmann::json* j) const {
     (*j)["bits"] = bits;
     (*j)["scalar"] = ScalarGridJson(scalar);
   }
-  if (gptq()) (*j)["damp"] = damp;
+  if (gptq()) {
+    (*j)["damp"] = damp;
+    (*j)["refine_sweeps"] = refine_sweeps;
+  }
   (*j)["rotation"] = RotationJson(rotation);
   (*j)["activations"] = ActivationsJson(activations);
   (*j)["kv_cache"] = KvCacheJson(kv_cache);

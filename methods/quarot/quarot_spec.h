@@ -7,6 +7,7 @@
 //   weights: gptq           # rtn | gptq | none (float weights)
 //   bits: 4                 # weight bits 2..8 (not with weights: none)
 //   damp: 0.01              # weights: gptq only
+//   refine_sweeps: 0        # weights: gptq only (kernels::RefineRounding)
 //   scalar: {group_size: -1, symmetric: true, act_order: false, clip_search: true}
 //   rotation: {enabled: true, r1: true, r2: true, r3: true, r4: true, seed: 0}
 //   activations: {bits: 4, clip: 0.9, granularity: per_token, static: false}
@@ -30,6 +31,7 @@ struct QuarotConfig final : MethodConfig {
   std::string weights = "gptq";  // rtn | gptq | none
   int bits = 2;                  // 16 with weights: none
   double damp = 0.01;
+  int refine_sweeps = 0;  // gptq weights only: kernels::RefineRounding after GPTQ
   ScalarGridSpec scalar;
   RotationSpec rotation;
   ActivationQuantSpec activations;

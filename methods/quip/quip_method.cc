@@ -29,6 +29,8 @@ class QuipMethod final : public PerLinearMethod {
           options.seed_v = TransformSeed(recipe().seed, layer, kind, false);
           options.damp = q_.damp;
           options.per_row_scale = q_.scale_mode == "row";
+          options.choose_scale = q_.scale_mode == "auto";
+          options.refine_sweeps = q_.refine_sweeps;
           QCAL_ASSIGN_OR_RETURN(QuipRounding rounded, RoundQuipLinear(w, out, in, h, options));
           quant::QuantizedLinear result;
           result.metrics.proxy_loss = rounded.proxy_loss;

@@ -42,6 +42,17 @@ StatusOr<QuipRounding> RoundQuipLinear(const double* w, int64_t out, int64_t in,
   }
   QCAL_RETURN_IF_ERROR(CheckFinite(w, out * in, "weight"));
   QCAL_RETURN_IF_ERROR(CheckFinite(h, in * in, "Hessian"));
+  if (options.choose_scale) {
+    // Per-row and per-matrix scales each win on some layers (near-rank-1 q/k favour rows):
+    // round with both and keep the lower proxy loss (ties: per row).
+    QuipRoundingOptions o = options;
+    o.choose_scale = false;
+    o.per_row_scale = true;
+    QCAL_ASSIGN_OR_RETURN(QuipRounding row, RoundQuipLinear(w, out, in, h, o));
+    o.per_row_scale = false;
+    QCAL_ASSIGN_OR_RETURN(QuipRounding matrix, RoundQuipLinear(w, out, in, h, o));
+    return matrix.proxy_loss < row.proxy_loss ? std::move(matrix) : std::move(row);
+  }
   QCAL_ASSIGN_OR_RETURN(auto codebook, kernels::MakeCodebook(options.codebook));
   const int64_t g = codebook->dim();
   const int64_t in_pad = options.incoherence ? QuipTransformSize(in, g) : RoundUp(in, g);
@@ -80,6 +91,7 @@ StatusOr<QuipRounding> RoundQuipLinear(const double* w, int64_t out, int64_t in,
   kernels::VectorRoundingConfig vc;
   vc.damp = options.damp;
   vc.num_threads = options.num_threads;
+  vc.refine_sweeps = options.refine_sweeps;
   if (options.per_row_scale) {
     // One scale per row of the rotated W: s_r = RMS(row r)/ρ (ρ = the codebook's default scale),
     // rounded to float since the layer stores F32. LDLQ's feedback W·U acts within each row, so
@@ -110,6 +122,7 @@ StatusOr<QuipRounding> RoundQuipLinear(const double* w, int64_t out, int64_t in,
                         kernels::BlockLdlqConsumingHessian(wp.data(), out_pad, in_pad,
                                                            std::move(hp), *codebook, vc));
   wp = std::vector<double>();
+  result.refine = rounded.refine;
   data.codes = std::move(rounded.codes);
   std::vector<double>& w_hat = rounded.w_hat;
   if (options.per_row_scale) {

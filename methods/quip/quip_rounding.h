@@ -14,6 +14,7 @@
 #include <string>
 
 #include "common/status.h"
+#include "kernels/rounding.h"
 #include "methods/quip/quip_linear_data.h"
 
 namespace qcal::methods::quip {
@@ -25,7 +26,9 @@ struct QuipRoundingOptions {
   uint64_t seed_v = 0;           // input side V (in_pad)
   double damp = 0.01;            // BlockLDLQ damping (fraction of the mean diagonal)
   bool per_row_scale = true;     // true: one scale per row of the rotated W; false: one per matrix
+  bool choose_scale = false;     // round with both and keep the lower proxy loss (per_row ignored)
   int num_threads = 0;           // codebook search threads (0: all cores)
+  int refine_sweeps = 0;         // refinement sweeps after BlockLDLQ (kernels::RefineRounding)
 };
 
 struct QuipRounding {
@@ -33,6 +36,7 @@ struct QuipRounding {
   double proxy_loss = 0;  // tr((Ŵ − W) H (Ŵ − W)ᵀ), original space, [out, in]
   double relative = 0;    // proxy_loss / tr(W H Wᵀ) (NaN when tr(W H Wᵀ) = 0)
   double code_bits = 0;   // code bits per original weight (padding included)
+  kernels::RefineStats refine;  // what the sweeps did (in the rotated, scaled space)
 };
 
 // w: [out, in] row-major; h: [in, in] row-major (both fp64, finite). in_pad is the smallest

@@ -29,7 +29,7 @@ class QuipSpec final : public MethodSpec {
  public:
   const char* name() const override { return "quip"; }
   std::vector<std::string> keys() const override {
-    return {"bits", "codebook", "incoherence", "scale", "damp"};
+    return {"bits", "codebook", "incoherence", "scale", "damp", "refine_sweeps"};
   }
   StatusOr<std::shared_ptr<const MethodConfig>> Parse(const RecipeSection& top,
                                                       const Recipe&) const override {
@@ -68,8 +68,9 @@ class QuipSpec final : public MethodSpec {
       c->codebook = DefaultCodebookForBits(c->bits);
     }
     QCAL_RETURN_IF_ERROR(top.ReadBool("incoherence", &c->incoherence));
-    QCAL_RETURN_IF_ERROR(top.ReadChoice("scale", {"row", "matrix"}, &c->scale_mode));
+    QCAL_RETURN_IF_ERROR(top.ReadChoice("scale", {"row", "matrix", "auto"}, &c->scale_mode));
     QCAL_RETURN_IF_ERROR(ReadDamp(top, &c->damp));
+    QCAL_RETURN_IF_ERROR(ReadRefineSweeps(top, &c->refine_sweeps));
     return std::shared_ptr<const MethodConfig>(std::move(c));
   }
 };
@@ -89,13 +90,14 @@ void QuipConfig::AddToJson(nlohmann::json* j) const {
   (*j)["incoherence"] = incoherence;
   (*j)["scale"] = scale_mode;
   (*j)["damp"] = damp;
+  (*j)["refine_sweeps"] = refine_sweeps;
 }
 
 void QuipConfig::AddToQuantizationConfig(nlohmann::json* q) const {
   (*q)["format"] = "quip";
   (*q)["codebook"] = codebook;
   (*q)["incoherence"] = incoherence;
-  (*q)["scale"] = scale_mode;  // "row" | "matrix" (P.scale [out_pad] or [])
+  (*q)["scale"] = scale_mode;  // "row" | "matrix" | "auto" (each P.scale [out_pad] or [])
 }
 
 const MethodSpec& Spec() {

@@ -6,7 +6,9 @@
 //   codebook: e8p      # e8p | rvq3_e8p_e8 | rvq4_e8p_e8p | halfint2 | halfint3 | halfint4
 //   incoherence: true  # randomized Hadamard (RFFT fallback) on W and H
 //   scale: row         # row: one scale per row of the rotated W (RMS(row)/ρ) | matrix: RMS(W)/ρ
+//                      # | auto: both, keep the lower proxy loss per linear
 //   damp: 0.01         # H + damp·mean(diag H)·I
+//   refine_sweeps: 1   # refinement sweeps after BlockLDLQ (kernels::RefineRounding); 0: none
 #pragma once
 
 #include <string>
@@ -21,6 +23,8 @@ struct QuipConfig final : MethodConfig {
   bool incoherence = true;
   std::string scale_mode = "row";
   double damp = 0.01;
+  int refine_sweeps = kDefaultRefineSweeps;
+  static constexpr int kDefaultRefineSweeps = 1;
 
   const char* method() const override { return "quip"; }
   MethodNeeds needs() const override;

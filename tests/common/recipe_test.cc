@@ -349,15 +349,35 @@ TEST(RecipeDefaults, JsonIsCompleteForQuip) {
 }
 
 TEST(RecipeDefaults, QuipScaleModes) {
-  for (const char* mode : {"row", "matrix"}) {
+  for (const char* mode : {"row", "matrix", "auto"}) {
     const Recipe r = MustParse(std::string("method: quip\nscale: ") + mode + "\n");
     EXPECT_EQ(ScaleMode(r), mode);
     EXPECT_EQ(r.ToJson()["scale"], mode);
     ExpectRoundTrip(r, mode);
   }
   ExpectError("method: quip\nscale: rows\n",
-              {"key 'scale' (line 2) must be row or matrix, got 'rows'", "did you mean 'row'?"});
+              {"key 'scale' (line 2) must be row or matrix or auto, got 'rows'",
+               "did you mean 'row'?"});
   ExpectError("method: gptq\nscale: row\n", {"key 'scale' (line 2) applies only to method quip"});
+}
+
+TEST(RecipeDefaults, RefineSweeps) {
+  auto sweeps = [](const Recipe& r) { return r.ToJson()["refine_sweeps"].get<int>(); };
+  EXPECT_EQ(sweeps(MustParse("method: quip\n")), methods::quip::QuipConfig::kDefaultRefineSweeps);
+  EXPECT_EQ(sweeps(MustParse("method: gptq\n")), methods::gptq::GptqConfig::kDefaultRefineSweeps);
+  for (const char* yaml : {"method: quip\nrefine_sweeps: 3\n", "method: gptq\nrefine_sweeps: 3\n",
+                           "method: quarot\nweights: gptq\nrefine_sweeps: 3\n"}) {
+    const Recipe r = MustParse(yaml);
+    EXPECT_EQ(sweeps(r), 3) << yaml;
+    ExpectRoundTrip(r, yaml);
+  }
+  EXPECT_FALSE(MustParse("method: quarot\nweights: rtn\n").ToJson().contains("refine_sweeps"));
+  ExpectError("method: quip\nrefine_sweeps: 101\n",
+              {"key 'refine_sweeps' (line 2) must be in 0..100, got 101"});
+  ExpectError("method: gptq\nrefine_sweeps: -1\n", {"key 'refine_sweeps' (line 2)"});
+  ExpectError("method: rtn\nrefine_sweeps: 2\n", {"key 'refine_sweeps' (line 2)"});
+  ExpectError("method: quarot\nweights: rtn\nrefine_sweeps: 2\n",
+              {"key 'refine_sweeps' (line 3) does not apply with 'weights: rtn'"});
 }
 
 TEST(RecipeDefaults, TheRegistryListsEveryMethod) {

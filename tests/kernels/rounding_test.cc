@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -780,6 +781,142 @@ TEST(RoundingTest, Errors) {
   vcfg = VectorRoundingConfig{};
   vcfg.scale = -1.0;
   EXPECT_EQ(BlockLdlq(w.data(), m, n, eye.data(), cb8, vcfg).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Refinement sweeps (RefineRounding).
+// ---------------------------------------------------------------------------------------------
+
+// A random PSD Hessian: the synthetic spectrum, or (rank_deficient) a Gram matrix of fewer
+// samples than inputs plus a dead input, as real calibration Hessians can be.
+std::vector<double> SweepHessian(int64_t n, Gaussian& g, int kind) {
+  if (kind == 0) return MakeHessian(n, g, 6.0, false).h;
+  if (kind == 1) return MakeHessian(n, g, 1.0, true).h;
+  const int64_t samples = n / 2;
+  const std::vector<double> x = RandomMatrix(samples, n, g);
+  std::vector<double> h(n * n);
+  cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, n, samples, 1.0 / samples, x.data(), n,
+              x.data(), n, 0.0, h.data(), n);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < i; ++j) h[j * n + i] = h[i * n + j];
+  }
+  for (int64_t j = 0; j < n; ++j) h[3 * n + j] = h[j * n + 3] = 0.0;  // a dead input
+  return h;
+}
+
+TEST(RoundingTest, RefineSweepsNeverIncreaseTheProxyLoss) {
+  const uint64_t seed = testing::TestSeed();
+  Gaussian g(seed);
+  auto e8p = MakeCodebook("e8p");
+  auto rvq3 = MakeCodebook("rvq3_e8p_e8");
+  ASSERT_TRUE(e8p.ok() && rvq3.ok());
+  const HalfIntGridCodebook half(8, 4);
+  double gain_vector = 0, gain_scalar = 0;
+  int trials = 0;
+  for (int trial = 0; trial < 6; ++trial) {
+    const int64_t m = 40 + 13 * trial, n = 64;
+    const std::vector<double> h = SweepHessian(n, g, trial % 3);
+    const std::vector<double> w = RandomMatrix(m, n, g);
+    // Vector codebooks, at the default scale and at a deliberately poor one.
+    for (const VectorCodebook* cb : {static_cast<const VectorCodebook*>(e8p->get()), static_cast<const VectorCodebook*>(rvq3->get()),
+                                     static_cast<const VectorCodebook*>(&half)}) {
+      for (double scale : {0.0, 0.5}) {
+        VectorRoundingConfig cfg;
+        cfg.scale = scale;
+        cfg.lazy_block = 16;
+        auto base = BlockLdlq(w.data(), m, n, h.data(), *cb, cfg);
+        ASSERT_TRUE(base.ok()) << base.status();
+        double prev = ProxyLoss(w.data(), base->w_hat.data(), h.data(), m, n);
+        const double loss0 = prev;
+        for (int sweeps : {1, 2, 5}) {
+          cfg.refine_sweeps = sweeps;
+          auto r = BlockLdlq(w.data(), m, n, h.data(), *cb, cfg);
+          ASSERT_TRUE(r.ok()) << r.status();
+          const double loss = ProxyLoss(w.data(), r->w_hat.data(), h.data(), m, n);
+          EXPECT_LE(loss, prev * (1 + 1e-12)) << cb->name() << " trial " << trial << " sweeps "
+                                              << sweeps << " scale " << scale;
+          EXPECT_NEAR(r->refine.loss_before, loss0, 1e-9 * loss0);
+          EXPECT_NEAR(r->refine.loss_after, loss, 1e-9 * loss0);
+          EXPECT_LE(r->refine.sweeps, sweeps);
+          // The codes still reproduce Ŵ.
+          std::vector<float> pts(n);
+          for (int64_t row = 0; row < m; ++row) {
+            cb->Decode(&r->codes[row * (n / cb->dim()) * cb->code_words()], n / cb->dim(),
+                       pts.data());
+            for (int64_t j = 0; j < n; ++j) {
+              ASSERT_EQ(r->w_hat[row * n + j], r->scale * static_cast<double>(pts[j]));
+            }
+          }
+          prev = loss;
+        }
+        gain_vector += 1 - prev / loss0;
+        ++trials;
+      }
+    }
+    // Scalar grids: GPTQ and LDLQ, per channel and grouped, with and without act order.
+    for (bool act_order : {false, true}) {
+      for (QuantGranularity gran : {QuantGranularity::kPerChannel, QuantGranularity::kPerGroup}) {
+        ScalarRoundingConfig cfg = ScalarCfg(2 + trial % 3, trial % 2 == 0, gran, 16);
+        cfg.act_order = act_order;
+        for (auto fn : {&Gptq, &Ldlq}) {
+          auto base = fn(w.data(), m, n, h.data(), cfg);
+          ASSERT_TRUE(base.ok()) << base.status();
+          cfg.refine_sweeps = 4;
+          auto r = fn(w.data(), m, n, h.data(), cfg);
+          cfg.refine_sweeps = 0;
+          ASSERT_TRUE(r.ok()) << r.status();
+          const double loss0 = ProxyLoss(w.data(), base->w_hat.data(), h.data(), m, n);
+          const double loss = ProxyLoss(w.data(), r->w_hat.data(), h.data(), m, n);
+          EXPECT_LE(loss, loss0 * (1 + 1e-12)) << "scalar trial " << trial;
+          EXPECT_EQ(r->scales, base->scales);
+          for (int64_t row = 0; row < m; ++row) {
+            for (int64_t j = 0; j < n; ++j) {
+              ASSERT_EQ(r->w_hat[row * n + j],
+                        ScalarDequantizeCode(r->codes[row * n + j], r->params(row, j)));
+            }
+          }
+          gain_scalar += 1 - loss / loss0;
+        }
+      }
+    }
+  }
+  // The sweeps do something: the mean reduction is positive for both kinds of codebook.
+  std::printf("mean proxy-loss reduction: vector %.4f, scalar %.4f\n", gain_vector / trials,
+              gain_scalar / 48);
+  EXPECT_GT(gain_vector / trials, 0.01);
+  EXPECT_GT(gain_scalar / 48, 0.001);
+}
+
+TEST(RoundingTest, RefineSweepsAreIndependentOfThreadCountAndHessianOwnership) {
+  const uint64_t seed = testing::TestSeed();
+  Gaussian g(seed);
+  const int64_t m = 700, n = 48;
+  const std::vector<double> h = SweepHessian(n, g, 2);
+  const std::vector<double> w = RandomMatrix(m, n, g);
+  auto e8p = MakeCodebook("e8p");
+  ASSERT_TRUE(e8p.ok());
+  VectorRoundingConfig one, many;
+  one.num_threads = 1;
+  many.num_threads = 3;
+  one.refine_sweeps = many.refine_sweeps = 3;
+  one.lazy_block = many.lazy_block = 16;
+  auto a = BlockLdlq(w.data(), m, n, h.data(), **e8p, one);
+  auto b = BlockLdlq(w.data(), m, n, h.data(), **e8p, many);
+  auto c = BlockLdlqConsumingHessian(w.data(), m, n, h, **e8p, many);
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+  EXPECT_GT(a->refine.changed, 0);
+  EXPECT_EQ(a->codes, b->codes);
+  EXPECT_EQ(a->w_hat, b->w_hat);
+  EXPECT_EQ(a->codes, c->codes);
+  EXPECT_EQ(a->w_hat, c->w_hat);
+  EXPECT_EQ(a->refine.changed, c->refine.changed);
+  // Errors.
+  VectorRoundingResult res = *a;
+  EXPECT_EQ(RefineRounding(w.data(), h.data(), -1, 0.01, 16, 1, **e8p, &res).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  res.codes.pop_back();
+  EXPECT_EQ(RefineRounding(w.data(), h.data(), 1, 0.01, 16, 1, **e8p, &res).status().code(),
             absl::StatusCode::kInvalidArgument);
 }
 

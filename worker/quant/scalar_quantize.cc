@@ -34,6 +34,7 @@ StatusOr<QuantizedLinear> QuantizeScalarLinear(const ScalarQuantizeOptions& o, c
     sc.quant = ScalarConfig(o);
     sc.damp = o.damp;
     sc.act_order = o.grid.act_order;
+    sc.refine_sweeps = o.refine_sweeps;
     QCAL_ASSIGN_OR_RETURN(rounded, kernels::Gptq(w, out, in, h, sc));
   } else {
     QCAL_ASSIGN_OR_RETURN(rounded, kernels::RoundToNearest(w, out, in, ScalarConfig(o)));
