@@ -139,7 +139,7 @@ TEST_F(RealHessianTest, LdlqBeatsRtnAndBlockLdlqBeatsNearestE8p) {
   }
 }
 
-// QuIP#'s rounding as the method runs it (padding, RHT, per-row or per-matrix scale) and GPTQ
+// QuIP#'s rounding as the method runs it (padding, RHT or none, per-row or per-matrix scale) and GPTQ
 // per channel, without and with 10 refinement sweeps (QCAL_REFINE_SWEEPS): every linear's relative proxy loss is
 // lower with the sweeps (the mean reduction per codebook printed).
 TEST_F(RealHessianTest, RefineSweepsLowerEveryLinearsProxyLoss) {
@@ -151,9 +151,11 @@ TEST_F(RealHessianTest, RefineSweepsLowerEveryLinearsProxyLoss) {
     const char* codebook;  // null: GPTQ at `bits`
     int bits;
     bool per_row;
+    bool incoherence = true;
   };
   const Case cases[] = {{"quip e8p row", "e8p", 2, true},
                         {"quip e8p matrix", "e8p", 2, false},
+                        {"quip e8p no RHT", "e8p", 2, true, false},
                         {"quip rvq3 row", "rvq3_e8p_e8", 3, true},
                         {"quip rvq4 row", "rvq4_e8p_e8p", 4, true},
                         {"gptq 2-bit", nullptr, 2, true},
@@ -175,6 +177,7 @@ TEST_F(RealHessianTest, RefineSweepsLowerEveryLinearsProxyLoss) {
             methods::quip::QuipRoundingOptions o;
             o.codebook = c.codebook;
             o.per_row_scale = c.per_row;
+            o.incoherence = c.incoherence;
             o.seed_u = 1000 + l;
             o.seed_v = 2000 + static_cast<int>(k);
             o.num_threads = 1;
