@@ -58,7 +58,8 @@ class E8pCodebook final : public VectorCodebook {
 
   // Exact nearest point among the 65,536 (squared Euclidean distance). Ties (equal distances as
   // computed in double precision) go to the smallest code. codes: 16-bit codes in uint32 words.
-  // Cost: 2 shifts × 256 source rows × 8 coordinates per vector.
+  // Cost: a lattice decode per shift (about 2 × 8 roundings) for points whose nearest coset
+  // point lies in the codebook by a clear margin; the exact scan (EncodeOneByScan) otherwise.
   void Quantize(const float* x, int64_t count, float* out, uint32_t* codes) const override;
   // Decodes from the 256×8 source table alone. Bits above the low 16 of each code are ignored.
   void Decode(const uint32_t* codes, int64_t count, float* out) const override;
@@ -71,6 +72,9 @@ class E8pCodebook final : public VectorCodebook {
   // Encodes one vector (the fast exact encoder). out may be nullptr. Non-finite input gives an
   // unspecified (valid) code.
   E8pCode EncodeOne(const float* x, float* out) const;
+  // The exact scan over 2 shifts × 256 source rows × 8 coordinates that EncodeOne falls back
+  // to; it gives the same codes as EncodeOne on every input. For tests and benchmarks.
+  E8pCode EncodeOneByScan(const float* x, float* out) const;
 
   // The full expansion: point c at expanded()[8c .. 8c+7], c = code. 65,536 × 8 floats.
   // Built on first use (thread-safe); about 6 MiB together with the brute-force table.
@@ -79,6 +83,9 @@ class E8pCodebook final : public VectorCodebook {
 
  private:
   void BuildExpansion() const;
+  // The exact scan of one shift: its minimal distance (as computed; NaN for NaN input) and in
+  // *code the smallest code at that distance.
+  double ScanShift(const float* x, bool plus, uint32_t* code) const;
 
   const E8pSourceTable& source_;
   // Per source row, structure-of-arrays for the encoder: s_[j][k] = S[k][j] (double),
@@ -87,6 +94,9 @@ class E8pCodebook final : public VectorCodebook {
   std::array<double, kE8pSourceRows> norm2_;
   std::array<double, kE8pSourceRows> odd_;   // 0.0 or 1.0
   std::array<double, kE8pSourceRows> even_;  // 1 - odd_
+  // Source row of each |x| in {1/2, 3/2, 5/2}^8 (base-3 index, coordinate 0 most significant),
+  // -1 for vectors that are not rows.
+  std::vector<int16_t> row_of_abs_;
   mutable std::once_flag expansion_once_;
   mutable std::vector<float> expanded_;
   // Structure-of-arrays copy of expanded_ in double for the brute-force scan:

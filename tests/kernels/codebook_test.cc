@@ -281,6 +281,49 @@ TEST(E8pEncodeTest, FastEncoderEqualsBruteForceOnExactTies) {
   EXPECT_EQ(c0.bits, 0u);
 }
 
+// EncodeOne answers from the lattice decoder when the nearest point of D̂8 ± 1/4 is a codebook
+// point by a clear margin and falls back to the exact scan otherwise; the codes must be those of
+// the scan, bit for bit, on every kind of input (inside and far outside the ball, exact ties,
+// huge and non-finite values).
+TEST(E8pEncodeTest, LatticeFastPathGivesTheScansCodes) {
+  const uint64_t seed = qcal::testing::TestSeed();
+  std::mt19937_64 rng(seed);
+  E8pCodebook cb;
+  std::vector<float> x;
+  for (double scale : {0.05, 0.3, 0.7, 1.0, 1.03, 1.3, 2.0, 5.0, 1e3, 1e7}) {
+    const std::vector<float> g = Gaussian(rng, 8 * 20000, scale);
+    x.insert(x.end(), g.begin(), g.end());
+  }
+  std::uniform_int_distribution<int> grid8(-24, 24), grid4(-4, 4);
+  for (int i = 0; i < 8 * 20000; ++i) x.push_back(grid8(rng) / 8.0f);
+  for (int i = 0; i < 8 * 20000; ++i) x.push_back(grid4(rng) / 4.0f);
+  const std::vector<float>& pts = cb.expanded();
+  std::uniform_int_distribution<int> any_code(0, kE8pNumCodes - 1);
+  for (int i = 0; i < 20000; ++i) {  // codebook points, and points nudged off them
+    const int a = any_code(rng);
+    const float nudge = (i % 3 == 0) ? 0.0f : std::ldexp(1.0f, -(i % 30));
+    for (int j = 0; j < 8; ++j) x.push_back(pts[8 * a + j] + (j == i % 8 ? nudge : 0.0f));
+  }
+  for (float special : {std::numeric_limits<float>::infinity(), std::nanf(""), 3e38f}) {
+    for (int j = 0; j < 8; ++j) x.push_back(j == 3 ? special : 0.5f);
+  }
+  const int64_t count = static_cast<int64_t>(x.size()) / 8;
+  std::vector<float> out_fast(x.size()), out_scan(x.size());
+  std::vector<uint32_t> codes(count);
+  cb.Quantize(x.data(), count, out_fast.data(), codes.data());
+  int64_t mismatches = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const E8pCode scan = cb.EncodeOneByScan(&x[8 * i], &out_scan[8 * i]);
+    if (scan.bits != codes[i]) {
+      if (++mismatches <= 5) {
+        ADD_FAILURE() << "vector " << i << ": EncodeOne " << codes[i] << ", scan " << scan.bits;
+      }
+    }
+  }
+  EXPECT_EQ(mismatches, 0) << "of " << count << " vectors";
+  for (int64_t i = 0; i < count * 8; ++i) ASSERT_EQ(out_fast[i], out_scan[i]) << "at " << i;
+}
+
 TEST(E8pEncodeTest, EveryCodebookPointEncodesToItself) {
   E8pCodebook cb;
   const std::vector<float>& pts = cb.expanded();
