@@ -15,4 +15,8 @@ namespace qcal::kernels {
 // set through LibTorch's own thread setting).
 std::string PinBlasToOneThread();
 
+// Sets the BLAS library's thread count (benchmarks measure a dense GEMM with every core this
+// way, then pin again). Same return convention.
+std::string SetBlasThreads(int threads);
+
 }  // namespace qcal::kernels

@@ -3,6 +3,7 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <numeric>
 #include <string>
@@ -10,6 +11,7 @@
 #include <utility>
 
 #include "common/cpu.h"
+#include "kernels/blas_threads.h"
 #include "kernels/linalg.h"
 
 namespace qcal::kernels {
@@ -437,14 +439,42 @@ StatusOr<ScalarRoundingResult> Ldlq(const double* w, int64_t m, int64_t n, const
 
 namespace {
 
+// Rows per task of BlockLDLQ's sweep: fixed, so that every row goes through the same arithmetic
+// (the same single-threaded sgemm shapes) whatever the thread count.
+constexpr int64_t kBlockLdlqRowsPerTask = 128;
+
+// x[0:len] += Σ_t e[t] · u[t·ld : t·ld + len] for t < g: the in-block feedback of one row, fp32.
+// Cloned for AVX2 without FMA (the same bits as the baseline build).
+__attribute__((target_clones("avx2", "default"))) void InBlockFeedback(
+    float* __restrict x, int64_t len, const float* __restrict e, int64_t g,
+    const float* __restrict u, int64_t ld) {
+  for (int64_t t = 0; t < g; ++t) {
+    const float et = e[t];
+    const float* __restrict ut = u + t * ld;
+    for (int64_t j = 0; j < len; ++j) x[j] += et * ut[j];
+  }
+}
+
 // BlockLDLQ's rounding sweep once the g-block factor of the damped Hessian is known. W is the
-// prepared [m, n] weight (dead columns zeroed).
-VectorRoundingResult BlockLdlqSweep(const double* W, int64_t m, int64_t n, const BlockLdl& ldl,
+// prepared [m, n] weight (dead columns zeroed). Consumes the factor (its fp64 L is freed once an
+// fp32 copy exists).
+//
+// Every row evolves on its own: its targets X[r, :] = W[r, :] + E[r, :]·U need only its own
+// errors E = W − Ŵ and the shared U = Lᵀ − I. So the rows are cut into fixed tasks of
+// kBlockLdlqRowsPerTask rows, and each task runs the whole sweep for its rows on one thread:
+// per lazy block, one single-threaded sgemm brings in the feedback of all earlier blocks
+// (X[:, b0:b1] += E[:, :b0] · U[:b0, b0:b1]), then for each g columns a batched codebook search and
+// a rank-g update of the rest of the block. No synchronisation between tasks; no BLAS thread pool
+// competing with the searches; per-task buffers [rows, n] in fp32 instead of two [m, n] in fp64.
+// The feedback is fp32 (as the reference implementation's on GPU): its relative error, about
+// 1e-7·√n of the accumulated terms, moves a target by far less than the codebook's spacing, so it
+// changes a rounding only for targets within that distance of a decision boundary. The errors E
+// themselves are computed in fp64 from W and the decoded points.
+VectorRoundingResult BlockLdlqSweep(const double* W, int64_t m, int64_t n, BlockLdl&& ldl,
                                     const VectorCodebook& cb, double scale,
                                     const VectorRoundingConfig& config) {
   const int64_t g = cb.dim();
   const int cw = cb.code_words();
-  const std::vector<double>& L = ldl.L;
 
   VectorRoundingResult res;
   res.rows = m;
@@ -454,94 +484,90 @@ VectorRoundingResult BlockLdlqSweep(const double* W, int64_t m, int64_t n, const
   res.scale = scale;
   res.codes.assign(m * (n / g) * cw, 0);
 
-  // X: the feedback-adjusted targets. Once columns k:k+g are rounded their X is never read again,
-  // so the rounding error E = W − Ŵ is stored in their place (the cross-block update reads E from
-  // the finished columns of the same buffer), and at the end the buffer becomes Ŵ, decoded from
-  // the codes. Two [m, n] buffers (W and X) instead of four.
-  std::vector<double> X(W, W + m * n);
   const int64_t B = ((std::max<int64_t>(1, config.lazy_block) + g - 1) / g) * g;
+  // Lf[j, k] = U[k, j] = L[j, k] for k < j in an earlier lazy block (the cross-block sgemm reads
+  // row j from column 0); inside a lazy block the transposed panels Ut[blk][i][j] = L[b0 + j, b0 +
+  // i] (i < j) make the rank-g update contiguous.
+  std::vector<float> Lf(n * n, 0.0f);
+  const int64_t blocks = (n + B - 1) / B;
+  std::vector<float> Ut(blocks * B * B, 0.0f);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t b0 = (j / B) * B;
+    for (int64_t k = 0; k < b0; ++k) Lf[j * n + k] = static_cast<float>(ldl.L[j * n + k]);
+    float* ut = &Ut[(j / B) * B * B];
+    for (int64_t i = b0; i < j; ++i) ut[(i - b0) * B + (j - b0)] = static_cast<float>(ldl.L[j * n + i]);
+  }
+  ldl = BlockLdl();
 
-  // Within a lazy block every row evolves on its own (feedback X[r, :] += E[r, :]·U acts within
-  // row r), so the block is swept by row chunks in parallel: each worker searches its rows' g
-  // columns and applies the rank-g feedback to the rest of the block for those rows. One thread
-  // pool per lazy block instead of one search and one BLAS call per g columns, which, with BLAS's
-  // spinning workers competing with the search threads, made a 70B-shaped layer latency-bound.
-  // Each row is computed by the same arithmetic whatever the thread count.
-  int threads = config.num_threads > 0
-                    ? config.num_threads
-                    : qcal::AvailableCpus();
-  threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, m / 64)));
-  const int64_t rows_per = (m + threads - 1) / threads;
-  auto sweep_rows = [&](int64_t r0, int64_t r1, int64_t b0, int64_t b1) {
-    const int64_t rc = r1 - r0;
-    if (rc <= 0) return;
+  PinBlasToOneThread();  // each task's sgemm runs on its own thread (and its bits do not depend
+                         // on a BLAS thread split)
+  const int64_t tasks = (m + kBlockLdlqRowsPerTask - 1) / kBlockLdlqRowsPerTask;
+  auto run_task = [&](int64_t task) {
+    const int64_t r0 = task * kBlockLdlqRowsPerTask;
+    const int64_t rc = std::min(kBlockLdlqRowsPerTask, m - r0);
+    // X: the targets of these rows; once g columns are rounded their X is never read again, so
+    // their error E = W − Ŵ is stored in their place (the cross-block sgemm reads it from there).
+    std::vector<float> X(rc * n);
+    for (int64_t i = 0; i < rc * n; ++i) X[i] = static_cast<float>(W[r0 * n + i]);
     std::vector<float> in(rc * g), out(rc * g);
     std::vector<uint32_t> codes(rc * cw);
-    for (int64_t k = b0; k < b1; k += g) {
-      for (int64_t r = 0; r < rc; ++r) {
-        const double* x = &X[(r0 + r) * n + k];
-        for (int64_t j = 0; j < g; ++j) in[r * g + j] = static_cast<float>(x[j] / scale);
+    for (int64_t b0 = 0; b0 < n; b0 += B) {
+      const int64_t b1 = std::min(b0 + B, n), bw = b1 - b0;
+      if (b0 > 0) {
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(rc),
+                    static_cast<int>(bw), static_cast<int>(b0), 1.0f, X.data(),
+                    static_cast<int>(n), &Lf[b0 * n], static_cast<int>(n), 1.0f, &X[b0],
+                    static_cast<int>(n));
       }
-      cb.Quantize(in.data(), rc, out.data(), codes.data());
-      const int64_t kb = k / g;
-      for (int64_t r = 0; r < rc; ++r) {
-        const int64_t row = r0 + r;
-        std::copy(codes.begin() + r * cw, codes.begin() + (r + 1) * cw,
-                  res.codes.begin() + (row * (n / g) + kb) * cw);
-        for (int64_t j = 0; j < g; ++j) {
-          const double q = scale * static_cast<double>(out[r * g + j]);
-          X[row * n + k + j] = W[row * n + k + j] - q;  // E
+      const float* ut = &Ut[(b0 / B) * B * B];
+      for (int64_t k = b0; k < b1; k += g) {
+        for (int64_t r = 0; r < rc; ++r) {
+          const float* x = &X[r * n + k];
+          for (int64_t j = 0; j < g; ++j) {
+            in[r * g + j] = static_cast<float>(static_cast<double>(x[j]) / scale);
+          }
         }
-      }
-      // X[r, k+g:b1] += E[r, k:k+g] · U[k:k+g, k+g:b1] = E[r, k:k+g] · L[k+g:b1, k:k+g]ᵀ.
-      for (int64_t r = 0; r < rc; ++r) {
-        const double* e = &X[(r0 + r) * n + k];
-        double* x = &X[(r0 + r) * n];
-        for (int64_t j = k + g; j < b1; ++j) {
-          const double* l = &L[j * n + k];
-          double dot = 0.0;
-          for (int64_t t = 0; t < g; ++t) dot += e[t] * l[t];
-          x[j] += dot;
+        cb.Quantize(in.data(), rc, out.data(), codes.data());
+        const int64_t kb = k / g;
+        for (int64_t r = 0; r < rc; ++r) {
+          const int64_t row = r0 + r;
+          std::copy(codes.begin() + r * cw, codes.begin() + (r + 1) * cw,
+                    res.codes.begin() + (row * (n / g) + kb) * cw);
+          for (int64_t j = 0; j < g; ++j) {
+            const double q = scale * static_cast<double>(out[r * g + j]);
+            X[r * n + k + j] = static_cast<float>(W[row * n + k + j] - q);  // E
+          }
+          // X[r, k+g:b1] += E[r, k:k+g] · U[k:k+g, k+g:b1].
+          if (k + g < b1) {
+            InBlockFeedback(&X[r * n + k + g], b1 - k - g, &X[r * n + k], g,
+                            &ut[(k - b0) * B + (k + g - b0)], B);
+          }
         }
       }
     }
   };
 
-  // Ŵ rows from their codes, into X (E is no longer needed).
-  auto decode_rows = [&](int64_t r0, int64_t r1, int64_t, int64_t) {
-    std::vector<float> points(n);
-    for (int64_t r = r0; r < r1; ++r) {
-      cb.Decode(&res.codes[r * (n / g) * cw], n / g, points.data());
-      for (int64_t j = 0; j < n; ++j) X[r * n + j] = scale * static_cast<double>(points[j]);
-    }
+  int threads = config.num_threads > 0 ? config.num_threads : qcal::AvailableCpus();
+  threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks)));
+  std::atomic<int64_t> next{0};
+  auto worker = [&] {
+    for (int64_t t = next++; t < tasks; t = next++) run_task(t);
   };
-  auto parallel_rows = [&](const auto& fn, int64_t b0, int64_t b1) {
-    if (threads <= 1) {
-      fn(0, m, b0, b1);
-      return;
-    }
+  {
     std::vector<std::thread> pool;
     pool.reserve(threads - 1);
-    for (int t = 1; t < threads; ++t) {
-      pool.emplace_back([&, t] { fn(t * rows_per, std::min(m, (t + 1) * rows_per), b0, b1); });
-    }
-    fn(0, std::min(m, rows_per), b0, b1);
+    for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
+    worker();
     for (auto& th : pool) th.join();
-  };
-
-  for (int64_t b0 = 0; b0 < n; b0 += B) {
-    const int64_t b1 = std::min(b0 + B, n), bw = b1 - b0;
-    if (b0 > 0) {
-      // X[:, b0:b1] += E[:, :b0] · U[:b0, b0:b1]; E lives in X's finished columns (disjoint from
-      // the updated ones).
-      cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m),
-                  static_cast<int>(bw), static_cast<int>(b0), 1.0, X.data(), static_cast<int>(n),
-                  &L[b0 * n], static_cast<int>(n), 1.0, &X[b0], static_cast<int>(n));
-    }
-    parallel_rows(sweep_rows, b0, b1);
   }
-  parallel_rows(decode_rows, 0, n);
-  res.w_hat = std::move(X);
+
+  // Ŵ from the codes.
+  res.w_hat.resize(m * n);
+  std::vector<float> points(n);
+  for (int64_t r = 0; r < m; ++r) {
+    cb.Decode(&res.codes[r * (n / g) * cw], n / g, points.data());
+    for (int64_t j = 0; j < n; ++j) res.w_hat[r * n + j] = scale * static_cast<double>(points[j]);
+  }
   return res;
 }
 
@@ -568,9 +594,9 @@ StatusOr<VectorRoundingResult> BlockLdlq(const double* w, int64_t m, int64_t n, 
   QCAL_ASSIGN_OR_RETURN(Prepared prep, Prepare(w, m, n, h, config.damp, false, what));
   StatusOr<BlockLdl> ldl = BlockLdlDecompose(std::move(prep.h), n, cb.dim(), LdlForm::kLtDL);
   if (!ldl.ok()) return Annotate(ldl.status(), what);
-  VectorRoundingResult res = BlockLdlqSweep(prep.w.data(), m, n, *ldl, cb, scale, config);
+  VectorRoundingResult res =
+      BlockLdlqSweep(prep.w.data(), m, n, std::move(*ldl), cb, scale, config);
   if (config.refine_sweeps > 0) {
-    ldl = BlockLdl();  // the factor is no longer needed
     QCAL_RETURN_IF_ERROR(Annotate(RefineRounding(prep.w.data(), h, config.refine_sweeps,
                                                  config.damp, config.lazy_block,
                                                  config.num_threads, cb, &res)
@@ -609,9 +635,8 @@ StatusOr<VectorRoundingResult> BlockLdlqConsumingHessian(const double* w, int64_
   if (!added.ok()) return Annotate(added.status(), what);
   StatusOr<BlockLdl> ldl = BlockLdlDecompose(std::move(h), n, cb.dim(), LdlForm::kLtDL);
   if (!ldl.ok()) return Annotate(ldl.status(), what);
-  VectorRoundingResult res = BlockLdlqSweep(W, m, n, *ldl, cb, scale, config);
+  VectorRoundingResult res = BlockLdlqSweep(W, m, n, std::move(*ldl), cb, scale, config);
   if (config.refine_sweeps > 0) {
-    ldl = BlockLdl();
     QCAL_RETURN_IF_ERROR(Annotate(RefineRounding(W, h_undamped.data(), config.refine_sweeps,
                                                  config.damp, config.lazy_block,
                                                  config.num_threads, cb, &res)
