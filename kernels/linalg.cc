@@ -1,5 +1,8 @@
 #include "kernels/linalg.h"
 
+#include "common/cpu.h"
+#include "kernels/blas_threads.h"
+
 #include <cblas.h>
 
 #include <algorithm>
@@ -37,11 +40,55 @@ Status CheckSquare(const double* a, int64_t n, const char* what) {
 
 // dpotrf on a row-major symmetric matrix, result C lower (H = C Cᵀ), strict upper zeroed.
 // `index_of` maps the LAPACK pivot (0-based, in a's own order) to the caller's description.
-Status PotrfLower(double* a, int64_t n, const std::string& what, bool reversed) {
+// Cholesky tile: the diagonal tiles are factored by LAPACK, the panel solves and the trailing
+// update are single-threaded BLAS calls on tiles of this size spread over qcal's threads.
+constexpr int64_t kCholeskyTile = 256;
+
+// Tiled right-looking Cholesky of the row-major symmetric a (lower part read and written; the
+// strict upper part is left as it was). Every tile operation has fixed shapes, so the factor's
+// bits do not depend on the thread count. Returns LAPACK's info convention: 0, or the order of
+// the first leading minor that is not positive definite.
+int TiledPotrfLower(double* a, int64_t n) {
+  PinBlasToOneThread();
   const int ni = static_cast<int>(n);
-  int info = 0;
-  // Row-major lower == column-major upper.
-  dpotrf_("U", &ni, a, &ni, &info, 1);
+  const int64_t tiles = (n + kCholeskyTile - 1) / kCholeskyTile;
+  for (int64_t kt = 0; kt < tiles; ++kt) {
+    const int64_t k0 = kt * kCholeskyTile, kb = std::min(kCholeskyTile, n - k0);
+    const int kbi = static_cast<int>(kb);
+    double* a11 = a + k0 * n + k0;
+    int info = 0;
+    dpotrf_("U", &kbi, a11, &ni, &info, 1);  // row-major lower == column-major upper
+    if (info != 0) return info < 0 ? info : static_cast<int>(k0) + info;
+    const int64_t rest = tiles - kt - 1;
+    if (rest == 0) break;
+    // A21 := A21 · L11⁻ᵀ, one row tile per task.
+    qcal::ParallelTasks(rest, 0, [&](int64_t i) {
+      const int64_t r0 = (kt + 1 + i) * kCholeskyTile, rows = std::min(kCholeskyTile, n - r0);
+      cblas_dtrsm(CblasRowMajor, CblasRight, CblasLower, CblasTrans, CblasNonUnit,
+                  static_cast<int>(rows), kbi, 1.0, a11, ni, a + r0 * n + k0, ni);
+    });
+    // A22 −= A21 · A21ᵀ on the lower tiles (i >= j), one tile per task.
+    qcal::ParallelTasks(rest * (rest + 1) / 2, 0, [&](int64_t t) {
+      int64_t i = 0;
+      while ((i + 1) * (i + 2) / 2 <= t) ++i;
+      const int64_t j = t - i * (i + 1) / 2;
+      const int64_t ri = (kt + 1 + i) * kCholeskyTile, rj = (kt + 1 + j) * kCholeskyTile;
+      const int ti = static_cast<int>(std::min(kCholeskyTile, n - ri));
+      const int tj = static_cast<int>(std::min(kCholeskyTile, n - rj));
+      if (i == j) {
+        cblas_dsyrk(CblasRowMajor, CblasLower, CblasNoTrans, ti, kbi, -1.0, a + ri * n + k0, ni,
+                    1.0, a + ri * n + ri, ni);
+      } else {
+        cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, ti, tj, kbi, -1.0, a + ri * n + k0,
+                    ni, a + rj * n + k0, ni, 1.0, a + ri * n + rj, ni);
+      }
+    });
+  }
+  return 0;
+}
+
+Status PotrfLower(double* a, int64_t n, const std::string& what, bool reversed) {
+  const int info = TiledPotrfLower(a, n);
   if (info < 0) {
     return absl::InternalError(absl::StrCat(what, ": dpotrf argument ", -info, " invalid"));
   }

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/cpu.h"
+#include "kernels/blas_threads.h"
 #include "kernels/rounding.h"
 
 namespace qcal::kernels {
@@ -69,15 +70,17 @@ RefineStats Refine(const double* W, double* What, int64_t m, int64_t n, const do
                    int sweeps, double damp, int64_t lazy_block, int num_threads,
                    BlockRounder& rounder) {
   RefineStats stats;
-  // C = (Ŵ − W)H and each row's loss, in row chunks (one [chunk, n] temporary).
+  // C = (Ŵ − W)H and each row's loss, in row tasks (one [128, n] temporary each).
   std::vector<double> C(m * n);
   std::vector<double> row_loss(m, 0.0);
-  {
-    constexpr int64_t kChunk = 256;
-    std::vector<double> e;
-    for (int64_t r0 = 0; r0 < m; r0 += kChunk) {
-      const int64_t rc = std::min(kChunk, m - r0);
-      e.resize(rc * n);
+  PinBlasToOneThread();  // every dgemm below runs on one row task's thread
+  constexpr int64_t kRowsPerTask = 128;
+  const int64_t tasks = (m + kRowsPerTask - 1) / kRowsPerTask;
+  qcal::ParallelTasks(tasks, num_threads, [&](int64_t task) {
+    {
+      const int64_t r0 = task * kRowsPerTask;
+      const int64_t rc = std::min(kRowsPerTask, m - r0);
+      std::vector<double> e(rc * n);
       for (int64_t i = 0; i < rc * n; ++i) e[i] = What[r0 * n + i] - W[r0 * n + i];
       cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rc),
                   static_cast<int>(n), static_cast<int>(n), 1.0, e.data(), static_cast<int>(n), H,
@@ -88,7 +91,7 @@ RefineStats Refine(const double* W, double* What, int64_t m, int64_t n, const do
         row_loss[r0 + r] = s;
       }
     }
-  }
+  });
   for (double l : row_loss) stats.loss_before += l;
   stats.loss_after = stats.loss_before;
   double mean_diag = 0.0;
@@ -117,9 +120,6 @@ RefineStats Refine(const double* W, double* What, int64_t m, int64_t n, const do
 
   const int64_t B = ((std::max<int64_t>(1, lazy_block) + g - 1) / g) * g;
   std::vector<double> D(m * B);  // kept changes in the current lazy block
-  int threads = num_threads > 0 ? num_threads : qcal::AvailableCpus();
-  threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, m / 64)));
-  const int64_t rows_per = (m + threads - 1) / threads;
   const int cw = rounder.code_words();
   constexpr double kRelTol = 1e-12;
 
@@ -175,41 +175,33 @@ RefineStats Refine(const double* W, double* What, int64_t m, int64_t n, const do
     }
   };
 
+  // Rows are independent: each task sweeps its rows through the lazy block, then brings the
+  // kept changes D into the rest of its rows of C (two single-threaded dgemms), so the bits do not
+  // depend on the thread count.
   for (int s = 0; s < sweeps; ++s) {
     int64_t kept_this_sweep = 0;
     for (int64_t b0 = 0; b0 < n; b0 += B) {
       const int64_t b1 = std::min(b0 + B, n), bw = b1 - b0;
-      std::vector<int64_t> kept(threads, 0);
-      if (threads <= 1) {
-        sweep_rows(0, m, b0, b1, &kept[0]);
-      } else {
-        std::vector<std::thread> pool;
-        pool.reserve(threads - 1);
-        for (int t = 1; t < threads; ++t) {
-          pool.emplace_back([&, t] {
-            sweep_rows(t * rows_per, std::min(m, (t + 1) * rows_per), b0, b1, &kept[t]);
-          });
+      std::vector<int64_t> kept(tasks, 0);
+      qcal::ParallelTasks(tasks, num_threads, [&](int64_t task) {
+        const int64_t r0 = task * kRowsPerTask, r1 = std::min(m, r0 + kRowsPerTask);
+        sweep_rows(r0, r1, b0, b1, &kept[task]);
+        if (kept[task] == 0) return;
+        const int rc = static_cast<int>(r1 - r0);
+        // C[rows, outside b0:b1] += D[rows] · H[b0:b1, outside].
+        if (b0 > 0) {
+          cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rc, static_cast<int>(b0),
+                      static_cast<int>(bw), 1.0, &D[r0 * B], static_cast<int>(B), &H[b0 * n],
+                      static_cast<int>(n), 1.0, &C[r0 * n], static_cast<int>(n));
         }
-        sweep_rows(0, std::min(m, rows_per), b0, b1, &kept[0]);
-        for (auto& th : pool) th.join();
-      }
-      int64_t kept_block = 0;
-      for (int64_t v : kept) kept_block += v;
-      if (kept_block == 0) continue;
-      kept_this_sweep += kept_block;
-      // C[:, outside b0:b1] += D · H[b0:b1, outside].
-      if (b0 > 0) {
-        cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m),
-                    static_cast<int>(b0), static_cast<int>(bw), 1.0, D.data(),
-                    static_cast<int>(B), &H[b0 * n], static_cast<int>(n), 1.0, C.data(),
-                    static_cast<int>(n));
-      }
-      if (b1 < n) {
-        cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m),
-                    static_cast<int>(n - b1), static_cast<int>(bw), 1.0, D.data(),
-                    static_cast<int>(B), &H[b0 * n + b1], static_cast<int>(n), 1.0, &C[b1],
-                    static_cast<int>(n));
-      }
+        if (b1 < n) {
+          cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rc, static_cast<int>(n - b1),
+                      static_cast<int>(bw), 1.0, &D[r0 * B], static_cast<int>(B),
+                      &H[b0 * n + b1], static_cast<int>(n), 1.0, &C[r0 * n + b1],
+                      static_cast<int>(n));
+        }
+      });
+      for (int64_t v : kept) kept_this_sweep += v;
     }
     stats.sweeps = s + 1;
     stats.changed += kept_this_sweep;

@@ -547,19 +547,7 @@ VectorRoundingResult BlockLdlqSweep(const double* W, int64_t m, int64_t n, Block
     }
   };
 
-  int threads = config.num_threads > 0 ? config.num_threads : qcal::AvailableCpus();
-  threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks)));
-  std::atomic<int64_t> next{0};
-  auto worker = [&] {
-    for (int64_t t = next++; t < tasks; t = next++) run_task(t);
-  };
-  {
-    std::vector<std::thread> pool;
-    pool.reserve(threads - 1);
-    for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
-    worker();
-    for (auto& th : pool) th.join();
-  }
+  qcal::ParallelTasks(tasks, config.num_threads, run_task);
 
   // Ŵ from the codes.
   res.w_hat.resize(m * n);

@@ -204,6 +204,29 @@ TEST(LinalgTest, GptqInverseFactorMatchesLtDl) {
   EXPECT_LE(RelativeFrobeniusError(prod2.data(), eye.data(), n), 1e-10);
 }
 
+// The Cholesky is tiled (256 × 256 tiles, the panel and trailing updates spread over threads): a
+// pivot that fails in a later tile is reported at its own index.
+TEST(LinalgTest, IndefinitePivotInALaterTileIsReportedAtItsIndex) {
+  const int64_t n = 600, bad = 450;
+  std::vector<double> h(n * n, 0.0);
+  for (int64_t i = 0; i < n; ++i) {
+    h[i * n + i] = i == bad ? -1.0 : 4.0;
+    if (i + 1 < n) h[i * n + i + 1] = h[(i + 1) * n + i] = 0.1;
+  }
+  auto c = Cholesky(h.data(), n);
+  ASSERT_FALSE(c.ok());
+  const std::string msg(c.status().message());
+  EXPECT_NE(msg.find("pivot 450"), std::string::npos) << msg;
+  h[bad * n + bad] = 4.0;
+  c = Cholesky(h.data(), n);
+  ASSERT_TRUE(c.ok()) << c.status();
+  // C Cᵀ reproduces H across tile boundaries.
+  std::vector<double> prod(n * n);
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, n, 1.0, c->data(), n, c->data(), n,
+              0.0, prod.data(), n);
+  EXPECT_LE(RelativeFrobeniusError(prod.data(), h.data(), n), 1e-14);
+}
+
 TEST(LinalgTest, IndefiniteMatrixGivesAClearError) {
   // diag(4, 3, -1, 5) with small off-diagonal coupling: the third pivot (index 2) fails.
   const int64_t n = 4;

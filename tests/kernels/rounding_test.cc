@@ -664,7 +664,9 @@ TEST(RoundingTest, SameSeedBitIdentical) {
 TEST(RoundingTest, VectorRoundingIsIndependentOfThreadCount) {
   const uint64_t seed = testing::TestSeed();
   Gaussian g(seed);
-  const int64_t m = 600, n = 64;  // > 2 chunks of 256 vectors per block column.
+  // BlockLDLQ: 5 row tasks (the last ragged) and 3 lazy blocks (cross-block feedback, a ragged
+  // last block); nearest rounding: > 2 chunks of 256 vectors.
+  const int64_t m = 600, n = 320;
   const SyntheticHessian s = MakeHessian(n, g, 6.0, false);
   const std::vector<double> w = RandomMatrix(m, n, g);
   const HalfIntGridCodebook c8(8, 4);
