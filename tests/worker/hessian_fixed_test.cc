@@ -89,7 +89,12 @@ TEST(HessianFixedTest, AgreesWithAnFp64ReferenceAndIsExactlySymmetric) {
   const at::Tensor ref = ReferenceMean(x);
   const double rel = MaxRelative(mean, ref);
   std::printf("max |fixed - fp64| / max |fp64| = %.3g\n", rel);
-  EXPECT_LT(rel, 1e-12);
+  // The accumulator's fp32 products come from its own tile GEMMs (upper triangle only), the
+  // reference's from at::mm: two fp32 summation orders over 32 tokens (about 1e-11 of the
+  // largest entry here, which column 3 (×1000) dominates).
+  EXPECT_LT(rel, 1e-9);
+  // Against exact (fp64) products of the same fp32 inputs: fp32 GEMM error only (about 2e-8).
+  EXPECT_LT(MaxRelative(mean, ReferenceMean(x.to(at::kDouble))), 1e-6);
   EXPECT_TRUE(at::equal(mean, mean.t()));
   EXPECT_TRUE(at::equal(acc.sum() / static_cast<double>(acc.count()), mean));
   // Double inputs: products in fp64, same rounding to fixed point.

@@ -4,15 +4,19 @@
 #include <emmintrin.h>
 #endif
 
+#include <cblas.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/blas_threads.h"
 
 namespace qcal::calib {
 
@@ -78,6 +82,70 @@ bool AccumulateSymmetric(const T* p, int64_t n, Fixed128* packed) {
   return ok.load();
 }
 
+// Σ_s 2·q(P_s[i][j]) into packed for i <= j, P_s = X_sᵀX_s for each sequence X_s [t, n] (fp32,
+// row-major, sequences consecutive in x). Tiled over the upper triangle: row strips of kRows rows
+// starting at the diagonal, cut into kCols-wide pieces, one parallel work item per piece. A
+// piece's product is one single-threaded sgemm X_s[:, i0:i1]ᵀ · X_s[:, j0:j1] over the sequence's t
+// tokens (wide enough that short sequences still run the GEMM near its peak). Up to kGroup
+// sequences' products are kept side by side and converted together, entry by entry: each is
+// rounded to fixed point on its own (q(P_s), exactly as one sequence at a time) and their integer
+// sum is added to the packed 128-bit sums once per group, so the 16-byte sums cross the memory
+// bus once per group instead of once per sequence. Only the upper triangle is computed (about
+// half the flops of the full product; the strips' diagonal squares are computed whole) and there
+// is no [n, n] fp32 buffer. Every entry comes from the same GEMM shape whatever the thread count,
+// and integer sums are exact, so the bits do not depend on the threads or the grouping. Returns
+// false on overflow or a non-finite product.
+bool AccumulateSequenceProducts(const float* x, int64_t seqs, int64_t t, int64_t n,
+                                Fixed128* packed) {
+  constexpr int64_t kRows = 512, kCols = 2048, kGroup = 8;
+  kernels::PinBlasToOneThread();  // one BLAS thread per work item
+  struct Piece {
+    int64_t i0, j0;
+  };
+  std::vector<Piece> pieces;
+  for (int64_t i0 = 0; i0 < n; i0 += kRows) {
+    for (int64_t j0 = i0; j0 < n; j0 += kCols) pieces.push_back({i0, j0});
+  }
+  std::atomic<bool> ok{true};
+  at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> tiles;
+    for (int64_t p = begin; p < end && ok.load(std::memory_order_relaxed); ++p) {
+      const int64_t i0 = pieces[p].i0, mi = std::min(kRows, n - i0);
+      const int64_t j0 = pieces[p].j0, nj = std::min(kCols, n - j0);
+      for (int64_t s0 = 0; s0 < seqs; s0 += kGroup) {
+        const int64_t gs = std::min(kGroup, seqs - s0);
+        tiles.resize(gs * mi * nj);
+        for (int64_t g = 0; g < gs; ++g) {
+          const float* xs = x + (s0 + g) * t * n;
+          cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(mi),
+                      static_cast<int>(nj), static_cast<int>(t), 1.0f, xs + i0,
+                      static_cast<int>(n), xs + j0, static_cast<int>(n), 0.0f,
+                      tiles.data() + g * mi * nj, static_cast<int>(nj));
+        }
+        for (int64_t i = i0; i < i0 + mi; ++i) {
+          Fixed128* row = packed + (i * n - i * (i - 1) / 2 - i);  // row[j] = T(i, j)
+          const float* pi = tiles.data() + (i - i0) * nj - j0;
+          for (int64_t j = std::max(j0, i); j < j0 + nj; ++j) {
+            // |q| < 2^123 each, so up to 8 of them (and twice their sum) stay below 2^127.
+            Fixed128 sum = 0;
+            bool finite = true;
+            for (int64_t g = 0; g < gs; ++g) {
+              Fixed128 a = 0;
+              finite &= ToFixed(static_cast<double>(pi[g * mi * nj + j]), &a);
+              sum += a;
+            }
+            if (!finite || !AddChecked(&row[j], 2 * sum)) {
+              ok.store(false, std::memory_order_relaxed);
+              return;
+            }
+          }
+        }
+      }
+    }
+  });
+  return ok.load();
+}
+
 Status OverflowError(int64_t n) {
   return absl::OutOfRangeError(absl::StrCat(
       "Hessian [", n, "x", n, "]: an input product is not finite or the fixed-point sum left its ",
@@ -127,15 +195,15 @@ Status HessianAccumulator::Add(const at::Tensor& x) {
   }
   // Products in fp32 (fp32 GEMM runs at twice the fp64 rate on CPU, and TF32/fp32 on GPU), one
   // product per sequence, so that every product has the same shape whatever the batching or the
-  // split over ranks; each entry is then rounded once into the exact integer sum.
+  // split over ranks; each upper-triangle entry is then rounded once into the exact integer sum
+  // (counted twice: T is the symmetrised sum, see the header).
   at::Tensor seqs = x.dim() >= 3 ? x.reshape({-1, x.size(-2), n_}) : x.reshape({1, -1, n_});
   seqs = seqs.to(at::kFloat).contiguous();
-  for (int64_t s = 0; s < seqs.size(0); ++s) {
-    at::Tensor rows = seqs[s];
-    const at::Tensor p = at::mm(rows.t(), rows).contiguous();
-    if (!AccumulateSymmetric(p.data_ptr<float>(), n_, packed_.data())) return OverflowError(n_);
-    count_ += rows.size(0);
+  if (!AccumulateSequenceProducts(seqs.data_ptr<float>(), seqs.size(0), seqs.size(1), n_,
+                                  packed_.data())) {
+    return OverflowError(n_);
   }
+  count_ += seqs.size(0) * seqs.size(1);
   return absl::OkStatus();
 }
 

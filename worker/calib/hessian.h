@@ -14,6 +14,8 @@
 //
 //  * What is stored: T = Σ_seq (q(P) + q(Pᵀ)) on the upper triangle (packed, row-major), i.e.
 //    2^(F+1)·(S + Sᵀ)/2 — the symmetrised sum, so Mean() is exactly symmetric by construction.
+//    For fp32 inputs only the upper triangle of each P is computed (tile by tile, P_ij = P_ji),
+//    so each term is 2·q(P_ij); fp64 inputs and FromSum round both triangles.
 //  * Resolution 2^-50 ≈ 8.9e-16 absolute per entry per sequence. Rounding is to nearest, ties to
 //    even. An entry |p| ≤ 2^-51 ≈ 4.4e-16 contributes 0; relative to the fp32 product's own
 //    rounding (2^-24 of the magnitude of the terms it sums) the fixed-point rounding is
