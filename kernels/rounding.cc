@@ -3,7 +3,6 @@
 #include <cblas.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <numeric>
 #include <string>
