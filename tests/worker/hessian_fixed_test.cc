@@ -129,6 +129,55 @@ TEST(HessianFixedTest, TinyValuesRoundToTheGridAndHugeOnesAreErrors) {
   EXPECT_FALSE(HessianAccumulator(3).Merge(HessianAccumulator(2)).ok());
 }
 
+// One-token sequences: each product is a single fp32 multiply, so the exact packed sums can be
+// computed here independently (round(p · 2^50), ties to even, summed in 128 bits) and compared
+// bit for bit. The values mix magnitudes from 2^-40 to 2^14 (so entries take both the vectorised
+// conversion and its scalar fallback for |p| >= 2^12, within one 4-wide chunk too), exact ties
+// on the 2^-50 grid, signs and a width and sequence count that leave tails (n % 4, seqs % 8).
+TEST(HessianFixedTest, ConversionMatchesAnIndependentExactSum) {
+  model::SetComputeThreads(2);
+  std::mt19937_64 rng(testing::TestSeed());
+  const int64_t seqs = 19, n = 151;
+  at::Tensor x = at::empty({seqs, 1, n});
+  float* v = x.data_ptr<float>();
+  std::uniform_real_distribution<double> expo(-40.0, 7.0), mant(1.0, 2.0);
+  for (int64_t k = 0; k < seqs * n; ++k) {
+    const int64_t c = k % n;
+    double a;
+    if (c % 10 == 3) {
+      a = (rng() % 2 ? 3.0 : 5.0) * std::ldexp(1.0, -26);  // products k·2^-52: grid ties
+    } else if (c % 10 == 7) {
+      a = std::ldexp(1.0, -25 - static_cast<int>(rng() % 3));
+    } else if (c % 37 == 5) {
+      a = 100.0 * mant(rng);  // squares and cross products past 2^12
+    } else {
+      a = std::ldexp(mant(rng), static_cast<int>(std::floor(expo(rng))));
+    }
+    v[k] = static_cast<float>(rng() % 2 ? a : -a);
+  }
+  HessianAccumulator acc(n);
+  ASSERT_TRUE(acc.Add(x).ok());
+  int64_t ties = 0, large = 0;
+  for (int64_t i = 0, idx = 0; i < n; ++i) {
+    for (int64_t j = i; j < n; ++j, ++idx) {
+      Fixed want = 0;
+      for (int64_t s = 0; s < seqs; ++s) {
+        const float p = v[s * n + i] * v[s * n + j];
+        const double d = std::ldexp(static_cast<double>(p), kHessianFracBits);
+        const double r = std::nearbyint(d);  // default rounding: to nearest, ties to even
+        ties += std::fabs(d - std::trunc(d)) == 0.5;
+        large += std::fabs(p) >= 4096.0f;
+        want += 2 * static_cast<Fixed>(r);  // exact: |r| < 2^80 here
+      }
+      ASSERT_EQ(acc.packed()[idx], want) << "entry (" << i << ", " << j << ")";
+    }
+  }
+  std::printf("%lld products exactly halfway on the grid, %lld of magnitude >= 2^12\n",
+              static_cast<long long>(ties), static_cast<long long>(large));
+  EXPECT_GT(ties, 100);
+  EXPECT_GT(large, 20);
+}
+
 TEST(HessianFixedTest, DigitsCarryAndDetectOverflow) {
   const Fixed max = static_cast<Fixed>((static_cast<unsigned __int128>(1) << 127) - 1);
   const Fixed min = -max - 1;

@@ -1,7 +1,7 @@
 #include "worker/calib/hessian.h"
 
 #if defined(__x86_64__)
-#include <emmintrin.h>
+#include <immintrin.h>
 #endif
 
 #include <cblas.h>
@@ -82,6 +82,83 @@ bool AccumulateSymmetric(const T* p, int64_t n, Fixed128* packed) {
   return ok.load();
 }
 
+// row[j] += 2 · Σ_g q(p[g · stride + j]) for j in [jb, je) and g < gs (gs <= 8), q(v) = round(v ·
+// 2^F) as ToFixed. False on overflow or a non-finite value.
+bool AddGroupSumsScalar(const float* p, int64_t stride, int64_t gs, int64_t jb, int64_t je,
+                        Fixed128* row) {
+  for (int64_t j = jb; j < je; ++j) {
+    // |q| < 2^123 each, so up to 8 of them (and twice their sum) stay below 2^127.
+    Fixed128 sum = 0;
+    bool finite = true;
+    for (int64_t g = 0; g < gs; ++g) {
+      Fixed128 a = 0;
+      finite &= ToFixed(static_cast<double>(p[g * stride + j]), &a);
+      sum += a;
+    }
+    if (!finite || !AddChecked(&row[j], 2 * sum)) return false;
+  }
+  return true;
+}
+
+#if defined(__x86_64__)
+// AddGroupSumsScalar, four entries at a time, for entries whose gs values all have |v| < 2^12
+// (the common case; others take the scalar path). Same integers: d = v · 2^50 is exact (v → double
+// and a power of two), |d| < 2^62. Adding and subtracting C = 1.5 · 2^84 rounds d to a multiple of
+// 2^32, hi, exactly (|d| ≪ 2^83); lo = d − hi is exact with |lo| <= 2^31. Then round(d) = hi +
+// round(lo) (hi is even, so ties still go to even), and round(lo) is read from the bits of lo + M,
+// M = 1.5 · 2^52 (|lo| < 2^51): bits(lo + M) − bits(M). The group's hi's are summed in doubles
+// (multiples of 2^32 below 2^66: exact) and the biased bits of the lo's in int64 lanes.
+// Round-to-nearest-even is what ToFixed's cvtsd2si does under the default MXCSR.
+__attribute__((target("avx2"))) bool AddGroupSumsAvx2(const float* p, int64_t stride, int64_t gs,
+                                                      int64_t jb, int64_t je, Fixed128* row) {
+  const __m128i abs_mask = _mm_set1_epi32(0x7fffffff);
+  const int32_t limit_bits = 0x45800000;  // 2^12 as fp32; NaN and ∞ compare above it as integers
+  const __m256d scale = _mm256_set1_pd(kScale), c_hi = _mm256_set1_pd(0x1.8p84),
+                c_lo = _mm256_set1_pd(0x1.8p52);
+  const int64_t bias = gs * static_cast<int64_t>(0x4338000000000000);  // gs · bits(1.5 · 2^52)
+  int64_t j = jb;
+  for (; j + 4 <= je; j += 4) {
+    __m256d shi = _mm256_setzero_pd();
+    __m256i slo = _mm256_setzero_si256();
+    __m128i max_bits = _mm_setzero_si128();
+    for (int64_t g = 0; g < gs; ++g) {
+      const __m128 v = _mm_loadu_ps(p + g * stride + j);
+      max_bits = _mm_max_epi32(max_bits, _mm_and_si128(_mm_castps_si128(v), abs_mask));
+      const __m256d d = _mm256_mul_pd(_mm256_cvtps_pd(v), scale);
+      const __m256d hi = _mm256_sub_pd(_mm256_add_pd(d, c_hi), c_hi);
+      shi = _mm256_add_pd(shi, hi);
+      slo = _mm256_add_epi64(
+          slo, _mm256_castpd_si256(_mm256_add_pd(_mm256_sub_pd(d, hi), c_lo)));
+    }
+    alignas(16) int32_t m[4];
+    _mm_store_si128(reinterpret_cast<__m128i*>(m), max_bits);
+    if (std::max(std::max(m[0], m[1]), std::max(m[2], m[3])) >= limit_bits) {
+      if (!AddGroupSumsScalar(p, stride, gs, j, j + 4, row)) return false;
+      continue;
+    }
+    alignas(32) double h[4];
+    alignas(32) int64_t l[4];
+    _mm256_store_pd(h, _mm256_mul_pd(shi, _mm256_set1_pd(0x1p-32)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(l), slo);
+    for (int k = 0; k < 4; ++k) {
+      const Fixed128 q =
+          static_cast<Fixed128>(static_cast<int64_t>(h[k])) * (int64_t{1} << 32) + (l[k] - bias);
+      if (!AddChecked(&row[j + k], 2 * q)) return false;
+    }
+  }
+  return AddGroupSumsScalar(p, stride, gs, j, je, row);
+}
+#endif
+
+bool AddGroupSums(const float* p, int64_t stride, int64_t gs, int64_t jb, int64_t je,
+                  Fixed128* row) {
+#if defined(__x86_64__)
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2) return AddGroupSumsAvx2(p, stride, gs, jb, je, row);
+#endif
+  return AddGroupSumsScalar(p, stride, gs, jb, je, row);
+}
+
 // Σ_s 2·q(P_s[i][j]) into packed for i <= j, P_s = X_sᵀX_s for each sequence X_s [t, n] (fp32,
 // row-major, sequences consecutive in x). Tiled over the upper triangle: row strips of kRows rows
 // starting at the diagonal, cut into kCols-wide pieces, one parallel work item per piece. A
@@ -125,19 +202,9 @@ bool AccumulateSequenceProducts(const float* x, int64_t seqs, int64_t t, int64_t
         for (int64_t i = i0; i < i0 + mi; ++i) {
           Fixed128* row = packed + (i * n - i * (i - 1) / 2 - i);  // row[j] = T(i, j)
           const float* pi = tiles.data() + (i - i0) * nj - j0;
-          for (int64_t j = std::max(j0, i); j < j0 + nj; ++j) {
-            // |q| < 2^123 each, so up to 8 of them (and twice their sum) stay below 2^127.
-            Fixed128 sum = 0;
-            bool finite = true;
-            for (int64_t g = 0; g < gs; ++g) {
-              Fixed128 a = 0;
-              finite &= ToFixed(static_cast<double>(pi[g * mi * nj + j]), &a);
-              sum += a;
-            }
-            if (!finite || !AddChecked(&row[j], 2 * sum)) {
-              ok.store(false, std::memory_order_relaxed);
-              return;
-            }
+          if (!AddGroupSums(pi, mi * nj, gs, std::max(j0, i), j0 + nj, row)) {
+            ok.store(false, std::memory_order_relaxed);
+            return;
           }
         }
       }
