@@ -105,6 +105,10 @@ Status ValidateScalarRounding(const double* w, int64_t m, int64_t n, const doubl
     return absl::InvalidArgumentError(
         absl::StrCat(what, ": lazy_block = ", c.lazy_block, " must be >= 1"));
   }
+  if (c.num_threads < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": num_threads = ", c.num_threads, " must be >= 0 (0: all CPUs)"));
+  }
   return absl::OkStatus();
 }
 
@@ -306,6 +310,10 @@ StatusOr<ScalarRoundingResult> RoundToNearest(const double* w, int64_t rows, int
   return res;
 }
 
+// Rows per task of GPTQ's and LDLQ's sweeps: fixed, so that every row goes through the same
+// arithmetic (the same single-threaded BLAS shapes) whatever the thread count.
+constexpr int64_t kScalarRowsPerTask = 128;
+
 StatusOr<ScalarRoundingResult> Gptq(const double* w, int64_t m, int64_t n, const double* h,
                                     const ScalarRoundingConfig& config) {
   const char* what = "gptq";
@@ -324,43 +332,54 @@ StatusOr<ScalarRoundingResult> Gptq(const double* w, int64_t m, int64_t n, const
   const bool grouped = qc.granularity == QuantGranularity::kPerGroup;
   const int64_t g = grouped ? std::min(qc.group_size, n) : n;
   const int64_t B = EffectiveLazyBlock(config.lazy_block, qc, n);
-  std::vector<double> err;  // [m, block], the scaled errors (w - q) / R_ii.
 
-  for (int64_t i1 = 0; i1 < n; i1 += B) {
-    const int64_t i2 = std::min(i1 + B, n), bw = i2 - i1;
-    err.assign(m * bw, 0.0);
-    for (int64_t i = i1; i < i2; ++i) {
-      if (grouped && i % g == 0) {
-        const int64_t len = std::min(g, n - i);
-        for (int64_t r = 0; r < m; ++r) {
-          SetParams(&res, r, i / g, ComputeScalarQuantParams(&W[r * n + i], len, qc));
+  // Rows evolve independently (row r's updates need only its own errors and the shared R), so
+  // the sweep runs in fixed tasks of kScalarRowsPerTask rows, each on one thread with
+  // single-threaded BLAS: a task's in-block rank-1 updates stay in cache (the whole-matrix
+  // version streamed m × B doubles per column), and the bits do not depend on the thread count.
+  PinBlasToOneThread();
+  auto run_task = [&](int64_t task) {
+    const int64_t r0 = task * kScalarRowsPerTask, rc = std::min(kScalarRowsPerTask, m - r0);
+    double* Wt = &W[r0 * n];
+    std::vector<double> err(rc * B);  // [rc, block], the scaled errors (w - q) / R_ii.
+    for (int64_t i1 = 0; i1 < n; i1 += B) {
+      const int64_t i2 = std::min(i1 + B, n), bw = i2 - i1;
+      std::fill(err.begin(), err.end(), 0.0);
+      for (int64_t i = i1; i < i2; ++i) {
+        if (grouped && i % g == 0) {
+          const int64_t len = std::min(g, n - i);
+          for (int64_t r = 0; r < rc; ++r) {
+            SetParams(&res, r0 + r, i / g, ComputeScalarQuantParams(&Wt[r * n + i], len, qc));
+          }
+        }
+        const double d = R[i * n + i];
+        for (int64_t r = 0; r < rc; ++r) {
+          const ScalarQuantParams<double> p = ParamsAt(res, r0 + r, grouped ? i / g : 0);
+          const double wv = Wt[r * n + i];
+          const int32_t code = ScalarQuantizeCode(wv, p, cmin, cmax);
+          codes[(r0 + r) * n + i] = code;
+          err[r * bw + (i - i1)] = (wv - ScalarDequantizeCode(code, p)) / d;
+        }
+        if (i + 1 < i2) {  // W[:, i+1:i2] -= err[:, i] ⊗ R[i, i+1:i2] (rank-1, in-block).
+          cblas_dger(CblasRowMajor, static_cast<int>(rc), static_cast<int>(i2 - i - 1), -1.0,
+                     &err[i - i1], static_cast<int>(bw), &R[i * n + i + 1], 1, &Wt[i + 1],
+                     static_cast<int>(n));
         }
       }
-      const double d = R[i * n + i];
-      for (int64_t r = 0; r < m; ++r) {
-        const ScalarQuantParams<double> p = ParamsAt(res, r, grouped ? i / g : 0);
-        const double wv = W[r * n + i];
-        const int32_t code = ScalarQuantizeCode(wv, p, cmin, cmax);
-        codes[r * n + i] = code;
-        err[r * bw + (i - i1)] = (wv - ScalarDequantizeCode(code, p)) / d;
-      }
-      if (i + 1 < i2) {  // W[:, i+1:i2] -= err[:, i] ⊗ R[i, i+1:i2] (rank-1, in-block).
-        cblas_dger(CblasRowMajor, static_cast<int>(m), static_cast<int>(i2 - i - 1), -1.0,
-                   &err[i - i1], static_cast<int>(bw), &R[i * n + i + 1], 1, &W[i + 1],
-                   static_cast<int>(n));
+      if (i2 < n) {  // W[:, i2:] -= Err · R[i1:i2, i2:].
+        cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rc),
+                    static_cast<int>(n - i2), static_cast<int>(bw), -1.0, err.data(),
+                    static_cast<int>(bw), &R[i1 * n + i2], static_cast<int>(n), 1.0, &Wt[i2],
+                    static_cast<int>(n));
       }
     }
-    if (i2 < n) {  // W[:, i2:] -= Err · R[i1:i2, i2:].
-      cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m),
-                  static_cast<int>(n - i2), static_cast<int>(bw), -1.0, err.data(),
-                  static_cast<int>(bw), &R[i1 * n + i2], static_cast<int>(n), 1.0, &W[i2],
-                  static_cast<int>(n));
-    }
-  }
+  };
+  qcal::ParallelTasks((m + kScalarRowsPerTask - 1) / kScalarRowsPerTask, config.num_threads,
+                      run_task);
   FinishScalarResult(codes, &res);
   if (config.refine_sweeps > 0) {
     QCAL_RETURN_IF_ERROR(Annotate(RefineRounding(w, h, config.refine_sweeps, config.damp,
-                                                 config.lazy_block, 0, qc, &res)
+                                                 config.lazy_block, config.num_threads, qc, &res)
                                       .status(),
                                   what));
   }
@@ -380,56 +399,67 @@ StatusOr<ScalarRoundingResult> Ldlq(const double* w, int64_t m, int64_t n, const
   const std::vector<double>& L = ldl->L;  // U[j][k] = L[k][j] for j < k.
 
   const std::vector<double>& W = prep.w;
-  std::vector<double> X = W;          // Targets X = W + (W − Ŵ)U, accumulated lazily.
-  std::vector<double> E(m * n, 0.0);  // W − Ŵ.
   std::vector<int32_t> codes(m * n);
   const int32_t cmin = ScalarCodeMin(qc), cmax = ScalarCodeMax(qc);
   const bool grouped = qc.granularity == QuantGranularity::kPerGroup;
   const int64_t g = grouped ? std::min(qc.group_size, n) : n;
   const int64_t B = EffectiveLazyBlock(config.lazy_block, qc, n);
-  std::vector<double> u(B), state(g);
 
-  for (int64_t b0 = 0; b0 < n; b0 += B) {
-    const int64_t b1 = std::min(b0 + B, n), bw = b1 - b0;
-    if (b0 > 0) {  // X[:, b0:b1] += E[:, :b0] · U[:b0, b0:b1] = E[:, :b0] · L[b0:b1, :b0]ᵀ.
-      cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m),
-                  static_cast<int>(bw), static_cast<int>(b0), 1.0, E.data(), static_cast<int>(n),
-                  &L[b0 * n], static_cast<int>(n), 1.0, &X[b0], static_cast<int>(n));
-    }
-    for (int64_t k = b0; k < b1; ++k) {
-      if (grouped && k % g == 0) {
-        // The group's current targets: feedback recursion with zero error on its own columns.
-        const int64_t len = std::min(g, n - k);
-        for (int64_t r = 0; r < m; ++r) {
-          const double* xr = &X[r * n];
-          const double* wr = &W[r * n];
-          for (int64_t c = 0; c < len; ++c) {
-            const double* lrow = &L[(k + c) * n + k];
-            double s = xr[k + c];
-            for (int64_t i = 0; i < c; ++i) s += (wr[k + i] - state[i]) * lrow[i];
-            state[c] = s;
+  // In fixed row tasks as GPTQ above (the whole-matrix version's rank-1 update per column
+  // streamed m × B doubles from memory: the 20× a dense GEMM at 28672 × 8192), with per-task
+  // targets and errors instead of two [m, n] fp64 buffers.
+  PinBlasToOneThread();
+  auto run_task = [&](int64_t task) {
+    const int64_t r0 = task * kScalarRowsPerTask, rc = std::min(kScalarRowsPerTask, m - r0);
+    const double* Wt = &W[r0 * n];
+    std::vector<double> X(Wt, Wt + rc * n);  // Targets X = W + (W − Ŵ)U, accumulated lazily.
+    std::vector<double> E(rc * n, 0.0);      // W − Ŵ.
+    std::vector<double> u(B), state(g);
+    for (int64_t b0 = 0; b0 < n; b0 += B) {
+      const int64_t b1 = std::min(b0 + B, n), bw = b1 - b0;
+      if (b0 > 0) {  // X[:, b0:b1] += E[:, :b0] · U[:b0, b0:b1] = E[:, :b0] · L[b0:b1, :b0]ᵀ.
+        cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(rc),
+                    static_cast<int>(bw), static_cast<int>(b0), 1.0, E.data(),
+                    static_cast<int>(n), &L[b0 * n], static_cast<int>(n), 1.0, &X[b0],
+                    static_cast<int>(n));
+      }
+      for (int64_t k = b0; k < b1; ++k) {
+        if (grouped && k % g == 0) {
+          // The group's current targets: feedback recursion with zero error on its own columns.
+          const int64_t len = std::min(g, n - k);
+          for (int64_t r = 0; r < rc; ++r) {
+            const double* xr = &X[r * n];
+            const double* wr = &Wt[r * n];
+            for (int64_t c = 0; c < len; ++c) {
+              const double* lrow = &L[(k + c) * n + k];
+              double s = xr[k + c];
+              for (int64_t i = 0; i < c; ++i) s += (wr[k + i] - state[i]) * lrow[i];
+              state[c] = s;
+            }
+            SetParams(&res, r0 + r, k / g, ComputeScalarQuantParams(state.data(), len, qc));
           }
-          SetParams(&res, r, k / g, ComputeScalarQuantParams(state.data(), len, qc));
+        }
+        for (int64_t r = 0; r < rc; ++r) {
+          const ScalarQuantParams<double> p = ParamsAt(res, r0 + r, grouped ? k / g : 0);
+          const int32_t code = ScalarQuantizeCode(X[r * n + k], p, cmin, cmax);
+          codes[(r0 + r) * n + k] = code;
+          E[r * n + k] = Wt[r * n + k] - ScalarDequantizeCode(code, p);
+        }
+        const int64_t rest = b1 - k - 1;
+        if (rest > 0) {  // X[:, k+1:b1] += E[:, k] ⊗ U[k, k+1:b1] (rank-1, in-block).
+          for (int64_t c = 0; c < rest; ++c) u[c] = L[(k + 1 + c) * n + k];
+          cblas_dger(CblasRowMajor, static_cast<int>(rc), static_cast<int>(rest), 1.0, &E[k],
+                     static_cast<int>(n), u.data(), 1, &X[k + 1], static_cast<int>(n));
         }
       }
-      for (int64_t r = 0; r < m; ++r) {
-        const ScalarQuantParams<double> p = ParamsAt(res, r, grouped ? k / g : 0);
-        const int32_t code = ScalarQuantizeCode(X[r * n + k], p, cmin, cmax);
-        codes[r * n + k] = code;
-        E[r * n + k] = W[r * n + k] - ScalarDequantizeCode(code, p);
-      }
-      const int64_t rest = b1 - k - 1;
-      if (rest > 0) {  // X[:, k+1:b1] += E[:, k] ⊗ U[k, k+1:b1] (rank-1, in-block).
-        for (int64_t c = 0; c < rest; ++c) u[c] = L[(k + 1 + c) * n + k];
-        cblas_dger(CblasRowMajor, static_cast<int>(m), static_cast<int>(rest), 1.0, &E[k],
-                   static_cast<int>(n), u.data(), 1, &X[k + 1], static_cast<int>(n));
-      }
     }
-  }
+  };
+  qcal::ParallelTasks((m + kScalarRowsPerTask - 1) / kScalarRowsPerTask, config.num_threads,
+                      run_task);
   FinishScalarResult(codes, &res);
   if (config.refine_sweeps > 0) {
     QCAL_RETURN_IF_ERROR(Annotate(RefineRounding(w, h, config.refine_sweeps, config.damp,
-                                                 config.lazy_block, 0, qc, &res)
+                                                 config.lazy_block, config.num_threads, qc, &res)
                                       .status(),
                                   what));
   }

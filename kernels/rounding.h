@@ -64,6 +64,9 @@ struct ScalarRoundingConfig {
   int64_t lazy_block = 128;  // Columns per lazy batch update (GPTQ's blocksize); >= 1.
   // Refinement sweeps after the pass (RefineRounding below; 0: none).
   int refine_sweeps = 0;
+  // Threads (0 = the CPUs of the affinity mask). The rows are rounded in fixed 128-row tasks
+  // with single-threaded BLAS, so the result does not depend on this.
+  int num_threads = 0;
 };
 
 // What the refinement sweeps did (RefineRounding).

@@ -661,6 +661,35 @@ TEST(RoundingTest, SameSeedBitIdentical) {
   EXPECT_NE(run(seed + 1), x);
 }
 
+TEST(RoundingTest, ScalarRoundingIsIndependentOfThreadCount) {
+  const uint64_t seed = testing::TestSeed();
+  Gaussian g(seed);
+  // GPTQ and LDLQ: 3 row tasks of 128 (the last ragged), 2 lazy blocks (the second ragged).
+  const int64_t m = 300, n = 200;
+  const SyntheticHessian s = MakeHessian(n, g, 6.0, false);
+  const std::vector<double> w = RandomMatrix(m, n, g);
+  for (QuantGranularity gran : {QuantGranularity::kPerChannel, QuantGranularity::kPerGroup}) {
+    ScalarRoundingConfig cfg = ScalarCfg(3, false, gran, 48);
+    cfg.act_order = gran == QuantGranularity::kPerGroup;
+    cfg.refine_sweeps = 1;
+    for (auto* round : {&Gptq, &Ldlq}) {
+      cfg.num_threads = 1;
+      auto a = (*round)(w.data(), m, n, s.h.data(), cfg);
+      cfg.num_threads = 3;
+      auto b = (*round)(w.data(), m, n, s.h.data(), cfg);
+      ASSERT_TRUE(a.ok() && b.ok());
+      EXPECT_EQ(a->codes, b->codes) << (round == &Gptq ? "gptq" : "ldlq");
+      EXPECT_EQ(a->w_hat, b->w_hat);
+      EXPECT_EQ(a->scales, b->scales);
+      EXPECT_EQ(a->zeros, b->zeros);
+    }
+  }
+  ScalarRoundingConfig bad = ScalarCfg(3, true, QuantGranularity::kPerChannel, 0);
+  bad.num_threads = -2;
+  EXPECT_EQ(Gptq(w.data(), m, n, s.h.data(), bad).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(RoundingTest, VectorRoundingIsIndependentOfThreadCount) {
   const uint64_t seed = testing::TestSeed();
   Gaussian g(seed);
