@@ -6,11 +6,13 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <limits>
 #include <string>
 #include <utility>
+#include <vector>
 
 // LAPACK (Fortran ABI; provided by OpenBLAS). The trailing size_t is the hidden length of the
 // character argument that gfortran passes.
@@ -83,6 +85,54 @@ int TiledPotrfLower(double* a, int64_t n) {
                     ni, a + rj * n + k0, ni, 1.0, a + ri * n + rj, ni);
       }
     });
+  }
+  return 0;
+}
+
+// In place L ← L⁻¹ for the row-major lower triangular a (strict upper part zero), in
+// kCholeskyTile tiles on qcal's threads with single-threaded BLAS: first every diagonal tile's own
+// inverse (dtrtri per tile), then tile row by tile row (row i needs the finished rows above it),
+// each off-diagonal tile of the row one task: X_ij = −X_ii · Σ_{j <= k < i} L_ik X_kj, the sum one
+// dgemm over the row's tiles j..i−1 (into a scratch strip: the row's original L is read by the
+// row's other tasks) and the product one dtrmm. Every tile has fixed operation shapes, so the bits
+// do not depend on the thread count. Returns 0, or 1 + the index of a zero diagonal entry.
+int TiledTrtriLower(double* a, int64_t n) {
+  PinBlasToOneThread();
+  const int ni = static_cast<int>(n);
+  const int64_t tiles = (n + kCholeskyTile - 1) / kCholeskyTile;
+  std::atomic<int64_t> bad{0};
+  qcal::ParallelTasks(tiles, 0, [&](int64_t t) {
+    const int64_t k0 = t * kCholeskyTile;
+    const int kb = static_cast<int>(std::min(kCholeskyTile, n - k0));
+    int info = 0;
+    dtrtri_("U", "N", &kb, a + k0 * n + k0, &ni, &info, 1, 1);  // row-major lower, see above
+    if (info > 0) {
+      int64_t want = 0;
+      bad.compare_exchange_strong(want, k0 + info);  // any one singular tile's index
+    }
+  });
+  if (bad.load() != 0) return static_cast<int>(bad.load());
+  std::vector<double> strip;
+  for (int64_t it = 1; it < tiles; ++it) {
+    const int64_t i0 = it * kCholeskyTile, rows = std::min(kCholeskyTile, n - i0);
+    strip.assign(rows * i0, 0.0);  // [rows, i0]: the row's new tiles left of the diagonal
+    qcal::ParallelTasks(it, 0, [&](int64_t jt) {
+      const int64_t j0 = jt * kCholeskyTile;
+      const int64_t cols = kCholeskyTile;  // tiles left of the diagonal are whole
+      double* out = strip.data() + j0;
+      // out = L[i, j0:i0] · X[j0:i0, j0:j0+cols] (X's rows above row i are final; the strict
+      // upper parts of their diagonal tiles are zero).
+      cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows),
+                  static_cast<int>(cols), static_cast<int>(i0 - j0), 1.0, a + i0 * n + j0, ni,
+                  a + j0 * n + j0, ni, 0.0, out, static_cast<int>(i0));
+      // out = −X_ii · out.
+      cblas_dtrmm(CblasRowMajor, CblasLeft, CblasLower, CblasNoTrans, CblasNonUnit,
+                  static_cast<int>(rows), static_cast<int>(cols), -1.0, a + i0 * n + i0, ni, out,
+                  static_cast<int>(i0));
+    });
+    for (int64_t r = 0; r < rows; ++r) {
+      std::copy(strip.data() + r * i0, strip.data() + (r + 1) * i0, a + (i0 + r) * n);
+    }
   }
   return 0;
 }
@@ -321,13 +371,12 @@ StatusOr<std::vector<double>> InverseCholeskyUpper(const double* h, int64_t n) {
   QCAL_RETURN_IF_ERROR(CheckSquare(h, n, what));
   std::vector<double> a = ReversedCopy(h, n);
   QCAL_RETURN_IF_ERROR(PotrfLower(a.data(), n, what, /*reversed=*/true));
-  const int ni = static_cast<int>(n);
-  int info = 0;
-  // Row-major lower C' == column-major upper C'ᵀ; its inverse in place is row-major C'⁻¹.
-  dtrtri_("U", "N", &ni, a.data(), &ni, &info, 1, 1);
+  // C'⁻¹ in place (row-major lower), tiled on qcal's threads.
+  const int info = TiledTrtriLower(a.data(), n);
   if (info != 0) {
     return absl::FailedPreconditionError(
-        absl::StrCat(what, ": dtrtri failed (info = ", info, "): H is singular"));
+        absl::StrCat(what, ": triangular inverse failed (zero diagonal at reversed index ",
+                     info - 1, "): H is singular"));
   }
   Rotate180(a.data(), n);
   return a;

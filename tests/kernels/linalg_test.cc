@@ -174,34 +174,37 @@ TEST(LinalgTest, BlockLdlWithFullBlockIsH) {
 TEST(LinalgTest, GptqInverseFactorMatchesLtDl) {
   // H⁻¹ = Rᵀ R and H = Lᵀ D L are related by L⁻ᵀ = diag(R)⁻¹ R and D = diag(R)⁻² (the algebra
   // behind the GPTQ == LDLQ equivalence).
+  // 96: one tile; 600: three 256-wide tiles of the tiled factor and inverse, the last ragged.
   const uint64_t seed = testing::TestSeed();
   Gaussian g(seed);
-  const int64_t n = 96;
-  const std::vector<double> h = RandomSpd(n, g, 0.05);
-  auto r = InverseCholeskyUpper(h.data(), n);
-  ASSERT_TRUE(r.ok()) << r.status();
-  auto f = LdlDecompose(h.data(), n, LdlForm::kLtDL);
-  ASSERT_TRUE(f.ok());
-  for (int64_t i = 0; i < n; ++i) {
-    for (int64_t j = 0; j < i; ++j) ASSERT_EQ((*r)[i * n + j], 0.0);
-    EXPECT_NEAR(f->D(i, i) * (*r)[i * n + i] * (*r)[i * n + i], 1.0, 1e-10);
+  for (const int64_t n : {96, 600}) {
+    SCOPED_TRACE(n);
+    const std::vector<double> h = RandomSpd(n, g, 0.05);
+    auto r = InverseCholeskyUpper(h.data(), n);
+    ASSERT_TRUE(r.ok()) << r.status();
+    auto f = LdlDecompose(h.data(), n, LdlForm::kLtDL);
+    ASSERT_TRUE(f.ok());
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t j = 0; j < i; ++j) ASSERT_EQ((*r)[i * n + j], 0.0);
+      EXPECT_NEAR(f->D(i, i) * (*r)[i * n + i] * (*r)[i * n + i], 1.0, 1e-10);
+    }
+    // Rᵀ R H = I.
+    std::vector<double> rtr(n * n), prod(n * n), eye(n * n, 0.0);
+    cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, n, n, 1.0, r->data(), n, r->data(), n,
+                0.0, rtr.data(), n);
+    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0, rtr.data(), n, h.data(), n,
+                0.0, prod.data(), n);
+    for (int64_t i = 0; i < n; ++i) eye[i * n + i] = 1.0;
+    EXPECT_LE(RelativeFrobeniusError(prod.data(), eye.data(), n), 1e-10);
+    // Lᵀ · (diag(R)⁻¹ R) = I.
+    std::vector<double> ru(n * n), prod2(n * n);
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t j = 0; j < n; ++j) ru[i * n + j] = (*r)[i * n + j] / (*r)[i * n + i];
+    }
+    cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, n, n, 1.0, f->L.data(), n, ru.data(), n,
+                0.0, prod2.data(), n);
+    EXPECT_LE(RelativeFrobeniusError(prod2.data(), eye.data(), n), 1e-10);
   }
-  // Rᵀ R H = I.
-  std::vector<double> rtr(n * n), prod(n * n), eye(n * n, 0.0);
-  cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, n, n, 1.0, r->data(), n, r->data(), n,
-              0.0, rtr.data(), n);
-  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0, rtr.data(), n, h.data(), n,
-              0.0, prod.data(), n);
-  for (int64_t i = 0; i < n; ++i) eye[i * n + i] = 1.0;
-  EXPECT_LE(RelativeFrobeniusError(prod.data(), eye.data(), n), 1e-10);
-  // Lᵀ · (diag(R)⁻¹ R) = I.
-  std::vector<double> ru(n * n), prod2(n * n);
-  for (int64_t i = 0; i < n; ++i) {
-    for (int64_t j = 0; j < n; ++j) ru[i * n + j] = (*r)[i * n + j] / (*r)[i * n + i];
-  }
-  cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, n, n, 1.0, f->L.data(), n, ru.data(), n,
-              0.0, prod2.data(), n);
-  EXPECT_LE(RelativeFrobeniusError(prod2.data(), eye.data(), n), 1e-10);
 }
 
 // The Cholesky is tiled (256 × 256 tiles, the panel and trailing updates spread over threads): a
