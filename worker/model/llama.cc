@@ -30,17 +30,20 @@ at::Tensor LinearRows(const at::Tensor& x, const at::Tensor& weight) {
   const int64_t rows = x2.size(0);
   std::vector<int64_t> out_sizes(x.sizes().begin(), x.sizes().end());
   out_sizes.back() = weight.size(0);
-  if (rows <= kLinearChunkRows) return at::mm(x2, weight.t()).view(out_sizes);
+  // (A shape mismatch is reported by at::mm on the calling thread.)
+  if (rows <= kLinearChunkRows || weight.dim() != 2 || weight.size(1) != in) {
+    return at::mm(x2, weight.t()).view(out_sizes);
+  }
   at::Tensor out = at::empty({rows, weight.size(0)}, x2.options());
   const at::Tensor wt = weight.t();
   const int64_t chunks = (rows + kLinearChunkRows - 1) / kLinearChunkRows;
-  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) {
-      const int64_t r0 = c * kLinearChunkRows;
-      const int64_t n = std::min(kLinearChunkRows, rows - r0);
-      at::Tensor dst = out.narrow(0, r0, n);
-      at::mm_out(dst, x2.narrow(0, r0, n), wt);
-    }
+  // Chunks on qcal's threads, one single-threaded BLAS GEMM each. (qcal's TUs are not compiled
+  // with OpenMP, so an at::parallel_for here ran every chunk on the calling thread.)
+  qcal::ParallelTasks(chunks, at::get_num_threads(), [&](int64_t c) {
+    const int64_t r0 = c * kLinearChunkRows;
+    const int64_t n = std::min(kLinearChunkRows, rows - r0);
+    at::Tensor dst = out.narrow(0, r0, n);
+    at::mm_out(dst, x2.narrow(0, r0, n), wt);
   });
   return out.view(out_sizes);
 }
