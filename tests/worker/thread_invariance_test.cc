@@ -84,6 +84,28 @@ TEST_F(ThreadInvarianceTest, LinearRowsWithAutogradGivesTheSameBitsForAnyThreadC
   }
 }
 
+// Fine-tuning's held-out passes run under a NoGradGuard while the weights require grad: the
+// chunked path must not hand mm_out a grad-requiring weight on a pool thread, whose own grad
+// mode is enabled (a worker aborted this way with --threads 2).
+TEST_F(ThreadInvarianceTest, LinearRowsUnderNoGradWithAGradRequiringWeightOnManyThreads) {
+  const at::Tensor x = at::randn({1111, 288});
+  const at::Tensor w = (at::randn({768, 288}) * 0.05).set_requires_grad(true);
+  model::SetComputeThreads(1);
+  at::Tensor one;
+  {
+    at::NoGradGuard no_grad;
+    one = model::LinearRows(x, w);
+  }
+  for (int threads : kThreadCounts) {
+    model::SetComputeThreads(threads);
+    at::NoGradGuard no_grad;
+    at::Tensor y;
+    ASSERT_NO_THROW(y = model::LinearRows(x, w)) << threads << " threads";
+    EXPECT_FALSE(y.requires_grad());
+    EXPECT_TRUE(at::equal(one, y)) << threads << " threads";
+  }
+}
+
 TEST_F(ThreadInvarianceTest, SumToDoubleGivesTheSameBitsForAnyThreadCount) {
   // Above LibTorch's 32768-element grain (where its own sum() splits by thread count), not a
   // multiple of the 4096-element chunk, with magnitudes over many binades.

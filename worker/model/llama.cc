@@ -40,6 +40,9 @@ at::Tensor LinearRows(const at::Tensor& x, const at::Tensor& weight) {
   // Chunks on qcal's threads, one single-threaded BLAS GEMM each. (qcal's TUs are not compiled
   // with OpenMP, so an at::parallel_for here ran every chunk on the calling thread.)
   qcal::ParallelTasks(chunks, at::get_num_threads(), [&](int64_t c) {
+    // Grad mode is thread-local: a caller without autograd (a NoGradGuard while a weight requires
+    // grad, as fine-tuning's held-out passes are) must not meet mm_out's autograd check here.
+    at::NoGradGuard no_grad;
     const int64_t r0 = c * kLinearChunkRows;
     const int64_t n = std::min(kLinearChunkRows, rows - r0);
     at::Tensor dst = out.narrow(0, r0, n);
