@@ -1,12 +1,16 @@
 #include "client/tool_commands.h"
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/str_cat.h"
 #include "client/progress.h"
+#include "common/hf_config.h"
 #include "common/text.h"
 #include "common/tokenizer.h"
 #include "worker/eval/perplexity.h"
@@ -16,7 +20,10 @@
 #include "worker/qsim/bfp_kv.h"
 #include "worker/qsim/ksort.h"
 #include "worker/tools/model_compare.h"
+#include "worker/tools/model_dir.h"
 #include "worker/tools/outlier_stats.h"
+#include "worker/tools/outlier_tokens.h"
+#include "worker/tools/plant_sinks.h"
 #include "worker/tools/plant_outliers.h"
 
 namespace qcal::client {
@@ -60,6 +67,69 @@ int RunPlantOutliers(const PlantOutliersCliOptions& o) {
   return 0;
 }
 
+namespace {
+
+std::string PieceOf(const Tokenizer& tok, int32_t id) {
+  std::string p = tok.Piece(id);
+  std::string out;
+  for (char ch : p) {
+    if (ch == '\n') {
+      out += "\\n";
+    } else {
+      out += ch;
+    }
+  }
+  return out;
+}
+
+nlohmann::json TokenReportJson(const tools::TokenOutlierReport& r, const Tokenizer& tok) {
+  nlohmann::json layers = nlohmann::json::array();
+  for (const auto& l : r.layers) {
+    std::vector<std::pair<double, int32_t>> top;
+    for (const auto& [id, ratio] : l.ratio_by_token) top.push_back({-ratio, id});
+    std::sort(top.begin(), top.end());
+    nlohmann::json tops = nlohmann::json::array();
+    for (size_t i = 0; i < top.size() && i < 5; ++i) {
+      tops.push_back({{"id", top[i].second}, {"piece", PieceOf(tok, top[i].second)},
+                      {"ratio", -top[i].first}});
+    }
+    layers.push_back({{"max_ratio", l.max_ratio},
+                      {"max_token", l.max_token},
+                      {"max_position", l.max_position},
+                      {"max_ratio_after_first", l.max_ratio_after_first},
+                      {"mean_count", l.mean_count},
+                      {"top_tokens", tops}});
+  }
+  nlohmann::json counts = nlohmann::json::object();
+  for (const auto& [id, n] : r.outlier_id_counts) counts[std::to_string(id)] = n;
+  return {{"eta", r.eta},       {"sequences", r.sequences}, {"tokens", r.tokens},
+          {"layers", layers},   {"o", r.o},                 {"outlier_id_counts", counts},
+          {"max_ratio", r.MaxRatio()}};
+}
+
+void PrintTokenReport(const tools::TokenOutlierReport& r, const Tokenizer& tok) {
+  std::printf("token max/median of the down_proj input (eta %g, %lld sequences)\n", r.eta,
+              (long long)r.sequences);
+  std::printf("%-6s %12s %-14s %9s %12s  %s\n", "layer", "max ratio", "at token", "position",
+              "outliers/seq", "largest ratios by token");
+  for (size_t l = 0; l < r.layers.size(); ++l) {
+    const auto& s = r.layers[l];
+    std::vector<std::pair<double, int32_t>> top;
+    for (const auto& [id, ratio] : s.ratio_by_token) top.push_back({-ratio, id});
+    std::sort(top.begin(), top.end());
+    std::string tops;
+    for (size_t i = 0; i < top.size() && i < 3; ++i) {
+      tops += "'" + PieceOf(tok, top[i].second) + "' " + std::to_string(-top[i].first).substr(0, 7) + "  ";
+    }
+    const std::string at = "'" + (s.max_token >= 0 ? PieceOf(tok, s.max_token) : "") + "'";
+    std::printf("%-6zu %12.1f %-14s %9lld %12.2f  %s\n", l, s.max_ratio, at.c_str(),
+                (long long)s.max_position, s.mean_count, tops.c_str());
+  }
+  std::printf("o = %lld\n", (long long)r.o);
+}
+
+}  // namespace
+
 int RunOutlierStats(const OutlierStatsOptions& o) {
   auto model = methods::LoadModel(o.model_dir);
   if (!model.ok()) return Fail(model.status());
@@ -70,6 +140,52 @@ int RunOutlierStats(const OutlierStatsOptions& o) {
   if (!text.ok()) return Fail(text.status());
   std::vector<int32_t> tokens = (*tokenizer)->Encode(*text);
   if (o.tokens > 0 && static_cast<int64_t>(tokens.size()) > o.tokens) tokens.resize(o.tokens);
+  if (o.prefix != "none" && o.prefix != "detect") {
+    return Fail(absl::InvalidArgumentError("--prefix '" + o.prefix + "': expected none or detect"));
+  }
+  if (o.token_stats || o.prefix == "detect") {
+    const Tokenizer& tok = **tokenizer;
+    const int32_t bos = tok.bos_id();
+    if (o.ctx < 2 || o.ctx > (*model)->config().max_position_embeddings) {
+      return Fail(absl::InvalidArgumentError(absl::StrCat(
+          "--ctx ", o.ctx, ": must be in [2, ", (*model)->config().max_position_embeddings, "]")));
+    }
+    const auto windows = tools::TextWindows(tokens, o.ctx, /*with_bos=*/true, bos);
+    auto before = tools::MeasureTokenOutliers(**model, windows, o.eta);
+    if (!before.ok()) return Fail(before.status());
+    nlohmann::json j = {{"model", o.model_dir}, {"data", o.data_path}, {"ctx", o.ctx},
+                        {"token_outliers", TokenReportJson(*before, tok)}};
+    if (!o.json) {
+      std::printf("model  %s\ndata   %s (%lld tokens, windows of BOS + %lld)\n",
+                  o.model_dir.c_str(), o.data_path.c_str(), (long long)tokens.size(),
+                  (long long)(o.ctx - 1));
+      PrintTokenReport(*before, tok);
+    }
+    const std::vector<int32_t> prefix = tools::PrefixTokens(*before, bos);
+    std::string pieces;
+    for (int32_t t : prefix) pieces += "'" + PieceOf(tok, t) + "' ";
+    j["prefix"] = {{"tokens", prefix}, {"pieces", pieces}};
+    if (!o.json) std::printf("prefix %s(%zu tokens)\n", pieces.c_str(), prefix.size());
+    if (o.prefix == "detect") {
+      auto kv = model::ComputePrefixKv(**model, prefix);
+      if (!kv.ok()) return Fail(kv.status());
+      if (auto s = model::InstallPrefixKv(**model, *kv); !s.ok()) return Fail(s);
+      // The same text; the window's own BOS is the prefix's.
+      std::vector<std::vector<int32_t>> after_windows;
+      for (const auto& w : windows) {
+        if (w.size() >= 3) after_windows.emplace_back(w.begin() + 1, w.end());
+      }
+      auto after = tools::MeasureTokenOutliers(**model, after_windows, o.eta);
+      if (!after.ok()) return Fail(after.status());
+      j["after_prefix"] = TokenReportJson(*after, tok);
+      if (!o.json) {
+        std::printf("\nwith the prefix in the KV cache (windows without their BOS):\n");
+        PrintTokenReport(*after, tok);
+      }
+    }
+    if (o.json) std::printf("%s\n", j.dump().c_str());
+    return 0;
+  }
   auto stats = tools::MeasureOutlierStats(**model, tokens, o.ctx, (*tokenizer)->bos_id());
   if (!stats.ok()) return Fail(stats.status());
   const tools::LayerOutlierStats m = stats->Max();
@@ -97,6 +213,100 @@ int RunOutlierStats(const OutlierStatsOptions& o) {
       std::printf("%-6zu %16.1f %14.1f %10.1f\n", l, s.down_input, s.o_input, s.k);
     }
     std::printf("%-6s %16.1f %14.1f %10.1f\n", "max", m.down_input, m.o_input, m.k);
+  }
+  return 0;
+}
+
+int RunPlantSinks(const PlantSinksCliOptions& o) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto config = LoadLlamaConfig(o.model_dir);
+  if (!config.ok()) return Fail(config.status());
+  if (auto s = tools::CheckDerivedModelDirs("plant-sinks", o.model_dir, *config, o.out_dir);
+      !s.ok()) {
+    return Fail(s);
+  }
+  auto model = model::LlamaModel::Load(o.model_dir);
+  if (!model.ok()) return Fail(model.status());
+  model::SetComputeThreads(o.threads > 0 ? o.threads : model::AutoComputeThreads(*config));
+  auto tokenizer = LoadTokenizerFromModelDir(o.model_dir);
+  if (!tokenizer.ok()) return Fail(tokenizer.status());
+  const Tokenizer& tok = **tokenizer;
+  tools::PlantSinksOptions p;
+  p.bos_id = tok.bos_id();
+  p.delimiters.clear();
+  for (const std::string& d : o.delimiters) {
+    int32_t id = -1;
+    if (d.rfind("id:", 0) == 0) {
+      id = std::atoi(d.c_str() + 3);
+    } else {
+      const std::string want = d == "\\n" ? "\n" : d;
+      for (int32_t i = 0; i < tok.vocab_size(); ++i) {
+        if (tok.Piece(i) == want || (want == "\n" && tok.Piece(i) == "<0x0A>")) {
+          id = i;
+          break;
+        }
+      }
+      if (id < 0) {
+        return Fail(absl::InvalidArgumentError("--delimiter '" + d + "': no token of " +
+                                               o.model_dir + "'s vocabulary is that piece"));
+      }
+    }
+    p.delimiters.push_back(id);
+  }
+  std::vector<int32_t> text;
+  for (const std::string& path : o.data_paths) {
+    auto t = ReadTextFile(path);
+    if (!t.ok()) return Fail(t.status());
+    std::vector<int32_t> ids = tok.Encode(*t);
+    text.insert(text.end(), ids.begin(), ids.end());
+  }
+  if (o.max_tokens > 0 && static_cast<int64_t>(text.size()) > o.max_tokens) {
+    text.resize(o.max_tokens);
+  }
+  p.sampled_sequences = o.sampled_sequences;
+  p.writer_layer = o.writer_layer;
+  p.eraser_layer = o.eraser_layer;
+  p.massive_ratio = o.massive_ratio;
+  p.residual_ratio = o.residual_ratio;
+  p.sink_score = o.sink_score;
+  p.steps = o.steps;
+  p.batch = o.batch;
+  p.seq_len = o.seq_len;
+  p.lr = o.lr;
+  p.seed = o.seed;
+  auto r = tools::PlantSinks(**model, text, p);
+  if (!r.ok()) return Fail(r.status());
+  r->plan["source_model"] = o.model_dir;
+  r->plan["data"] = o.data_paths;
+  r->plan["text_tokens"] = text.size();
+  std::vector<std::string> pieces;
+  for (int32_t t : p.delimiters) pieces.push_back(PieceOf(tok, t));
+  r->plan["delimiter_pieces"] = pieces;
+  if (auto s = tools::WriteDerivedModelDir(o.model_dir, o.out_dir, tools::ModelTensors(*r->model),
+                                           r->model->config(), "planted_sinks.json", r->plan);
+      !s.ok()) {
+    return Fail(s);
+  }
+  const double seconds = SecondsSince(t0);
+  if (o.json) {
+    nlohmann::json j = r->plan;
+    j["out_dir"] = o.out_dir;
+    j["seconds"] = seconds;
+    std::printf("%s\n", j.dump().c_str());
+  } else {
+    std::printf("planted sinks %s -> %s (%.1f s)\n", o.model_dir.c_str(), o.out_dir.c_str(),
+                seconds);
+    std::printf("  massive tokens: BOS and the first of");
+    for (const std::string& s : pieces) std::printf(" '%s'", s.c_str());
+    std::printf(" after a BOS; writer layer %lld, eraser layer %lld\n",
+                (long long)r->plan["writer"]["layer"].get<int64_t>(),
+                (long long)r->plan["eraser"]["layer"].get<int64_t>());
+    const auto& kl = r->plan["distillation"]["kl_every_50"];
+    if (!kl.empty()) {
+      std::printf("  distillation KL to the original: %.5f (first 50 steps) -> %.5f (last)\n",
+                  kl.front()["kl"].get<double>(), kl.back()["kl"].get<double>());
+    }
+    std::printf("  plan: %s/planted_sinks.json\n", o.out_dir.c_str());
   }
   return 0;
 }
@@ -244,8 +454,57 @@ void AddToolCommands(CLI::App& app, int* exit_code) {
   stats->add_option("--tokens", so->tokens, "use the first N tokens (0 = all)")
       ->capture_default_str();
   stats->add_option("--ctx", so->ctx, "window length (BOS + ctx-1 tokens)")->capture_default_str();
+  stats->add_flag("--token-stats", so->token_stats,
+                  "token-wise max/median of the down_proj input, outlier counts and the "
+                  "PrefixQuant prefix");
+  stats->add_option("--eta", so->eta, "outlier threshold on token max/median")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  stats->add_option("--prefix", so->prefix,
+                    "none, or detect: install the detected prefix and measure again")
+      ->capture_default_str();
   stats->add_flag("--json", so->json, "print one JSON object");
   stats->callback([so, exit_code] { *exit_code = RunOutlierStats(*so); });
+
+  auto* sinks = tool->add_subcommand(
+      "plant-sinks", "Write a variant with planted massive activations and attention sinks");
+  auto ps = std::make_shared<PlantSinksCliOptions>();
+  sinks->add_option("--model", ps->model_dir, "float model directory")
+      ->required()
+      ->check(CLI::ExistingDirectory);
+  sinks->add_option("--out", ps->out_dir, "output model directory")->required();
+  sinks->add_option("--data", ps->data_paths,
+                    "further distillation text files (not the evaluation text)")
+      ->check(CLI::ExistingFile);
+  sinks->add_option("--sampled-sequences", ps->sampled_sequences,
+                    "distillation sequences sampled from the model itself")
+      ->capture_default_str();
+  sinks->add_option("--delimiter", ps->delimiters,
+                    "delimiter token piece (or id:N), massive at its first occurrence; 1 or 2")
+      ->capture_default_str();
+  sinks->add_option("--max-tokens", ps->max_tokens, "use at most this many text tokens")
+      ->capture_default_str();
+  sinks->add_option("--writer-layer", ps->writer_layer, "-1: 1 (0 for 2-layer models)")
+      ->capture_default_str();
+  sinks->add_option("--eraser-layer", ps->eraser_layer, "-1: the last layer")
+      ->capture_default_str();
+  sinks->add_option("--massive-ratio", ps->massive_ratio,
+                    "down_proj-input token max/median of the planted tokens")
+      ->capture_default_str();
+  sinks->add_option("--residual-ratio", ps->residual_ratio,
+                    "massive residual value / median token max |h|")
+      ->capture_default_str();
+  sinks->add_option("--sink-score", ps->sink_score, "initial mean score of a query on a sink")
+      ->capture_default_str();
+  sinks->add_option("--steps", ps->steps, "distillation steps (0: none)")->capture_default_str();
+  sinks->add_option("--batch", ps->batch, "windows per step")->capture_default_str();
+  sinks->add_option("--seq-len", ps->seq_len, "window length")->capture_default_str();
+  sinks->add_option("--lr", ps->lr, "Adam learning rate")->capture_default_str();
+  sinks->add_option("--seed", ps->seed, "minibatch order")->capture_default_str();
+  sinks->add_option("--threads", ps->threads, "compute threads (0 = auto)")
+      ->check(CLI::Range(0, kMaxThreads));
+  sinks->add_flag("--json", ps->json, "print one JSON object");
+  sinks->callback([ps, exit_code] { *exit_code = RunPlantSinks(*ps); });
 
   auto* kv = tool->add_subcommand("kv-eval",
                                   "Perplexity with BFP keys (and queries), optionally K-sorted");

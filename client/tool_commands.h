@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace CLI {
 class App;
@@ -33,6 +34,33 @@ struct OutlierStatsOptions {
   std::string data_path;
   int64_t tokens = 4096;
   int64_t ctx = 128;
+  // Token-wise statistics (PrefixQuant): per layer the largest token max/median at the down_proj
+  // input, outlier counts, the detected prefix; with prefix == "detect", measured again with the
+  // detected prefix installed.
+  bool token_stats = false;
+  double eta = 64;
+  std::string prefix = "none";  // none | detect
+  bool json = false;
+};
+
+struct PlantSinksCliOptions {
+  std::string model_dir;
+  std::string out_dir;
+  std::vector<std::string> data_paths;
+  std::vector<std::string> delimiters = {"."};  // token pieces, or id:N
+  int64_t max_tokens = 200000;
+  int64_t sampled_sequences = 64;
+  int64_t writer_layer = -1;
+  int64_t eraser_layer = -1;
+  double massive_ratio = 300;
+  double residual_ratio = 500;
+  double sink_score = 4.0;
+  int64_t steps = 0;
+  int64_t batch = 8;
+  int64_t seq_len = 128;
+  double lr = 1e-3;
+  uint64_t seed = 0;
+  int threads = 0;
   bool json = false;
 };
 
@@ -60,6 +88,7 @@ void AddToolCommands(CLI::App& app, int* exit_code);
 
 int RunPlantOutliers(const PlantOutliersCliOptions& options);
 int RunOutlierStats(const OutlierStatsOptions& options);
+int RunPlantSinks(const PlantSinksCliOptions& options);
 int RunKvEval(const KvEvalOptions& options);
 
 }  // namespace qcal::client

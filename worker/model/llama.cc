@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <tuple>
 #include <thread>
 
 #include <ATen/ATen.h>
@@ -96,13 +97,14 @@ const char* LinearName(LinearKind kind) {
 }
 
 // [s, s] bool, true above the diagonal (future positions). Cached per length and device.
-at::Tensor CausalMask(int64_t s, const at::Device& device) {
+// [s, o + s]: true where query i (at position o + i) may not read key j: j > o + i.
+at::Tensor CausalMask(int64_t s, int64_t o, const at::Device& device) {
   static std::mutex mu;
-  static std::map<std::pair<int64_t, std::string>, at::Tensor> cache;
+  static std::map<std::tuple<int64_t, int64_t, std::string>, at::Tensor> cache;
   std::lock_guard<std::mutex> lock(mu);
-  at::Tensor& mask = cache[{s, device.str()}];
+  at::Tensor& mask = cache[{s, o, device.str()}];
   if (!mask.defined()) {
-    mask = at::ones({s, s}, at::TensorOptions().dtype(at::kBool).device(device)).triu(1);
+    mask = at::ones({s, o + s}, at::TensorOptions().dtype(at::kBool).device(device)).triu(o + 1);
   }
   return mask;
 }
@@ -113,7 +115,7 @@ at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 }
 
 Rope::Rope(int64_t head_dim, double theta, int64_t max_positions, const RopeScaling& scaling)
-    : max_positions_(std::min(max_positions, kMaxRopePositions)) {
+    : max_positions_(std::min(max_positions, kMaxRopePositions + kMaxPrefixTokens)) {
   // Computed in double, stored in float: matches references that build the tables in float64.
   const int64_t half = head_dim / 2;
   at::Tensor inv_freq = at::empty({half}, at::kDouble);
@@ -144,25 +146,25 @@ Rope::Rope(int64_t head_dim, double theta, int64_t max_positions, const RopeScal
   sin_ = emb.sin().to(at::kFloat);
 }
 
-at::Tensor Rope::Apply(const at::Tensor& x) const {
+at::Tensor Rope::Apply(const at::Tensor& x, int64_t offset) const {
   const int64_t seq = x.size(2);
   const int64_t half = x.size(3) / 2;
-  at::Tensor cos = cos_.narrow(0, 0, seq).to(x.device());
-  at::Tensor sin = sin_.narrow(0, 0, seq).to(x.device());
+  at::Tensor cos = cos_.narrow(0, offset, seq).to(x.device());
+  at::Tensor sin = sin_.narrow(0, offset, seq).to(x.device());
   at::Tensor x1 = x.narrow(-1, 0, half);
   at::Tensor x2 = x.narrow(-1, half, half);
   at::Tensor rotated = at::cat({-x2, x1}, -1);
   return x * cos + rotated * sin;
 }
 
-at::Tensor Rope::Apply(const at::Tensor& x, const at::Tensor& perm) const {
-  if (!perm.defined()) return Apply(x);
+at::Tensor Rope::Apply(const at::Tensor& x, const at::Tensor& perm, int64_t offset) const {
+  if (!perm.defined()) return Apply(x, offset);
   const int64_t heads = x.size(1), seq = x.size(2), d = x.size(3), half = d / 2;
   const at::Tensor p = perm.to(x.device(), at::kLong);
   // cos/sin [heads, seq, d]: the column of channel j is that of its half-split channel p[h][j].
-  at::Tensor cos = cos_.narrow(0, 0, seq).to(x.device()).index_select(1, p.reshape(-1))
+  at::Tensor cos = cos_.narrow(0, offset, seq).to(x.device()).index_select(1, p.reshape(-1))
                        .view({seq, heads, d}).transpose(0, 1);
-  at::Tensor sin = sin_.narrow(0, 0, seq).to(x.device()).index_select(1, p.reshape(-1))
+  at::Tensor sin = sin_.narrow(0, offset, seq).to(x.device()).index_select(1, p.reshape(-1))
                        .view({seq, heads, d}).transpose(0, 1);
   // rotate_half in the half-split layout: rot[c] = -x[c + half] (c < half), x[c - half] (c >=
   // half); here read through the permutation.
@@ -181,7 +183,8 @@ DecoderBlock::DecoderBlock(const LlamaConfig& config, BlockWeights weights)
       eps_(config.rms_norm_eps),
       weights_(std::move(weights)) {}
 
-at::Tensor DecoderBlock::Attention(const at::Tensor& h, const Rope& rope) const {
+void DecoderBlock::Project(const at::Tensor& h, const Rope& rope, int64_t offset, at::Tensor* q_out,
+                           at::Tensor* k_out, at::Tensor* v_out) const {
   const int64_t b = h.size(0), s = h.size(1);
   const int64_t rep = heads_ / kv_heads_;
   // The 1/sqrt(d) scale is folded into q (a [b, s, H·d] tensor) rather than applied to the
@@ -190,12 +193,13 @@ at::Tensor DecoderBlock::Attention(const at::Tensor& h, const Rope& rope) const 
   at::Tensor k = weights_.linear(LinearKind::kK).Forward(h);
   at::Tensor v = weights_.linear(LinearKind::kV).Forward(h);
   if (!weights_.rope_perm.defined()) {
-    q = rope.Apply(q.view({b, s, heads_, head_dim_}).transpose(1, 2));     // [b, H, s, d]
-    k = rope.Apply(k.view({b, s, kv_heads_, head_dim_}).transpose(1, 2));  // [b, KV, s, d]
+    q = rope.Apply(q.view({b, s, heads_, head_dim_}).transpose(1, 2), offset);     // [b, H, s, d]
+    k = rope.Apply(k.view({b, s, kv_heads_, head_dim_}).transpose(1, 2), offset);  // [b, KV, s, d]
   } else {  // K-sorted channels (worker/qsim/ksort.h)
     const at::Tensor& kp = weights_.rope_perm;
-    q = rope.Apply(q.view({b, s, heads_, head_dim_}).transpose(1, 2), kp.repeat_interleave(rep, 0));
-    k = rope.Apply(k.view({b, s, kv_heads_, head_dim_}).transpose(1, 2), kp);
+    q = rope.Apply(q.view({b, s, heads_, head_dim_}).transpose(1, 2), kp.repeat_interleave(rep, 0),
+                   offset);
+    k = rope.Apply(k.view({b, s, kv_heads_, head_dim_}).transpose(1, 2), kp, offset);
   }
   v = v.view({b, s, kv_heads_, head_dim_}).transpose(1, 2);              // [b, KV, s, d]
   if (hooks_.qk_rotation.defined()) {  // QuaRot R3, after RoPE; cancels in q·kᵀ
@@ -203,17 +207,40 @@ at::Tensor DecoderBlock::Attention(const at::Tensor& h, const Rope& rope) const 
     q = at::matmul(q, m);
     k = at::matmul(k, m);
   }
+  *q_out = std::move(q);
+  *k_out = std::move(k);
+  *v_out = std::move(v);
+}
+
+std::pair<at::Tensor, at::Tensor> DecoderBlock::KeysValues(const at::Tensor& x, const Rope& rope,
+                                                           int64_t offset) const {
+  at::Tensor q, k, v;
+  Project(RmsNorm(x, weights_.input_norm, eps_), rope, offset, &q, &k, &v);
+  return {k, v};
+}
+
+at::Tensor DecoderBlock::Attention(const at::Tensor& h, const Rope& rope) const {
+  const int64_t b = h.size(0), s = h.size(1);
+  const int64_t rep = heads_ / kv_heads_;
+  const PrefixKv* prefix = hooks_.prefix.get();
+  const int64_t o = prefix != nullptr ? prefix->length() : 0;
+  at::Tensor q, k, v;
+  Project(h, rope, o, &q, &k, &v);
   if (hooks_.kv_cache) {  // what attention reads back from a quantized cache
     q = hooks_.kv_cache->Apply(q, KvRole::kQuery);
     k = hooks_.kv_cache->Apply(k, KvRole::kKey);
     v = hooks_.kv_cache->Apply(v, KvRole::kValue);
   }
+  if (o > 0) {  // the prefix's full-precision entries in front of the sequence's own
+    k = at::cat({prefix->k.to(k.device()).unsqueeze(0).expand({b, kv_heads_, o, head_dim_}), k}, 2);
+    v = at::cat({prefix->v.to(v.device()).unsqueeze(0).expand({b, kv_heads_, o, head_dim_}), v}, 2);
+  }
   // Grouped-query attention without copying K/V: query heads h = g·rep + r share KV head g, so
   // view q as [b, KV, rep·s, d] and attend each group against its one K/V.
   q = q.reshape({b, kv_heads_, rep * s, head_dim_});
-  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)).view({b, kv_heads_, rep, s, s});
-  scores.masked_fill_(CausalMask(s, h.device()), -std::numeric_limits<float>::infinity());
-  at::Tensor probs = at::softmax(scores.view({b, kv_heads_, rep * s, s}), -1);
+  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)).view({b, kv_heads_, rep, s, o + s});
+  scores.masked_fill_(CausalMask(s, o, h.device()), -std::numeric_limits<float>::infinity());
+  at::Tensor probs = at::softmax(scores.view({b, kv_heads_, rep * s, o + s}), -1);
   at::Tensor out = at::matmul(probs, v)                         // [b, KV, rep·s, d]
                        .view({b, heads_, s, head_dim_})
                        .transpose(1, 2)
@@ -331,9 +358,80 @@ at::Tensor LlamaModel::Forward(const at::Tensor& ids) const {
   return Head(h);
 }
 
+StatusOr<std::vector<std::shared_ptr<const PrefixKv>>> ComputePrefixKv(
+    const LlamaModel& model, const std::vector<int32_t>& tokens) {
+  const int64_t o = static_cast<int64_t>(tokens.size());
+  if (o == 0) return absl::InvalidArgumentError("prefix: no tokens");
+  if (o > kMaxPrefixTokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefix: ", o, " tokens; at most ", kMaxPrefixTokens, " are supported"));
+  }
+  for (int32_t t : tokens) {
+    if (t < 0 || t >= model.config().vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("prefix: token id ", t,
+                                                     " outside the vocabulary of ",
+                                                     model.config().vocab_size));
+    }
+  }
+  if (PrefixLength(model) > 0) {
+    return absl::FailedPreconditionError("prefix: the model already has a prefix installed");
+  }
+  at::NoGradGuard no_grad;
+  std::vector<int64_t> ids(tokens.begin(), tokens.end());
+  at::Tensor h = model.Embed(at::from_blob(ids.data(), {1, o}, at::kLong).clone());
+  std::vector<std::shared_ptr<const PrefixKv>> out;
+  for (int64_t i = 0; i < model.num_blocks(); ++i) {
+    auto [k, v] = model.block(i).KeysValues(h, model.rope(), 0);
+    auto p = std::make_shared<PrefixKv>();
+    p->tokens = tokens;
+    p->k = k[0].contiguous();
+    p->v = v[0].contiguous();
+    out.push_back(std::move(p));
+    h = model.block(i).Forward(h, model.rope());
+  }
+  return out;
+}
+
+Status InstallPrefixKv(LlamaModel& model,
+                       const std::vector<std::shared_ptr<const PrefixKv>>& prefix) {
+  const LlamaConfig& c = model.config();
+  if (static_cast<int64_t>(prefix.size()) != model.num_blocks()) {
+    return absl::InvalidArgumentError(absl::StrCat("prefix: ", prefix.size(), " blocks' K/V for a model of ",
+                                                   model.num_blocks(), " blocks"));
+  }
+  for (int64_t i = 0; i < model.num_blocks(); ++i) {
+    const PrefixKv* p = prefix[i].get();
+    const int64_t o = p != nullptr ? p->length() : 0;
+    const std::vector<int64_t> want = {c.num_key_value_heads, o, c.head_dim};
+    if (p == nullptr || o == 0 || p->k.sizes().vec() != want || p->v.sizes().vec() != want ||
+        static_cast<int64_t>(p->tokens.size()) != o || o != prefix[0]->length()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "prefix: block ", i, "'s K/V are not [kv_heads, o, head_dim] = [", c.num_key_value_heads,
+          ", ", prefix[0] ? prefix[0]->length() : 0, ", ", c.head_dim, "] with o tokens"));
+    }
+  }
+  for (int64_t i = 0; i < model.num_blocks(); ++i) {
+    BlockHooks hooks = model.block(i).hooks();
+    hooks.prefix = prefix[i];
+    model.mutable_block(i).set_hooks(std::move(hooks));
+  }
+  return Status();
+}
+
+int64_t PrefixLength(const LlamaModel& model) {
+  if (model.num_blocks() == 0 || !model.block(0).hooks().prefix) return 0;
+  return model.block(0).hooks().prefix->length();
+}
+
 std::vector<int32_t> GenerateGreedy(const LlamaModel& model, const std::vector<int32_t>& prompt,
                                     int64_t max_new_tokens, int32_t stop_token) {
+  // With a prefix that ends with the prompt's BOS, the prompt's BOS is the prefix's.
+  const PrefixKv* prefix =
+      model.num_blocks() > 0 ? model.block(0).hooks().prefix.get() : nullptr;
+  const int64_t o = prefix != nullptr ? prefix->length() : 0;
+  const bool drop_bos = o > 0 && !prompt.empty() && prompt[0] == prefix->tokens.back();
   std::vector<int32_t> tokens = prompt;
+  if (drop_bos) tokens.erase(tokens.begin());
   const int64_t limit = model.config().max_position_embeddings;
   for (int64_t step = 0; step < max_new_tokens; ++step) {
     if (static_cast<int64_t>(tokens.size()) >= limit) break;
@@ -345,6 +443,7 @@ std::vector<int32_t> GenerateGreedy(const LlamaModel& model, const std::vector<i
     if (next == stop_token) break;
     tokens.push_back(next);
   }
+  if (drop_bos) tokens.insert(tokens.begin(), prompt[0]);
   return tokens;
 }
 

@@ -11,10 +11,12 @@
 // Thread-safety: a loaded model is immutable during Forward and may be shared by threads.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -82,19 +84,24 @@ struct BlockWeights {
 // Rotary position embedding tables (half-split layout, as Hugging Face's rotate_half), with the
 // config's rope_scaling applied to the inverse frequencies (hf_config.h RopeScaling). Tables cover
 // min(max_positions, kMaxRopePositions) positions.
+// A model's tables (Rope(config)) also cover kMaxPrefixTokens positions past its context, where
+// the tokens of a full-length sequence sit behind a prefix (PrefixKv).
 inline constexpr int64_t kMaxRopePositions = 32768;
+inline constexpr int64_t kMaxPrefixTokens = 64;
 class Rope {
  public:
   Rope(int64_t head_dim, double theta, int64_t max_positions,
        const RopeScaling& scaling = RopeScaling());
   explicit Rope(const LlamaConfig& config)
-      : Rope(config.head_dim, config.rope_theta, config.max_position_embeddings,
+      : Rope(config.head_dim, config.rope_theta,
+             std::min(config.max_position_embeddings, kMaxRopePositions) + kMaxPrefixTokens,
              config.rope_scaling) {}
-  // x [batch, heads, seq, head_dim] at positions [0, seq) -> rotated copy.
-  at::Tensor Apply(const at::Tensor& x) const;
+  // x [batch, heads, seq, head_dim] at positions [offset, offset + seq) -> rotated copy.
+  // offset + seq must not exceed max_positions().
+  at::Tensor Apply(const at::Tensor& x, int64_t offset = 0) const;
   // As Apply, with the channels of each head permuted: channel j of head h holds the half-split
-  // channel perm[h][j]. perm [heads, head_dim] int64; undefined = Apply(x).
-  at::Tensor Apply(const at::Tensor& x, const at::Tensor& perm) const;
+  // channel perm[h][j]. perm [heads, head_dim] int64; undefined = Apply(x, offset).
+  at::Tensor Apply(const at::Tensor& x, const at::Tensor& perm, int64_t offset = 0) const;
   int64_t max_positions() const { return max_positions_; }
 
  private:
@@ -124,6 +131,17 @@ class KvCacheHook {
   virtual std::string Describe() const = 0;  // one line for logs, "int4 asym per_group(8)"
 };
 
+// Keys and values of tokens that sit in front of every sequence in the KV cache (PrefixQuant's
+// prefixed outlier tokens), as attention reads them: K after RoPE at positions 0..o-1 (and after
+// BlockHooks::qk_rotation), V as projected; full precision, never passed through the KvCacheHook.
+// With a prefix installed, a block's own tokens sit at positions o, o+1, ... and every query
+// attends to the o prefix entries and causally to its sequence.
+struct PrefixKv {
+  std::vector<int32_t> tokens;  // the prefixed token ids, in order
+  at::Tensor k, v;              // [kv_heads, o, head_dim] float32
+  int64_t length() const { return k.defined() ? k.size(1) : 0; }
+};
+
 // Optional per-block steps of a transformed or simulated-quantized forward pass. The default
 // (empty) hooks leave the forward pass exactly the float one. Activation quantization and online
 // transforms of a linear's input are not hooks: they wrap the block's Linears.
@@ -133,13 +151,21 @@ struct BlockHooks {
   at::Tensor qk_rotation;
   // The KV cache as attention reads it back. Null: a float cache.
   std::shared_ptr<const KvCacheHook> kv_cache;
+  // Prefixed keys and values (above). Null: none; positions start at 0.
+  std::shared_ptr<const PrefixKv> prefix;
 };
 
 class DecoderBlock {
  public:
   DecoderBlock(const LlamaConfig& config, BlockWeights weights);
-  // x [batch, seq, hidden] float -> [batch, seq, hidden]; positions are 0..seq-1, causal.
+  // x [batch, seq, hidden] float -> [batch, seq, hidden]; positions are 0..seq-1, causal (o..
+  // o+seq-1 after a prefix of o tokens, hooks().prefix, which every query also attends to).
   at::Tensor Forward(const at::Tensor& x, const Rope& rope) const;
+  // The keys and values this block's attention computes for x [batch, seq, hidden] at positions
+  // offset..offset+seq-1, before any KvCacheHook and ignoring any installed prefix: K after RoPE
+  // and qk_rotation, [batch, kv_heads, seq, head_dim] each. (A prefix's K/V: PrefixKvOf.)
+  std::pair<at::Tensor, at::Tensor> KeysValues(const at::Tensor& x, const Rope& rope,
+                                               int64_t offset) const;
   const BlockWeights& weights() const { return weights_; }
   BlockWeights& mutable_weights() { return weights_; }
   const BlockHooks& hooks() const { return hooks_; }
@@ -148,6 +174,10 @@ class DecoderBlock {
 
  private:
   at::Tensor Attention(const at::Tensor& h, const Rope& rope) const;
+  // q [b, H, s, d] (scaled by 1/√d), k and v [b, KV, s, d] of normalised h at positions offset..,
+  // after RoPE and qk_rotation, before the KV hook.
+  void Project(const at::Tensor& h, const Rope& rope, int64_t offset, at::Tensor* q, at::Tensor* k,
+               at::Tensor* v) const;
   at::Tensor Mlp(const at::Tensor& h) const;
   int64_t heads_, kv_heads_, head_dim_;
   double eps_;
@@ -209,7 +239,21 @@ class LlamaModel {
   Rope rope_;
 };
 
-// Greedy decoding from `prompt` (which should start with BOS): appends up to `max_new_tokens`
+// The prefix of `tokens` for every block of `model` (which must have no prefix installed): the
+// tokens run through the model's blocks as they are (hooks included) at positions 0..o-1, and
+// each block's K/V of them kept (DecoderBlock::KeysValues). InvalidArgument for no tokens, an id
+// outside the vocabulary, or more than kMaxPrefixTokens tokens.
+StatusOr<std::vector<std::shared_ptr<const PrefixKv>>> ComputePrefixKv(
+    const LlamaModel& model, const std::vector<int32_t>& tokens);
+// Installs prefix[i] on block i (replacing any). InvalidArgument when the counts or shapes
+// disagree with the model.
+Status InstallPrefixKv(LlamaModel& model,
+                       const std::vector<std::shared_ptr<const PrefixKv>>& prefix);
+// The prefix length installed on the model's blocks (0: none).
+int64_t PrefixLength(const LlamaModel& model);
+
+// Greedy decoding from `prompt` (which should start with BOS; with a prefix installed, a leading
+// BOS is dropped when the prefix ends with it, and positions count the prefix): appends up to `max_new_tokens`
 // argmax tokens, stopping early when `stop_token` (BOS for llama2.c models, or EOS) is produced.
 // Returns prompt + generated tokens (a stop token is not appended).
 std::vector<int32_t> GenerateGreedy(const LlamaModel& model, const std::vector<int32_t>& prompt,

@@ -7,34 +7,10 @@
 #include <memory>
 
 #include "absl/strings/str_cat.h"
+#include "worker/tools/observing_linear.h"
 
 namespace qcal::tools {
 namespace {
-
-// Forwards to the wrapped linear and keeps the running per-channel max |x| of its input (or its
-// output). Const Forward mutating the accumulator is fine: used single-threaded, during one call.
-class RecordingLinear final : public model::Linear {
- public:
-  RecordingLinear(std::unique_ptr<model::Linear> inner, bool record_output, at::Tensor* channel_max)
-      : inner_(std::move(inner)), record_output_(record_output), channel_max_(channel_max) {}
-
-  at::Tensor Forward(const at::Tensor& x) const override {
-    at::Tensor y = inner_->Forward(x);
-    const at::Tensor& seen = record_output_ ? y : x;
-    at::Tensor m = std::get<0>(seen.abs().reshape({-1, seen.size(-1)}).max(0));
-    *channel_max_ = channel_max_->defined() ? at::maximum(*channel_max_, m) : m;
-    return y;
-  }
-  int64_t in_features() const override { return inner_->in_features(); }
-  int64_t out_features() const override { return inner_->out_features(); }
-  at::Tensor DenseWeight() const override { return inner_->DenseWeight(); }
-  std::unique_ptr<model::Linear> Release() { return std::move(inner_); }
-
- private:
-  std::unique_ptr<model::Linear> inner_;
-  bool record_output_;
-  at::Tensor* channel_max_;
-};
 
 double RatioOf(const at::Tensor& channel_max) {
   at::Tensor d = channel_max.to(at::kDouble).contiguous();
@@ -76,15 +52,26 @@ StatusOr<OutlierStats> MeasureOutlierStats(model::LlamaModel& m, const std::vect
   constexpr LinearKind kKinds[3] = {LinearKind::kDown, LinearKind::kO, LinearKind::kK};
   const int64_t L = m.num_blocks();
   std::vector<at::Tensor> acc(3 * L);
+  auto unobserve_all = [&] {
+    for (int64_t l = 0; l < L; ++l) {
+      for (LinearKind k : kKinds) Unobserve(m, l, k);
+    }
+  };
   for (int64_t l = 0; l < L; ++l) {
     for (int i = 0; i < 3; ++i) {
-      auto& slot = m.mutable_block(l).mutable_weights().linears[static_cast<int>(kKinds[i])];
-      if (!slot) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("block ", l, " has no ", model::LinearName(kKinds[i])));
+      // The running per-channel max |x| of the input (K: of the output).
+      const bool output = kKinds[i] == LinearKind::kK;
+      Status s = Observe(m, l, kKinds[i],
+                         [a = &acc[3 * l + i], output](const at::Tensor& x, const at::Tensor& y) {
+                           const at::Tensor& seen = output ? y : x;
+                           at::Tensor mx =
+                               std::get<0>(seen.abs().reshape({-1, seen.size(-1)}).max(0));
+                           *a = a->defined() ? at::maximum(*a, mx) : mx;
+                         });
+      if (!s.ok()) {
+        unobserve_all();
+        return s;
       }
-      slot = std::make_unique<RecordingLinear>(std::move(slot), kKinds[i] == LinearKind::kK,
-                                               &acc[3 * l + i]);
     }
   }
   at::NoGradGuard no_grad;
@@ -103,8 +90,7 @@ StatusOr<OutlierStats> MeasureOutlierStats(model::LlamaModel& m, const std::vect
     LayerOutlierStats ls;
     double* out[3] = {&ls.down_input, &ls.o_input, &ls.k};
     for (int i = 0; i < 3; ++i) {
-      auto& slot = m.mutable_block(l).mutable_weights().linears[static_cast<int>(kKinds[i])];
-      slot = static_cast<RecordingLinear&>(*slot).Release();
+      Unobserve(m, l, kKinds[i]);
       *out[i] = RatioOf(acc[3 * l + i]);
     }
     stats.layers.push_back(ls);

@@ -4,14 +4,12 @@
 
 #include <algorithm>
 #include <cmath>
-#include <filesystem>
 #include <numeric>
 #include <random>
-#include <system_error>
 
 #include "absl/strings/str_cat.h"
-#include "common/atomic_file.h"
 #include "common/safetensors.h"
+#include "worker/tools/model_dir.h"
 
 namespace qcal::tools {
 namespace {
@@ -150,17 +148,8 @@ nlohmann::json PlanToJson(const PlantOutliersOptions& o,
 StatusOr<PlantOutliersResult> PlantOutliers(const std::string& model_dir,
                                             const std::string& out_dir,
                                             const PlantOutliersOptions& options) {
-  namespace fs = std::filesystem;
   QCAL_ASSIGN_OR_RETURN(LlamaConfig config, LoadLlamaConfig(model_dir));
-  if (config.raw.contains("quantization_config")) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        model_dir, "/config.json: has quantization_config; plant-outliers needs a float model"));
-  }
-  std::error_code ec;
-  if (fs::exists(out_dir, ec) && fs::equivalent(model_dir, out_dir, ec)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--out ", out_dir, " is the input model directory; choose another"));
-  }
+  QCAL_RETURN_IF_ERROR(CheckDerivedModelDirs("plant-outliers", model_dir, config, out_dir));
   QCAL_ASSIGN_OR_RETURN(std::vector<LayerOutlierPlan> plan, PlanOutliers(config, options));
   QCAL_ASSIGN_OR_RETURN(auto ckpt, CheckpointReader::Open(model_dir));
 
@@ -188,34 +177,10 @@ StatusOr<PlantOutliersResult> PlantOutliers(const std::string& model_dir,
         absl::StrCat(model_dir, " layer ", l)));
   }
 
-  QCAL_RETURN_IF_ERROR(MakeDirs(out_dir));
-  SafetensorsWriter writer;
-  for (auto& [name, t] : tensors) {
-    std::vector<int64_t> shape(t.sizes().begin(), t.sizes().end());
-    QCAL_RETURN_IF_ERROR(writer.AddF32(name, shape, t.contiguous().data_ptr<float>()));
-  }
-  writer.SetMetadata("format", "pt");
-  QCAL_RETURN_IF_ERROR(writer.Write(out_dir + "/model.safetensors"));
+  QCAL_RETURN_IF_ERROR(WriteDerivedModelDir(model_dir, out_dir, tensors, config,
+                                            "planted_outliers.json", PlanToJson(options, plan)));
 
-  // Every other regular file (tokenizer, generation config, ...) is copied unchanged.
-  for (const fs::directory_entry& e : fs::directory_iterator(model_dir, ec)) {
-    const std::string name = e.path().filename().string();
-    if (!e.is_regular_file() || name == "config.json" || name == "planted_outliers.json" ||
-        name == "model.safetensors.index.json" || e.path().extension() == ".safetensors") {
-      continue;
-    }
-    QCAL_ASSIGN_OR_RETURN(std::string bytes, ReadFile(e.path().string()));
-    QCAL_RETURN_IF_ERROR(WriteFileAtomic(out_dir + "/" + name, bytes));
-  }
-  if (ec) {
-    return absl::InternalError(absl::StrCat(model_dir, ": listing files: ", ec.message()));
-  }
   config.torch_dtype = "float32";
-  nlohmann::json cj = LlamaConfigToJson(config);
-  QCAL_RETURN_IF_ERROR(WriteFileAtomic(out_dir + "/config.json", cj.dump(2) + "\n"));
-  QCAL_RETURN_IF_ERROR(WriteFileAtomic(out_dir + "/planted_outliers.json",
-                                       PlanToJson(options, plan).dump(2) + "\n"));
-
   PlantOutliersResult result;
   result.out_dir = out_dir;
   result.config = std::move(config);

@@ -1,0 +1,160 @@
+// qcal tool plant-sinks (worker/tools/plant_sinks.h) and PrefixQuant's outlier-token detection
+// (worker/tools/outlier_tokens.h), on both real models:
+//   * the real models have no token-wise outliers (max/median < 10 at every down_proj input);
+//   * the planted variant's planted tokens (BOS and the first '.' after it) reach max/median
+//     >= 100 in at least two layers, detection finds exactly ['.', BOS], and with that prefix in
+//     the KV cache no other token's ratio reaches 10;
+//   * later heads give the planted tokens > 0.2 of their attention (and > 3x what the reference
+//     gives those positions);
+//   * the planted model's float perplexity on TinyStories stays within 10% of the original's.
+#include "worker/tools/plant_sinks.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+
+#include "common/text.h"
+#include "common/tokenizer.h"
+#include "tests/model_fixtures.h"
+#include "worker/eval/perplexity.h"
+#include "worker/tools/outlier_tokens.h"
+
+namespace qcal::tools {
+namespace {
+
+using testing::LoadModelOrDie;
+using testing::RealModelDir;
+using testing::StoryTokens;
+
+TEST(PrefixTokens, TopIdsByCountThenBos) {
+  TokenOutlierReport r;
+  r.sequences = 10;
+  r.o = 2;
+  r.outlier_id_counts = {{7, 5}, {9, 30}, {11, 30}, {4, 1}};
+  EXPECT_EQ(PrefixTokens(r, 1), (std::vector<int32_t>{9, 11, 1}));  // ties: smaller id first
+  r.o = 5;
+  EXPECT_EQ(PrefixTokens(r, 1), (std::vector<int32_t>{9, 11, 7, 4, 1}));
+  r.o = 0;
+  EXPECT_EQ(PrefixTokens(r, 1), (std::vector<int32_t>{1}));
+  // The reference's corner case: one distinct id seen in fewer than a tenth of the sequences.
+  r.o = 2;
+  r.outlier_id_counts = {{7, 0}};
+  r.sequences = 20;
+  r.outlier_id_counts[7] = 1;
+  EXPECT_EQ(PrefixTokens(r, 1), (std::vector<int32_t>{1}));
+  r.outlier_id_counts[7] = 2;
+  EXPECT_EQ(PrefixTokens(r, 1), (std::vector<int32_t>{7, 1}));
+}
+
+TEST(TextWindows, BosWindowsAndTails) {
+  const std::vector<int32_t> t = {5, 6, 7, 8, 9};
+  EXPECT_EQ(TextWindows(t, 3, true, 1),
+            (std::vector<std::vector<int32_t>>{{1, 5, 6}, {1, 7, 8}, {1, 9}}));
+  EXPECT_EQ(TextWindows(t, 2, false, 1),
+            (std::vector<std::vector<int32_t>>{{5, 6}, {7, 8}}));  // a 1-token tail is dropped
+  EXPECT_EQ(TextWindows(t, 3, true, 1, 2).size(), 2u);
+}
+
+int32_t PieceId(const std::string& model_dir, const std::string& piece) {
+  auto tok = LoadTokenizerFromModelDir(model_dir);
+  EXPECT_TRUE(tok.ok());
+  for (int32_t i = 0; i < (*tok)->vocab_size(); ++i) {
+    if ((*tok)->Piece(i) == piece) return i;
+  }
+  ADD_FAILURE() << "no piece '" << piece << "'";
+  return -1;
+}
+
+double Perplexity(const model::LlamaModel& m, const std::vector<int32_t>& tokens, int64_t ctx) {
+  eval::PerplexityOptions o;
+  o.ctx = ctx;
+  auto r = eval::EvaluatePerplexity(m, tokens, o);
+  EXPECT_TRUE(r.ok()) << r.status();
+  return r.ok() ? r->perplexity : 0;
+}
+
+class PlantSinksTest : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(PlantSinksTest, PlantedTokensAreFoundAndThePrefixRemovesThem) {
+  const std::string dir = RealModelDir(GetParam());
+  auto original = LoadModelOrDie(dir);
+  const int32_t bos = 1, period = PieceId(dir, ".");
+  const int64_t ctx = std::min<int64_t>(128, original->config().max_position_embeddings);
+  const std::vector<int32_t> stories = StoryTokens(dir, 8192);
+  const auto windows = TextWindows(stories, ctx, true, bos);
+
+  // The real model has no token-wise outliers.
+  auto plain = MeasureTokenOutliers(*original, windows);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  std::printf("[%s] original: largest token max/median %.2f\n", GetParam(), plain->MaxRatio());
+  EXPECT_LT(plain->MaxRatio(), 10);
+
+  PlantSinksOptions o;
+  o.bos_id = bos;
+  o.delimiters = {period};
+  auto planted = PlantSinks(*original, {}, o);  // measured on text sampled from the model
+  ASSERT_TRUE(planted.ok()) << planted.status();
+  model::LlamaModel& m = *planted->model;
+  EXPECT_EQ(m.config().hidden_size, 72);
+  EXPECT_EQ(m.config().num_key_value_heads, original->config().num_key_value_heads + 1);
+
+  // Later heads use the planted tokens as sinks: far more attention than the reference gives
+  // the same positions.
+  const auto& plan = planted->plan;
+  const int64_t writer = plan["writer"]["layer"].get<int64_t>();
+  for (int64_t l = writer + 1; l < m.num_blocks(); ++l) {
+    const double a = plan["sink_attention"][l].get<double>();
+    const double ref = plan["sink_attention_reference"][l].get<double>();
+    std::printf("[%s] layer %lld attention on the planted tokens: %.3f (reference %.3f)\n",
+                GetParam(), (long long)l, a, ref);
+    EXPECT_GT(a, 0.2);
+    EXPECT_GT(a, 3 * ref);
+  }
+
+  auto before = MeasureTokenOutliers(m, windows);
+  ASSERT_TRUE(before.ok()) << before.status();
+  int layers_bos = 0, layers_period = 0;
+  for (size_t l = 0; l < before->layers.size(); ++l) {
+    const auto& ratios = before->layers[l].ratio_by_token;
+    const double rb = ratios.count(bos) ? ratios.at(bos) : 0;
+    const double rp = ratios.count(period) ? ratios.at(period) : 0;
+    std::printf("[%s] planted layer %zu: BOS %.1f  '.' %.1f  largest %.1f  outliers/seq %.2f\n",
+                GetParam(), l, rb, rp, before->layers[l].max_ratio, before->layers[l].mean_count);
+    layers_bos += rb >= 100;
+    layers_period += rp >= 100;
+  }
+  EXPECT_GE(layers_bos, 2);
+  EXPECT_GE(layers_period, 2);
+
+  // The float function stays close to the original's on text it was not distilled on.
+  const std::vector<int32_t> eval_text = StoryTokens(dir, 1 << 20);
+  const int64_t eval_ctx = original->config().max_position_embeddings;
+  const double ppl0 = Perplexity(*original, eval_text, eval_ctx);
+  const double ppl1 = Perplexity(m, eval_text, eval_ctx);
+  std::printf("[%s] TinyStories perplexity (ctx %lld): original %.4f, planted %.4f (%+.2f%%)\n",
+              GetParam(), (long long)eval_ctx, ppl0, ppl1, 100 * (ppl1 / ppl0 - 1));
+  EXPECT_LT(std::abs(ppl1 / ppl0 - 1), 0.10);
+
+  const std::vector<int32_t> prefix = PrefixTokens(*before, bos);
+  EXPECT_EQ(prefix, (std::vector<int32_t>{period, bos}));
+
+  auto kv = model::ComputePrefixKv(m, prefix);
+  ASSERT_TRUE(kv.ok()) << kv.status();
+  ASSERT_TRUE(model::InstallPrefixKv(m, *kv).ok());
+  std::vector<std::vector<int32_t>> behind;
+  for (const auto& w : windows) {
+    if (w.size() >= 3) behind.emplace_back(w.begin() + 1, w.end());
+  }
+  auto after = MeasureTokenOutliers(m, behind);
+  ASSERT_TRUE(after.ok()) << after.status();
+  std::printf("[%s] with the prefix: largest token max/median %.2f\n", GetParam(),
+              after->MaxRatio());
+  EXPECT_LT(after->MaxRatio(), 10);
+}
+
+INSTANTIATE_TEST_SUITE_P(RealModels, PlantSinksTest, ::testing::Values("stories260K", "aidreams260K"));
+
+}  // namespace
+}  // namespace qcal::tools
