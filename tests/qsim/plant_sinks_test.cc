@@ -75,6 +75,30 @@ double Perplexity(const model::LlamaModel& m, const std::vector<int32_t>& tokens
   return r.ok() ? r->perplexity : 0;
 }
 
+TEST(PlantSinksOptions, BadOptionsAreRefusedWithTheReason) {
+  auto m = LoadModelOrDie(RealModelDir("stories260K"));
+  auto message = [&](PlantSinksOptions o) {
+    auto r = PlantSinks(*m, {}, o);
+    EXPECT_FALSE(r.ok());
+    return r.ok() ? std::string() : std::string(r.status().message());
+  };
+  PlantSinksOptions o;
+  o.delimiters = {};
+  EXPECT_NE(message(o).find("1 or 2 delimiter"), std::string::npos);
+  o.delimiters = {1};
+  EXPECT_NE(message(o).find("is BOS"), std::string::npos);
+  o.delimiters = {13, 14, 15};
+  EXPECT_NE(message(o).find("1 or 2 delimiter"), std::string::npos);
+  o.delimiters = {13};
+  o.writer_layer = 3;
+  o.eraser_layer = 2;
+  EXPECT_NE(message(o).find("writer < eraser"), std::string::npos);
+  o.writer_layer = -1;
+  o.eraser_layer = -1;
+  o.sampled_sequences = 1;
+  EXPECT_NE(message(o).find("windows"), std::string::npos);
+}
+
 class PlantSinksTest : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(PlantSinksTest, PlantedTokensAreFoundAndThePrefixRemovesThem) {
