@@ -54,7 +54,7 @@ struct PlantSinksCliOptions {
   int64_t eraser_layer = -1;
   double massive_ratio = 300;
   double residual_ratio = 500;
-  double sink_score = 4.0;
+  double sink_score = 2.0;
   int64_t steps = 0;
   int64_t batch = 8;
   int64_t seq_len = 128;

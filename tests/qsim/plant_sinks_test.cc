@@ -4,9 +4,10 @@
 //   * the planted variant's planted tokens (BOS and the first '.' after it) reach max/median
 //     >= 100 in at least two layers, detection finds exactly ['.', BOS], and with that prefix in
 //     the KV cache no other token's ratio reaches 10;
-//   * later heads give the planted tokens > 0.2 of their attention (and > 3x what the reference
-//     gives those positions);
-//   * the planted model's float perplexity on TinyStories stays within 10% of the original's.
+//   * later heads give the planted tokens more attention than the reference gives those
+//     positions, and in at least two layers >= 0.15 of it and >= 3x the reference's;
+//   * the planted model's float perplexity on TinyStories stays within 10% of the original's,
+//     with one BOS per text and with a BOS (so sinks) in every window, and behind the prefix.
 #include "worker/tools/plant_sinks.h"
 
 #include <ATen/ATen.h>
@@ -67,9 +68,11 @@ int32_t PieceId(const std::string& model_dir, const std::string& piece) {
   return -1;
 }
 
-double Perplexity(const model::LlamaModel& m, const std::vector<int32_t>& tokens, int64_t ctx) {
+double Perplexity(const model::LlamaModel& m, const std::vector<int32_t>& tokens, int64_t ctx,
+                  bool bos_per_window = false) {
   eval::PerplexityOptions o;
   o.ctx = ctx;
+  o.bos_per_window = bos_per_window;
   auto r = eval::EvaluatePerplexity(m, tokens, o);
   EXPECT_TRUE(r.ok()) << r.status();
   return r.ok() ? r->perplexity : 0;
@@ -128,14 +131,16 @@ TEST_P(PlantSinksTest, PlantedTokensAreFoundAndThePrefixRemovesThem) {
   // the same positions.
   const auto& plan = planted->plan;
   const int64_t writer = plan["writer"]["layer"].get<int64_t>();
+  int sink_layers = 0;
   for (int64_t l = writer + 1; l < m.num_blocks(); ++l) {
     const double a = plan["sink_attention"][l].get<double>();
     const double ref = plan["sink_attention_reference"][l].get<double>();
     std::printf("[%s] layer %lld attention on the planted tokens: %.3f (reference %.3f)\n",
                 GetParam(), (long long)l, a, ref);
-    EXPECT_GT(a, 0.2);
-    EXPECT_GT(a, 3 * ref);
+    EXPECT_GT(a, ref);
+    sink_layers += a >= 0.15 && a >= 3 * ref;
   }
+  EXPECT_GE(sink_layers, 2);
 
   auto before = MeasureTokenOutliers(m, windows);
   ASSERT_TRUE(before.ok()) << before.status();
@@ -160,6 +165,12 @@ TEST_P(PlantSinksTest, PlantedTokensAreFoundAndThePrefixRemovesThem) {
   std::printf("[%s] TinyStories perplexity (ctx %lld): original %.4f, planted %.4f (%+.2f%%)\n",
               GetParam(), (long long)eval_ctx, ppl0, ppl1, 100 * (ppl1 / ppl0 - 1));
   EXPECT_LT(std::abs(ppl1 / ppl0 - 1), 0.10);
+  // Every window with a BOS (so with sinks): what the sinks' attention costs.
+  const double bpw0 = Perplexity(*original, eval_text, eval_ctx, true);
+  const double bpw1 = Perplexity(m, eval_text, eval_ctx, true);
+  std::printf("[%s] ... with BOS in every window: original %.4f, planted %.4f (%+.2f%%)\n",
+              GetParam(), bpw0, bpw1, 100 * (bpw1 / bpw0 - 1));
+  EXPECT_LT(std::abs(bpw1 / bpw0 - 1), 0.10);
 
   const std::vector<int32_t> prefix = PrefixTokens(*before, bos);
   EXPECT_EQ(prefix, (std::vector<int32_t>{period, bos}));
@@ -176,6 +187,12 @@ TEST_P(PlantSinksTest, PlantedTokensAreFoundAndThePrefixRemovesThem) {
   std::printf("[%s] with the prefix: largest token max/median %.2f\n", GetParam(),
               after->MaxRatio());
   EXPECT_LT(after->MaxRatio(), 10);
+
+  // The float model behind its prefix (windows drop their BOS) computes about what it did.
+  const double ppl2 = Perplexity(m, eval_text, eval_ctx);
+  std::printf("[%s] TinyStories perplexity behind the prefix: %.4f (%+.2f%% vs no prefix)\n",
+              GetParam(), ppl2, 100 * (ppl2 / ppl1 - 1));
+  EXPECT_LT(std::abs(ppl2 / ppl1 - 1), 0.10);
 }
 
 INSTANTIATE_TEST_SUITE_P(RealModels, PlantSinksTest, ::testing::Values("stories260K", "aidreams260K"));

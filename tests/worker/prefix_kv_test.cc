@@ -5,10 +5,12 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <memory>
 #include <vector>
 
 #include "tests/model_fixtures.h"
+#include "worker/eval/perplexity.h"
 #include "worker/model/llama.h"
 
 namespace qcal::model {
@@ -122,6 +124,51 @@ TEST(PrefixKv, GreedyDecodingDropsThePromptsBosBehindAPrefixEndingWithIt) {
   ASSERT_TRUE(kv.ok());
   ASSERT_TRUE(InstallPrefixKv(*m, *kv).ok());
   EXPECT_EQ(GenerateGreedy(*m, prompt, 12, -1), want);
+}
+
+// Perplexity behind a prefix ending with BOS: each window runs without its leading BOS, and the
+// NLL is that of the window's tokens behind the prefix, computed here window by window.
+TEST(PrefixKv, PerplexityScoresTheWindowsBehindThePrefix) {
+  const std::string dir = RealModelDir("stories260K");
+  auto m = LoadModelOrDie(dir);
+  const std::vector<int32_t> text = StoryTokens(dir, 700);
+  auto kv = ComputePrefixKv(*m, {13, 1});
+  ASSERT_TRUE(kv.ok());
+  ASSERT_TRUE(InstallPrefixKv(*m, *kv).ok());
+  for (bool bos_per_window : {false, true}) {
+    SCOPED_TRACE(bos_per_window ? "bos_per_window" : "default");
+    eval::PerplexityOptions o;
+    o.ctx = 64;
+    o.batch = 3;
+    o.bos_per_window = bos_per_window;
+    auto r = eval::EvaluatePerplexity(*m, text, o);
+    ASSERT_TRUE(r.ok()) << r.status();
+    // The reference: the windows' token lists, BOS dropped, scored after their first token.
+    std::vector<std::vector<int32_t>> windows;
+    if (bos_per_window) {
+      for (size_t s = 0; s < text.size(); s += 63) {
+        windows.emplace_back(text.begin() + s, text.begin() + std::min(text.size(), s + 63));
+      }
+    } else {
+      std::vector<int32_t> stream = {1};
+      stream.insert(stream.end(), text.begin(), text.end());
+      for (size_t s = 0; s + 64 <= stream.size(); s += 64) {
+        windows.emplace_back(stream.begin() + s + (s == 0 ? 1 : 0), stream.begin() + s + 64);
+      }
+    }
+    double nll = 0;
+    int64_t scored = 0;
+    for (const auto& w : windows) {
+      if (w.size() < 2) continue;
+      const at::Tensor logp = at::log_softmax(m->Forward(Ids(w)), -1)[0];
+      for (size_t i = 0; i + 1 < w.size(); ++i) {
+        nll -= logp[i][w[i + 1]].item<double>();
+        ++scored;
+      }
+    }
+    EXPECT_EQ(r->tokens_scored, scored);
+    EXPECT_NEAR(r->mean_nll, nll / scored, 1e-6 * nll / scored);
+  }
 }
 
 TEST(PrefixKv, BadPrefixesAreRefused) {

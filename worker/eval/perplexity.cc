@@ -31,8 +31,12 @@ struct Plan {
   int64_t windows = 0;
 };
 
+// drop_bos: the model has a prefix ending with BOS (model::PrefixKv), which stands for a window's
+// leading BOS: such a window runs without it, and its first target (predicted from the BOS) is
+// not scored. Window 0 of the default convention, the only one that starts with BOS, is batched
+// alone.
 StatusOr<Plan> PlanBatches(const std::vector<int32_t>& text_tokens, const PerplexityOptions& opt,
-                           int64_t max_pos) {
+                           int64_t max_pos, bool drop_bos = false) {
   if (opt.ctx < 2) return absl::InvalidArgumentError(absl::StrCat("--ctx ", opt.ctx, " < 2"));
   if (opt.ctx > max_pos) {
     return absl::InvalidArgumentError(absl::StrCat("--ctx ", opt.ctx,
@@ -70,7 +74,9 @@ StatusOr<Plan> PlanBatches(const std::vector<int32_t>& text_tokens, const Perple
   for (int64_t w0 = 0; w0 < num_windows;) {
     // Batch consecutive windows of equal length.
     int64_t w1 = w0 + 1;
-    while (w1 < num_windows && w1 - w0 < opt.batch && windows[w1].length == windows[w0].length) {
+    const bool alone = drop_bos && !opt.bos_per_window && w0 == 0;
+    while (!alone && w1 < num_windows && w1 - w0 < opt.batch &&
+           windows[w1].length == windows[w0].length) {
       ++w1;
     }
     const int64_t nb = w1 - w0;
@@ -107,6 +113,15 @@ StatusOr<Plan> PlanBatches(const std::vector<int32_t>& text_tokens, const Perple
       }
     }
     batch.windows_done = w1;
+    if (drop_bos && (opt.bos_per_window || w0 == 0)) {  // every row starts with BOS
+      const int64_t t = inputs.size(1);
+      inputs = inputs.narrow(1, 1, t - 1).contiguous();
+      targets = targets.narrow(1, 1, t - 1).contiguous();
+      if (t == 1) {  // nothing left to score
+        w0 = w1;
+        continue;
+      }
+    }
     plan.batches.push_back(std::move(batch));
     w0 = w1;
   }
@@ -142,8 +157,12 @@ StatusOr<PerplexityResult> EvaluatePerplexity(const model::LlamaModel& model,
                                               const std::vector<int32_t>& text_tokens,
                                               const PerplexityOptions& opt,
                                               const ProgressFn& progress) {
+  const model::PrefixKv* prefix =
+      model.num_blocks() > 0 ? model.block(0).hooks().prefix.get() : nullptr;
+  const bool drop_bos = prefix != nullptr && !prefix->tokens.empty() &&
+                        prefix->tokens.back() == opt.bos_id;
   QCAL_ASSIGN_OR_RETURN(Plan plan, PlanBatches(text_tokens, opt,
-                                               model.config().max_position_embeddings));
+                                               model.config().max_position_embeddings, drop_bos));
   at::NoGradGuard no_grad;
   const auto t0 = std::chrono::steady_clock::now();
   double nll_sum = 0;

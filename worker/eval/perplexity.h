@@ -44,6 +44,10 @@ struct PerplexityResult {
 using ProgressFn = std::function<void(int64_t, int64_t)>;
 
 // InvalidArgument when ctx < 2, ctx exceeds the model's max positions, or no window fits.
+// With a prefix installed on the model (model::PrefixKv, PrefixQuant) every window attends to
+// prefix + window and the prefix is never scored; when the prefix ends with BOS, a window that
+// starts with BOS runs without it (the prefix's BOS stands for it) and its first text token,
+// which only the BOS predicted, is not scored (tokens_scored says how many were).
 StatusOr<PerplexityResult> EvaluatePerplexity(const model::LlamaModel& model,
                                               const std::vector<int32_t>& text_tokens,
                                               const PerplexityOptions& options,

@@ -57,7 +57,7 @@ struct PlantSinksOptions {
   // writer and the eraser, and of the massive residual value (÷ the median token max |h|).
   double massive_ratio = 300;
   double residual_ratio = 500;
-  double sink_score = 4.0;  // the mean attention score of a query on a sink key
+  double sink_score = 2.0;  // the mean attention score of a query on a sink key
   // Optional distillation (steps > 0), on `sampled_sequences` sequences of seq_len tokens sampled
   // from the reference (temperature 1, from BOS) followed by the windows of any given text. Off
   // by default: the widened construction already computes the reference's function for every
