@@ -10,6 +10,7 @@
 #include <map>
 #include <numeric>
 #include <random>
+#include <stdexcept>
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
@@ -41,11 +42,12 @@ class Params {
     list_.push_back(std::move(p));
     return list_.back();
   }
+  // Every tensor of the model is added before any lookup.
   Param& Get(const at::Tensor& w) {
     for (Param& p : list_) {
       if (p.w.is_same(w)) return p;
     }
-    return Add("?", w);
+    throw std::logic_error("plant-sinks: a weight of the model was not registered");
   }
   std::deque<Param>& list() { return list_; }
 
@@ -271,9 +273,24 @@ std::map<std::string, at::Tensor> ModelTensors(const model::LlamaModel& m) {
   return t;
 }
 
+namespace {
+StatusOr<PlantSinksResult> Plant(const model::LlamaModel& reference,
+                                 const std::vector<int32_t>& text, const PlantSinksOptions& o);
+}  // namespace
+
 StatusOr<PlantSinksResult> PlantSinks(const model::LlamaModel& reference,
                                       const std::vector<int32_t>& text,
                                       const PlantSinksOptions& o) {
+  try {
+    return Plant(reference, text, o);
+  } catch (const std::exception& e) {  // LibTorch reports shape and numeric errors by exception
+    return absl::InternalError(absl::StrCat("plant-sinks: ", e.what()));
+  }
+}
+
+namespace {
+StatusOr<PlantSinksResult> Plant(const model::LlamaModel& reference,
+                                 const std::vector<int32_t>& text, const PlantSinksOptions& o) {
   const LlamaConfig& c = reference.config();
   const int64_t L = reference.num_blocks(), d = c.hidden_size, hd = c.head_dim;
   const int64_t kv = c.num_key_value_heads, rep = c.num_attention_heads / kv;
@@ -607,5 +624,7 @@ StatusOr<PlantSinksResult> PlantSinks(const model::LlamaModel& reference,
   result.plan = std::move(plan);
   return result;
 }
+
+}  // namespace
 
 }  // namespace qcal::tools
