@@ -96,8 +96,8 @@ const char* LinearName(LinearKind kind) {
   return "?";
 }
 
-// [s, s] bool, true above the diagonal (future positions). Cached per length and device.
-// [s, o + s]: true where query i (at position o + i) may not read key j: j > o + i.
+// [s, o + s] bool: true where query i (at position o + i, behind o prefix entries) may not read
+// key j, i.e. j > o + i (future positions). Cached per length, prefix length and device.
 at::Tensor CausalMask(int64_t s, int64_t o, const at::Device& device) {
   static std::mutex mu;
   static std::map<std::tuple<int64_t, int64_t, std::string>, at::Tensor> cache;
