@@ -454,7 +454,8 @@ std::vector<int64_t> JobPlan::pending_blocks() const {
 bool JobPlan::needs_calibration(const Recipe& recipe) const {
   const MethodNeeds needs = recipe.needs();
   const bool blocks_left = !all_blocks_finished();
-  return ((needs.float_hessians || needs.float_activations) && blocks_left) ||
+  return ((needs.float_hessians || needs.float_activations || !needs.global_phases.empty()) &&
+          blocks_left) ||
          (e2e_enabled && !e2e_finished);
 }
 

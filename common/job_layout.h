@@ -117,7 +117,8 @@ struct JobPlan {
   nlohmann::json e2e_done;            // its journal entry when finished
   bool all_blocks_finished() const;
   std::vector<int64_t> pending_blocks() const;
-  bool needs_calibration(const Recipe& recipe) const;  // Hessians / activations still needed
+  // Hessians, activations or the method's global phases still needed.
+  bool needs_calibration(const Recipe& recipe) const;
 };
 
 // Validates inputs (model config readable, output directory not inside the model directory,

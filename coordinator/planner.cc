@@ -18,6 +18,7 @@ TaskPlan MakeTaskPlan(const Recipe& recipe, const JobPlan& plan,
   if (t.calibrate) {
     t.calibrate_params.set_hessians(needs.float_hessians && !t.blocks.empty());
     t.calibrate_params.set_activations(needs.float_activations && !t.blocks.empty());
+    t.calibrate_params.set_phases(!needs.global_phases.empty() && !t.blocks.empty());
   }
   t.evals = evals;
 

@@ -27,6 +27,12 @@ StatusOr<at::Tensor> Method::PrepareHeadRows(const at::Tensor& rows, const at::T
   return rows;
 }
 
+StatusOr<PhaseProducts> Method::RunGlobalPhase(const std::string& phase,
+                                               const GlobalPhaseInputs&) const {
+  return absl::UnimplementedError(
+      absl::StrCat("method ", recipe_.method, " has no global phase '", phase, "'"));
+}
+
 Status Method::InstallInference(model::DecoderBlock*, int64_t) const { return Status(); }
 Status Method::CheckPlainForward() const { return Status(); }
 

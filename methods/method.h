@@ -20,6 +20,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 
@@ -30,12 +31,28 @@
 #include "common/safetensors.h"
 #include "common/status.h"
 #include "worker/calib/hessian.h"
+#include "worker/comm/comm.h"
 #include "worker/model/llama.h"
+#include "worker/model/model_source.h"
 #include "worker/quant/block_task.h"
 #include "worker/quant/finetune.h"
 #include "worker/quant/scalar_quantize.h"
 
 namespace qcal::methods {
+
+// A global phase's product (MethodNeeds::global_phases): named tensors, saved in the job
+// directory (job_dir/phases/<phase>.safetensors) and handed to every block task.
+using PhaseProducts = std::map<std::string, at::Tensor>;
+
+// What a global phase gets. Collective: every rank of `comm` runs the phase with the same
+// inputs and must return the same products.
+struct GlobalPhaseInputs {
+  runtime::Comm* comm = nullptr;
+  model::ModelSource* source = nullptr;  // the float model, streamed (not prepared)
+  const at::Tensor* tokens = nullptr;    // the calibration tokens [N, S] int64, BOS first
+  int64_t batch = 8;                     // sequences per forward pass (the canonical chunks)
+  int32_t bos_id = 1;
+};
 
 // What a block task hands QuantizeBlock besides the float block. Pointers are owned by the
 // caller and valid during the call.
@@ -55,6 +72,8 @@ struct BlockInputs {
   // block's outputs. Else null.
   at::Tensor* x = nullptr;
   bool propagate = false;
+  // The products of the method's global phases, by phase name; null when it has none.
+  const std::map<std::string, PhaseProducts>* phases = nullptr;
 };
 
 class Method {
@@ -83,6 +102,14 @@ class Method {
   // float final norm's weights.
   virtual StatusOr<at::Tensor> PrepareHeadRows(const at::Tensor& rows,
                                                const at::Tensor& final_norm) const;
+
+  // --- global phases (MethodNeeds::global_phases), after calibration, before the block tasks
+  // Runs phase `phase` (collective over inputs.comm). Unimplemented by default.
+  virtual StatusOr<PhaseProducts> RunGlobalPhase(const std::string& phase,
+                                                 const GlobalPhaseInputs& inputs) const;
+  // Sequential methods: how many leading positions of every calibration sequence the block tasks
+  // drop (a prefix that ends with BOS replaces the sequence's own BOS). 0 by default.
+  virtual int64_t DroppedCalibrationPositions() const { return 0; }
 
   // --- one block
   virtual StatusOr<quant::BlockTaskResult> QuantizeBlock(model::BlockWeights float_weights,

@@ -380,10 +380,31 @@ TEST(RecipeDefaults, RefineSweeps) {
               {"key 'refine_sweeps' (line 3) does not apply with 'weights: rtn'"});
 }
 
+TEST(RecipeDefaults, PrefixquantKeysRoundTripAndBadValuesAreNamed) {
+  const std::string yaml =
+      "method: prefixquant\nbits: 4\nactivations: {bits: 8}\nkv_cache: {bits: 4}\n"
+      "prefix: {enabled: true, threshold: 32}\ngrid_search: false\nsearch_sequences: 4\n";
+  const Recipe r = MustParse(yaml);
+  EXPECT_TRUE(r.needs().sequential);
+  EXPECT_EQ(r.needs().global_phases, (std::vector<std::string>{"prefix"}));
+  ExpectRoundTrip(r, yaml);
+  EXPECT_TRUE(MustParse("method: prefixquant\nprefix: {enabled: false}\n").needs()
+                  .global_phases.empty());
+  ExpectError("method: prefixquant\nbits: 9\n", {"key 'bits' (line 2)", "2..8, or 16"});
+  ExpectError("method: prefixquant\nactivations: {bits: 1}\n", {"key 'activations.bits'"});
+  ExpectError("method: prefixquant\nprefix: {enabled: false, threshold: 64}\n",
+              {"key 'prefix.threshold'", "does not apply with 'enabled: false'"});
+  ExpectError("method: prefixquant\nprefix: {threshold: 1}\n", {"key 'prefix.threshold'", "> 1"});
+  ExpectError("method: prefixquant\nbits: 16\nactivations: {bits: 16}\nkv_cache: {bits: 16}\n",
+              {"quantizes nothing"});
+  ExpectError("method: prefixquant\nkv_cache: {bits: 4, format: bfp}\n",
+              {"unknown key 'kv_cache.format'"});
+}
+
 TEST(RecipeDefaults, TheRegistryListsEveryMethod) {
   std::vector<std::string> names;
   for (const MethodSpec* spec : methods::AllSpecs()) names.push_back(spec->name());
-  EXPECT_EQ(names, (std::vector<std::string>{"quip", "rtn", "gptq", "quarot"}));
+  EXPECT_EQ(names, (std::vector<std::string>{"quip", "rtn", "gptq", "quarot", "prefixquant"}));
   EXPECT_EQ(methods::FindSpec("gptq"), methods::AllSpecs()[2]);
   EXPECT_EQ(methods::FindSpec("awq"), nullptr);
   // Every method's config reports its own name, and the recipe's method is that name.
@@ -460,7 +481,7 @@ TEST(RecipeErrors, YamlSyntaxErrorsCarryTheParserTextAndLine) {
   ExpectError("method: quip\ncalibration:\n\tseq_len: 64\n",
               {"YAML error at line 3", "spaces, not tabs"});
   ExpectError("just a string\n", {"must be a mapping"});
-  ExpectError("", {"empty", "'method' (quip, rtn, gptq or quarot) is required"});
+  ExpectError("", {"empty", "'method' (quip, rtn, gptq, quarot or prefixquant) is required"});
   ExpectError("# nothing but a comment\n", {"empty", "'method'"});
 }
 
@@ -474,10 +495,10 @@ TEST(RecipeErrors, DuplicateKeys) {
 TEST(RecipeErrors, Method) {
   ExpectError("bits: 2\n", {"missing required key 'method'"});
   ExpectError("method: qiup\n",
-              {"key 'method' (line 1) must be one of quip, rtn, gptq, quarot, got 'qiup'",
+              {"key 'method' (line 1) must be one of quip, rtn, gptq, quarot, prefixquant, got 'qiup'",
                "did you mean 'quip'?"});
   ExpectError("method: awq\n",
-              {"key 'method' (line 1) must be one of quip, rtn, gptq, quarot, got 'awq'"});
+              {"key 'method' (line 1) must be one of quip, rtn, gptq, quarot, prefixquant, got 'awq'"});
 }
 
 TEST(RecipeErrors, QuipCodebookAndBits) {
@@ -691,9 +712,9 @@ TEST(QuarotRecipes, Errors) {
               {"key 'weights' (line 2) must be rtn, gptq or none, got 'gtpq'",
                "did you mean 'gptq'?"});
   ExpectError("method: gptq\nrotation: {r1: true}\n",
-              {"key 'rotation' (line 2) applies only to method quarot, not gptq"});
+              {"key 'rotation' (line 2) applies only to methods quarot and prefixquant, not gptq"});
   ExpectError("method: rtn\nactivations: {bits: 4}\n",
-              {"key 'activations' (line 2) applies only to method quarot"});
+              {"key 'activations' (line 2) applies only to methods quarot and prefixquant, not rtn"});
   ExpectError("method: quarot\nweights: none\nbits: 4\n",
               {"key 'bits' (line 3) does not apply with 'weights: none' (line 2)"});
   ExpectError("method: quarot\nweights: rtn\ndamp: 0.01\n",
@@ -745,6 +766,30 @@ TEST(QuarotRecipes, Errors) {
 
 // Every bundled quarot-X recipe has an unrotated twin X-norot that differs only in its name and
 // rotation.enabled (so the pair measures the rotations and nothing else).
+// Every bundled PrefixQuant recipe has its twin without the prefix, the same otherwise.
+TEST(PrefixquantRecipes, BundledRecipesComeWithTwinsWithoutThePrefix) {
+  int pairs = 0;
+  for (const std::string& path : BundledRecipes()) {
+    const std::string stem = std::filesystem::path(path).stem().string();
+    if (stem.rfind("prefixquant-", 0) != 0 || stem.find("-noprefix") != std::string::npos) continue;
+    SCOPED_TRACE(stem);
+    StatusOr<Recipe> with = LoadRecipe(path);
+    ASSERT_TRUE(with.ok()) << with.status();
+    EXPECT_FALSE(with->needs().global_phases.empty());
+    StatusOr<Recipe> without = LoadRecipe(JobsDir() + "/" + stem + "-noprefix.yaml");
+    ASSERT_TRUE(without.ok()) << without.status();
+    EXPECT_TRUE(without->needs().global_phases.empty());
+    nlohmann::json a = with->ToJson(), b = without->ToJson();
+    for (nlohmann::json* j : {&a, &b}) {
+      j->erase("name");
+      j->erase("prefix");
+    }
+    EXPECT_EQ(a, b) << a.dump(2) << "\nvs\n" << b.dump(2);
+    ++pairs;
+  }
+  EXPECT_GE(pairs, 3);
+}
+
 TEST(QuarotRecipes, BundledRecipesComeInRotatedAndUnrotatedTwins) {
   int pairs = 0;
   for (const std::string& path : BundledRecipes()) {

@@ -485,6 +485,15 @@ TEST_F(CoordinatorIntegrationTest, QuarotSequentialBlocksOnTwoRanksMatchSinglePr
   ExpectBitIdenticalWithRanks(2);
 }
 
+// PrefixQuant's prefix search is a global phase of the calibration task (every rank measures its
+// chunks; the integer counts are summed) and its blocks run in order behind the prefix: the
+// checkpoint is the single process's, byte for byte.
+TEST_F(CoordinatorIntegrationTest, PrefixquantPrefixPhaseOnTwoRanksMatchesSingleProcess) {
+  recipe_ = WriteRecipe("prefixquant-small.yaml", 16, "prefixquant-w4a4kv4");
+  ASSERT_FALSE(recipe_.empty());
+  ExpectBitIdenticalWithRanks(2);
+}
+
 TEST_F(CoordinatorIntegrationTest, UnauthenticatedRequestsAreRefused) {
   for (const std::string& token : {std::string(), std::string("wrong-token-wrong-token")}) {
     grpc::ClientContext ctx;

@@ -180,8 +180,18 @@ StatusOr<PerplexityResult> EvaluatePerplexityStreamed(model::ModelSource& source
                                                       const PerplexityOptions& opt,
                                                       const StreamOptions& stream,
                                                       const ProgressFn& progress) {
+  // Block 0 is read first: a prefix installed by the checkpoint's method (PrefixQuant) changes
+  // how the windows are cut, as in EvaluatePerplexity.
+  const int64_t blocks = source.config().num_hidden_layers;
+  std::unique_ptr<model::DecoderBlock> first;
+  if (blocks > 0) {
+    QCAL_ASSIGN_OR_RETURN(first, source.LoadBlock(0));
+  }
+  const model::PrefixKv* prefix = first ? first->hooks().prefix.get() : nullptr;
+  const bool drop_bos = prefix != nullptr && !prefix->tokens.empty() &&
+                        prefix->tokens.back() == opt.bos_id;
   QCAL_ASSIGN_OR_RETURN(Plan plan, PlanBatches(text_tokens, opt,
-                                               source.config().max_position_embeddings));
+                                               source.config().max_position_embeddings, drop_bos));
   at::NoGradGuard no_grad;
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<std::vector<int64_t>> shapes;
@@ -195,9 +205,11 @@ StatusOr<PerplexityResult> EvaluatePerplexityStreamed(model::ModelSource& source
       QCAL_ASSIGN_OR_RETURN(at::Tensor x, source.Embed(plan.batches[i].inputs));
       QCAL_RETURN_IF_ERROR(store->Put(static_cast<int64_t>(i), x));
     }
-    const int64_t blocks = source.config().num_hidden_layers;
     for (int64_t l = 0; l < blocks; ++l) {
-      QCAL_ASSIGN_OR_RETURN(std::unique_ptr<model::DecoderBlock> block, source.LoadBlock(l));
+      std::unique_ptr<model::DecoderBlock> block = std::move(first);
+      if (l > 0) {
+        QCAL_ASSIGN_OR_RETURN(block, source.LoadBlock(l));
+      }
       for (int64_t i = 0; i < store->chunks(); ++i) {
         QCAL_ASSIGN_OR_RETURN(at::Tensor x, store->Get(i));
         QCAL_RETURN_IF_ERROR(store->Put(i, block->Forward(x, source.rope())));

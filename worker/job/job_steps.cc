@@ -5,6 +5,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
 
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
@@ -146,12 +148,17 @@ StatusOr<at::Tensor> SequentialInputs(JobContext* ctx, int64_t layer) {
   auto embedded = [&]() -> StatusOr<at::Tensor> {
     QCAL_RETURN_IF_ERROR(EnsureCalibrationTokens(ctx));
     at::NoGradGuard no_grad;
-    QCAL_ASSIGN_OR_RETURN(at::Tensor rows, ctx->source->Embed(ctx->tokens));
+    // The positions the method drops (a prefix in their place) are not embedded at all.
+    const int64_t dropped = ctx->method->DroppedCalibrationPositions();
+    QCAL_ASSIGN_OR_RETURN(
+        at::Tensor rows,
+        ctx->source->Embed(ctx->tokens.narrow(1, dropped, ctx->tokens.size(1) - dropped)));
     return ctx->method->PrepareEmbeddingRows(rows);
   };
   if (layer == 0) return embedded();
   const std::string path = SequentialInputsPath(ctx->options.job_dir, layer);
-  const std::vector<int64_t> shape = {ctx->recipe.calibration.num_sequences, ctx->seq_len,
+  const std::vector<int64_t> shape = {ctx->recipe.calibration.num_sequences,
+                                      ctx->seq_len - ctx->method->DroppedCalibrationPositions(),
                                       ctx->config.hidden_size};
   auto loaded = calib::LoadActivation(path, ctx->calib_key, shape);
   if (loaded.ok()) return loaded;
@@ -222,6 +229,7 @@ Status EnsureCalibrationTokens(JobContext* ctx) {
       ctx->tokens,
       calib::SampleCalibrationTokens(*tokenizer, ctx->recipe.calibration, ctx->options.data_root,
                                      ctx->seq_len, tokenizer->bos_id()));
+  ctx->bos_id = tokenizer->bos_id();
   return absl::OkStatus();
 }
 
@@ -230,14 +238,112 @@ v1::CalibrateParams CalibrateParamsFor(const Recipe& recipe, bool all_blocks_fin
   v1::CalibrateParams p;
   p.set_hessians(needs.float_hessians && !all_blocks_finished);
   p.set_activations(needs.float_activations && !all_blocks_finished);
+  p.set_phases(!needs.global_phases.empty() && !all_blocks_finished);
   return p;
 }
+
+std::string PhaseProductsPath(const std::string& job_dir, const std::string& phase) {
+  return absl::StrCat(job_dir, "/phases/", phase, ".safetensors");
+}
+
+Status SavePhaseProducts(const std::string& path, const methods::PhaseProducts& products,
+                         const std::string& phase, const std::string& key) {
+  SafetensorsWriter writer;
+  writer.SetMetadata("calibration_key", key);
+  writer.SetMetadata("phase", phase);
+  for (const auto& [name, t] : products) {
+    QCAL_RETURN_IF_ERROR(model::AddF64Tensor(&writer, name, t.detach().to(at::kDouble)));
+  }
+  QCAL_RETURN_IF_ERROR(writer.Write(path));
+  return calib::WriteCacheChecksum(path);
+}
+
+StatusOr<methods::PhaseProducts> LoadPhaseProducts(const std::string& path,
+                                                   const std::string& phase,
+                                                   const std::string& key) {
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) {
+    return absl::NotFoundError(absl::StrCat(path, ": no products of phase '", phase, "'"));
+  }
+  const Status verified = calib::VerifyCacheChecksum(path);
+  if (!verified.ok()) return absl::DataLossError(verified.message());
+  QCAL_ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open(path));
+  const auto& meta = file->metadata();
+  auto it = meta.find("calibration_key");
+  auto ph = meta.find("phase");
+  if (it == meta.end() || it->second != key || ph == meta.end() || ph->second != phase) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        path, ": made for another calibration or phase (stale): it is recomputed"));
+  }
+  methods::PhaseProducts out;
+  for (const TensorInfo& info : file->tensors()) {
+    if (info.dtype != DType::kF64) {
+      return absl::DataLossError(
+          absl::StrCat(path, ": tensor '", info.name, "' is not F64"));
+    }
+    at::Tensor t = at::empty(info.shape, at::kDouble);
+    std::memcpy(t.data_ptr<double>(), file->Data(info), t.numel() * sizeof(double));
+    out[info.name] = t;
+  }
+  return out;
+}
+
+namespace {
+
+// One global phase (see CalibrateStep). Collective.
+Status GlobalPhaseStep(runtime::Comm& comm, JobContext* ctx, const std::string& phase,
+                       const JobEventFn& on_event) {
+  const std::string path = PhaseProductsPath(ctx->options.job_dir, phase);
+  int64_t reuse = 0;
+  if (comm.rank() == 0) {
+    auto cached = LoadPhaseProducts(path, phase, ctx->calib_key);
+    reuse = cached.ok() ? 1 : 0;
+    if (!cached.ok() && !absl::IsNotFound(cached.status())) {
+      QCAL_LOG_WARN("phase {}: {}; running it again", phase,
+                    std::string(cached.status().message()));
+    }
+  }
+  QCAL_RETURN_IF_ERROR(comm.Broadcast(&reuse, sizeof(reuse), 0));
+  if (reuse) {
+    Emit(on_event, "phase", 1, 1, absl::StrCat(phase, " (cached)"));
+    return Status();
+  }
+  Emit(on_event, "phase", 0, 1, phase);
+  methods::GlobalPhaseInputs in;
+  in.comm = &comm;
+  in.source = ctx->source.get();
+  in.tokens = &ctx->tokens;
+  in.batch = ctx->options.calib_batch;
+  in.bos_id = ctx->bos_id;
+  StatusOr<methods::PhaseProducts> products = ctx->method->RunGlobalPhase(phase, in);
+  Status saved = products.status();
+  if (saved.ok() && comm.rank() == 0) {
+    saved = MakeDirs(ctx->options.job_dir + "/phases");
+    if (saved.ok()) saved = SavePhaseProducts(path, *products, phase, ctx->calib_key);
+  }
+  int64_t failed = saved.ok() ? 0 : 1;
+  QCAL_RETURN_IF_ERROR(comm.AllReduceSum(&failed, 1));
+  if (!saved.ok()) return Annotate(saved, absl::StrCat("phase ", phase));
+  if (failed > 0) {
+    return absl::AbortedError(absl::StrCat("phase ", phase, " failed on another rank"));
+  }
+  Emit(on_event, "phase", 1, 1, phase);
+  return Status();
+}
+
+}  // namespace
+
+namespace {
+// The Hessian / activation walk of CalibrateStep (below).
+Status CalibrationWalk(runtime::Comm& comm, JobContext* ctx, bool hessians, bool activations,
+                       const JobEventFn& on_event, v1::CalibrateResult* out);
+}  // namespace
 
 StatusOr<v1::CalibrateResult> CalibrateStep(runtime::Comm& comm, JobContext* ctx,
                                             const v1::CalibrateParams& params,
                                             const JobEventFn& on_event) {
   // Every rank takes rank 0's decision, so all walk the same collectives.
-  int64_t flags[2] = {params.hessians(), params.activations()};
+  int64_t flags[3] = {params.hessians(), params.activations(), params.phases()};
   QCAL_RETURN_IF_ERROR(comm.Broadcast(flags, sizeof(flags), 0));
   // Sampling reads the data files: a failure on one rank (a file missing on its host) must not
   // leave the others waiting in a collective.
@@ -252,7 +358,24 @@ StatusOr<v1::CalibrateResult> CalibrateStep(runtime::Comm& comm, JobContext* ctx
   result.set_tokens(ctx->tokens.numel());
   result.set_rank(comm.rank());
   result.set_ranks(comm.size());
-  if (!flags[0] && !flags[1]) return result;
+  if (flags[0] || flags[1]) {
+    QCAL_RETURN_IF_ERROR(CalibrationWalk(comm, ctx, flags[0] != 0, flags[1] != 0, on_event,
+                                         &result));
+  }
+  if (flags[2]) {
+    for (const std::string& phase : ctx->recipe.needs().global_phases) {
+      QCAL_RETURN_IF_ERROR(GlobalPhaseStep(comm, ctx, phase, on_event));
+    }
+  }
+  return result;
+}
+
+namespace {
+
+Status CalibrationWalk(runtime::Comm& comm, JobContext* ctx, bool hessians, bool activations,
+                       const JobEventFn& on_event, v1::CalibrateResult* out) {
+  v1::CalibrateResult& result = *out;
+  const int64_t flags[2] = {hessians, activations};
   calib::CalibrationOptions options;
   options.batch = ctx->options.calib_batch;
   options.hessians = flags[0];
@@ -276,8 +399,10 @@ StatusOr<v1::CalibrateResult> CalibrateStep(runtime::Comm& comm, JobContext* ctx
   result.set_seconds(calib.seconds);
   result.set_hessians_from_cache(calib.from_cache);
   result.set_activations_from_cache(calib.activations_from_cache);
-  return result;
+  return Status();
 }
+
+}  // namespace
 
 std::string SequentialInputsPath(const std::string& job_dir, int64_t layer) {
   return absl::StrCat(job_dir, "/sequential/inputs-", layer, ".safetensors");
@@ -332,6 +457,18 @@ StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
     in.ft_inputs = &ft_inputs;
     in.ft_targets = &ft_targets;
   }
+  std::map<std::string, methods::PhaseProducts> phases;
+  for (const std::string& phase : needs.global_phases) {
+    auto products =
+        LoadPhaseProducts(PhaseProductsPath(job_dir, phase), phase, ctx->calib_key);
+    if (!products.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("block ", layer, ": no usable products of phase ", phase,
+                       " (run calibration first): ", products.status().message()));
+    }
+    phases[phase] = std::move(*products);
+  }
+  if (!phases.empty()) in.phases = &phases;
   at::Tensor x;
   if (needs.sequential) {
     QCAL_ASSIGN_OR_RETURN(x, SequentialInputs(ctx, layer));

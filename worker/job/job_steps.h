@@ -68,6 +68,7 @@ struct JobContext {
   std::string calib_key;  // CalibrationKey of the recipe's data
   int64_t seq_len = 0;    // calibration sequence length (capped)
   at::Tensor tokens;      // calibration tokens, once sampled
+  int32_t bos_id = 1;     // the tokenizer's BOS (set with the tokens)
 };
 
 // Resolves the options (job_dir default out_dir + ".job", data_root default "../shared",
@@ -86,7 +87,10 @@ v1::CalibrateParams CalibrateParamsFor(const Recipe& recipe, bool all_blocks_fin
 // Collective over `comm` (every rank, same arguments; rank 0's `params` are used). Samples the
 // tokens, then calib::Calibrate over the streamed float model. Events: "calibrate" (block,
 // blocks) for the walk ("activations" when only activations are needed), then "activations"
-// (blocks, blocks) when both were made.
+// (blocks, blocks) when both were made. Then, when params.phases() is set, the method's global
+// phases in order (MethodNeeds::global_phases), each reused from job_dir/phases/<phase>.safetensors
+// when that holds this calibration's products (its checksum verified), else run on every rank
+// and saved by rank 0; event "phase" (0/1, 1/1) with the phase's name.
 StatusOr<v1::CalibrateResult> CalibrateStep(runtime::Comm& comm, JobContext* ctx,
                                             const v1::CalibrateParams& params,
                                             const JobEventFn& on_event = nullptr);
@@ -101,6 +105,18 @@ StatusOr<v1::CalibrateResult> CalibrateStep(runtime::Comm& comm, JobContext* ctx
 // weights has block 0 write shard 0 too (BlockResult.also_wrote).
 StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
                                             const std::string& attempt);
+
+// job_dir/phases/<phase>.safetensors: a global phase's products, every tensor F64 (exact for
+// float32 values and whole numbers below 2^53), metadata calibration_key and phase, with the
+// cache checksum beside it (calib::CacheChecksumPath).
+std::string PhaseProductsPath(const std::string& job_dir, const std::string& phase);
+Status SavePhaseProducts(const std::string& path, const methods::PhaseProducts& products,
+                         const std::string& phase, const std::string& key);
+// NotFound when absent; FailedPrecondition for another calibration key or phase; DataLoss for a
+// checksum mismatch or a malformed file (naming it).
+StatusOr<methods::PhaseProducts> LoadPhaseProducts(const std::string& path,
+                                                   const std::string& phase,
+                                                   const std::string& key);
 
 // job_dir/sequential/inputs-<layer>.safetensors.
 std::string SequentialInputsPath(const std::string& job_dir, int64_t layer);

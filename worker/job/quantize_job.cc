@@ -57,7 +57,7 @@ StatusOr<QuantizeJobResult> RunLockedJob(const Recipe& recipe, const QuantizeJob
 
   // ---- Calibrate (a world of one: the same code the service runs on every rank).
   const v1::CalibrateParams params = CalibrateParamsFor(recipe, plan.all_blocks_finished());
-  if (params.hessians() || params.activations() || need_e2e) {
+  if (params.hessians() || params.activations() || params.phases() || need_e2e) {
     auto self = runtime::MakeSelfComm();
     QCAL_ASSIGN_OR_RETURN(v1::CalibrateResult calib,
                           CalibrateStep(*self, ctx.get(), params, on_event));

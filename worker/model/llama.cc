@@ -219,6 +219,14 @@ std::pair<at::Tensor, at::Tensor> DecoderBlock::KeysValues(const at::Tensor& x, 
   return {k, v};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> DecoderBlock::Projections(const at::Tensor& x,
+                                                                         const Rope& rope,
+                                                                         int64_t offset) const {
+  at::Tensor q, k, v;
+  Project(RmsNorm(x, weights_.input_norm, eps_), rope, offset, &q, &k, &v);
+  return {q, k, v};
+}
+
 at::Tensor DecoderBlock::Attention(const at::Tensor& h, const Rope& rope) const {
   const int64_t b = h.size(0), s = h.size(1);
   const int64_t rep = heads_ / kv_heads_;

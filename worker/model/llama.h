@@ -16,6 +16,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -166,6 +167,10 @@ class DecoderBlock {
   // and qk_rotation, [batch, kv_heads, seq, head_dim] each. (A prefix's K/V: PrefixKvOf.)
   std::pair<at::Tensor, at::Tensor> KeysValues(const at::Tensor& x, const Rope& rope,
                                                int64_t offset) const;
+  // The same with the queries: {q [batch, heads, seq, head_dim] scaled by 1/√head_dim (after
+  // RoPE and qk_rotation), k, v}, as attention computes them before any KvCacheHook.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> Projections(const at::Tensor& x, const Rope& rope,
+                                                             int64_t offset) const;
   const BlockWeights& weights() const { return weights_; }
   BlockWeights& mutable_weights() { return weights_; }
   const BlockHooks& hooks() const { return hooks_; }

@@ -10,6 +10,16 @@
 #include "worker/model/llama.h"
 
 namespace qcal::tools {
+namespace {
+
+// Whether `model` has a prefix installed that ends with BOS.
+bool EndsWithBos(const model::LlamaModel& model, int32_t bos) {
+  if (model.num_blocks() == 0) return false;
+  const auto& prefix = model.block(0).hooks().prefix;
+  return prefix != nullptr && !prefix->tokens.empty() && prefix->tokens.back() == bos;
+}
+
+}  // namespace
 
 StatusOr<ModelComparison> CompareToReference(const model::LlamaModel& ref,
                                              const model::LlamaModel& m,
@@ -72,12 +82,25 @@ StatusOr<ModelComparison> CompareToReference(const model::LlamaModel& ref,
     const int64_t len = static_cast<int64_t>(w.in.size());
     at::Tensor in = at::from_blob(w.in.data(), {1, len}, at::kLong).clone();
     at::Tensor tg = at::from_blob(w.target.data(), {len, 1}, at::kLong).clone();
-    at::Tensor lp_ref = at::log_softmax(ref.Forward(in)[0].to(at::kDouble), -1);  // [len, V]
-    at::Tensor lp = at::log_softmax(m.Forward(in)[0].to(at::kDouble), -1);
+    // A model behind a prefix that ends with BOS reads the window without its own BOS (as
+    // EvaluatePerplexity runs it); the first text token then has no prediction in that model,
+    // so it is scored in neither.
+    const bool drop_ref = EndsWithBos(ref, opt.bos_id) && w.in[0] == opt.bos_id;
+    const bool drop_m = EndsWithBos(m, opt.bos_id) && w.in[0] == opt.bos_id;
+    const int64_t skip = drop_ref || drop_m ? 1 : 0;
+    if (len - skip < 1) continue;
+    auto log_probs = [&](const model::LlamaModel& model, bool drop) {  // [len - skip, V]
+      const at::Tensor x = drop ? in.narrow(1, 1, len - 1) : in;
+      const at::Tensor lp = at::log_softmax(model.Forward(x)[0].to(at::kDouble), -1);
+      return lp.narrow(0, skip - (drop ? 1 : 0), len - skip);
+    };
+    at::Tensor lp_ref = log_probs(ref, drop_ref);
+    at::Tensor lp = log_probs(m, drop_m);
+    tg = tg.narrow(0, skip, len - skip);
     nll_ref -= model::SumToDouble(lp_ref.gather(1, tg));
     nll -= model::SumToDouble(lp.gather(1, tg));
     kl += model::SumToDouble(lp_ref.exp() * (lp_ref - lp));
-    scored += len;
+    scored += len - skip;
     if (progress) progress(static_cast<int64_t>(i + 1), static_cast<int64_t>(windows.size()));
   }
   ModelComparison r;

@@ -5,7 +5,10 @@
 // (aidreams260K on TinyStories: perplexity 231, and key quantization noise can lower it).
 //
 // Windows follow eval::EvaluatePerplexity exactly (both conventions, max_tokens), one window per
-// forward (batch is ignored), so `ppl_model` equals what `qcal eval` reports for the model.
+// forward (batch is ignored), so `ppl_model` equals what `qcal eval` reports for the model. A
+// model with an installed prefix that ends with BOS (PrefixQuant) reads each window that starts
+// with BOS without it, as EvaluatePerplexity runs it, and that window's first text token is then
+// scored in neither model (the prefixed model has no prediction for it).
 #pragma once
 
 #include <cstdint>

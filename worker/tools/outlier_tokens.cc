@@ -10,22 +10,6 @@
 #include "worker/tools/observing_linear.h"
 
 namespace qcal::tools {
-namespace {
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-}  // namespace
-
-double TokenOutlierReport::MaxRatio() const {
-  double m = 0;
-  for (const TokenOutlierLayer& l : layers) m = std::max(m, l.max_ratio);
-  return m;
-}
-
 StatusOr<TokenOutlierReport> MeasureTokenOutliers(model::LlamaModel& m,
                                                   const std::vector<std::vector<int32_t>>& sequences,
                                                   double eta) {
@@ -51,69 +35,22 @@ StatusOr<TokenOutlierReport> MeasureTokenOutliers(model::LlamaModel& m,
       return s;
     }
   }
-  TokenOutlierReport r;
-  r.eta = eta;
-  r.sequences = static_cast<int64_t>(sequences.size());
-  r.layers.resize(L);
-  std::vector<int64_t> count_sum(L, 0);
+  TokenOutlierReport r = qsim::NewTokenOutlierReport(L, eta);
   {
     at::NoGradGuard no_grad;
     for (const std::vector<int32_t>& seq : sequences) {
       std::vector<int64_t> ids(seq.begin(), seq.end());
       const int64_t n = static_cast<int64_t>(ids.size());
-      r.tokens += n;
       m.Forward(at::from_blob(ids.data(), {1, n}, at::kLong).clone());
       for (int64_t l = 0; l < L; ++l) {
         const at::Tensor t = token_max[l].reshape({-1}).contiguous();
-        const double* p = t.data_ptr<double>();
-        std::vector<double> mt(p, p + n);
-        const double median = Median(mt);
-        TokenOutlierLayer& layer = r.layers[l];
-        for (int64_t i = 0; i < n; ++i) {
-          const double ratio = median > 0 ? mt[i] / median
-                                          : (mt[i] > 0 ? INFINITY : 0.0);
-          if (ratio > layer.max_ratio) {
-            layer.max_ratio = ratio;
-            layer.max_token = seq[i];
-            layer.max_position = i;
-          }
-          double& by_token = layer.ratio_by_token[seq[i]];
-          by_token = std::max(by_token, ratio);
-          if (i > 0) layer.max_ratio_after_first = std::max(layer.max_ratio_after_first, ratio);
-          if (ratio > eta) {
-            ++count_sum[l];
-            if (i > 0) ++r.outlier_id_counts[seq[i]];
-          }
-        }
+        qsim::AddTokenOutliers(&r, l, t.data_ptr<double>(), seq.data(), n);
       }
     }
   }
-  double max_mean = 0;
-  for (int64_t l = 0; l < L; ++l) {
-    Unobserve(m, l, down);
-    r.layers[l].mean_count = static_cast<double>(count_sum[l]) / r.sequences;
-    max_mean = std::max(max_mean, r.layers[l].mean_count);
-  }
-  r.o = static_cast<int64_t>(std::ceil(max_mean - 1e-12));
+  for (int64_t l = 0; l < L; ++l) Unobserve(m, l, down);
+  qsim::FinishTokenOutliers(&r);
   return r;
-}
-
-std::vector<int32_t> PrefixTokens(const TokenOutlierReport& report, int32_t bos_id) {
-  std::vector<std::pair<int64_t, int32_t>> by_count;  // (-count, id): most frequent first
-  for (const auto& [id, count] : report.outlier_id_counts) by_count.push_back({-count, id});
-  std::sort(by_count.begin(), by_count.end());
-  int64_t o = report.o;
-  // The reference drops a lone id seen in fewer than a tenth of the sequences.
-  if (by_count.size() == 1 && -by_count[0].first < 0.1 * report.sequences) {
-    by_count.clear();
-    o = std::max<int64_t>(0, o - 1);
-  }
-  std::vector<int32_t> prefix;
-  for (size_t i = 0; i < by_count.size() && static_cast<int64_t>(i) < o; ++i) {
-    prefix.push_back(by_count[i].second);
-  }
-  prefix.push_back(bos_id);
-  return prefix;
 }
 
 std::vector<std::vector<int32_t>> TextWindows(const std::vector<int32_t>& tokens, int64_t ctx,
