@@ -18,6 +18,7 @@
 #include "worker/model/llama.h"
 #include "common/cli.h"
 #include "methods/worker_registry.h"
+#include "worker/tools/model_compare.h"
 
 namespace qcal::client {
 namespace {
@@ -73,6 +74,36 @@ int RunEval(const EvalOptions& o) {
   opt.max_tokens = o.max_tokens;
   opt.batch = o.batch;
   opt.bos_id = (*tokenizer)->bos_id();
+  if (!o.reference_dir.empty()) {
+    auto reference = methods::LoadModel(o.reference_dir);
+    if (!reference.ok()) return Fail(reference.status());
+    ProgressBar bar("perplexity + KL", 0);
+    auto c = tools::CompareToReference(
+        **reference, **model, tokens, opt,
+        [&bar](int64_t done, int64_t total) { bar.Update(done, total); });
+    bar.Finish();
+    if (!c.ok()) return Fail(c.status());
+    if (o.json) {
+      nlohmann::json j = {{"model", o.model_dir},     {"reference", o.reference_dir},
+                          {"data", o.data_path},      {"ctx", o.ctx},
+                          {"bos_per_window", o.bos_per_window},
+                          {"tokens", c->tokens_scored}, {"windows", c->windows},
+                          {"mean_nll", c->nll_model}, {"perplexity", c->ppl_model},
+                          {"reference_perplexity", c->ppl_reference},
+                          {"mean_kl", c->mean_kl},    {"seconds", c->seconds + tokenize_s}};
+      std::printf("%s\n", j.dump().c_str());
+    } else {
+      std::printf("model       %s\n", o.model_dir.c_str());
+      std::printf("reference   %s\n", o.reference_dir.c_str());
+      std::printf("data        %s (%lld tokens scored in %lld windows, ctx %lld)\n",
+                  o.data_path.c_str(), (long long)c->tokens_scored, (long long)c->windows,
+                  (long long)o.ctx);
+      std::printf("perplexity  %.4f (reference %.4f on the same tokens)\n", c->ppl_model,
+                  c->ppl_reference);
+      std::printf("KL          %.6f nats/token, KL(reference || model)\n", c->mean_kl);
+    }
+    return 0;
+  }
   ProgressBar bar("perplexity", 0);
   auto result = eval::EvaluatePerplexity(
       **model, tokens, opt, [&bar](int64_t done, int64_t total) { bar.Update(done, total); });
@@ -192,6 +223,10 @@ void AddModelCommands(CLI::App& app, int* exit_code) {
                "each window is BOS + ctx-1 text tokens (llama2.c convention)");
   ev->add_option("--threads", eo->threads, "compute threads (0 = auto: 1 for tiny models, else all cores)")
       ->check(CLI::Range(0, kMaxThreads));
+  ev->add_option("--reference", eo->reference_dir,
+                 "reference (float) model: also report its perplexity on the same tokens and "
+                 "the mean KL(reference || model)")
+      ->check(CLI::ExistingDirectory);
   ev->add_flag("--json", eo->json, "print one JSON object on the last line");
   ev->callback([eo, exit_code] { *exit_code = RunEval(*eo); });
 

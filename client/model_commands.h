@@ -36,6 +36,9 @@ struct EvalOptions {
   bool bos_per_window = false;
   bool json = false;
   int threads = 0;
+  // A reference model (the float one): also its perplexity on the same tokens and the mean
+  // KL(reference || model) of the next-token distributions (tools::CompareToReference).
+  std::string reference_dir;
 };
 
 struct GenerateOptions {

@@ -69,6 +69,10 @@ struct MethodNeeds {
   // Block l is calibrated on the outputs of the quantized blocks before it: its task reads its
   // inputs from where block l-1's task left them, so blocks run one at a time, in order.
   bool sequential = false;
+  // Sequential methods that also need the float model's inputs to each block (its block-wise
+  // fine-tuning targets): carried from block task to block task like the calibration inputs,
+  // each block's float outputs computed by the method (Method::PropagateFloatBlock).
+  bool sequential_float = false;
   // The end-to-end fine-tuning phase after the last block.
   bool end_to_end = false;
   // Method phases before the block tasks, in order (rotation training, a prefix search, ...).

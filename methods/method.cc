@@ -36,6 +36,14 @@ StatusOr<PhaseProducts> Method::RunGlobalPhase(const std::string& phase,
 Status Method::InstallInference(model::DecoderBlock*, int64_t) const { return Status(); }
 Status Method::CheckPlainForward() const { return Status(); }
 
+StatusOr<at::Tensor> Method::PropagateFloatBlock(model::BlockWeights, int64_t layer,
+                                                 const at::Tensor&, const model::Rope&, int64_t,
+                                                 const std::map<std::string, PhaseProducts>*) const {
+  return absl::UnimplementedError(absl::StrCat("method ", recipe_.method,
+                                               " does not propagate float blocks (block ", layer,
+                                               ")"));
+}
+
 StatusOr<at::Tensor> Method::PropagateFinishedBlock(model::BlockWeights, int64_t layer,
                                                     const at::Tensor&, const model::Rope&,
                                                     int64_t) const {

@@ -72,6 +72,10 @@ struct BlockInputs {
   // block's outputs. Else null.
   at::Tensor* x = nullptr;
   bool propagate = false;
+  // needs().sequential_float: the float model's inputs to this block [N, S, hidden] (the float
+  // blocks before it, as the method runs them: PropagateFloatBlock); with `propagate` the method
+  // replaces them by the float block's outputs. Else null.
+  at::Tensor* x_float = nullptr;
   // The products of the method's global phases, by phase name; null when it has none.
   const std::map<std::string, PhaseProducts>* phases = nullptr;
 };
@@ -136,6 +140,12 @@ class Method {
   // Sequential methods: the outputs of finished block `layer` (as LoadBlock reads it) on its
   // calibration inputs x, as QuantizeBlock propagates them; used to rebuild inputs a resumed job
   // lost. Unimplemented by default.
+  // needs().sequential_float: the float block `layer` (as the source stores it, prepared by
+  // PrepareBlock) applied to the float inputs x, as QuantizeBlock propagates x_float; used to
+  // rebuild float inputs a resumed job lost. Unimplemented by default.
+  virtual StatusOr<at::Tensor> PropagateFloatBlock(
+      model::BlockWeights prepared, int64_t layer, const at::Tensor& x, const model::Rope& rope,
+      int64_t batch, const std::map<std::string, PhaseProducts>* phases) const;
   virtual StatusOr<at::Tensor> PropagateFinishedBlock(model::BlockWeights weights, int64_t layer,
                                                       const at::Tensor& x,
                                                       const model::Rope& rope,

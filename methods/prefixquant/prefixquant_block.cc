@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "methods/prefixquant/block_ft.h"
 #include "methods/prefixquant/static_quant.h"
 #include "worker/calib/hessian.h"
 #include "worker/model/tensor_io.h"
@@ -195,9 +196,15 @@ Status InstallStaticInference(model::DecoderBlock& block, const LlamaConfig& con
 StatusOr<quant::BlockTaskResult> QuantizePrefixquantBlock(
     model::BlockWeights weights, const LlamaConfig& config, const model::Rope& rope,
     const PrefixquantConfig& q, const qsim::RotationPlan& plan,
-    std::shared_ptr<const model::PrefixKv> prefix, int64_t layer, at::Tensor* x, int64_t batch,
-    bool propagate) {
+    std::shared_ptr<const model::PrefixKv> prefix, int64_t layer, at::Tensor* x,
+    at::Tensor* x_float, int64_t batch, bool propagate) {
   const auto t0 = Clock::now();
+  const bool ft = q.block_ft.enabled;
+  if (ft && (x_float == nullptr || !x_float->defined() || x_float->sizes() != x->sizes())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "block ", layer, ": block-wise fine-tuning needs the float model's inputs, as many as the "
+        "calibration inputs"));
+  }
   if (x == nullptr || !x->defined() || x->dim() != 3) {
     return absl::InvalidArgumentError(
         absl::StrCat("block ", layer, ": prefixquant needs the block's calibration inputs"));
@@ -269,6 +276,11 @@ StatusOr<quant::BlockTaskResult> QuantizePrefixquantBlock(
                                                steps[KindIndex(k)], q.act_bits);
     }
     const at::Tensor y_ref = ChunkedForward(block, xs, rope, batch);
+    // The float block on the float model's inputs: the fine-tuning targets, and the next block's
+    // float inputs.
+    at::Tensor y_float;
+    if (x_float != nullptr && x_float->defined()) y_float = ChunkedForward(block, *x_float, rope, batch);
+    at::Tensor float_w[7], weight_step[7];
 
     // ---- 2. Weights, per output channel, by layer-output error.
     quant::BlockTaskResult result;
@@ -302,6 +314,8 @@ StatusOr<quant::BlockTaskResult> QuantizePrefixquantBlock(
             best_step = at::where(better, s, best_step);
           }
         }
+        float_w[static_cast<int>(k)] = w;
+        weight_step[static_cast<int>(k)] = best_step;
         QCAL_ASSIGN_OR_RETURN(std::unique_ptr<quant::ScalarQuantLinear> rounded,
                               RoundWeights(w, best_step, q.bits));
         m.proxy_loss = best_err.sum().item<double>();
@@ -385,6 +399,70 @@ StatusOr<quant::BlockTaskResult> QuantizePrefixquantBlock(
     search_act(1);  // o input
     search_act(2);  // gate_up input
     search_act(3);  // down input (after R4)
+
+    // ---- 4. Block-wise fine-tuning.
+    if (ft) {
+      std::vector<at::Tensor> train_w, train_s;
+      for (LinearKind k : model::kAllLinears) {
+        if (!q.quantizes_weights()) break;
+        const int j = static_cast<int>(k);
+        at::Tensor w = float_w[j].clone().requires_grad_(true);
+        at::Tensor s = weight_step[j].clone().requires_grad_(true);
+        train_w.push_back(w);
+        train_s.push_back(s);
+        auto& slot = block.mutable_weights().linears[j];
+        slot = std::make_unique<StaticActLinear>(std::make_unique<FakeQuantLinear>(w, s, q.bits),
+                                                 k == LinearKind::kDown ? t4 : nullptr,
+                                                 steps[KindIndex(k)], q.act_bits);
+      }
+      std::vector<at::Tensor> act_and_kv;
+      for (auto& st : steps) {
+        if (st->value.defined()) {
+          st->value = st->value.clone().requires_grad_(true);
+          act_and_kv.push_back(st->value);
+        }
+      }
+      for (auto* st : {k_step.get(), v_step.get()}) {
+        if (st->value.defined()) {
+          st->value = st->value.clone().requires_grad_(true);
+          act_and_kv.push_back(st->value);
+        }
+      }
+      std::vector<at::Tensor> all_steps = train_s;
+      all_steps.insert(all_steps.end(), act_and_kv.begin(), act_and_kv.end());
+      const int64_t val = std::min<int64_t>(q.block_ft.val_sequences, n - 1);
+      QCAL_ASSIGN_OR_RETURN(
+          BlockFtReport r,
+          TrainBlock(block, rope, *x, y_float, n - val, train_w, all_steps, q.block_ft,
+                     0x9e3779b97f4a7c15ULL ^ static_cast<uint64_t>(layer),
+                     [&all_steps]() {
+                       for (at::Tensor& t : all_steps) t.clamp_min_(1e-8);
+                     }));
+      QCAL_LOG_INFO("prefixquant block {}: fine-tuned {} steps, train loss {:.4g} -> {:.4g}, "
+                    "held-out MSE {:.4g} -> {:.4g}",
+                    layer, r.steps, r.train_loss_first, r.train_loss_last, r.val_mse_before,
+                    r.val_mse_after);
+      result.mse_before_ft = r.val_mse_before;
+      result.mse_after_ft = r.val_mse_after;
+      // The trained weights rounded with their trained steps; every step fixed.
+      for (LinearKind k : model::kAllLinears) {
+        if (!q.quantizes_weights()) break;
+        const int j = static_cast<int>(k);
+        auto* wrapper = dynamic_cast<StaticActLinear*>(&block.mutable_weights().linear(k));
+        const auto* fq = dynamic_cast<const FakeQuantLinear*>(&wrapper->inner());
+        QCAL_ASSIGN_OR_RETURN(std::unique_ptr<quant::ScalarQuantLinear> rounded,
+                              RoundWeights(fq->weight(), fq->step(), q.bits));
+        block.mutable_weights().linears[j] = std::make_unique<StaticActLinear>(
+            std::move(rounded), k == LinearKind::kDown ? t4 : nullptr, steps[KindIndex(k)],
+            q.act_bits);
+      }
+      for (auto& st : steps) {
+        if (st->value.defined()) st->value = st->value.detach().clone();
+      }
+      for (auto* st : {k_step.get(), v_step.get()}) {
+        if (st->value.defined()) st->value = st->value.detach().clone();
+      }
+    }
     const double mse = block_mse();
 
     // ---- Extras, and the next block's inputs.
@@ -400,12 +478,32 @@ StatusOr<quant::BlockTaskResult> QuantizePrefixquantBlock(
     }
     QCAL_LOG_INFO("prefixquant block {}: quantized block output MSE {:.4g} (relative {:.4g})",
                   layer, mse, mse / std::max(1e-30, y_ref.to(at::kDouble).pow(2).mean().item<double>()));
-    if (propagate) *x = ChunkedForward(block, *x, rope, batch);
+    if (propagate) {
+      *x = ChunkedForward(block, *x, rope, batch);
+      if (y_float.defined()) *x_float = std::move(y_float);
+    }
     result.weights = std::move(block.mutable_weights());
     result.seconds = Seconds(t0);
     return result;
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat("prefixquant block ", layer, ": ", e.what()));
+  }
+}
+
+StatusOr<at::Tensor> FloatBlockForward(model::BlockWeights prepared, const LlamaConfig& config,
+                                       const model::Rope& rope, const qsim::RotationPlan& plan,
+                                       std::shared_ptr<const model::PrefixKv> prefix,
+                                       int64_t layer, const at::Tensor& x, int64_t batch) {
+  model::DecoderBlock block(config, std::move(prepared));
+  QCAL_RETURN_IF_ERROR(qsim::InstallOnlineRotations(block, plan));
+  model::BlockHooks hooks = block.hooks();
+  hooks.prefix = std::move(prefix);
+  block.set_hooks(std::move(hooks));
+  at::NoGradGuard no_grad;
+  try {
+    return ChunkedForward(block, x, rope, batch);
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("float block ", layer, " forward: ", e.what()));
   }
 }
 

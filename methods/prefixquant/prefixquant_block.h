@@ -16,8 +16,12 @@
 //      probabilities over prefix + sequence; c over {1.00, …, 0.55}), V per head (MSE of V), the
 //      o, gate_up and down inputs (block-output MSE, as the qkv input). Each searched quantizer
 //      stays on for the next search. Without grid_search every step is its min/max init.
-//   4. the quantized block (every quantizer on, the prefix in front) maps the inputs to the next
-//      block's.
+//   4. with block_ft: the block-wise fine-tuning (block_ft.h) of the float weights (behind their
+//      per-channel fake quantizers) and of every step size, the targets being the float block's
+//      outputs on the float model's inputs (x_float, behind the same prefix); then the weights
+//      are rounded with their trained steps;
+//   5. the quantized block (every quantizer on, the prefix in front) maps the inputs to the next
+//      block's, and the float block the float inputs.
 // The reference omits the attention mask in its fine search's forward and never tries c = 1 for
 // activations; qcal passes the mask and includes 1 (with a prefix the ranges are already tight).
 #pragma once
@@ -61,15 +65,23 @@ Status InstallStaticInference(model::DecoderBlock& block, const LlamaConfig& con
                               const PrefixquantConfig& q, const qsim::RotationPlan& plan,
                               int64_t layer);
 
-// Steps 1–4 above on a block prepared by qsim::RotateBlockWeights (float dense linears);
+// Steps 1–5 above on a block prepared by qsim::RotateBlockWeights (float dense linears);
 // `prefix` (or null) is the block's prefix K/V from the float model. x: the block's calibration
-// inputs [N, S, hidden]; with `propagate` replaced by the quantized block's outputs. The result
-// holds the quantized weights with the steps and prefix in extras.
+// inputs [N, S, hidden]; with `propagate` replaced by the quantized block's outputs. x_float: the
+// float model's inputs [N, S, hidden] (needed with block_ft, else may be null), replaced by the
+// float block's outputs with `propagate`. The result holds the quantized weights with the steps
+// and prefix in extras (and the held-out MSE before / after fine-tuning).
 StatusOr<quant::BlockTaskResult> QuantizePrefixquantBlock(
     model::BlockWeights weights, const LlamaConfig& config, const model::Rope& rope,
     const PrefixquantConfig& q, const qsim::RotationPlan& plan,
-    std::shared_ptr<const model::PrefixKv> prefix, int64_t layer, at::Tensor* x, int64_t batch,
-    bool propagate);
+    std::shared_ptr<const model::PrefixKv> prefix, int64_t layer, at::Tensor* x,
+    at::Tensor* x_float, int64_t batch, bool propagate);
+
+// The float block (prepared weights, online rotations, `prefix` in front) on x.
+StatusOr<at::Tensor> FloatBlockForward(model::BlockWeights prepared, const LlamaConfig& config,
+                                       const model::Rope& rope, const qsim::RotationPlan& plan,
+                                       std::shared_ptr<const model::PrefixKv> prefix,
+                                       int64_t layer, const at::Tensor& x, int64_t batch);
 
 // The block's tensors for its shard: norms, each linear (scalar format, or dense .weight for
 // float weights), every extra as F64.

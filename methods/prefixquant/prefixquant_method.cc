@@ -57,7 +57,22 @@ class PrefixquantMethod final : public Method {
       QCAL_ASSIGN_OR_RETURN(prefix, PrefixOfLayer(in.phases->at(kPrefixPhase), config(), in.layer));
     }
     return QuantizePrefixquantBlock(std::move(float_weights), config(), *in.rope, *q_, plan_,
-                                    std::move(prefix), in.layer, in.x, in.batch, in.propagate);
+                                    std::move(prefix), in.layer, in.x, in.x_float, in.batch,
+                                    in.propagate);
+  }
+  StatusOr<at::Tensor> PropagateFloatBlock(
+      model::BlockWeights prepared, int64_t layer, const at::Tensor& x, const model::Rope& rope,
+      int64_t batch, const std::map<std::string, PhaseProducts>* phases) const override {
+    std::shared_ptr<const model::PrefixKv> prefix;
+    if (q_->prefix) {
+      if (phases == nullptr || phases->count(kPrefixPhase) == 0) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("block ", layer, ": no products of the prefix phase"));
+      }
+      QCAL_ASSIGN_OR_RETURN(prefix, PrefixOfLayer(phases->at(kPrefixPhase), config(), layer));
+    }
+    return FloatBlockForward(std::move(prepared), config(), rope, plan_, std::move(prefix), layer,
+                             x, batch);
   }
 
   Status AppendBlockTensors(int64_t layer, const model::BlockWeights& weights,

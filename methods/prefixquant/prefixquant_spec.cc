@@ -20,7 +20,7 @@ class PrefixquantSpec final : public MethodSpec {
   const char* name() const override { return "prefixquant"; }
   std::vector<std::string> keys() const override {
     return {"bits", "incoherence", "activations", "kv_cache", "rotation", "prefix",
-            "grid_search", "search_sequences"};
+            "grid_search", "search_sequences", "block_ft"};
   }
   StatusOr<std::shared_ptr<const MethodConfig>> Parse(const RecipeSection& top,
                                                       const Recipe&) const override {
@@ -52,6 +52,31 @@ class PrefixquantSpec final : public MethodSpec {
     QCAL_RETURN_IF_ERROR(top.ReadInt("search_sequences", &c->search_sequences));
     QCAL_RETURN_IF_ERROR(top.RequireRange("search_sequences", c->search_sequences >= 1, ">= 1",
                                           std::to_string(c->search_sequences)));
+    QCAL_ASSIGN_OR_RETURN(
+        RecipeSection ft, top.ReadSection("block_ft", {"enabled", "epochs", "batch", "lr_weights",
+                                                       "lr_steps", "val_sequences"}));
+    BlockFtSpec& f = c->block_ft;
+    QCAL_RETURN_IF_ERROR(ft.ReadBool("enabled", &f.enabled));
+    QCAL_RETURN_IF_ERROR(ft.ReadInt("epochs", &f.epochs));
+    QCAL_RETURN_IF_ERROR(ft.RequireRange("epochs", f.epochs >= 1 && f.epochs <= 1000, "1..1000",
+                                         std::to_string(f.epochs)));
+    QCAL_RETURN_IF_ERROR(ft.ReadInt("batch", &f.batch));
+    QCAL_RETURN_IF_ERROR(
+        ft.RequireRange("batch", f.batch >= 1, ">= 1", std::to_string(f.batch)));
+    QCAL_RETURN_IF_ERROR(ft.ReadDouble("lr_weights", &f.lr_weights));
+    QCAL_RETURN_IF_ERROR(ft.RequireRange("lr_weights", f.lr_weights >= 0 && f.lr_weights < 1,
+                                         "in [0, 1)", FormatDouble(f.lr_weights)));
+    QCAL_RETURN_IF_ERROR(ft.ReadDouble("lr_steps", &f.lr_steps));
+    QCAL_RETURN_IF_ERROR(ft.RequireRange("lr_steps", f.lr_steps >= 0 && f.lr_steps < 1,
+                                         "in [0, 1)", FormatDouble(f.lr_steps)));
+    QCAL_RETURN_IF_ERROR(ft.ReadInt("val_sequences", &f.val_sequences));
+    QCAL_RETURN_IF_ERROR(ft.RequireRange("val_sequences", f.val_sequences >= 0, ">= 0",
+                                         std::to_string(f.val_sequences)));
+    if (!f.enabled) {
+      for (const char* key : {"epochs", "batch", "lr_weights", "lr_steps", "val_sequences"}) {
+        if (ft.Has(key)) return ft.KeyError(key, "does not apply with 'enabled: false'");
+      }
+    }
     if (!c->quantizes_weights() && !c->quantizes_activations() && !c->quantizes_kv()) {
       return top.Error("recipe quantizes nothing: bits, activations.bits and kv_cache.bits are "
                        "all 16");
@@ -66,6 +91,7 @@ MethodNeeds PrefixquantConfig::needs() const {
   MethodNeeds n;
   n.sequential = true;
   n.transforms_non_block = true;
+  n.sequential_float = block_ft.enabled;
   if (prefix) n.global_phases = {kPrefixPhase};
   return n;
 }
@@ -81,6 +107,15 @@ void PrefixquantConfig::AddToJson(nlohmann::json* j) const {
   (*j)["prefix"] = p;
   (*j)["grid_search"] = grid_search;
   (*j)["search_sequences"] = search_sequences;
+  nlohmann::json ft = {{"enabled", block_ft.enabled}};
+  if (block_ft.enabled) {
+    ft["epochs"] = block_ft.epochs;
+    ft["batch"] = block_ft.batch;
+    ft["lr_weights"] = block_ft.lr_weights;
+    ft["lr_steps"] = block_ft.lr_steps;
+    ft["val_sequences"] = block_ft.val_sequences;
+  }
+  (*j)["block_ft"] = ft;
 }
 
 void PrefixquantConfig::AddToQuantizationConfig(nlohmann::json* q) const {

@@ -13,11 +13,14 @@
 //   prefix: {enabled: true, threshold: 64}   # outlier-token prefix (η of Eq. 3)
 //   grid_search: true             # the MSE searches of every step size (else min/max init)
 //   search_sequences: 16          # calibration sequences the searches run on
+//   block_ft: {enabled: true, epochs: 20, batch: 4, lr_weights: 5e-6, lr_steps: 5e-5,
+//              val_sequences: 16}  # block-wise fine-tuning (Block-AP) after the searches
 //
 // Needs: the global phase "prefix" (the outlier-token search and the prefix's K/V on the
 // rotated float model) when prefix.enabled; sequential blocks (block l is calibrated on the
-// outputs of the quantized blocks before it, with the prefix in the cache); the rotated
-// embedding, final norm and head are the method's own.
+// outputs of the quantized blocks before it, with the prefix in the cache), with the float
+// model's inputs carried beside them when block_ft is on (its targets); the rotated embedding,
+// final norm and head are the method's own.
 #pragma once
 
 #include <string>
@@ -26,6 +29,20 @@
 #include "common/recipe.h"
 
 namespace qcal::methods::prefixquant {
+
+// Block-wise fine-tuning (the reference's Block-AP): per block, the quantized block on the
+// quantized inputs against the float block on the float inputs (MSE), training the weights and
+// every step size with straight-through rounding; AdamW (weight decay 0), cosine decay per step to
+// a tenth of each learning rate. The last val_sequences calibration sequences are held out and
+// report the block MSE before and after.
+struct BlockFtSpec {
+  bool enabled = false;
+  int64_t epochs = 20;
+  int64_t batch = 4;
+  double lr_weights = 5e-6;
+  double lr_steps = 5e-5;
+  int64_t val_sequences = 16;
+};
 
 struct PrefixquantConfig final : MethodConfig {
   int bits = 4;      // weights; 16: float
@@ -36,6 +53,7 @@ struct PrefixquantConfig final : MethodConfig {
   double threshold = 64.0;  // η
   bool grid_search = true;
   int64_t search_sequences = 16;
+  BlockFtSpec block_ft;
 
   bool quantizes_weights() const { return bits < 16; }
   bool quantizes_activations() const { return act_bits < 16; }

@@ -32,7 +32,9 @@ StaticActLinear::StaticActLinear(std::unique_ptr<model::Linear> inner,
       observer_(std::move(observer)) {}
 
 at::Tensor StaticActLinear::Forward(const at::Tensor& x) const {
-  at::Tensor h = rotation_ ? rotation_->Apply(x) : x;
+  // Fine-tuning differentiates through R4 (above kDenseLimit through its Kronecker factors).
+  const bool grad = at::GradMode::is_enabled() && x.requires_grad();
+  at::Tensor h = !rotation_ ? x : grad ? rotation_->ApplyDifferentiable(x) : rotation_->Apply(x);
   if (observer_) observer_(h);
   if (step_ && step_->value.defined()) h = FakeQuant(h, step_->value, bits_);
   return inner_->Forward(h);
@@ -87,6 +89,17 @@ at::Tensor StaticKvHook::Apply(const at::Tensor& x, model::KvRole role) const {
 std::string StaticKvHook::Describe() const {
   if (record_) return "per-head KV range recorder";
   return absl::StrCat("int", bits_, " sym static per-head");
+}
+
+FakeQuantLinear::FakeQuantLinear(at::Tensor weight, at::Tensor step, int bits)
+    : weight_(std::move(weight)), step_(std::move(step)), bits_(bits) {}
+
+at::Tensor FakeQuantLinear::Forward(const at::Tensor& x) const {
+  return at::matmul(x, FakeQuant(weight_, step_.view({-1, 1}), bits_).t());
+}
+
+at::Tensor FakeQuantLinear::DenseWeight() const {
+  return FakeQuant(weight_, step_.view({-1, 1}), bits_).detach();
 }
 
 StatusOr<std::unique_ptr<quant::ScalarQuantLinear>> RoundWeights(const at::Tensor& weight,

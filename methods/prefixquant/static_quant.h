@@ -94,6 +94,23 @@ class StaticKvHook final : public model::KvCacheHook {
   mutable at::Tensor max_[2];
 };
 
+// A linear whose float weight and per-output-channel steps are trained (block-wise
+// fine-tuning): Forward = x·FakeQuant(W, step)ᵀ. weight [out, in], step [out], float32 leaves.
+class FakeQuantLinear final : public model::Linear {
+ public:
+  FakeQuantLinear(at::Tensor weight, at::Tensor step, int bits);
+  at::Tensor Forward(const at::Tensor& x) const override;
+  int64_t in_features() const override { return weight_.size(1); }
+  int64_t out_features() const override { return weight_.size(0); }
+  at::Tensor DenseWeight() const override;  // FakeQuant(W, step), detached
+  const at::Tensor& weight() const { return weight_; }
+  const at::Tensor& step() const { return step_; }
+
+ private:
+  at::Tensor weight_, step_;
+  int bits_;
+};
+
 // The scalar-format layer of W rounded per output channel with steps [out] (symmetric, no zero
 // point): codes clamp(round(W / step)), scales = step. Its Forward equals x·FakeQuant(W, step)ᵀ.
 StatusOr<std::unique_ptr<quant::ScalarQuantLinear>> RoundWeights(const at::Tensor& weight,

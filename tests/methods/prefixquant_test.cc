@@ -81,9 +81,10 @@ class PrefixquantTest : public ::testing::Test {
   }
 
   static std::string RunJob(const Recipe& recipe, const std::string& name,
-                            job::QuantizeJobResult* result = nullptr) {
+                            job::QuantizeJobResult* result = nullptr,
+                            const std::string& model = "") {
     job::QuantizeJobOptions opt;
-    opt.model_dir = *planted_;
+    opt.model_dir = model.empty() ? *planted_ : model;
     opt.out_dir = *root_ + "/" + name;
     opt.data_root = testing::SharedDir();
     opt.calib_batch = 8;
@@ -94,13 +95,16 @@ class PrefixquantTest : public ::testing::Test {
     return opt.out_dir;
   }
 
-  // Perplexity and KL to the float planted model on TinyStories (256-token windows).
-  static tools::ModelComparison Compare(const std::string& dir) {
-    auto ref = testing::LoadModelOrDie(*planted_);
+  // Perplexity and KL to the float model (the planted one unless given) on TinyStories, in
+  // 256-token windows that each start with BOS: behind a prefix ending with BOS the quantized
+  // model then reads exactly the float model's context (scripts/prefixquant-results.sh).
+  static tools::ModelComparison Compare(const std::string& dir, const std::string& reference = "") {
+    auto ref = testing::LoadModelOrDie(reference.empty() ? *planted_ : reference);
     auto m = methods::LoadModel(dir);
     EXPECT_TRUE(m.ok()) << m.status();
     eval::PerplexityOptions opt;
     opt.ctx = 256;
+    opt.bos_per_window = true;
     auto c = tools::CompareToReference(*ref, **m, *stories_, opt);
     EXPECT_TRUE(c.ok()) << c.status();
     return c.ok() ? *c : tools::ModelComparison();
@@ -228,6 +232,64 @@ TEST_F(PrefixquantTest, StaticQuantizationBehindThePrefixIsFarBetter) {
     EXPECT_GT(r[0].ppl_model, c.min_ppl_ratio * r[1].ppl_model) << c.name;
     EXPECT_GT(r[0].mean_kl, c.min_kl_ratio * r[1].mean_kl) << c.name;
   }
+}
+
+// W4A4KV4 on the planted model: block-wise fine-tuning improves on the grid search alone (every
+// block's held-out MSE falls, and perplexity and KL fall), the fine-tuned static model behind the
+// prefix is not worse than QuaRot's dynamic per-token W4A4KV4 (GPTQ weights), and without the
+// prefix the same fine-tuning is far worse.
+TEST_F(PrefixquantTest, FineTuningImprovesAndMatchesQuarotDynamic) {
+  auto tiny_ft = [](Recipe r) {  // the 260K models' learning rates (jobs/README.md)
+    return Edit(std::move(r), [](pq::PrefixquantConfig& q) {
+      q.block_ft.lr_weights = 2e-4;
+      q.block_ft.lr_steps = 2e-3;
+      q.block_ft.val_sequences = 4;
+    });
+  };
+  const tools::ModelComparison plain = Compare(RunJob(LoadJob("prefixquant-w4a4kv4"), "pq-noft"));
+  job::QuantizeJobResult ft_result;
+  const tools::ModelComparison ft =
+      Compare(RunJob(tiny_ft(LoadJob("prefixquant-w4a4kv4-ft")), "pq-ft", &ft_result));
+  const tools::ModelComparison ft_noprefix =
+      Compare(RunJob(tiny_ft(LoadJob("prefixquant-w4a4kv4-ft-noprefix")), "pq-ft-noprefix"));
+  Recipe quarot = LoadJob("quarot-w4a4kv4");
+  const tools::ModelComparison dynamic = Compare(RunJob(quarot, "quarot"));
+  for (const auto& [name, c] : {std::pair<const char*, const tools::ModelComparison&>{"static", plain},
+                                {"static + ft", ft},
+                                {"static + ft, no prefix", ft_noprefix},
+                                {"QuaRot dynamic", dynamic}}) {
+    std::printf("W4A4KV4 %s: perplexity %.3f (float %.3f), KL %.4f\n", name, c.ppl_model,
+                c.ppl_reference, c.mean_kl);
+  }
+  ASSERT_EQ(ft_result.blocks.size(), 5u);
+  for (const job::BlockSummary& b : ft_result.blocks) {
+    EXPECT_LT(b.mse_after_ft, b.mse_before_ft) << "block " << b.layer;
+  }
+  EXPECT_LT(ft.ppl_model, plain.ppl_model);
+  EXPECT_LT(ft.mean_kl, plain.mean_kl);
+  EXPECT_LE(ft.ppl_model, dynamic.ppl_model);
+  EXPECT_LE(ft.mean_kl, dynamic.mean_kl);
+  EXPECT_GT(ft_noprefix.ppl_model, 2 * ft.ppl_model);
+  EXPECT_GT(ft_noprefix.mean_kl, 1.5 * ft.mean_kl);
+}
+
+// On the plain stories260K (no token-wise outliers: the prefix is BOS alone) the prefix costs
+// nothing beyond the spread of the grid search: KL to the float model with and without it
+// measured 1.0274 vs 0.9971 with this test's 32 calibration sequences and 1.0065 vs 1.0121 with
+// the recipe's 128 (docs/results.md), so the bound is 5%.
+TEST_F(PrefixquantTest, ThePrefixDoesNotHurtAPlainModel) {
+  const std::string plain = testing::RealModelDir("stories260K");
+  tools::ModelComparison r[2];
+  for (int with = 0; with < 2; ++with) {
+    Recipe recipe = Edit(LoadJob("prefixquant-w4a4kv4"), [&](pq::PrefixquantConfig& q) {
+      q.prefix = with == 1;
+    });
+    const std::string name = with ? "plain-prefix" : "plain-noprefix";
+    r[with] = Compare(RunJob(recipe, name, nullptr, plain), plain);
+    std::printf("plain stories260K W4A4KV4 %s: perplexity %.3f (float %.3f), KL %.4f\n",
+                name.c_str(), r[with].ppl_model, r[with].ppl_reference, r[with].mean_kl);
+  }
+  EXPECT_LE(r[1].mean_kl, 1.05 * r[0].mean_kl);
 }
 
 }  // namespace

@@ -274,6 +274,28 @@ TEST(OnlineHadamardTest, MatchesKernelAndFusesExactly) {
   EXPECT_FALSE(qsim::OnlineHadamard::Create(22).ok());  // 2·11: no Hadamard matrix
 }
 
+// The autograd-friendly form equals Apply for dense and Kronecker-factored sizes (11008 =
+// 64·172, 14336 = 512·28, 8192 = 2^13), and its gradient is the transposed transform.
+TEST(OnlineHadamardTest, DifferentiableFormMatchesApplyAndItsGradient) {
+  const uint64_t seed = testing::TestSeed();
+  at::manual_seed(seed);
+  for (int64_t n : {172, 64 * 172, 512 * 28, 8192}) {
+    auto h = qsim::OnlineHadamard::Create(n);
+    ASSERT_TRUE(h.ok()) << n;
+    const at::Tensor x = at::randn({2, 3, n}).requires_grad_(true);
+    const at::Tensor y = (*h)->ApplyDifferentiable(x);
+    const at::Tensor ref = (*h)->Apply(x.detach());
+    EXPECT_LT((y.detach() - ref).abs().max().item<double>(), 1e-5 * ref.abs().max().item<double>() + 1e-6)
+        << n;
+    const at::Tensor g = at::randn({2, 3, n});
+    y.backward(g);
+    // d(x·Tᵀ)/dx applied to g is g·T.
+    const at::Tensor want = (*h)->ApplyInverse(g);
+    EXPECT_LT((x.grad() - want).abs().max().item<double>(), 1e-5 * want.abs().max().item<double>())
+        << n;
+  }
+}
+
 TEST(ActQuantLinearTest, RotationQuantizationAndDenseWeight) {
   const uint64_t seed = testing::TestSeed();
   at::manual_seed(seed);

@@ -142,19 +142,50 @@ StatusOr<v1::WrittenFile> WriteBlockShardStaged(JobContext* ctx, int64_t layer,
                          ShardName(layer + 1, ctx->config.num_hidden_layers), attempt, writer);
 }
 
+// Block 0's calibration inputs of a sequential method: the embedded tokens (less the positions
+// the method drops), prepared by the method.
+StatusOr<at::Tensor> EmbeddedCalibrationInputs(JobContext* ctx) {
+  QCAL_RETURN_IF_ERROR(EnsureCalibrationTokens(ctx));
+  at::NoGradGuard no_grad;
+  const int64_t dropped = ctx->method->DroppedCalibrationPositions();
+  QCAL_ASSIGN_OR_RETURN(
+      at::Tensor rows,
+      ctx->source->Embed(ctx->tokens.narrow(1, dropped, ctx->tokens.size(1) - dropped)));
+  return ctx->method->PrepareEmbeddingRows(rows);
+}
+
+// The float model's inputs to block `layer` (MethodNeeds::sequential_float): saved by block
+// layer-1's task, or rebuilt through the float blocks before it.
+StatusOr<at::Tensor> SequentialFloatInputs(
+    JobContext* ctx, int64_t layer, const std::map<std::string, methods::PhaseProducts>* phases) {
+  if (layer == 0) return EmbeddedCalibrationInputs(ctx);
+  const std::string path = SequentialFloatInputsPath(ctx->options.job_dir, layer);
+  const std::vector<int64_t> shape = {ctx->recipe.calibration.num_sequences,
+                                      ctx->seq_len - ctx->method->DroppedCalibrationPositions(),
+                                      ctx->config.hidden_size};
+  auto loaded = calib::LoadActivation(path, ctx->calib_key, shape);
+  if (loaded.ok()) return loaded;
+  if (!absl::IsNotFound(loaded.status())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "block ", layer, ": unusable float inputs: ", loaded.status().message()));
+  }
+  QCAL_LOG_WARN("block {}: {} is missing; recomputing it through float blocks 0..{}", layer,
+                path, layer - 1);
+  QCAL_ASSIGN_OR_RETURN(at::Tensor x, EmbeddedCalibrationInputs(ctx));
+  for (int64_t l = 0; l < layer; ++l) {
+    QCAL_ASSIGN_OR_RETURN(model::BlockWeights w, ctx->source->LoadBlockWeights(l));
+    QCAL_RETURN_IF_ERROR(ctx->method->PrepareBlock(l, &w));
+    QCAL_ASSIGN_OR_RETURN(x, ctx->method->PropagateFloatBlock(std::move(w), l, x,
+                                                              ctx->source->rope(),
+                                                              ctx->options.calib_batch, phases));
+  }
+  return x;
+}
+
 // The calibration inputs of block `layer` of a sequential method (see QuantizeBlockStep).
 StatusOr<at::Tensor> SequentialInputs(JobContext* ctx, int64_t layer) {
   const int64_t blocks = ctx->config.num_hidden_layers;
-  auto embedded = [&]() -> StatusOr<at::Tensor> {
-    QCAL_RETURN_IF_ERROR(EnsureCalibrationTokens(ctx));
-    at::NoGradGuard no_grad;
-    // The positions the method drops (a prefix in their place) are not embedded at all.
-    const int64_t dropped = ctx->method->DroppedCalibrationPositions();
-    QCAL_ASSIGN_OR_RETURN(
-        at::Tensor rows,
-        ctx->source->Embed(ctx->tokens.narrow(1, dropped, ctx->tokens.size(1) - dropped)));
-    return ctx->method->PrepareEmbeddingRows(rows);
-  };
+  auto embedded = [&]() { return EmbeddedCalibrationInputs(ctx); };
   if (layer == 0) return embedded();
   const std::string path = SequentialInputsPath(ctx->options.job_dir, layer);
   const std::vector<int64_t> shape = {ctx->recipe.calibration.num_sequences,
@@ -408,6 +439,10 @@ std::string SequentialInputsPath(const std::string& job_dir, int64_t layer) {
   return absl::StrCat(job_dir, "/sequential/inputs-", layer, ".safetensors");
 }
 
+std::string SequentialFloatInputsPath(const std::string& job_dir, int64_t layer) {
+  return absl::StrCat(job_dir, "/sequential/float-inputs-", layer, ".safetensors");
+}
+
 StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
                                             const std::string& attempt) {
   const auto t0 = Clock::now();
@@ -475,6 +510,11 @@ StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
     in.x = &x;
     in.propagate = layer + 1 < blocks;
   }
+  at::Tensor x_float;
+  if (needs.sequential && needs.sequential_float) {
+    QCAL_ASSIGN_OR_RETURN(x_float, SequentialFloatInputs(ctx, layer, in.phases));
+    in.x_float = &x_float;
+  }
   StatusOr<quant::BlockTaskResult> quantized = ctx->method->QuantizeBlock(std::move(weights), in);
   if (!quantized.ok() && needs.float_hessians) {
     // A Hessian that is not positive definite even after damping, say, names the file it came
@@ -489,10 +529,15 @@ StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
     QCAL_RETURN_IF_ERROR(MakeDirs(job_dir + "/sequential"));
     QCAL_RETURN_IF_ERROR(
         calib::SaveActivation(SequentialInputsPath(job_dir, layer + 1), x, ctx->calib_key));
+    if (in.x_float != nullptr) {
+      QCAL_RETURN_IF_ERROR(calib::SaveActivation(SequentialFloatInputsPath(job_dir, layer + 1),
+                                                 x_float, ctx->calib_key));
+    }
   }
   if (needs.sequential && layer > 0) {
     // Block l-1 is journaled (blocks are handed out in order): its inputs are no longer needed.
     std::remove(SequentialInputsPath(job_dir, layer - 1).c_str());
+    std::remove(SequentialFloatInputsPath(job_dir, layer - 1).c_str());
   }
 
   v1::BlockResult result;

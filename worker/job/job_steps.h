@@ -120,6 +120,8 @@ StatusOr<methods::PhaseProducts> LoadPhaseProducts(const std::string& path,
 
 // job_dir/sequential/inputs-<layer>.safetensors.
 std::string SequentialInputsPath(const std::string& job_dir, int64_t layer);
+// job_dir/sequential/float-inputs-<layer>.safetensors (MethodNeeds::sequential_float).
+std::string SequentialFloatInputsPath(const std::string& job_dir, int64_t layer);
 
 // End-to-end fine-tuning of the quantized model read back from its committed shards (all block
 // shards must be there) against the float model (streamed): writes every shard again (staged,

@@ -192,8 +192,53 @@ StatusOr<std::shared_ptr<const OnlineHadamard>> OnlineHadamard::Create(int64_t n
     QCAL_RETURN_IF_ERROR(
         HadamardTransformMatrix(m.data_ptr<float>(), n, n, MatrixAxis::kRows, false));
     h->t_transposed_ = m;
+  } else {
+    // Two Kronecker factors of at most kDenseLimit each: (2^k, m), or two powers of two.
+    int64_t a = plan.pow2, b = plan.m;
+    if (plan.kind == HadamardKind::kPow2) {
+      b = 1;
+      while (a > kDenseLimit) {
+        a /= 2;
+        b *= 2;
+      }
+    }
+    if (a > kDenseLimit || b > kDenseLimit) {
+      return std::shared_ptr<const OnlineHadamard>(std::move(h));  // no differentiable form
+    }
+    auto dense_t = [](int64_t k) -> StatusOr<at::Tensor> {
+      at::Tensor m = at::eye(k, at::kFloat).contiguous();
+      QCAL_RETURN_IF_ERROR(
+          HadamardTransformMatrix(m.data_ptr<float>(), k, k, MatrixAxis::kRows, false));
+      return m;
+    };
+    QCAL_ASSIGN_OR_RETURN(at::Tensor at_, dense_t(a));
+    QCAL_ASSIGN_OR_RETURN(at::Tensor bt_, dense_t(b));
+    // Which factor is outer in Apply's ordering: try both on a probe.
+    // (A fixed probe: creating a transform must not draw from LibTorch's generator.)
+    const at::Tensor probe = at::sin(at::arange(2 * n, at::kFloat) * 0.37).view({2, n});
+    const at::Tensor want = h->Apply(probe);
+    for (int order = 0; order < 2; ++order) {
+      h->f1t_ = order == 0 ? at_ : bt_;
+      h->f2t_ = order == 0 ? bt_ : at_;
+      const at::Tensor got = h->ApplyDifferentiable(probe);
+      if ((got - want).abs().max().item<double>() <= 1e-4 * want.abs().max().item<double>()) {
+        return std::shared_ptr<const OnlineHadamard>(std::move(h));
+      }
+    }
+    h->f1t_ = h->f2t_ = at::Tensor();
   }
   return std::shared_ptr<const OnlineHadamard>(std::move(h));
+}
+
+at::Tensor OnlineHadamard::ApplyDifferentiable(const at::Tensor& x) const {
+  if (t_transposed_.defined() || !f1t_.defined()) return Apply(x);
+  const int64_t f1 = f1t_.size(0), f2 = f2t_.size(0);
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = f1;
+  shape.push_back(f2);
+  const at::Tensor y = at::matmul(f1t_.to(x.device()).t(),
+                                  at::matmul(x.reshape(shape), f2t_.to(x.device())));
+  return y.reshape(x.sizes());
 }
 
 at::Tensor OnlineHadamard::Apply(const at::Tensor& x) const {

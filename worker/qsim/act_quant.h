@@ -110,6 +110,11 @@ class OnlineHadamard {
   // Tᵀ [n, n] float32 (dense; built for n <= kDenseLimit, undefined above, where Apply runs the
   // fast transform on the CPU).
   const at::Tensor& transposed_matrix() const { return t_transposed_; }
+  // x·Tᵀ with LibTorch operations only, so autograd passes through it (block-wise fine-tuning):
+  // Apply for n <= kDenseLimit; above, T = F1 ⊗ F2 applied as two small dense products (F1, F2
+  // the normalized Hadamard factors, e.g. H_64/8 ⊗ H_172/√172 for 11008; their order is the one
+  // Apply uses, checked at creation). Equal to Apply up to float rounding.
+  at::Tensor ApplyDifferentiable(const at::Tensor& x) const;
   int64_t dim() const { return n_; }
   static constexpr int64_t kDenseLimit = 4096;
 
@@ -117,6 +122,8 @@ class OnlineHadamard {
   OnlineHadamard() = default;
   int64_t n_ = 0;
   at::Tensor t_transposed_;
+  // n > kDenseLimit: x viewed as [..., f1, f2] maps to F1·X·F2ᵀ; f1t = F1ᵀ, f2t = F2ᵀ.
+  at::Tensor f1t_, f2t_;
 };
 
 // W ← W·Tᵀ for the OnlineHadamard's T (so that x·Tᵀ·(W·Tᵀ)ᵀ = x·Wᵀ): the offline half of R4.
