@@ -112,8 +112,15 @@ StatusOr<model::BlockWeights> Method::LoadBlock(CheckpointReader& ckpt, int64_t 
                         model::LoadTensorF32(ckpt, p + "post_attention_layernorm.weight",
                                              {config_.hidden_size}));
   for (model::LinearKind k : model::kAllLinears) {
-    QCAL_ASSIGN_OR_RETURN(w.linears[static_cast<int>(k)],
-                          LoadLinear(ckpt, p + model::LinearName(k)));
+    const std::string name = p + model::LinearName(k);
+    QCAL_ASSIGN_OR_RETURN(w.linears[static_cast<int>(k)], LoadLinear(ckpt, name));
+    const model::Linear& l = w.linear(k);
+    const std::vector<int64_t> shape = model::LinearShape(config_, k);
+    if (l.out_features() != shape[0] || l.in_features() != shape[1]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          ckpt.dir(), ": ", name, " is ", l.out_features(), "x", l.in_features(), ", expected ",
+          shape[0], "x", shape[1], " from config.json"));
+    }
   }
   return w;
 }

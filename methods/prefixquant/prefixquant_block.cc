@@ -507,55 +507,18 @@ StatusOr<at::Tensor> FloatBlockForward(model::BlockWeights prepared, const Llama
   }
 }
 
-Status AppendPrefixquantBlockTensors(int64_t layer, const model::BlockWeights& weights,
-                                     SafetensorsWriter* writer) {
+Status AppendPrefixquantExtras(int64_t layer, const model::BlockWeights& weights,
+                               SafetensorsWriter* writer) {
   const std::string p = BlockPrefix(layer);
-  QCAL_RETURN_IF_ERROR(model::AddF32Tensor(writer, p + "input_layernorm.weight", weights.input_norm));
-  QCAL_RETURN_IF_ERROR(
-      model::AddF32Tensor(writer, p + "post_attention_layernorm.weight", weights.post_norm));
-  for (LinearKind k : model::kAllLinears) {
-    const std::string prefix = p + model::LinearName(k);
-    const model::Linear& inner = Innermost(weights.linear(k));
-    if (auto* s = dynamic_cast<const quant::ScalarQuantLinear*>(&inner)) {
-      QCAL_RETURN_IF_ERROR(s->AppendTensors(prefix, writer));
-    } else if (dynamic_cast<const model::DenseLinear*>(&inner) != nullptr) {
-      QCAL_RETURN_IF_ERROR(model::AddF32Tensor(writer, prefix + ".weight", inner.DenseWeight()));
-    } else {
-      return absl::InvalidArgumentError(absl::StrCat(
-          prefix, ": a PrefixQuant block holds scalar-quantized or dense linears only"));
-    }
-  }
   for (const auto& [key, tensor] : weights.extra) {
     QCAL_RETURN_IF_ERROR(model::AddF64Tensor(writer, p + key, tensor));
   }
   return Status();
 }
 
-StatusOr<model::BlockWeights> LoadPrefixquantBlock(CheckpointReader& ckpt,
-                                                   const LlamaConfig& config, int64_t layer) {
+Status LoadPrefixquantExtras(CheckpointReader& ckpt, const LlamaConfig& config, int64_t layer,
+                             model::BlockWeights* w) {
   const std::string p = BlockPrefix(layer);
-  model::BlockWeights w;
-  QCAL_ASSIGN_OR_RETURN(w.input_norm, model::LoadTensorF32(ckpt, p + "input_layernorm.weight",
-                                                           {config.hidden_size}));
-  QCAL_ASSIGN_OR_RETURN(w.post_norm, model::LoadTensorF32(ckpt, p + "post_attention_layernorm.weight",
-                                                          {config.hidden_size}));
-  for (LinearKind k : model::kAllLinears) {
-    const std::string prefix = p + model::LinearName(k);
-    const std::vector<int64_t> shape = model::LinearShape(config, k);
-    std::unique_ptr<model::Linear> linear;
-    if (ckpt.Has(prefix + ".weight")) {
-      QCAL_ASSIGN_OR_RETURN(at::Tensor t, model::LoadTensorF32(ckpt, prefix + ".weight", shape));
-      linear = std::make_unique<model::DenseLinear>(t);
-    } else {
-      QCAL_ASSIGN_OR_RETURN(linear, quant::ScalarQuantLinear::Load(ckpt, prefix));
-      if (linear->out_features() != shape[0] || linear->in_features() != shape[1]) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            ckpt.dir(), ": ", prefix, " is ", linear->out_features(), "x",
-            linear->in_features(), ", expected ", shape[0], "x", shape[1], " from config.json"));
-      }
-    }
-    w.linears[static_cast<int>(k)] = std::move(linear);
-  }
   const int64_t kv = config.num_key_value_heads;
   const std::pair<const char*, std::vector<int64_t>> fixed[] = {
       {kActStepsKey, {4}}, {kKStepsKey, {kv}}, {kVStepsKey, {kv}}, {qsim::kRotationsKey, {4}}};
@@ -570,17 +533,16 @@ StatusOr<model::BlockWeights> LoadPrefixquantBlock(CheckpointReader& ckpt,
     }
     at::Tensor t = at::empty(info.shape, at::kDouble);
     std::memcpy(t.data_ptr<double>(), found.first->Data(info), t.numel() * sizeof(double));
-    w.extra[key] = t;
+    w->extra[key] = t;
     return Status();
   };
   for (const auto& [key, shape] : fixed) QCAL_RETURN_IF_ERROR(read(key, &shape));
   for (const char* key : {kPrefixTokensKey, kPrefixKKey, kPrefixVKey}) {
     QCAL_RETURN_IF_ERROR(read(key, nullptr));
   }
-  // Shapes of the prefix are checked against each other and config.json here.
-  const Status prefix = PrefixFromExtras(w, config, layer).status();
+  const Status prefix = PrefixFromExtras(*w, config, layer).status();
   if (!prefix.ok()) return Annotate(prefix, ckpt.dir());
-  return w;
+  return Status();
 }
 
 }  // namespace qcal::methods::prefixquant

@@ -83,12 +83,13 @@ StatusOr<at::Tensor> FloatBlockForward(model::BlockWeights prepared, const Llama
                                        std::shared_ptr<const model::PrefixKv> prefix,
                                        int64_t layer, const at::Tensor& x, int64_t batch);
 
-// The block's tensors for its shard: norms, each linear (scalar format, or dense .weight for
-// float weights), every extra as F64.
-Status AppendPrefixquantBlockTensors(int64_t layer, const model::BlockWeights& weights,
-                                     SafetensorsWriter* writer);
-// Reads them back, checked against config.json's shapes.
-StatusOr<model::BlockWeights> LoadPrefixquantBlock(CheckpointReader& ckpt,
-                                                   const LlamaConfig& config, int64_t layer);
+// The block's extras for its shard, every one as model.layers.N.<key> F64 (the norms and linears
+// are the method's, methods/method.h AppendLinear).
+Status AppendPrefixquantExtras(int64_t layer, const model::BlockWeights& weights,
+                               SafetensorsWriter* writer);
+// Reads them back into weights->extra, checked against config.json's shapes (the prefix against
+// itself too).
+Status LoadPrefixquantExtras(CheckpointReader& ckpt, const LlamaConfig& config, int64_t layer,
+                             model::BlockWeights* weights);
 
 }  // namespace qcal::methods::prefixquant

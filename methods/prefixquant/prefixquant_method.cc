@@ -7,6 +7,8 @@
 #include "methods/prefixquant/prefix_search.h"
 #include "methods/prefixquant/prefixquant_block.h"
 #include "methods/prefixquant/prefixquant_spec.h"
+#include "methods/prefixquant/static_quant.h"
+#include "worker/model/tensor_io.h"
 #include "worker/qsim/rotate.h"
 
 namespace qcal::methods::prefixquant {
@@ -77,10 +79,22 @@ class PrefixquantMethod final : public Method {
 
   Status AppendBlockTensors(int64_t layer, const model::BlockWeights& weights,
                             SafetensorsWriter* writer) const override {
-    return AppendPrefixquantBlockTensors(layer, weights, writer);
+    // Norms and each linear's innermost layer (scalar format, or dense for float weights) as
+    // every method writes them, then the steps and the prefix.
+    const std::string p = absl::StrCat("model.layers.", layer, ".");
+    QCAL_RETURN_IF_ERROR(model::AddF32Tensor(writer, p + "input_layernorm.weight",
+                                             weights.input_norm));
+    QCAL_RETURN_IF_ERROR(model::AddF32Tensor(writer, p + "post_attention_layernorm.weight",
+                                             weights.post_norm));
+    for (model::LinearKind k : model::kAllLinears) {
+      QCAL_RETURN_IF_ERROR(
+          AppendLinear(Innermost(weights.linear(k)), p + model::LinearName(k), writer));
+    }
+    return AppendPrefixquantExtras(layer, weights, writer);
   }
   StatusOr<model::BlockWeights> LoadBlock(CheckpointReader& ckpt, int64_t layer) const override {
-    QCAL_ASSIGN_OR_RETURN(model::BlockWeights w, LoadPrefixquantBlock(ckpt, config(), layer));
+    QCAL_ASSIGN_OR_RETURN(model::BlockWeights w, Method::LoadBlock(ckpt, layer));
+    QCAL_RETURN_IF_ERROR(LoadPrefixquantExtras(ckpt, config(), layer, &w));
     const bool planned[4] = {plan_.r1, plan_.r2, plan_.r3, plan_.r4};
     auto applied = w.extra.find(qsim::kRotationsKey);
     if (applied == w.extra.end()) {

@@ -4,6 +4,7 @@
 // reads back bit for bit, a lost block is redone identically, and static quantization behind the
 // prefix is far better than without it (perplexity and KL to the float model).
 #include <cstdio>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -290,6 +291,35 @@ TEST_F(PrefixquantTest, ThePrefixDoesNotHurtAPlainModel) {
                 name.c_str(), r[with].ppl_model, r[with].ppl_reference, r[with].mean_kl);
   }
   EXPECT_LE(r[1].mean_kl, 1.05 * r[0].mean_kl);
+}
+
+// With block-wise fine-tuning the job also carries the float model's inputs: a lost block is
+// redone from calibration and float inputs rebuilt through the finished blocks and the float
+// blocks (Method::PropagateFloatBlock), and the fine-tuned shards come back byte for byte.
+TEST_F(PrefixquantTest, FineTunedJobResumesBitForBit) {
+  Recipe recipe = Edit(LoadJob("prefixquant-w4a4kv4-ft"), [](pq::PrefixquantConfig& q) {
+    q.block_ft.epochs = 2;
+    q.block_ft.val_sequences = 4;
+  });
+  job::QuantizeJobResult first;
+  const std::string out = RunJob(recipe, "ft-resume", &first);
+  EXPECT_EQ(first.blocks_resumed, 0);
+  EXPECT_TRUE(std::ifstream(job::SequentialFloatInputsPath(out + ".job", 4)).good());
+  EXPECT_FALSE(std::ifstream(job::SequentialFloatInputsPath(out + ".job", 2)).good());
+  std::vector<std::string> before;
+  for (int64_t l = 2; l < 5; ++l) {
+    auto b = ReadFile(out + "/" + ShardName(l + 1, 5));
+    ASSERT_TRUE(b.ok());
+    before.push_back(*b);
+  }
+  ASSERT_EQ(std::remove((out + "/" + ShardName(3, 5)).c_str()), 0);
+  ASSERT_EQ(std::remove((out + "/config.json").c_str()), 0);
+  job::QuantizeJobResult second;
+  RunJob(recipe, "ft-resume", &second);
+  EXPECT_EQ(second.blocks_resumed, 2);
+  for (int64_t l = 2; l < 5; ++l) {
+    EXPECT_EQ(*ReadFile(out + "/" + ShardName(l + 1, 5)), before[l - 2]) << "block " << l;
+  }
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
@@ -154,21 +155,32 @@ StatusOr<at::Tensor> EmbeddedCalibrationInputs(JobContext* ctx) {
   return ctx->method->PrepareEmbeddingRows(rows);
 }
 
+// A sequential inputs file of block `layer` ([seqs, seq_len less the dropped positions,
+// hidden]); nullopt when it is gone (removed once its block was done), FailedPrecondition when
+// unusable.
+StatusOr<std::optional<at::Tensor>> LoadSequentialFile(JobContext* ctx, const std::string& path,
+                                                       int64_t layer, const char* what) {
+  const std::vector<int64_t> shape = {ctx->recipe.calibration.num_sequences,
+                                      ctx->seq_len - ctx->method->DroppedCalibrationPositions(),
+                                      ctx->config.hidden_size};
+  auto loaded = calib::LoadActivation(path, ctx->calib_key, shape);
+  if (loaded.ok()) return std::optional<at::Tensor>(std::move(*loaded));
+  if (!absl::IsNotFound(loaded.status())) {
+    return absl::FailedPreconditionError(absl::StrCat("block ", layer, ": unusable ", what, ": ",
+                                                      loaded.status().message()));
+  }
+  return std::optional<at::Tensor>();
+}
+
 // The float model's inputs to block `layer` (MethodNeeds::sequential_float): saved by block
 // layer-1's task, or rebuilt through the float blocks before it.
 StatusOr<at::Tensor> SequentialFloatInputs(
     JobContext* ctx, int64_t layer, const std::map<std::string, methods::PhaseProducts>* phases) {
   if (layer == 0) return EmbeddedCalibrationInputs(ctx);
   const std::string path = SequentialFloatInputsPath(ctx->options.job_dir, layer);
-  const std::vector<int64_t> shape = {ctx->recipe.calibration.num_sequences,
-                                      ctx->seq_len - ctx->method->DroppedCalibrationPositions(),
-                                      ctx->config.hidden_size};
-  auto loaded = calib::LoadActivation(path, ctx->calib_key, shape);
-  if (loaded.ok()) return loaded;
-  if (!absl::IsNotFound(loaded.status())) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "block ", layer, ": unusable float inputs: ", loaded.status().message()));
-  }
+  QCAL_ASSIGN_OR_RETURN(std::optional<at::Tensor> loaded,
+                        LoadSequentialFile(ctx, path, layer, "float inputs"));
+  if (loaded) return std::move(*loaded);
   QCAL_LOG_WARN("block {}: {} is missing; recomputing it through float blocks 0..{}", layer,
                 path, layer - 1);
   QCAL_ASSIGN_OR_RETURN(at::Tensor x, EmbeddedCalibrationInputs(ctx));
@@ -188,15 +200,9 @@ StatusOr<at::Tensor> SequentialInputs(JobContext* ctx, int64_t layer) {
   auto embedded = [&]() { return EmbeddedCalibrationInputs(ctx); };
   if (layer == 0) return embedded();
   const std::string path = SequentialInputsPath(ctx->options.job_dir, layer);
-  const std::vector<int64_t> shape = {ctx->recipe.calibration.num_sequences,
-                                      ctx->seq_len - ctx->method->DroppedCalibrationPositions(),
-                                      ctx->config.hidden_size};
-  auto loaded = calib::LoadActivation(path, ctx->calib_key, shape);
-  if (loaded.ok()) return loaded;
-  if (!absl::IsNotFound(loaded.status())) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "block ", layer, ": unusable calibration inputs: ", loaded.status().message()));
-  }
+  QCAL_ASSIGN_OR_RETURN(std::optional<at::Tensor> loaded,
+                        LoadSequentialFile(ctx, path, layer, "calibration inputs"));
+  if (loaded) return std::move(*loaded);
   // Gone (removed after block `layer` was done once, which is now being redone): rebuild from the
   // embedding through the quantized blocks before it, as committed in out_dir.
   QCAL_LOG_WARN("block {}: {} is missing; recomputing it through blocks 0..{} read back from {}",
