@@ -5,7 +5,7 @@
 # fine-tuning, and QuaRot's dynamic recipes for comparison, each run as a job (`qcal quantize`,
 # wall time recorded) and evaluated with `qcal eval --reference FLOAT --bos-per-window`: perplexity
 # on the TinyStories sample and the mean KL(float || quantized) per scored token, in 512-token
-# windows that each start with BOS (the llama2.c models' training convention). Behind a prefix
+# windows (aidreams260K: its context, 128) that each start with BOS (the llama2.c models' training convention). Behind a prefix
 # (which ends with BOS) a window's BOS is the prefix's, so the float reference and the prefixed
 # model read the same context; the window's first text token, which the prefixed model has no
 # prediction for, is scored in neither. (In the default convention windows after the first have
@@ -22,7 +22,7 @@ Q=$BUILD/client/qcal
 TS="$SHARED/data/tinystories/TinyStories-valid.sample30k.txt"
 MODELS=${MODELS:-"stories260K aidreams260K"}
 mkdir -p "$OUT/recipes"
-: > "$OUT/results.jsonl"
+[ "${KEEP:-0}" = 1 ] || : > "$OUT/results.jsonl"   # KEEP=1: append (e.g. MODELS=aidreams260K)
 for f in jobs/prefixquant-*.yaml; do
   n=$(basename "$f" .yaml)
   sed -e 's/lr_weights: 5.0e-6, lr_steps: 5.0e-5/lr_weights: 2.0e-4, lr_steps: 2.0e-3/' "$f" \
@@ -41,9 +41,11 @@ for m in $MODELS; do
   if [ ! -f "$base-sinks/config.json" ]; then
     $Q tool plant-sinks --model "$base" --out "$base-sinks" >/dev/null
   fi
+  # 512-token windows, or the model's context when shorter (aidreams260K: 128).
+  ctx=$(/usr/bin/python3 -c "import json,sys; print(min(512, json.load(open(sys.argv[1]))['max_position_embeddings']))" "$base/config.json")
   for variant in "$base" "$base-sinks"; do
     label=$(basename "$variant")
-    j=$($Q eval --model "$variant" --data "$TS" --ctx 512 --bos-per-window --json | tail -1)
+    j=$($Q eval --model "$variant" --data "$TS" --ctx $ctx --bos-per-window --json | tail -1)
     echo "{\"model\":\"$label\",\"recipe\":\"float\",\"eval\":$j}" >> "$OUT/results.jsonl"
     for r in $RECIPES; do
       out="$OUT/q/$label-$r"
@@ -52,7 +54,7 @@ for m in $MODELS; do
       $Q quantize --recipe "$OUT/recipes/$r.yaml" --model "$variant" --out "$out" \
         --data-root "$SHARED" >/dev/null
       t1=$(date +%s.%N)
-      j=$($Q eval --model "$out" --reference "$variant" --data "$TS" --ctx 512 --bos-per-window \
+      j=$($Q eval --model "$out" --reference "$variant" --data "$TS" --ctx $ctx --bos-per-window \
         --json | tail -1)
       echo "{\"model\":\"$label\",\"recipe\":\"$r\",\"quantize_s\":$(printf %.2f "$(echo "$t1 - $t0" | bc)"),\"eval\":$j}" \
         >> "$OUT/results.jsonl"
