@@ -124,6 +124,55 @@ TEST_P(RealModelRotationTest, DifferentSeedsGiveDifferentWeightsSameFunction) {
   EXPECT_LT(testing::RelMaxDiff((*b)->Forward(ids), (*a)->Forward(ids)), 1e-4);
 }
 
+// Learned rotations (issue 17: R1 and one R2 per block trained by Cayley SGD) fuse like the
+// Hadamard ones: any orthogonal T1 / T2 leave the float function unchanged, with R3/R4 online.
+TEST_P(RealModelRotationTest, LearnedRotationsFusedKeepTheFunction) {
+  const std::string dir = ModelDir(GetParam());
+  auto original = model::LlamaModel::Load(dir);
+  auto learned = model::LlamaModel::Load(dir);
+  auto hadamard = model::LlamaModel::Load(dir);
+  ASSERT_TRUE(original.ok() && learned.ok() && hadamard.ok());
+  const LlamaConfig& c = (*learned)->config();
+  at::manual_seed(testing::TestSeed());
+  auto random_orthogonal = [](int64_t batch, int64_t n) {
+    auto [q, r] = at::linalg_qr(at::randn({batch, n, n}, at::kDouble));
+    return (q * at::sign(r.diagonal(0, -2, -1)).unsqueeze(-2)).squeeze(0);
+  };
+  auto plan = qsim::PlanRotations(RotationSpec{}, c);
+  ASSERT_TRUE(plan.ok());
+  ASSERT_TRUE(qsim::RotateModel(**hadamard, *plan).ok());
+  const at::Tensor t1 = random_orthogonal(1, c.hidden_size);
+  const at::Tensor t2 = random_orthogonal(c.num_hidden_layers, c.head_dim);
+  ASSERT_TRUE(qsim::SetLearnedRotations(&*plan, t1, t2, c.num_hidden_layers).ok());
+  EXPECT_NE(plan->Describe().find("learned R1 R2"), std::string::npos) << plan->Describe();
+  ASSERT_TRUE(qsim::RotateModel(**learned, *plan).ok());
+  const at::Tensor ids = Tokens(dir);
+  const at::Tensor want = (*original)->Forward(ids);
+  const double diff = testing::RelMaxDiff((*learned)->Forward(ids), want);
+  std::printf("[%s] learned R1/R2 fused: max relative logit difference %.3g\n",
+              GetParam().c_str(), diff);
+  EXPECT_LT(diff, 1e-4);
+  EXPECT_FALSE(at::allclose((*learned)->embed_weight(), (*hadamard)->embed_weight()));
+
+  // Bad learned rotations are refused with the reason.
+  qsim::RotationPlan bad = *qsim::PlanRotations(RotationSpec{}, c);
+  const at::Tensor not_orthogonal = t1 * 1.01;
+  auto message = [](const Status& s) { return std::string(s.message()); };
+  EXPECT_NE(message(qsim::SetLearnedRotations(&bad, not_orthogonal, at::Tensor(),
+                                              c.num_hidden_layers))
+                .find("not orthogonal"),
+            std::string::npos);
+  EXPECT_NE(message(qsim::SetLearnedRotations(&bad, at::Tensor(), t2.narrow(0, 0, 1),
+                                              c.num_hidden_layers))
+                .find("expected ["),
+            std::string::npos);
+  // A learned R2 needs the block's index.
+  ASSERT_TRUE(qsim::SetLearnedRotations(&bad, at::Tensor(), t2, c.num_hidden_layers).ok());
+  auto fresh = model::LlamaModel::Load(dir);
+  ASSERT_TRUE(fresh.ok());
+  EXPECT_FALSE(qsim::RotateBlockWeights((*fresh)->mutable_block(0).mutable_weights(), c, bad).ok());
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, RealModelRotationTest,
                          ::testing::Values("stories260K", "aidreams260K"));
 

@@ -20,11 +20,20 @@ struct Ortho {
   int64_t n = 0;
   bool randomized = false;
   uint64_t seed = 0;
+  at::Tensor matrix;  // a learned T [n, n] float64, instead of the above
 };
 
 // Applies T along `axis` of a row-major [rows, cols] double matrix (kRows: A ← A·Tᵀ; kColumns:
 // A ← T·A).
 Status ApplyOrtho(double* a, int64_t rows, int64_t cols, MatrixAxis axis, const Ortho& t) {
+  if (t.matrix.defined()) {
+    at::Tensor view = at::from_blob(a, {rows, cols}, at::kDouble);
+    const at::Tensor out = axis == MatrixAxis::kRows
+                               ? at::matmul(view.view({-1, t.n}), t.matrix.t()).view({rows, cols})
+                               : at::matmul(t.matrix, view.view({t.n, -1})).view({rows, cols});
+    view.copy_(out);
+    return Status();
+  }
   const bool hadamard = PlanHadamard(t.n).IsHadamard();
   if (hadamard && !t.randomized) return HadamardTransformMatrix(a, rows, cols, axis, false);
   return RandomizedOrthogonalTransformMatrix(a, rows, cols, axis, t.seed,
@@ -39,9 +48,20 @@ StatusOr<at::Tensor> Transformed(const at::Tensor& w, int64_t rows, int64_t cols
   return d.to(at::kFloat);
 }
 
-Ortho R1Transform(const RotationPlan& plan) { return {plan.hidden, true, plan.seed}; }
-Ortho R2Transform(const RotationPlan& plan) {
-  return {plan.head_dim, false, SplitMix64(plan.seed ^ 2)};
+Ortho R1Transform(const RotationPlan& plan) {
+  return {plan.hidden, true, plan.seed, plan.r1_matrix};
+}
+StatusOr<Ortho> R2Transform(const RotationPlan& plan, int64_t layer) {
+  Ortho t{plan.head_dim, false, SplitMix64(plan.seed ^ 2), at::Tensor()};
+  if (plan.r2_matrices.defined()) {
+    if (layer < 0 || layer >= plan.r2_matrices.size(0)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "R2: the plan has learned rotations for ", plan.r2_matrices.size(0),
+          " blocks; block ", layer, " has none"));
+    }
+    t.matrix = plan.r2_matrices[layer];
+  }
+  return t;
 }
 
 at::Tensor Weight(const model::BlockWeights& w, LinearKind k) {
@@ -57,6 +77,10 @@ std::string RotationPlan::Describe() const {
   if (r3) on.push_back("R3");
   if (r4) on.push_back("R4");
   std::string s = on.empty() ? "none" : absl::StrJoin(on, " ");
+  if (r1_matrix.defined() || r2_matrices.defined()) {
+    absl::StrAppend(&s, " (learned", r1_matrix.defined() ? " R1" : "",
+                    r2_matrices.defined() ? " R2" : "", ")");
+  }
   if (!warnings.empty()) absl::StrAppend(&s, " (", absl::StrJoin(warnings, "; "), ")");
   return s;
 }
@@ -100,8 +124,39 @@ StatusOr<RotationPlan> PlanRotations(const RotationSpec& spec, const LlamaConfig
   return plan;
 }
 
+Status SetLearnedRotations(RotationPlan* plan, const at::Tensor& r1, const at::Tensor& r2,
+                           int64_t layers) {
+  auto check = [](const at::Tensor& t, const std::vector<int64_t>& shape, bool applied,
+                  const char* name) -> Status {
+    if (!t.defined()) return Status();
+    if (!applied) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": a learned rotation for a plan that does not apply ", name));
+    }
+    if (t.sizes().vec() != shape) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ": learned rotation [",
+                                                     absl::StrJoin(t.sizes(), ", "),
+                                                     "], expected [",
+                                                     absl::StrJoin(shape, ", "), "]"));
+    }
+    const at::Tensor d = t.to(at::kDouble).reshape({-1, shape.back(), shape.back()});
+    const at::Tensor eye = at::eye(shape.back(), at::kDouble);
+    const double err = (at::matmul(d, d.transpose(1, 2)) - eye).abs().max().item<double>();
+    if (!(err <= 1e-6)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": learned rotation is not orthogonal (|T·Tᵀ − I| = ", err, ")"));
+    }
+    return Status();
+  };
+  QCAL_RETURN_IF_ERROR(check(r1, {plan->hidden, plan->hidden}, plan->r1, "R1"));
+  QCAL_RETURN_IF_ERROR(check(r2, {layers, plan->head_dim, plan->head_dim}, plan->r2, "R2"));
+  plan->r1_matrix = r1.defined() ? r1.to(at::kDouble).contiguous() : at::Tensor();
+  plan->r2_matrices = r2.defined() ? r2.to(at::kDouble).contiguous() : at::Tensor();
+  return Status();
+}
+
 Status RotateBlockWeights(model::BlockWeights& w, const LlamaConfig& config,
-                          const RotationPlan& plan) {
+                          const RotationPlan& plan, int64_t layer) {
   const int64_t hid = config.hidden_size, d = config.head_dim;
   at::Tensor weights[7];
   for (LinearKind k : model::kAllLinears) weights[static_cast<int>(k)] = Weight(w, k);
@@ -130,7 +185,7 @@ Status RotateBlockWeights(model::BlockWeights& w, const LlamaConfig& config,
     }
   }
   if (plan.r2) {
-    const Ortho t2 = R2Transform(plan);
+    QCAL_ASSIGN_OR_RETURN(const Ortho t2, R2Transform(plan, layer));
     // v_proj [kv_heads·d, hid]: each head's d rows as [d, hid] (contiguous): T2·W_v^(h).
     at::Tensor& v = at_kind(LinearKind::kV);
     at::Tensor vd = v.to(at::kDouble).contiguous().clone();
@@ -241,7 +296,7 @@ Status RotateNonBlockWeights(model::LlamaModel& m, const RotationPlan& plan) {
 Status RotateModel(model::LlamaModel& m, const RotationPlan& plan) {
   for (int64_t l = 0; l < m.num_blocks(); ++l) {
     model::DecoderBlock& block = m.mutable_block(l);
-    QCAL_RETURN_IF_ERROR(RotateBlockWeights(block.mutable_weights(), m.config(), plan));
+    QCAL_RETURN_IF_ERROR(RotateBlockWeights(block.mutable_weights(), m.config(), plan, l));
     QCAL_RETURN_IF_ERROR(InstallOnlineRotations(block, plan));
   }
   return RotateNonBlockWeights(m, plan);

@@ -58,6 +58,12 @@ struct RotationPlan {
   uint64_t seed = 0;
   int64_t hidden = 0, head_dim = 0, intermediate = 0;
   std::vector<std::string> warnings;  // fallbacks taken (also logged)
+  // Learned rotations (SpinQuant, issue 17) in place of the random ones: T1 [hidden, hidden] for
+  // R1 and T2 [layers, head_dim, head_dim] (one per block) for R2, float64 and orthogonal, in the
+  // transforms' convention (a weight's input side A ← A·Tᵀ, its output side A ← T·A; the rotated
+  // residual row vector is h·T1ᵀ). Undefined: the (randomized) Hadamards. SetLearnedRotations.
+  at::Tensor r1_matrix, r2_matrices;
+  bool learned() const { return r1_matrix.defined() || r2_matrices.defined(); }
   bool fuse_norms() const { return r1; }
   bool any() const { return r1 || r2 || r3 || r4; }
   std::string Describe() const;  // "R1 R2 R3 R4" or "none", plus fallbacks
@@ -67,12 +73,19 @@ struct RotationPlan {
 // empty plan. InvalidArgument when R1 or R2 is requested for an odd size.
 StatusOr<RotationPlan> PlanRotations(const RotationSpec& spec, const LlamaConfig& config);
 
+// Sets the plan's learned rotations (either may be undefined: that rotation keeps its Hadamard).
+// InvalidArgument unless r1 is [hidden, hidden] and r2 [layers, head_dim, head_dim] with
+// |T·Tᵀ − I| <= 1e-6, and the plan applies R1 / R2 at all.
+Status SetLearnedRotations(RotationPlan* plan, const at::Tensor& r1, const at::Tensor& r2,
+                           int64_t layers);
+
 // One block's offline work: norm fusion (when plan.fuse_norms()), R1, R2, and R4's fused half.
 // Every linear is replaced by a DenseLinear of its transformed DenseWeight() (pass float
 // weights), and weights.extra["quarot.rotations"] records the plan's R1..R4 (1/0). Does not
 // install the online parts.
+// `layer` selects the block's learned R2 (needed only when the plan has r2_matrices).
 Status RotateBlockWeights(model::BlockWeights& weights, const LlamaConfig& config,
-                          const RotationPlan& plan);
+                          const RotationPlan& plan, int64_t layer = -1);
 
 // The online parts for one block: R3 as the block's qk_rotation hook, R4 as an ActQuantLinear
 // (rotation only) around down_proj. Must follow RotateBlockWeights with the same plan.
