@@ -124,6 +124,24 @@ StatusOr<RotationPlan> PlanRotations(const RotationSpec& spec, const LlamaConfig
   return plan;
 }
 
+StatusOr<std::pair<at::Tensor, at::Tensor>> DenseRotations(const RotationPlan& plan,
+                                                           int64_t layers) {
+  // T = T·I: each rotation applied to the columns of the identity.
+  at::Tensor t1 = at::eye(plan.hidden, at::kDouble).contiguous();
+  QCAL_RETURN_IF_ERROR(
+      ApplyOrtho(t1.data_ptr<double>(), plan.hidden, plan.hidden, MatrixAxis::kColumns,
+                 R1Transform(plan)));
+  std::vector<at::Tensor> t2;
+  for (int64_t l = 0; l < layers; ++l) {
+    at::Tensor t = at::eye(plan.head_dim, at::kDouble).contiguous();
+    QCAL_ASSIGN_OR_RETURN(const Ortho o, R2Transform(plan, l));
+    QCAL_RETURN_IF_ERROR(ApplyOrtho(t.data_ptr<double>(), plan.head_dim, plan.head_dim,
+                                    MatrixAxis::kColumns, o));
+    t2.push_back(t);
+  }
+  return std::make_pair(t1, at::stack(t2, 0));
+}
+
 Status SetLearnedRotations(RotationPlan* plan, const at::Tensor& r1, const at::Tensor& r2,
                            int64_t layers) {
   auto check = [](const at::Tensor& t, const std::vector<int64_t>& shape, bool applied,

@@ -73,6 +73,11 @@ struct RotationPlan {
 // empty plan. InvalidArgument when R1 or R2 is requested for an odd size.
 StatusOr<RotationPlan> PlanRotations(const RotationSpec& spec, const LlamaConfig& config);
 
+// The plan's R1 / R2 as dense matrices T (what RotateBlockWeights applies: A ← A·Tᵀ on a
+// weight's input side): T1 [hidden, hidden] and T2 [layers, head_dim, head_dim] float64.
+StatusOr<std::pair<at::Tensor, at::Tensor>> DenseRotations(const RotationPlan& plan,
+                                                           int64_t layers);
+
 // Sets the plan's learned rotations (either may be undefined: that rotation keeps its Hadamard).
 // InvalidArgument unless r1 is [hidden, hidden] and r2 [layers, head_dim, head_dim] with
 // |T·Tᵀ − I| <= 1e-6, and the plan applies R1 / R2 at all.
