@@ -117,14 +117,22 @@ def main():
             f.write(struct.pack("<Q", len(h)))
             f.write(h)
             for name, shape, init in shard:
-                if init == "1":
-                    t = np.ones(shape, np.float32)
-                else:
-                    rng = np.random.default_rng([a.seed, zlib.crc32(name.encode())])
-                    t = rng.standard_normal(shape, dtype=np.float32)
-                    t *= np.float32(0.02)
-                f.write(to_bf16(t).tobytes() if a.dtype == "bf16" else t.astype("<f4").tobytes())
-                del t
+                # Written in row chunks (a 128256 x 8192 table is 4 GB in float32 and its bf16
+                # rounding needs 2x that in uint64): the generator's stream is consumed in the
+                # same order, so the bytes are those of one whole draw.
+                rng = np.random.default_rng([a.seed, zlib.crc32(name.encode())])
+                rows = shape[0]
+                cols = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+                step = max(1, (64 << 20) // (4 * cols))
+                for r0 in range(0, rows, step):
+                    sub = (min(step, rows - r0),) + tuple(shape[1:])
+                    if init == "1":
+                        t = np.ones(sub, np.float32)
+                    else:
+                        t = rng.standard_normal(sub, dtype=np.float32)
+                        t *= np.float32(0.02)
+                    f.write(to_bf16(t).tobytes() if a.dtype == "bf16" else t.astype("<f4").tobytes())
+                    del t
         os.replace(path + ".tmp", path)
     if len(shards) > 1:
         with open(os.path.join(a.out, "model.safetensors.index.json"), "w") as f:
