@@ -55,6 +55,18 @@ inline std::vector<int32_t> StoryTokens(const std::string& model_dir, size_t cou
   return ids;
 }
 
+// The id of the vocabulary piece `piece` of a model's tokenizer (a test failure when absent).
+inline int32_t PieceId(const std::string& model_dir, const std::string& piece) {
+  auto tok = LoadTokenizerFromModelDir(model_dir);
+  EXPECT_TRUE(tok.ok()) << tok.status();
+  if (!tok.ok()) return -1;
+  for (int32_t i = 0; i < (*tok)->vocab_size(); ++i) {
+    if ((*tok)->Piece(i) == piece) return i;
+  }
+  ADD_FAILURE() << "no piece '" << piece << "'";
+  return -1;
+}
+
 // [1, n] int64: BOS followed by the tokens.
 inline at::Tensor WithBos(const std::vector<int32_t>& tokens, int64_t n, int32_t bos = 1) {
   std::vector<int64_t> ids = {bos};

@@ -34,16 +34,6 @@ namespace {
 
 namespace pq = methods::prefixquant;
 
-int32_t PieceId(const std::string& model_dir, const std::string& piece) {
-  auto tok = LoadTokenizerFromModelDir(model_dir);
-  EXPECT_TRUE(tok.ok());
-  for (int32_t i = 0; i < (*tok)->vocab_size(); ++i) {
-    if ((*tok)->Piece(i) == piece) return i;
-  }
-  ADD_FAILURE() << "no piece '" << piece << "'";
-  return -1;
-}
-
 Recipe LoadJob(const std::string& name) {
   auto r = LoadRecipe(testing::SourceDir() + "/jobs/" + name + ".yaml");
   EXPECT_TRUE(r.ok()) << r.status();
@@ -66,7 +56,7 @@ class PrefixquantTest : public ::testing::Test {
     model::SetComputeThreads(1);
     root_ = new std::string(testing::MakeTempDir("prefixquant"));
     const std::string plain = testing::RealModelDir("stories260K");
-    period_ = PieceId(plain, ".");
+    period_ = testing::PieceId(plain, ".");
     auto original = testing::LoadModelOrDie(plain);
     tools::PlantSinksOptions o;
     o.bos_id = 1;
@@ -320,6 +310,53 @@ TEST_F(PrefixquantTest, FineTunedJobResumesBitForBit) {
   for (int64_t l = 2; l < 5; ++l) {
     EXPECT_EQ(*ReadFile(out + "/" + ShardName(l + 1, 5)), before[l - 2]) << "block " << l;
   }
+}
+
+// Damaged extras are refused with what is wrong, by the reader and by InstallInference.
+TEST_F(PrefixquantTest, BadStoredStepsAndPrefixAreRefusedClearly) {
+  const LlamaConfig config = *LoadLlamaConfig(*planted_);
+  const pq::PrefixquantConfig q = LoadJob("prefixquant-w4a4kv4").method_config<pq::PrefixquantConfig>();
+  auto plan = qsim::PlanRotations(q.rotation, config);
+  ASSERT_TRUE(plan.ok());
+  auto block = [&](auto edit) {
+    model::BlockWeights w;
+    w.input_norm = at::ones({config.hidden_size});
+    w.post_norm = at::ones({config.hidden_size});
+    for (model::LinearKind k : model::kAllLinears) {
+      const auto shape = model::LinearShape(config, k);
+      w.linears[static_cast<int>(k)] = std::make_unique<model::DenseLinear>(at::zeros(shape));
+    }
+    const int64_t kv = config.num_key_value_heads;
+    w.extra[pq::kActStepsKey] = at::full({4}, 0.1, at::kDouble);
+    w.extra[pq::kKStepsKey] = at::full({kv}, 0.1, at::kDouble);
+    w.extra[pq::kVStepsKey] = at::full({kv}, 0.1, at::kDouble);
+    w.extra[pq::kPrefixTokensKey] = at::tensor({13.0, 1.0}, at::kDouble);
+    w.extra[pq::kPrefixKKey] = at::zeros({kv, 2, config.head_dim}, at::kDouble);
+    w.extra[pq::kPrefixVKey] = at::zeros({kv, 2, config.head_dim}, at::kDouble);
+    edit(w);
+    model::DecoderBlock b(config, std::move(w));
+    return std::string(pq::InstallStaticInference(b, config, q, *plan, 3).message());
+  };
+  EXPECT_EQ(block([](model::BlockWeights&) {}), "");
+  EXPECT_NE(block([](model::BlockWeights& w) { w.extra.erase(pq::kKStepsKey); })
+                .find("block 3: the recipe needs 'prefixquant.k_steps'"),
+            std::string::npos);
+  EXPECT_NE(block([](model::BlockWeights& w) { w.extra[pq::kActStepsKey][2] = -1.0; })
+                .find("not positive and finite"),
+            std::string::npos);
+  EXPECT_NE(block([](model::BlockWeights& w) { w.extra[pq::kPrefixTokensKey][0] = 1e9; })
+                .find("not a token id"),
+            std::string::npos);
+  EXPECT_NE(block([](model::BlockWeights& w) {
+              w.extra[pq::kPrefixVKey] = at::zeros({1, 2, 3}, at::kDouble);
+            }).find("'prefixquant.prefix_v' is [1, 2, 3]"),
+            std::string::npos);
+  EXPECT_NE(block([](model::BlockWeights& w) {
+              for (const char* k : {pq::kPrefixTokensKey, pq::kPrefixKKey, pq::kPrefixVKey}) {
+                w.extra.erase(k);
+              }
+            }).find("prefixes outlier tokens but the block has no prefix"),
+            std::string::npos);
 }
 
 }  // namespace

@@ -58,16 +58,6 @@ TEST(TextWindows, BosWindowsAndTails) {
   EXPECT_EQ(TextWindows(t, 3, true, 1, 2).size(), 2u);
 }
 
-int32_t PieceId(const std::string& model_dir, const std::string& piece) {
-  auto tok = LoadTokenizerFromModelDir(model_dir);
-  EXPECT_TRUE(tok.ok());
-  for (int32_t i = 0; i < (*tok)->vocab_size(); ++i) {
-    if ((*tok)->Piece(i) == piece) return i;
-  }
-  ADD_FAILURE() << "no piece '" << piece << "'";
-  return -1;
-}
-
 double Perplexity(const model::LlamaModel& m, const std::vector<int32_t>& tokens, int64_t ctx,
                   bool bos_per_window = false) {
   eval::PerplexityOptions o;
@@ -107,7 +97,7 @@ class PlantSinksTest : public ::testing::TestWithParam<const char*> {};
 TEST_P(PlantSinksTest, PlantedTokensAreFoundAndThePrefixRemovesThem) {
   const std::string dir = RealModelDir(GetParam());
   auto original = LoadModelOrDie(dir);
-  const int32_t bos = 1, period = PieceId(dir, ".");
+  const int32_t bos = 1, period = testing::PieceId(dir, ".");
   const int64_t ctx = std::min<int64_t>(128, original->config().max_position_embeddings);
   const std::vector<int32_t> stories = StoryTokens(dir, 8192);
   const auto windows = TextWindows(stories, ctx, true, bos);
