@@ -27,6 +27,11 @@ StatusOr<at::Tensor> Method::PrepareHeadRows(const at::Tensor& rows, const at::T
   return rows;
 }
 
+StatusOr<std::unique_ptr<Method>> Method::BindPhaseProducts(
+    const std::map<std::string, PhaseProducts>&) const {
+  return std::unique_ptr<Method>();
+}
+
 StatusOr<PhaseProducts> Method::RunGlobalPhase(const std::string& phase,
                                                const GlobalPhaseInputs&) const {
   return absl::UnimplementedError(

@@ -52,6 +52,11 @@ struct GlobalPhaseInputs {
   const at::Tensor* tokens = nullptr;    // the calibration tokens [N, S] int64, BOS first
   int64_t batch = 8;                     // sequences per forward pass (the canonical chunks)
   int32_t bos_id = 1;
+  int64_t max_memory = 0;  // the rank's memory budget in bytes (0: no limit given)
+  // Where a long phase keeps resumable state (job_dir/phases), and the key its state must carry
+  // to be reused (the calibration key: other tokens or another model make it stale).
+  std::string state_dir;
+  std::string state_key;
 };
 
 // What a block task hands QuantizeBlock besides the float block. Pointers are owned by the
@@ -111,6 +116,12 @@ class Method {
   // Runs phase `phase` (collective over inputs.comm). Unimplemented by default.
   virtual StatusOr<PhaseProducts> RunGlobalPhase(const std::string& phase,
                                                  const GlobalPhaseInputs& inputs) const;
+  // A method whose transforms depend on its global phases' products (learned rotations: the
+  // rotations phase trains what PrepareBlock and the row functions apply) returns a copy of
+  // itself bound to them; the job runs every block task, the non-block shard and the sequential
+  // inputs through the bound copy. nullptr (the default): the method is unchanged.
+  virtual StatusOr<std::unique_ptr<Method>> BindPhaseProducts(
+      const std::map<std::string, PhaseProducts>& phases) const;
   // Sequential methods: how many leading positions of every calibration sequence the block tasks
   // drop (a prefix that ends with BOS replaces the sequence's own BOS). 0 by default.
   virtual int64_t DroppedCalibrationPositions() const { return 0; }

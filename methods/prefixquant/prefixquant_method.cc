@@ -21,7 +21,7 @@ class PrefixquantMethod final : public Method {
       : Method(std::move(recipe), std::move(config)), q_(q), plan_(std::move(plan)) {}
 
   Status PrepareBlock(int64_t layer, model::BlockWeights* weights) const override {
-    return Annotate(qsim::RotateBlockWeights(*weights, config(), plan_),
+    return Annotate(qsim::RotateBlockWeights(*weights, config(), plan_, layer),
                     absl::StrCat("block ", layer));
   }
   StatusOr<at::Tensor> PrepareEmbeddingRows(const at::Tensor& rows) const override {

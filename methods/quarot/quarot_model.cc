@@ -185,9 +185,9 @@ bool NeedsCalibration(const Recipe& recipe) {
 }
 
 Status PrepareBlockWeights(model::BlockWeights& weights, const LlamaConfig& config,
-                           const Recipe& recipe, const RotationPlan& plan) {
+                           const Recipe& recipe, const RotationPlan& plan, int64_t layer) {
   QCAL_ASSIGN_OR_RETURN(const QuarotConfig* q, QuarotSettings(recipe));
-  QCAL_RETURN_IF_ERROR(RotateBlockWeights(weights, config, plan));
+  QCAL_RETURN_IF_ERROR(RotateBlockWeights(weights, config, plan, layer));
   if (q->kv_cache.k_sort) {
     QCAL_RETURN_IF_ERROR(KSortBlock(config, weights, KSortOptions{}).status());
   }
@@ -197,7 +197,7 @@ Status PrepareBlockWeights(model::BlockWeights& weights, const LlamaConfig& conf
 Status PrepareModel(model::LlamaModel& model, const Recipe& recipe, const RotationPlan& plan) {
   for (int64_t l = 0; l < model.num_blocks(); ++l) {
     model::DecoderBlock& block = model.mutable_block(l);
-    const Status s = PrepareBlockWeights(block.mutable_weights(), model.config(), recipe, plan);
+    const Status s = PrepareBlockWeights(block.mutable_weights(), model.config(), recipe, plan, l);
     if (!s.ok()) return Annotate(s, absl::StrCat("block ", l));
     QCAL_RETURN_IF_ERROR(InstallOnlineRotations(block, plan));
   }

@@ -45,7 +45,7 @@ bool NeedsCalibration(const Recipe& recipe);
 // rows and the RoPE tables per KV head, V rows with o_proj columns). Function-preserving; the
 // online halves are installed on the DecoderBlock (qsim::InstallOnlineRotations).
 Status PrepareBlockWeights(model::BlockWeights& weights, const LlamaConfig& config,
-                           const Recipe& recipe, const qsim::RotationPlan& plan);
+                           const Recipe& recipe, const qsim::RotationPlan& plan, int64_t layer);
 
 // PrepareBlockWeights + online rotations on every block, and the non-block weights
 // (qsim::RotateNonBlockWeights), in place: the whole float model transformed.

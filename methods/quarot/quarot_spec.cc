@@ -8,13 +8,24 @@ namespace {
 class QuarotSpec final : public MethodSpec {
  public:
   const char* name() const override { return "quarot"; }
-  std::vector<std::string> keys() const override {
-    return {"weights", "bits", "incoherence", "damp", "refine_sweeps", "scalar", "rotation",
-            "activations", "kv_cache"};
-  }
+  std::vector<std::string> keys() const override { return QuarotKeys(); }
   StatusOr<std::shared_ptr<const MethodConfig>> Parse(const RecipeSection& top,
                                                       const Recipe&) const override {
     auto c = std::make_shared<QuarotConfig>();
+    QCAL_RETURN_IF_ERROR(ParseQuarotKeys(top, c.get()));
+    return std::shared_ptr<const MethodConfig>(std::move(c));
+  }
+};
+
+}  // namespace
+
+std::vector<std::string> QuarotKeys() {
+  return {"weights", "bits", "incoherence", "damp", "refine_sweeps", "scalar", "rotation",
+          "activations", "kv_cache"};
+}
+
+Status ParseQuarotKeys(const RecipeSection& top, QuarotConfig* c) {
+  {
     QCAL_RETURN_IF_ERROR(top.ReadString("weights", &c->weights));
     if (c->weights != "rtn" && c->weights != "gptq" && c->weights != "none") {
       std::string message =
@@ -31,9 +42,9 @@ class QuarotSpec final : public MethodSpec {
       }
       c->bits = 16;
     } else {
-      QCAL_RETURN_IF_ERROR(ReadScalarBits(top, "quarot", &c->bits));
+      QCAL_RETURN_IF_ERROR(ReadScalarBits(top, c->method(), &c->bits));
     }
-    QCAL_RETURN_IF_ERROR(RefuseIncoherence(top, "quarot"));
+    QCAL_RETURN_IF_ERROR(RefuseIncoherence(top, c->method()));
     if (!c->gptq() && top.Has("damp")) {
       return top.KeyError("damp", absl::StrCat("does not apply with 'weights: ", c->weights,
                                                "', which uses no Hessian"));
@@ -52,11 +63,9 @@ class QuarotSpec final : public MethodSpec {
         &c->scalar));
     QCAL_RETURN_IF_ERROR(
         ReadRotationSections(top, &c->rotation, &c->activations, &c->kv_cache));
-    return std::shared_ptr<const MethodConfig>(std::move(c));
   }
-};
-
-}  // namespace
+  return Status();
+}
 
 MethodNeeds QuarotConfig::needs() const {
   MethodNeeds n;

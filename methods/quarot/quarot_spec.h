@@ -21,13 +21,14 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "common/quant_specs.h"
 #include "common/recipe.h"
 
 namespace qcal::methods::quarot {
 
-struct QuarotConfig final : MethodConfig {
+struct QuarotConfig : MethodConfig {
   std::string weights = "gptq";  // rtn | gptq | none
   int bits = 2;                  // 16 with weights: none
   double damp = 0.01;
@@ -52,5 +53,9 @@ struct QuarotConfig final : MethodConfig {
 };
 
 const MethodSpec& Spec();
+
+// QuaRot's recipe keys and their parsing, shared with methods built on QuaRot (spinquant).
+std::vector<std::string> QuarotKeys();
+Status ParseQuarotKeys(const RecipeSection& top, QuarotConfig* c);
 
 }  // namespace qcal::methods::quarot

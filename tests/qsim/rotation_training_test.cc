@@ -1,7 +1,6 @@
 // Learned rotations (issue 17, worker/qsim/rotation_training.h): the rotated training forward is
-// the float model's function when nothing is quantized (for any orthogonal T1/T2), training lowers
-// the fake-quantized loss while the rotations stay orthogonal, and the trained rotations fused
-// into the weights give the float model's logits.
+// the float model's function when nothing is quantized. (Training itself, its gradients and the
+// fused result: tests/methods/spinquant_test.cc.)
 #include <cmath>
 #include <cstdio>
 
@@ -56,50 +55,6 @@ TEST(RotationTrainingTest, UnquantizedRotatedForwardIsTheFloatModel) {
   const double want = FloatLoss(*m, tokens);
   std::printf("float loss %.6f, rotated %.6f\n", want, loss->item<double>());
   EXPECT_NEAR(loss->item<double>(), want, 1e-4 * want);
-}
-
-TEST(RotationTrainingTest, TrainingLowersTheQuantizedLossAndFusesExactly) {
-  model::SetComputeThreads(1);
-  const std::string dir = testing::RealModelDir("stories260K");
-  auto m = testing::LoadModelOrDie(dir);
-  const LlamaConfig& c = m->config();
-  auto plan = qsim::PlanRotations(RotationSpec{}, c);
-  ASSERT_TRUE(plan.ok());
-  const at::Tensor tokens = StoryBatch(dir, 32, 64);
-  qsim::RotationTrainingOptions o;  // W4A4KV4 RTN, the reference's lr 1.5
-  o.weight_bits = 4;
-  o.steps = 60;
-  o.batch = 4;
-  auto r = qsim::TrainRotations(*m, *plan, tokens, o);
-  ASSERT_TRUE(r.ok()) << r.status();
-  double first = 0, last = 0;
-  for (int i = 0; i < 10; ++i) {
-    first += r->losses[i] / 10;
-    last += r->losses[r->losses.size() - 10 + i] / 10;
-  }
-  auto dense = qsim::DenseRotations(*plan, c.num_hidden_layers);
-  ASSERT_TRUE(dense.ok());
-  double before = 0, after = 0;
-  {
-    at::NoGradGuard no_grad;
-    before = qsim::RotatedQuantizedLoss(*m, *plan, dense->first, dense->second, tokens, o)
-                 ->item<double>();
-    after = qsim::RotatedQuantizedLoss(*m, *plan, r->t1, r->t2, tokens, o)->item<double>();
-  }
-  std::printf("training loss, mean of the first / last 10 steps: %.4f / %.4f; on all 32 "
-              "sequences: Hadamard %.4f, trained %.4f\n", first, last, before, after);
-  EXPECT_LT(after, before);
-  EXPECT_LT(qsim::OrthogonalityError(r->t1), 1e-6);
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    EXPECT_LT(qsim::OrthogonalityError(r->t2[l]), 1e-6) << l;
-  }
-  // Fused into the weights, the trained rotations keep the float function.
-  ASSERT_TRUE(qsim::SetLearnedRotations(&*plan, r->t1, r->t2, c.num_hidden_layers).ok());
-  auto rotated = testing::LoadModelOrDie(dir);
-  ASSERT_TRUE(qsim::RotateModel(*rotated, *plan).ok());
-  const at::Tensor ids = StoryBatch(dir, 2, 96);
-  at::NoGradGuard no_grad;
-  EXPECT_LT(testing::RelMaxDiff(rotated->Forward(ids), m->Forward(ids)), 1e-4);
 }
 
 }  // namespace

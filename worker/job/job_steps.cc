@@ -352,6 +352,9 @@ Status GlobalPhaseStep(runtime::Comm& comm, JobContext* ctx, const std::string& 
   in.tokens = &ctx->tokens;
   in.batch = ctx->options.calib_batch;
   in.bos_id = ctx->bos_id;
+  in.max_memory = ctx->options.max_memory;
+  in.state_dir = ctx->options.job_dir + "/phases";
+  in.state_key = ctx->calib_key;
   StatusOr<methods::PhaseProducts> products = ctx->method->RunGlobalPhase(phase, in);
   Status saved = products.status();
   if (saved.ok() && comm.rank() == 0) {
@@ -461,6 +464,26 @@ StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
   const MethodNeeds needs = ctx->recipe.needs();
   const std::string& job_dir = ctx->options.job_dir;
 
+  // The method's global phases' products; a method whose transforms they determine is bound to
+  // them before anything is prepared.
+  std::map<std::string, methods::PhaseProducts> phases;
+  for (const std::string& phase : needs.global_phases) {
+    auto products =
+        LoadPhaseProducts(PhaseProductsPath(job_dir, phase), phase, ctx->calib_key);
+    if (!products.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("block ", layer, ": no usable products of phase ", phase,
+                       " (run calibration first): ", products.status().message()));
+    }
+    phases[phase] = std::move(*products);
+  }
+  if (!phases.empty() && !ctx->method_bound) {
+    QCAL_ASSIGN_OR_RETURN(std::unique_ptr<methods::Method> bound,
+                          ctx->method->BindPhaseProducts(phases));
+    if (bound) ctx->method = std::move(bound);
+    ctx->method_bound = true;
+  }
+
   // The float block, streamed in and prepared by the method.
   QCAL_ASSIGN_OR_RETURN(model::BlockWeights weights, ctx->source->LoadBlockWeights(layer));
   QCAL_RETURN_IF_ERROR(ctx->method->PrepareBlock(layer, &weights));
@@ -497,17 +520,6 @@ StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
     ft_targets = std::move(*targets);
     in.ft_inputs = &ft_inputs;
     in.ft_targets = &ft_targets;
-  }
-  std::map<std::string, methods::PhaseProducts> phases;
-  for (const std::string& phase : needs.global_phases) {
-    auto products =
-        LoadPhaseProducts(PhaseProductsPath(job_dir, phase), phase, ctx->calib_key);
-    if (!products.ok()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("block ", layer, ": no usable products of phase ", phase,
-                       " (run calibration first): ", products.status().message()));
-    }
-    phases[phase] = std::move(*products);
   }
   if (!phases.empty()) in.phases = &phases;
   at::Tensor x;

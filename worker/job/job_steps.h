@@ -69,6 +69,9 @@ struct JobContext {
   int64_t seq_len = 0;    // calibration sequence length (capped)
   at::Tensor tokens;      // calibration tokens, once sampled
   int32_t bos_id = 1;     // the tokenizer's BOS (set with the tokens)
+  // Whether `method` was bound to its global phases' products (Method::BindPhaseProducts; done
+  // once, by the first block task that loads them).
+  bool method_bound = false;
 };
 
 // Resolves the options (job_dir default out_dir + ".job", data_root default "../shared",

@@ -38,11 +38,22 @@ at::Tensor SteWeight(const at::Tensor& w, int bits) {
 // x → (R4) → per-token fake quantization → x·Wᵀ.
 class TrainLinear final : public model::Linear {
  public:
-  TrainLinear(at::Tensor w, std::shared_ptr<const OnlineHadamard> r4, int act_bits)
-      : w_(std::move(w)), r4_(std::move(r4)), act_bits_(act_bits) {}
+  TrainLinear(at::Tensor w, std::shared_ptr<const OnlineHadamard> r4, int act_bits,
+              std::shared_ptr<const ActivationQuantizer> quantizer)
+      : w_(std::move(w)), r4_(std::move(r4)), act_bits_(act_bits),
+        quantizer_(std::move(quantizer)) {}
   at::Tensor Forward(const at::Tensor& x) const override {
     const at::Tensor h = r4_ ? r4_->ApplyDifferentiable(x) : x;
-    return at::matmul(SteAsym(h, act_bits_), w_.t());
+    at::Tensor q;
+    if (act_bits_ >= 16) {
+      q = h;
+    } else if (quantizer_) {
+      const at::Tensor d = h.detach();
+      q = h + (quantizer_->Apply(d) - d);
+    } else {
+      q = SteAsym(h, act_bits_);
+    }
+    return at::matmul(q, w_.t());
   }
   int64_t in_features() const override { return w_.size(1); }
   int64_t out_features() const override { return w_.size(0); }
@@ -52,87 +63,134 @@ class TrainLinear final : public model::Linear {
   at::Tensor w_;
   std::shared_ptr<const OnlineHadamard> r4_;
   int act_bits_;
+  std::shared_ptr<const ActivationQuantizer> quantizer_;
 };
 
 // K and V per token and head, asymmetric, identity backward; queries pass.
 class TrainKvHook final : public model::KvCacheHook {
  public:
-  explicit TrainKvHook(int bits) : bits_(bits) {}
+  TrainKvHook(int bits, std::shared_ptr<const model::KvCacheHook> inner)
+      : bits_(bits), inner_(std::move(inner)) {}
   at::Tensor Apply(const at::Tensor& x, model::KvRole role) const override {
-    return role == model::KvRole::kQuery ? x : SteAsym(x, bits_);
+    if (role == model::KvRole::kQuery) return x;
+    if (!inner_) return SteAsym(x, bits_);
+    const at::Tensor d = x.detach();
+    return x + (inner_->Apply(d, role) - d);
   }
-  std::string Describe() const override { return absl::StrCat("int", bits_, " asym per token/head (STE)"); }
+  std::string Describe() const override {
+    return inner_ ? absl::StrCat(inner_->Describe(), " (STE)")
+                  : absl::StrCat("int", bits_, " asym per token/head (STE)");
+  }
 
  private:
   int bits_;
+  std::shared_ptr<const model::KvCacheHook> inner_;
 };
 
+// A block's float weights with its norms fused into q/k/v and gate/up and R4's inverse fused
+// into down_proj, float32, kAllLinears order.
+struct FusedWeights {
+  at::Tensor w[7];
+  int64_t bytes() const {
+    int64_t b = 0;
+    for (const at::Tensor& t : w) b += t.numel() * 4;
+    return b;
+  }
+};
+
+StatusOr<FusedWeights> FuseBlock(const model::BlockWeights& src, const OnlineHadamard* t4) {
+  FusedWeights f;
+  for (LinearKind k : model::kAllLinears) {
+    at::Tensor w = src.linear(k).DenseWeight().to(at::kFloat);
+    if (k == LinearKind::kQ || k == LinearKind::kK || k == LinearKind::kV) {
+      w = w * src.input_norm.to(at::kFloat);
+    } else if (k == LinearKind::kGate || k == LinearKind::kUp) {
+      w = w * src.post_norm.to(at::kFloat);
+    } else if (k == LinearKind::kDown && t4 != nullptr) {
+      QCAL_ASSIGN_OR_RETURN(w, FuseInputHadamard(w, *t4));
+    }
+    f.w[static_cast<int>(k)] = w.contiguous();
+  }
+  return f;
+}
+
+// The rotated, fake-quantized block (t1 = T1 [hidden, hidden], t2 = this block's T2, float32,
+// differentiable) applied to h [b, s, hidden].
+at::Tensor RotatedBlockForward(const FusedWeights& f, const LlamaConfig& c,
+                               const model::Rope& rope, const at::Tensor& t1,
+                               const at::Tensor& t2, const std::shared_ptr<const OnlineHadamard>& t4,
+                               const at::Tensor& r3, const RotationTrainingOptions& o,
+                               const at::Tensor& h) {
+  const int64_t hid = c.hidden_size, d = c.head_dim, kv = c.num_key_value_heads;
+  const int64_t heads = c.num_attention_heads;
+  const int Q = 0, K = 1, V = 2, O = 3, G = 4, U = 5, D = 6;
+  at::Tensor w[7];
+  w[Q] = at::matmul(f.w[Q], t1.t());
+  w[K] = at::matmul(f.w[K], t1.t());
+  w[V] = at::matmul(t2, at::matmul(f.w[V], t1.t()).view({kv, d, hid})).reshape({kv * d, hid});
+  w[G] = at::matmul(f.w[G], t1.t());
+  w[U] = at::matmul(f.w[U], t1.t());
+  w[O] = at::matmul(at::matmul(t1, f.w[O]).view({hid, heads, d}), t2.t()).reshape({hid, heads * d});
+  w[D] = at::matmul(t1, f.w[D]);
+  model::BlockWeights bw;
+  bw.input_norm = at::ones({hid}, at::kFloat);
+  bw.post_norm = at::ones({hid}, at::kFloat);
+  for (LinearKind k : model::kAllLinears) {
+    const int j = static_cast<int>(k);
+    bw.linears[j] = std::make_unique<TrainLinear>(SteWeight(w[j], o.weight_bits),
+                                                  k == LinearKind::kDown ? t4 : nullptr,
+                                                  o.act_bits, o.act_quantizer);
+  }
+  model::DecoderBlock block(c, std::move(bw));
+  model::BlockHooks hooks;
+  if (r3.defined()) hooks.qk_rotation = r3;
+  if (o.kv_bits < 16) hooks.kv_cache = std::make_shared<TrainKvHook>(o.kv_bits, o.kv_quantizer);
+  block.set_hooks(std::move(hooks));
+  return block.Forward(h, rope);
+}
+
+// The fixed online rotations of the plan: R4 (down_proj input) and R3's Tᵀ (q and k).
+Status OnlineParts(const RotationPlan& plan, std::shared_ptr<const OnlineHadamard>* t4,
+                   at::Tensor* r3) {
+  if (!plan.r1 || !plan.r2) {
+    return absl::InvalidArgumentError("rotation training needs a plan with R1 and R2");
+  }
+  if (plan.r4) {
+    QCAL_ASSIGN_OR_RETURN(*t4, OnlineHadamard::Create(plan.intermediate));
+  }
+  if (plan.r3) {
+    QCAL_ASSIGN_OR_RETURN(auto h3, OnlineHadamard::Create(plan.head_dim));
+    *r3 = h3->transposed_matrix();
+  }
+  return Status();
+}
+
 }  // namespace
+
+double RotationLr(const RotationTrainingOptions& o, int64_t t) {
+  return o.lr * 0.5 * (1 + std::cos(M_PI * static_cast<double>(t) / static_cast<double>(o.steps)));
+}
 
 StatusOr<at::Tensor> RotatedQuantizedLoss(const model::LlamaModel& m, const RotationPlan& plan,
                                           const at::Tensor& t1d, const at::Tensor& t2d,
                                           const at::Tensor& tokens,
                                           const RotationTrainingOptions& o) {
   const LlamaConfig& c = m.config();
-  const int64_t hid = c.hidden_size, d = c.head_dim, kv = c.num_key_value_heads;
-  const int64_t heads = c.num_attention_heads;
-  if (!plan.r1 || !plan.r2) {
-    return absl::InvalidArgumentError("rotation training needs a plan with R1 and R2");
-  }
   if (tokens.dim() != 2 || tokens.size(1) < 2) {
     return absl::InvalidArgumentError("rotation training: tokens must be [b, s >= 2]");
   }
   std::shared_ptr<const OnlineHadamard> t4;
   at::Tensor r3;
-  if (plan.r4) {
-    QCAL_ASSIGN_OR_RETURN(t4, OnlineHadamard::Create(plan.intermediate));
-  }
-  if (plan.r3) {
-    QCAL_ASSIGN_OR_RETURN(auto h3, OnlineHadamard::Create(plan.head_dim));
-    r3 = h3->transposed_matrix();
-  }
+  QCAL_RETURN_IF_ERROR(OnlineParts(plan, &t4, &r3));
   const at::Tensor t1 = t1d.to(at::kFloat);
   const at::Tensor t2 = t2d.to(at::kFloat);
   at::Tensor h = at::matmul(m.Embed(tokens), t1.t());
   for (int64_t l = 0; l < m.num_blocks(); ++l) {
-    const model::BlockWeights& src = m.block(l).weights();
-    auto fused = [&](LinearKind k, const at::Tensor& norm) {
-      return src.linear(k).DenseWeight().to(at::kFloat) * norm.to(at::kFloat);
-    };
-    at::Tensor w[7];
-    const int Q = 0, K = 1, V = 2, O = 3, G = 4, U = 5, D = 6;
-    w[Q] = at::matmul(fused(LinearKind::kQ, src.input_norm), t1.t());
-    w[K] = at::matmul(fused(LinearKind::kK, src.input_norm), t1.t());
-    w[V] = at::matmul(t2[l], at::matmul(fused(LinearKind::kV, src.input_norm), t1.t())
-                                 .view({kv, d, hid}))
-               .reshape({kv * d, hid});
-    w[G] = at::matmul(fused(LinearKind::kGate, src.post_norm), t1.t());
-    w[U] = at::matmul(fused(LinearKind::kUp, src.post_norm), t1.t());
-    const at::Tensor wo = at::matmul(t1, src.linear(LinearKind::kO).DenseWeight().to(at::kFloat));
-    w[O] = at::matmul(wo.view({hid, heads, d}), t2[l].t()).reshape({hid, heads * d});
-    at::Tensor wd = src.linear(LinearKind::kDown).DenseWeight().to(at::kFloat);
-    if (t4) {
-      QCAL_ASSIGN_OR_RETURN(wd, FuseInputHadamard(wd, *t4));
-    }
-    w[D] = at::matmul(t1, wd);
-    model::BlockWeights bw;
-    bw.input_norm = at::ones({hid}, at::kFloat);
-    bw.post_norm = at::ones({hid}, at::kFloat);
-    for (LinearKind k : model::kAllLinears) {
-      const int j = static_cast<int>(k);
-      bw.linears[j] = std::make_unique<TrainLinear>(SteWeight(w[j], o.weight_bits),
-                                                    k == LinearKind::kDown ? t4 : nullptr,
-                                                    o.act_bits);
-    }
-    model::DecoderBlock block(c, std::move(bw));
-    model::BlockHooks hooks;
-    if (plan.r3) hooks.qk_rotation = r3;
-    if (o.kv_bits < 16) hooks.kv_cache = std::make_shared<TrainKvHook>(o.kv_bits);
-    block.set_hooks(std::move(hooks));
-    h = block.Forward(h, m.rope());
+    QCAL_ASSIGN_OR_RETURN(FusedWeights f, FuseBlock(m.block(l).weights(), t4.get()));
+    h = RotatedBlockForward(f, c, m.rope(), t1, t2[l], t4, r3, o, h);
   }
   const at::Tensor head = m.head().DenseWeight().to(at::kFloat) * m.final_norm().to(at::kFloat);
-  const at::Tensor normed = model::RmsNorm(h, at::ones({hid}, at::kFloat), c.rms_norm_eps);
+  const at::Tensor normed = model::RmsNorm(h, at::ones({c.hidden_size}, at::kFloat), c.rms_norm_eps);
   const int64_t s = tokens.size(1);
   const at::Tensor logits =
       at::matmul(normed.narrow(1, 0, s - 1), at::matmul(head, t1.t()).t());  // [b, s-1, V]
@@ -140,62 +198,145 @@ StatusOr<at::Tensor> RotatedQuantizedLoss(const model::LlamaModel& m, const Rota
   return at::nll_loss(at::log_softmax(logits.reshape({-1, logits.size(-1)}), -1), targets);
 }
 
-StatusOr<RotationTrainingResult> TrainRotations(const model::LlamaModel& m,
-                                                const RotationPlan& plan, const at::Tensor& tokens,
-                                                const RotationTrainingOptions& o) {
-  if (tokens.dim() != 2 || tokens.size(0) < 1) {
-    return absl::InvalidArgumentError("rotation training: no calibration tokens");
+struct RotationGradients::Fused : FusedWeights {};
+
+RotationGradients::~RotationGradients() = default;
+
+StatusOr<std::unique_ptr<RotationGradients>> RotationGradients::Create(
+    model::ModelSource* source, const RotationPlan& plan, const RotationTrainingOptions& options,
+    int64_t cache_bytes) {
+  std::unique_ptr<RotationGradients> g(new RotationGradients());
+  g->source_ = source;
+  g->plan_ = plan;
+  g->options_ = options;
+  g->cache_bytes_ = std::max<int64_t>(0, cache_bytes);
+  QCAL_RETURN_IF_ERROR(OnlineParts(plan, &g->t4_, &g->r3_));
+  QCAL_ASSIGN_OR_RETURN(g->final_norm_, source->FinalNorm());
+  g->final_norm_ = g->final_norm_.to(at::kFloat);
+  g->cached_.resize(source->config().num_hidden_layers);
+  return g;
+}
+
+StatusOr<std::shared_ptr<const RotationGradients::Fused>> RotationGradients::Block(int64_t layer) {
+  if (cached_[layer]) return cached_[layer];
+  QCAL_ASSIGN_OR_RETURN(model::BlockWeights w, source_->LoadBlockWeights(layer));
+  auto fused = std::make_shared<Fused>();
+  {
+    at::NoGradGuard no_grad;
+    QCAL_ASSIGN_OR_RETURN(static_cast<FusedWeights&>(*fused), FuseBlock(w, t4_.get()));
   }
-  if (o.steps < 1 || o.batch < 1 || !(o.lr > 0)) {
-    return absl::InvalidArgumentError("rotation training: steps, batch and lr must be positive");
+  if (fused->bytes() <= cache_bytes_) {
+    cache_bytes_ -= fused->bytes();
+    cached_[layer] = fused;
   }
-  const int64_t layers = m.num_blocks();
-  QCAL_ASSIGN_OR_RETURN(auto init, DenseRotations(plan, layers));
-  // Cayley SGD runs on R = Tᵀ, the matrix the weights' input sides multiply by (W·R), as the
-  // reference trains it.
-  at::Tensor r1 = init.first.t().contiguous();
-  at::Tensor r2 = init.second.transpose(1, 2).contiguous();
-  RotationTrainingResult result;
-  const int64_t n = tokens.size(0);
+  return std::shared_ptr<const Fused>(std::move(fused));
+}
+
+StatusOr<at::Tensor> RotationGradients::HeadChunk(int64_t begin, int64_t n) {
+  const LlamaConfig& c = source_->config();
+  if (head_.defined()) return head_.narrow(0, begin, n);
+  at::NoGradGuard no_grad;
+  const int64_t whole = c.vocab_size * c.hidden_size * 4;
+  if (begin == 0 && n == c.vocab_size && whole <= cache_bytes_) {
+    QCAL_ASSIGN_OR_RETURN(at::Tensor rows, source_->HeadRows(0, c.vocab_size));
+    head_ = rows.to(at::kFloat) * final_norm_;
+    cache_bytes_ -= whole;
+    return head_;
+  }
+  QCAL_ASSIGN_OR_RETURN(at::Tensor rows, source_->HeadRows(begin, n));
+  return rows.to(at::kFloat) * final_norm_;
+}
+
+StatusOr<RotationGradients::Result> RotationGradients::Sequence(const at::Tensor& r1,
+                                                                const at::Tensor& r2,
+                                                                const at::Tensor& tokens) {
+  const LlamaConfig& c = source_->config();
+  const int64_t layers = c.num_hidden_layers, hid = c.hidden_size, vocab = c.vocab_size;
+  if (tokens.dim() != 1 || tokens.size(0) < 2) {
+    return absl::InvalidArgumentError("rotation training: a sequence must be [s >= 2] tokens");
+  }
+  const int64_t s = tokens.size(0), n = s - 1;
+  const model::Rope& rope = source_->rope();
+  Result result;
   try {
-    for (int64_t t = 0; t < o.steps; ++t) {
-      std::vector<int64_t> idx;
-      for (int64_t i = 0; i < o.batch; ++i) idx.push_back((t * o.batch + i) % n);
-      const at::Tensor batch =
-          tokens.index_select(0, at::tensor(idx, at::kLong));
-      const at::Tensor p1 = r1.clone().requires_grad_(true);
-      const at::Tensor p2 = r2.clone().requires_grad_(true);
-      at::Tensor loss;
-      {
-        at::AutoGradMode grad(true);
-        QCAL_ASSIGN_OR_RETURN(loss, RotatedQuantizedLoss(m, plan, p1.t(), p2.transpose(1, 2),
-                                                         batch, o));
-        loss.backward();
+    QCAL_ASSIGN_OR_RETURN(at::Tensor e, source_->Embed(tokens.view({1, s})));
+    e = e.to(at::kFloat);
+    // Forward, keeping each block's input.
+    std::vector<at::Tensor> hs(layers + 1);
+    {
+      at::NoGradGuard no_grad;
+      const at::Tensor t1 = r1.t().to(at::kFloat);
+      hs[0] = at::matmul(e, t1.t());
+      for (int64_t l = 0; l < layers; ++l) {
+        QCAL_ASSIGN_OR_RETURN(auto f, Block(l));
+        hs[l + 1] = RotatedBlockForward(*f, c, rope, t1, r2[l].t().to(at::kFloat), t4_, r3_,
+                                        options_, hs[l]);
       }
-      result.losses.push_back(loss.item<double>());
-      at::Tensor g1 = p1.grad(), g2 = p2.grad();
-      if (o.grad_clip > 0) {
-        const double norm = std::sqrt(g1.pow(2).sum().item<double>() + g2.pow(2).sum().item<double>());
-        if (norm > o.grad_clip) {
-          g1 = g1 * (o.grad_clip / norm);
-          g2 = g2 * (o.grad_clip / norm);
+    }
+    at::AutoGradMode grad_mode(true);
+    const at::Tensor p1 = r1.detach().clone().requires_grad_(true);
+    // The head: u = RMSNorm(h)·T1, logits = u·(H·diag(norm))ᵀ, cross-entropy and d loss / d u
+    // in vocabulary chunks (one when the head is cached).
+    const at::Tensor hl = hs[layers].detach().requires_grad_(true);
+    const at::Tensor u = at::matmul(
+        model::RmsNorm(hl, at::ones({hid}, at::kFloat), c.rms_norm_eps), p1.t().to(at::kFloat));
+    const at::Tensor un = u.narrow(1, 0, n).reshape({n, hid});
+    const at::Tensor targets = tokens.narrow(0, 1, n).to(at::kLong);
+    at::Tensor grad_u = at::zeros({n, hid}, at::kFloat);
+    {
+      at::NoGradGuard no_grad;
+      const at::Tensor ud = un.detach();
+      const int64_t step = head_.defined() || vocab * hid * 4 <= cache_bytes_
+                               ? vocab
+                               : model::TableChunkRows(hid);
+      at::Tensor lse, target_logit = at::zeros({n}, at::kFloat);
+      for (int64_t b = 0; b < vocab; b += step) {
+        const int64_t m = std::min(step, vocab - b);
+        QCAL_ASSIGN_OR_RETURN(at::Tensor w, HeadChunk(b, m));
+        const at::Tensor logits = at::matmul(ud, w.t());  // [n, m]
+        const at::Tensor chunk = at::logsumexp(logits, 1);
+        lse = lse.defined() ? at::logaddexp(lse, chunk) : chunk;
+        const at::Tensor in = (targets >= b).logical_and(targets < b + m);
+        const at::Tensor rows = at::nonzero(in).view({-1});
+        if (rows.numel() > 0) {
+          target_logit.index_put_({rows}, logits.index({rows, targets.index({rows}) - b}));
         }
       }
-      const double lr = o.lr * 0.5 * (1 + std::cos(M_PI * static_cast<double>(t) / o.steps));
-      r1 = CayleyStep(r1, g1, lr, QrRetractionStep(o.seed, t, 0, o.cayley.qr_period), o.cayley);
-      std::vector<at::Tensor> next;
-      for (int64_t l = 0; l < layers; ++l) {
-        next.push_back(CayleyStep(r2[l], g2[l], lr,
-                                  QrRetractionStep(o.seed, t, 1 + l, o.cayley.qr_period),
-                                  o.cayley));
+      result.loss = (lse - target_logit).mean().item<double>();
+      for (int64_t b = 0; b < vocab; b += step) {
+        const int64_t m = std::min(step, vocab - b);
+        QCAL_ASSIGN_OR_RETURN(at::Tensor w, HeadChunk(b, m));
+        at::Tensor p = at::exp(at::matmul(ud, w.t()) - lse.unsqueeze(1));
+        const at::Tensor in = (targets >= b).logical_and(targets < b + m);
+        const at::Tensor rows = at::nonzero(in).view({-1});
+        if (rows.numel() > 0) {
+          const at::Tensor cols = targets.index({rows}) - b;
+          p.index_put_({rows, cols}, p.index({rows, cols}) - 1.0);
+        }
+        grad_u.add_(at::matmul(p, w));
       }
-      r2 = at::stack(next, 0);
+      grad_u.div_(static_cast<double>(n));
     }
-  } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat("rotation training: ", e.what()));
+    un.backward(grad_u);
+    at::Tensor g = hl.grad();
+    hs[layers] = at::Tensor();
+    result.g2 = at::zeros({layers, c.head_dim, c.head_dim}, at::kDouble);
+    for (int64_t l = layers - 1; l >= 0; --l) {
+      QCAL_ASSIGN_OR_RETURN(auto f, Block(l));
+      const at::Tensor x = hs[l].detach().requires_grad_(true);
+      const at::Tensor p2 = r2[l].detach().clone().requires_grad_(true);
+      const at::Tensor out = RotatedBlockForward(*f, c, rope, p1.t().to(at::kFloat),
+                                                 p2.t().to(at::kFloat), t4_, r3_, options_, x);
+      out.backward(g);
+      g = x.grad();
+      result.g2[l].copy_(p2.grad());
+      hs[l] = at::Tensor();
+    }
+    at::matmul(e, p1.to(at::kFloat)).backward(g);  // h0 = E·T1ᵀ = E·R1
+    result.g1 = p1.grad().detach().clone();
+  } catch (const std::exception& ex) {
+    return absl::InternalError(absl::StrCat("rotation training: ", ex.what()));
   }
-  result.t1 = r1.t().contiguous();
-  result.t2 = r2.transpose(1, 2).contiguous();
   return result;
 }
 

@@ -10,21 +10,33 @@
 //   * fake quantization with straight-through gradients (identity backward, no gradient to the
 //     scales): weights RTN per output channel, symmetric, at weight_bits (16: float, as before
 //     GPTQ); the four linear inputs per token, asymmetric; K (after RoPE and R3) and V per token
-//     and head, asymmetric;
-//   * each step takes `batch` calibration sequences in order (wrapping around), clips the global
-//     gradient norm to grad_clip, and moves T1 and every T2 by one Cayley step with lr·½(1 +
-//     cos(π·t/steps)).
-// The model is held in memory (the 260K test models; a block-streamed version is the next step).
+//     and head, asymmetric -- or, when the options carry them, the activation and KV quantizers
+//     inference will use (qcal's spinquant trains against those).
+// The trainer's parameters are R = Tᵀ (the matrices a weight's input side multiplies by, W·R),
+// as the reference trains them; products and the plan hold T.
+//
+// Two ways to evaluate the loss:
+//   * RotatedQuantizedLoss: the whole model in memory, one autograd graph (the reference for
+//     tests);
+//   * RotationGradients: block-streamed with per-block recomputation (gradient checkpointing by
+//     hand): the forward keeps only each block's input hidden states, the head's cross-entropy
+//     and its gradient are computed in vocabulary chunks from the unrotated head (logits =
+//     (RMSNorm(h)·T1)·(H·diag(norm))ᵀ, so the head is never re-rotated), and the backward
+//     recomputes one block at a time. Memory: one block's fused weights (or all of them when
+//     they fit the cache budget), the head's chunks, and (blocks + 1) hidden states of one
+//     sequence. The distributed, resumable training loop is methods/spinquant.
 #pragma once
 
 #include <cstdint>
-#include <functional>
+#include <memory>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
 
 #include "common/status.h"
 #include "worker/model/llama.h"
+#include "worker/model/model_source.h"
+#include "worker/qsim/act_quant.h"
 #include "worker/qsim/cayley.h"
 #include "worker/qsim/rotate.h"
 
@@ -33,20 +45,22 @@ namespace qcal::qsim {
 struct RotationTrainingOptions {
   int64_t steps = 100;
   double lr = 1.5;
-  int64_t batch = 8;
+  int64_t batch = 8;       // sequences per step (global, over all ranks)
   double grad_clip = 1.0;  // global L2 norm of the gradients; <= 0: none
   int weight_bits = 16;    // 16: float weights (the GPTQ pipeline trains W16AxKVx)
   int act_bits = 4;        // 16: float
   int kv_bits = 4;         // 16: float
   uint64_t seed = 0;       // the QR re-orthonormalisation steps
   CayleyOptions cayley;
+  // The quantizers inference will run (dynamic), applied with straight-through gradients in
+  // place of the reference's per-token asymmetric ones when set: act_quantizer on the four
+  // linear inputs (when act_bits < 16), kv_quantizer on K and V (when kv_bits < 16).
+  std::shared_ptr<const ActivationQuantizer> act_quantizer;
+  std::shared_ptr<const model::KvCacheHook> kv_quantizer;
 };
 
-struct RotationTrainingResult {
-  at::Tensor t1;              // [hidden, hidden] float64
-  at::Tensor t2;              // [layers, head_dim, head_dim] float64
-  std::vector<double> losses; // one per step (the loss the step's gradient was taken at)
-};
+// The cosine learning rate of step t of `steps` (SpinQuant's schedule: to 0, no warm-up).
+double RotationLr(const RotationTrainingOptions& options, int64_t t);
 
 // The mean next-token cross-entropy of `tokens` [b, s] under the rotated, fake-quantized model
 // with rotations t1 / t2 (differentiable in both). `model` is the float model as loaded.
@@ -55,10 +69,42 @@ StatusOr<at::Tensor> RotatedQuantizedLoss(const model::LlamaModel& model, const 
                                           const at::Tensor& tokens,
                                           const RotationTrainingOptions& options);
 
-// Trains the rotations (plan.r1 and plan.r2 must be on) on `tokens` [N, S] int64.
-StatusOr<RotationTrainingResult> TrainRotations(const model::LlamaModel& model,
-                                                const RotationPlan& plan,
-                                                const at::Tensor& tokens,
-                                                const RotationTrainingOptions& options);
+// Block-streamed loss and gradients of one sequence (see above). Not thread-safe (the source and
+// the cache); one per rank.
+class RotationGradients {
+ public:
+  // plan.r1 and plan.r2 must be on. cache_bytes: how much of the fused float blocks and the head
+  // may stay in memory between sequences (0: reload every time).
+  static StatusOr<std::unique_ptr<RotationGradients>> Create(model::ModelSource* source,
+                                                             const RotationPlan& plan,
+                                                             const RotationTrainingOptions& options,
+                                                             int64_t cache_bytes);
+
+  struct Result {
+    double loss = 0;  // mean cross-entropy over the sequence's s-1 predicted tokens
+    at::Tensor g1;    // d loss / d R1 [hidden, hidden] float64
+    at::Tensor g2;    // d loss / d R2 [layers, head_dim, head_dim] float64
+  };
+  // tokens [s] int64 (s >= 2); r1 = T1ᵀ, r2 = T2ᵀ per layer, float64.
+  StatusOr<Result> Sequence(const at::Tensor& r1, const at::Tensor& r2, const at::Tensor& tokens);
+
+  ~RotationGradients();
+
+ private:
+  struct Fused;  // one block's fused float weights
+  RotationGradients() = default;
+  StatusOr<std::shared_ptr<const Fused>> Block(int64_t layer);
+  StatusOr<at::Tensor> HeadChunk(int64_t begin, int64_t n);  // rows·diag(norm), float32
+
+  model::ModelSource* source_ = nullptr;
+  RotationPlan plan_;
+  RotationTrainingOptions options_;
+  int64_t cache_bytes_ = 0;
+  std::shared_ptr<const OnlineHadamard> t4_;
+  at::Tensor r3_;
+  at::Tensor final_norm_;
+  std::vector<std::shared_ptr<const Fused>> cached_;
+  at::Tensor head_;  // cached whole (rows·diag(norm)) when it fits
+};
 
 }  // namespace qcal::qsim

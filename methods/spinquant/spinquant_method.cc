@@ -1,0 +1,150 @@
+#include "methods/spinquant/spinquant_method.h"
+
+#include <ATen/ATen.h>
+
+#include "absl/strings/str_cat.h"
+#include "common/atomic_file.h"
+#include "common/log.h"
+#include "methods/quarot/quarot_method.h"
+#include "methods/spinquant/rotation_phase.h"
+#include "methods/spinquant/spinquant_spec.h"
+#include "worker/qsim/act_quant.h"
+#include "worker/qsim/kv_quantizer.h"
+
+namespace qcal::methods::spinquant {
+namespace {
+
+constexpr char kStateFile[] = "rotations.state.safetensors";
+
+class SpinquantMethod final : public quarot::QuarotMethod {
+ public:
+  SpinquantMethod(Recipe recipe, LlamaConfig config, const SpinquantConfig* s,
+                  qsim::RotationPlan plan, bool bound)
+      : QuarotMethod(std::move(recipe), std::move(config), std::move(plan)),
+        s_(s),
+        bound_(bound) {}
+
+  Status PrepareBlock(int64_t layer, model::BlockWeights* weights) const override {
+    QCAL_RETURN_IF_ERROR(CheckBound());
+    return QuarotMethod::PrepareBlock(layer, weights);
+  }
+  StatusOr<at::Tensor> PrepareEmbeddingRows(const at::Tensor& rows) const override {
+    QCAL_RETURN_IF_ERROR(CheckBound());
+    return QuarotMethod::PrepareEmbeddingRows(rows);
+  }
+  StatusOr<at::Tensor> PrepareHeadRows(const at::Tensor& rows,
+                                       const at::Tensor& final_norm) const override {
+    QCAL_RETURN_IF_ERROR(CheckBound());
+    return QuarotMethod::PrepareHeadRows(rows, final_norm);
+  }
+
+  StatusOr<PhaseProducts> RunGlobalPhase(const std::string& phase,
+                                         const GlobalPhaseInputs& in) const override {
+    if (phase != kRotationsPhase) return Method::RunGlobalPhase(phase, in);
+    if (in.comm == nullptr || in.source == nullptr || in.tokens == nullptr) {
+      return absl::InvalidArgumentError("rotations phase: missing inputs");
+    }
+    QCAL_ASSIGN_OR_RETURN(RotationPhaseOptions o, PhaseOptions(*s_, config()));
+    // Fused float blocks and the head stay in memory while they fit half the rank's budget.
+    o.cache_bytes = in.max_memory > 0 ? in.max_memory / 2 : int64_t{4} << 30;
+    if (!in.state_dir.empty()) {
+      QCAL_RETURN_IF_ERROR(MakeDirs(in.state_dir));
+      o.state_path = absl::StrCat(in.state_dir, "/", kStateFile);
+    }
+    o.state_key = in.state_key;
+    QCAL_ASSIGN_OR_RETURN(RotationPhaseResult r,
+                          TrainRotationsDataParallel(*in.comm, in.source, plan(), *in.tokens, o));
+    const size_t n = r.losses.size(), k = std::min<size_t>(10, n);
+    double first = 0, last = 0;
+    for (size_t i = 0; i < k; ++i) {
+      first += r.losses[i] / k;
+      last += r.losses[n - k + i] / k;
+    }
+    QCAL_LOG_INFO("rotations phase: {} steps; training loss, mean of the first / last {} steps: "
+                  "{:.4f} / {:.4f}", n, k, first, last);
+    PhaseProducts out;
+    out["r1"] = r.t1;
+    out["r2"] = r.t2;
+    out["losses"] = at::tensor(r.losses, at::kDouble);
+    return out;
+  }
+
+  StatusOr<std::unique_ptr<Method>> BindPhaseProducts(
+      const std::map<std::string, PhaseProducts>& phases) const override {
+    auto it = phases.find(kRotationsPhase);
+    if (it == phases.end() || !it->second.count("r1") || !it->second.count("r2")) {
+      return absl::FailedPreconditionError(
+          "spinquant: the rotations phase's products (r1, r2) are missing");
+    }
+    qsim::RotationPlan learned = plan();
+    QCAL_RETURN_IF_ERROR(Annotate(
+        qsim::SetLearnedRotations(&learned, it->second.at("r1"), it->second.at("r2"),
+                                  config().num_hidden_layers),
+        "spinquant: the trained rotations"));
+    return std::unique_ptr<Method>(
+        std::make_unique<SpinquantMethod>(recipe(), config(), s_, std::move(learned), true));
+  }
+
+  // Training against the quantizers inference runs (dynamic versions of static ones: the
+  // static ranges are calibrated only after the rotations exist).
+  static StatusOr<RotationPhaseOptions> PhaseOptions(const SpinquantConfig& s,
+                                                     const LlamaConfig& config) {
+    RotationPhaseOptions o;
+    if (s.activations.enabled()) {
+      ActivationQuantSpec a = s.activations;
+      a.is_static = false;
+      QCAL_ASSIGN_OR_RETURN(o.training.act_quantizer, qsim::ActivationQuantizer::Create(a));
+    }
+    if (s.kv_cache.enabled()) {
+      KvCacheSpec k = s.kv_cache;
+      k.is_static = false;
+      if (k.granularity == "per_tensor") k.granularity = "per_token";
+      QCAL_ASSIGN_OR_RETURN(o.training.kv_quantizer,
+                            qsim::MakeKvQuantizer(k, config, 0, nullptr));
+    }
+    qsim::RotationTrainingOptions& t = o.training;
+    t.steps = s.training.steps;
+    t.lr = s.training.lr;
+    t.batch = s.training.batch;
+    t.grad_clip = s.training.grad_clip;
+    t.weight_bits = s.training.weight_bits;
+    t.act_bits = s.activations.enabled() ? s.activations.bits : 16;
+    t.kv_bits = s.kv_cache.enabled() ? s.kv_cache.bits : 16;
+    t.seed = s.rotation.seed;
+    o.checkpoint_every = s.training.checkpoint_every;
+    return o;
+  }
+
+ private:
+  Status CheckBound() const {
+    if (bound_) return Status();
+    return absl::FailedPreconditionError(
+        "spinquant: the learned rotations are not bound (the rotations phase must run first)");
+  }
+
+  const SpinquantConfig* s_;  // owned by the recipe (shared, immutable)
+  const bool bound_;
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<Method>> Make(const Recipe& recipe, const LlamaConfig& config) {
+  const auto* s = dynamic_cast<const SpinquantConfig*>(recipe.config.get());
+  if (s == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("recipe '", recipe.name, "' has method ",
+                                                   recipe.method, ", not spinquant"));
+  }
+  QCAL_ASSIGN_OR_RETURN(qsim::RotationPlan plan, qsim::PlanRotations(s->rotation, config));
+  if (!plan.r1 || !plan.r2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("recipe '", recipe.name, "': spinquant needs R1 and R2, the plan has ",
+                     plan.Describe()));
+  }
+  QCAL_LOG_INFO("SpinQuant '{}': rotations {} (R1/R2 trained: {} steps, lr {}, W{} in training)",
+                recipe.name, plan.Describe(), s->training.steps, s->training.lr,
+                s->training.weight_bits);
+  return std::unique_ptr<Method>(
+      std::make_unique<SpinquantMethod>(recipe, config, s, std::move(plan), false));
+}
+
+}  // namespace qcal::methods::spinquant

@@ -1,0 +1,50 @@
+// SpinQuant (method spinquant; issue 17): QuaRot's pipeline with R1 and the per-block R2 learned
+// instead of random Hadamards. A global phase ("rotations") trains them with Cayley SGD on the
+// causal-LM loss of the rotated, fake-quantized float model (worker/qsim/rotation_training.h),
+// data-parallel over the ranks and resumable; then every block is rotated with them and quantized
+// exactly as QuaRot does (GPTQ or RTN weights, sequential blocks), into QuaRot's checkpoint format
+// (R1/R2 fused into the stored weights; R3/R4 online). Torch-free; the worker side is
+// spinquant_method.h. Recipe (jobs/README.md "method spinquant"): every quarot key, plus
+//
+//   method: spinquant
+//   training:
+//     steps: 100            # Cayley SGD steps (the reference's 100)
+//     lr: 1.5               # cosine decay to 0, no warm-up
+//     batch: 8              # sequences per step, over all ranks (calibration sequences, in order)
+//     grad_clip: 1.0        # global L2 norm; 0: none
+//     weight_bits: 16       # fake-quantized weights in training: 16 (float) before GPTQ, as
+//                           # SpinQuant; default 16 for gptq, the target bits for rtn
+//     checkpoint_every: 10  # steps between saved training states (resume)
+//
+// rotation.r1 and rotation.r2 must be on (they are what is trained).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "methods/quarot/quarot_spec.h"
+
+namespace qcal::methods::spinquant {
+
+inline constexpr char kRotationsPhase[] = "rotations";
+
+struct RotationTrainingSpec {
+  int64_t steps = 100;
+  double lr = 1.5;
+  int64_t batch = 8;
+  double grad_clip = 1.0;
+  int weight_bits = 16;
+  int64_t checkpoint_every = 10;
+};
+
+struct SpinquantConfig final : quarot::QuarotConfig {
+  RotationTrainingSpec training;
+
+  const char* method() const override { return "spinquant"; }
+  MethodNeeds needs() const override;
+  void AddToJson(nlohmann::json* recipe) const override;
+};
+
+const MethodSpec& Spec();
+
+}  // namespace qcal::methods::spinquant

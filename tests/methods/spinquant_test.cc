@@ -1,0 +1,287 @@
+// SpinQuant (method spinquant, issue 17): the block-streamed rotation gradients equal one autograd
+// graph of the whole model; a float model's loss does not depend on the rotations (its Riemannian
+// gradient vanishes); the data-parallel training lowers the fake-quantized loss, keeps the
+// rotations orthogonal, gives the same rotations on 1, 2 and 3 ranks bit for bit, and resumes
+// from its saved state to the same bits; the trained rotations fused keep the float function.
+#include <cmath>
+#include <cstdio>
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "common/quant_specs.h"
+#include "methods/spinquant/rotation_phase.h"
+#include "tests/model_fixtures.h"
+#include "tests/test_util.h"
+#include "worker/comm/comm.h"
+#include "worker/model/model_source.h"
+#include "worker/qsim/act_quant.h"
+#include "worker/qsim/cayley.h"
+#include "worker/qsim/kv_quantizer.h"
+#include "worker/qsim/rotate.h"
+#include "worker/qsim/rotation_training.h"
+#include "worker/tools/plant_outliers.h"
+
+namespace qcal {
+namespace {
+
+namespace sq = methods::spinquant;
+
+at::Tensor StoryBatch(const std::string& dir, int64_t b, int64_t s) {
+  const std::vector<int32_t> ids = testing::StoryTokens(dir, static_cast<size_t>(b * (s - 1)));
+  at::Tensor t = at::empty({b, s}, at::kLong);
+  for (int64_t i = 0; i < b; ++i) {
+    t[i][0] = 1;
+    for (int64_t j = 1; j < s; ++j) t[i][j] = ids[i * (s - 1) + j - 1];
+  }
+  return t;
+}
+
+// The recipe's quantizers (QuaRot W4A4KV4: symmetric per-token activations with clip 0.9, int4
+// asymmetric K/V per head with clip 0.95), as the spinquant method hands them to training.
+qsim::RotationTrainingOptions W4A4KV4(const LlamaConfig& c, int weight_bits) {
+  qsim::RotationTrainingOptions o;
+  o.weight_bits = weight_bits;
+  ActivationQuantSpec a;
+  a.bits = 4;
+  a.clip = 0.9;
+  o.act_quantizer = *qsim::ActivationQuantizer::Create(a);
+  KvCacheSpec k;
+  k.bits = 4;
+  o.kv_quantizer = *qsim::MakeKvQuantizer(k, c, 0, nullptr);
+  return o;
+}
+
+// The tangent (Riemannian) part of a gradient G at orthogonal R: skew(RᵀG) = ½(RᵀG − GᵀR).
+at::Tensor Skew(const at::Tensor& r, const at::Tensor& g) {
+  const at::Tensor a = at::matmul(r.t(), g);
+  return 0.5 * (a - a.t());
+}
+
+TEST(SpinquantTest, StreamedGradientsEqualOneAutogradGraph) {
+  model::SetComputeThreads(1);
+  const std::string dir = testing::RealModelDir("stories260K");
+  auto m = testing::LoadModelOrDie(dir);
+  auto source = model::OpenFloatCheckpoint(dir);
+  ASSERT_TRUE(source.ok()) << source.status();
+  const LlamaConfig& c = m->config();
+  auto plan = qsim::PlanRotations(RotationSpec{}, c);
+  ASSERT_TRUE(plan.ok());
+  auto dense = qsim::DenseRotations(*plan, c.num_hidden_layers);
+  ASSERT_TRUE(dense.ok());
+  const at::Tensor r1 = dense->first.t().contiguous();
+  const at::Tensor r2 = dense->second.transpose(1, 2).contiguous();
+  const at::Tensor tokens = StoryBatch(dir, 1, 96);
+  for (int bits : {16, 4}) {
+    qsim::RotationTrainingOptions o = W4A4KV4(c, bits);
+    // Autograd through the whole model at once.
+    const at::Tensor p1 = r1.clone().requires_grad_(true);
+    const at::Tensor p2 = r2.clone().requires_grad_(true);
+    double want_loss = 0;
+    {
+      at::AutoGradMode grad(true);
+      auto loss = qsim::RotatedQuantizedLoss(*m, *plan, p1.t(), p2.transpose(1, 2), tokens, o);
+      ASSERT_TRUE(loss.ok()) << loss.status();
+      loss->backward();
+      want_loss = loss->item<double>();
+    }
+    // Streamed, with a zero-byte cache (every block and head chunk reloaded) and a full one.
+    for (int64_t cache : {int64_t{0}, int64_t{1} << 30}) {
+      auto g = qsim::RotationGradients::Create(source->get(), *plan, o, cache);
+      ASSERT_TRUE(g.ok()) << g.status();
+      auto r = (*g)->Sequence(r1, r2, tokens[0]);
+      ASSERT_TRUE(r.ok()) << r.status();
+      std::printf("W%d cache %lld: loss %.6f (autograd %.6f), |g1| %.4g, rel diff g1 %.2e g2 %.2e\n",
+                  bits, static_cast<long long>(cache), r->loss, want_loss,
+                  r->g1.norm().item<double>(), testing::RelMaxDiff(p1.grad(), r->g1),
+                  testing::RelMaxDiff(p2.grad(), r->g2));
+      EXPECT_NEAR(r->loss, want_loss, 1e-5 * want_loss);
+      EXPECT_GT(r->g1.abs().max().item<double>(), 0);
+      EXPECT_LT(testing::RelMaxDiff(p1.grad(), r->g1), 1e-3);
+      EXPECT_LT(testing::RelMaxDiff(p2.grad(), r->g2), 1e-3);
+    }
+  }
+}
+
+// Nothing quantized: every rotation gives the float model's loss, so the gradient has no
+// tangent component (the Cayley step is zero); quantized, it has.
+TEST(SpinquantTest, FloatLossDoesNotDependOnTheRotations) {
+  model::SetComputeThreads(1);
+  const std::string dir = testing::RealModelDir("stories260K");
+  auto source = model::OpenFloatCheckpoint(dir);
+  ASSERT_TRUE(source.ok());
+  const LlamaConfig& c = (*source)->config();
+  auto plan = qsim::PlanRotations(RotationSpec{}, c);
+  auto dense = qsim::DenseRotations(*plan, c.num_hidden_layers);
+  const at::Tensor r1 = dense->first.t().contiguous();
+  const at::Tensor r2 = dense->second.transpose(1, 2).contiguous();
+  const at::Tensor tokens = StoryBatch(dir, 1, 96)[0];
+  qsim::RotationTrainingOptions flt;
+  flt.weight_bits = flt.act_bits = flt.kv_bits = 16;
+  auto gf = qsim::RotationGradients::Create(source->get(), *plan, flt, 1 << 30);
+  auto rf = (*gf)->Sequence(r1, r2, tokens);
+  ASSERT_TRUE(rf.ok()) << rf.status();
+  auto gq = qsim::RotationGradients::Create(source->get(), *plan, W4A4KV4(c, 4), 1 << 30);
+  auto rq = (*gq)->Sequence(r1, r2, tokens);
+  ASSERT_TRUE(rq.ok()) << rq.status();
+  const double tf = Skew(r1, rf->g1).norm().item<double>();
+  const double tq = Skew(r1, rq->g1).norm().item<double>();
+  std::printf("tangent |skew(R1ᵀG1)|: float %.3e, W4A4KV4 %.3e (|G1| float %.3e)\n", tf, tq,
+              rf->g1.norm().item<double>());
+  EXPECT_LT(tf, 1e-4 * tq);
+}
+
+
+StatusOr<sq::RotationPhaseResult> Train(runtime::Comm& comm, const std::string& dir,
+                                        const at::Tensor& tokens, sq::RotationPhaseOptions o) {
+  QCAL_ASSIGN_OR_RETURN(auto source, model::OpenFloatCheckpoint(dir));
+  const LlamaConfig& c = source->config();
+  QCAL_ASSIGN_OR_RETURN(qsim::RotationPlan plan, qsim::PlanRotations(RotationSpec{}, c));
+  return sq::TrainRotationsDataParallel(comm, source.get(), plan, tokens, o);
+}
+
+// Each of `ranks` threads trains with its own source; rank 0's result.
+sq::RotationPhaseResult TrainOnRanks(int ranks, const std::string& dir, const at::Tensor& tokens,
+                                     const sq::RotationPhaseOptions& o) {
+  auto comms = runtime::MakeThreadComms(ranks);
+  std::vector<StatusOr<sq::RotationPhaseResult>> results(ranks, absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < ranks; ++r) {
+    threads.emplace_back([&, r] { results[r] = Train(*comms[r], dir, tokens, o); });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < ranks; ++r) {
+    EXPECT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].status();
+    if (!results[r].ok()) return {};
+  }
+  for (int r = 1; r < ranks; ++r) {  // every rank ends with identical rotations
+    EXPECT_TRUE(at::equal(results[r]->t1, results[0]->t1)) << r;
+    EXPECT_TRUE(at::equal(results[r]->t2, results[0]->t2)) << r;
+  }
+  return *results[0];
+}
+
+sq::RotationPhaseOptions SmallRun(const LlamaConfig& c) {
+  sq::RotationPhaseOptions o;
+  o.training = W4A4KV4(c, 4);
+  o.training.steps = 6;
+  o.training.batch = 5;  // 5 sequences over 2 or 3 ranks: uneven slices
+  o.cache_bytes = int64_t{1} << 30;
+  return o;
+}
+
+TEST(SpinquantTest, OneTwoAndThreeRanksTrainTheSameRotationsBitForBit) {
+  model::SetComputeThreads(1);
+  const std::string dir = testing::RealModelDir("stories260K");
+  auto m = testing::LoadModelOrDie(dir);
+  const at::Tensor tokens = StoryBatch(dir, 12, 64);
+  const sq::RotationPhaseOptions o = SmallRun(m->config());
+  const sq::RotationPhaseResult one = TrainOnRanks(1, dir, tokens, o);
+  ASSERT_TRUE(one.t1.defined());
+  auto dense = qsim::DenseRotations(*qsim::PlanRotations(RotationSpec{}, m->config()),
+                                    m->config().num_hidden_layers);
+  EXPECT_GT((one.t1 - dense->first).abs().max().item<double>(), 1e-4);  // it moved
+  for (int ranks : {2, 3}) {
+    const sq::RotationPhaseResult many = TrainOnRanks(ranks, dir, tokens, o);
+    ASSERT_TRUE(many.t1.defined());
+    EXPECT_TRUE(at::equal(many.t1, one.t1)) << ranks << " ranks";
+    EXPECT_TRUE(at::equal(many.t2, one.t2)) << ranks << " ranks";
+    EXPECT_EQ(many.losses, one.losses) << ranks << " ranks";
+  }
+}
+
+TEST(SpinquantTest, InterruptedTrainingResumesFromItsSavedStateToTheSameBits) {
+  model::SetComputeThreads(1);
+  const std::string dir = testing::RealModelDir("stories260K");
+  auto m = testing::LoadModelOrDie(dir);
+  const at::Tensor tokens = StoryBatch(dir, 12, 64);
+  const std::string tmp = testing::MakeTempDir("spinquant-resume");
+  sq::RotationPhaseOptions o = SmallRun(m->config());
+  o.checkpoint_every = 2;
+  o.state_key = "calibration A";
+  const sq::RotationPhaseResult whole = TrainOnRanks(1, dir, tokens, o);
+  ASSERT_TRUE(whole.t1.defined());
+  EXPECT_EQ(whole.resumed_from, 0);
+
+  o.state_path = tmp + "/rotations.state.safetensors";
+  sq::RotationPhaseOptions stop = o;
+  stop.stop_after = 3;  // the "crash": after step 3 (its state saved)
+  auto comm = runtime::MakeSelfComm();
+  auto stopped = Train(*comm, dir, tokens, stop);
+  ASSERT_FALSE(stopped.ok());
+  EXPECT_TRUE(absl::IsAborted(stopped.status())) << stopped.status();
+  // Resumed on two ranks: from step 3, to the uninterrupted run's bits.
+  const sq::RotationPhaseResult resumed = TrainOnRanks(2, dir, tokens, o);
+  EXPECT_EQ(resumed.resumed_from, 3);
+  EXPECT_TRUE(at::equal(resumed.t1, whole.t1));
+  EXPECT_TRUE(at::equal(resumed.t2, whole.t2));
+  EXPECT_EQ(resumed.losses, whole.losses);
+  // A state saved for other calibration data is not used.
+  stopped = Train(*comm, dir, tokens, stop);
+  sq::RotationPhaseOptions other = o;
+  other.state_key = "calibration B";
+  const sq::RotationPhaseResult fresh = TrainOnRanks(1, dir, tokens, other);
+  EXPECT_EQ(fresh.resumed_from, 0);
+  EXPECT_TRUE(at::equal(fresh.t1, whole.t1));
+  // A damaged state is refused (checksum) and training starts over.
+  {
+    std::FILE* f = std::fopen(o.state_path.c_str(), "r+b");
+    ASSERT_NE(f, nullptr);
+    std::fseek(f, -8, SEEK_END);
+    std::fputc('X', f);
+    std::fclose(f);
+  }
+  const sq::RotationPhaseResult again = TrainOnRanks(1, dir, tokens, o);
+  EXPECT_EQ(again.resumed_from, 0);
+  EXPECT_TRUE(at::equal(again.t1, whole.t1));
+}
+
+// W4A4KV4 training (RTN weights in the forward) lowers the loss on its data, keeps R1/R2
+// orthogonal to 1e-6, and fused into the float model the trained rotations keep its logits.
+TEST(SpinquantTest, TrainingLowersTheQuantizedLossAndTheFusedRotationsKeepTheFunction) {
+  model::SetComputeThreads(1);
+  const std::string dir = testing::RealModelDir("stories260K");
+  auto m = testing::LoadModelOrDie(dir);
+  const LlamaConfig& c = m->config();
+  const at::Tensor tokens = StoryBatch(dir, 32, 64);
+  sq::RotationPhaseOptions o;
+  o.training = W4A4KV4(c, 4);
+  o.training.steps = 60;
+  o.training.batch = 8;
+  o.cache_bytes = int64_t{1} << 30;
+  auto comm = runtime::MakeSelfComm();
+  auto r = Train(*comm, dir, tokens, o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  double first = 0, last = 0;
+  for (int i = 0; i < 10; ++i) {
+    first += r->losses[i] / 10;
+    last += r->losses[r->losses.size() - 10 + i] / 10;
+  }
+  auto plan = qsim::PlanRotations(RotationSpec{}, c);
+  auto dense = qsim::DenseRotations(*plan, c.num_hidden_layers);
+  double before = 0, after = 0;
+  {
+    at::NoGradGuard no_grad;
+    before = qsim::RotatedQuantizedLoss(*m, *plan, dense->first, dense->second, tokens,
+                                        o.training)->item<double>();
+    after = qsim::RotatedQuantizedLoss(*m, *plan, r->t1, r->t2, tokens, o.training)
+                ->item<double>();
+  }
+  std::printf("training loss, mean of the first / last 10 steps: %.4f / %.4f; on all 32 "
+              "sequences: Hadamard %.4f, trained %.4f\n", first, last, before, after);
+  EXPECT_LT(after, before);
+  EXPECT_LT(qsim::OrthogonalityError(r->t1), 1e-6);
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    EXPECT_LT(qsim::OrthogonalityError(r->t2[l]), 1e-6) << l;
+  }
+  ASSERT_TRUE(qsim::SetLearnedRotations(&*plan, r->t1, r->t2, c.num_hidden_layers).ok());
+  auto rotated = testing::LoadModelOrDie(dir);
+  ASSERT_TRUE(qsim::RotateModel(*rotated, *plan).ok());
+  const at::Tensor ids = StoryBatch(dir, 2, 96);
+  at::NoGradGuard no_grad;
+  EXPECT_LT(testing::RelMaxDiff(rotated->Forward(ids), m->Forward(ids)), 1e-4);
+}
+
+}  // namespace
+}  // namespace qcal
