@@ -27,7 +27,10 @@ class SpinquantSpec final : public MethodSpec {
                                                    "' is not supported"));
     }
     RotationTrainingSpec& t = c->training;
-    t.weight_bits = c->gptq() || !c->quantizes_weights() ? 16 : c->bits;
+    // SpinQuant trains with float weights when GPTQ follows; with nothing else quantized the
+    // rotations could change nothing, so then (and for RTN) training sees the target bits.
+    const bool acts_or_kv = c->activations.enabled() || c->kv_cache.enabled();
+    t.weight_bits = !c->quantizes_weights() || (c->gptq() && acts_or_kv) ? 16 : c->bits;
     QCAL_ASSIGN_OR_RETURN(
         RecipeSection s,
         top.ReadSection("training", {"steps", "lr", "batch", "grad_clip", "weight_bits",
@@ -50,7 +53,10 @@ class SpinquantSpec final : public MethodSpec {
     QCAL_RETURN_IF_ERROR(s.RequireRange("weight_bits", (wb >= 2 && wb <= 8) || wb == 16,
                                         "2..8 or 16", std::to_string(wb)));
     t.weight_bits = static_cast<int>(wb);
-    if (t.weight_bits >= 16 && !c->activations.enabled() && !c->kv_cache.enabled()) {
+    if (t.weight_bits >= 16 && !acts_or_kv) {
+      if (!c->quantizes_weights()) {
+        return top.Error("recipe quantizes nothing: weights none, activations and KV cache float");
+      }
       return s.KeyError("weight_bits",
                         "is 16 with float activations and KV cache: nothing is quantized in "
                         "training, so the loss does not depend on the rotations (train with the "

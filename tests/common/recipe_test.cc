@@ -401,10 +401,38 @@ TEST(RecipeDefaults, PrefixquantKeysRoundTripAndBadValuesAreNamed) {
               {"unknown key 'kv_cache.format'"});
 }
 
+TEST(RecipeDefaults, SpinquantKeysRoundTripAndBadValuesAreNamed) {
+  const std::string yaml =
+      "method: spinquant\nweights: gptq\nbits: 4\nactivations: {bits: 4}\nkv_cache: {bits: 4}\n"
+      "training: {steps: 20, lr: 0.5, batch: 4, grad_clip: 0, checkpoint_every: 5}\n";
+  const Recipe r = MustParse(yaml);
+  EXPECT_TRUE(r.needs().sequential);
+  EXPECT_EQ(r.needs().global_phases, (std::vector<std::string>{"rotations"}));
+  ExpectRoundTrip(r, yaml);
+  // Training defaults: float weights before GPTQ when activations or KV are quantized, else the
+  // target bits (weight-only: float weights would leave the loss independent of the rotations).
+  nlohmann::json j = MustParse(yaml).ToJson();
+  EXPECT_EQ(j["training"]["weight_bits"], 16);
+  j = MustParse("method: spinquant\nweights: gptq\nbits: 3\n").ToJson();
+  EXPECT_EQ(j["training"]["weight_bits"], 3);
+  ExpectError("method: spinquant\nrotation: {r2: false}\n",
+              {"key 'rotation'", "trains R1 and R2"});
+  ExpectError("method: spinquant\nbits: 4\ntraining: {weight_bits: 16}\n",
+              {"key 'training.weight_bits'", "nothing is quantized in training"});
+  ExpectError("method: spinquant\nweights: none\n", {"quantizes nothing"});
+  ExpectError("method: spinquant\nactivations: {bits: 4}\nkv_cache: {bits: 4, format: bfp}\n",
+              {"key 'kv_cache'", "int KV cache"});
+  ExpectError("method: spinquant\ntraining: {steps: 0}\n", {"key 'training.steps'", "1..100000"});
+  ExpectError("method: spinquant\ntraining: {lr: -1}\n", {"key 'training.lr'"});
+  ExpectError("method: spinquant\ntraining: {momentum: 0.9}\n",
+              {"unknown key 'training.momentum'"});
+}
+
 TEST(RecipeDefaults, TheRegistryListsEveryMethod) {
   std::vector<std::string> names;
   for (const MethodSpec* spec : methods::AllSpecs()) names.push_back(spec->name());
-  EXPECT_EQ(names, (std::vector<std::string>{"quip", "rtn", "gptq", "quarot", "prefixquant"}));
+  EXPECT_EQ(names, (std::vector<std::string>{"quip", "rtn", "gptq", "quarot", "prefixquant",
+                                             "spinquant"}));
   EXPECT_EQ(methods::FindSpec("gptq"), methods::AllSpecs()[2]);
   EXPECT_EQ(methods::FindSpec("awq"), nullptr);
   // Every method's config reports its own name, and the recipe's method is that name.
@@ -481,7 +509,7 @@ TEST(RecipeErrors, YamlSyntaxErrorsCarryTheParserTextAndLine) {
   ExpectError("method: quip\ncalibration:\n\tseq_len: 64\n",
               {"YAML error at line 3", "spaces, not tabs"});
   ExpectError("just a string\n", {"must be a mapping"});
-  ExpectError("", {"empty", "'method' (quip, rtn, gptq, quarot or prefixquant) is required"});
+  ExpectError("", {"empty", "'method' (quip, rtn, gptq, quarot, prefixquant or spinquant) is required"});
   ExpectError("# nothing but a comment\n", {"empty", "'method'"});
 }
 
@@ -495,10 +523,10 @@ TEST(RecipeErrors, DuplicateKeys) {
 TEST(RecipeErrors, Method) {
   ExpectError("bits: 2\n", {"missing required key 'method'"});
   ExpectError("method: qiup\n",
-              {"key 'method' (line 1) must be one of quip, rtn, gptq, quarot, prefixquant, got 'qiup'",
+              {"key 'method' (line 1) must be one of quip, rtn, gptq, quarot, prefixquant, spinquant, got 'qiup'",
                "did you mean 'quip'?"});
   ExpectError("method: awq\n",
-              {"key 'method' (line 1) must be one of quip, rtn, gptq, quarot, prefixquant, got 'awq'"});
+              {"key 'method' (line 1) must be one of quip, rtn, gptq, quarot, prefixquant, spinquant, got 'awq'"});
 }
 
 TEST(RecipeErrors, QuipCodebookAndBits) {
@@ -511,7 +539,7 @@ TEST(RecipeErrors, QuipCodebookAndBits) {
               {"key 'bits' (line 3) is 2 but codebook 'rvq4_e8p_e8p' (line 2) is a 4-bit"});
   ExpectError("method: quip\nbits: 5\n", {"key 'bits' (line 2) must be 2, 3 or 4 for method quip, got 5"});
   ExpectError("method: quip\nscalar: {group_size: 64}\n",
-              {"key 'scalar' (line 2) applies only to methods rtn, gptq and quarot, not quip"});
+              {"key 'scalar' (line 2) applies only to methods rtn, gptq, quarot and spinquant, not quip"});
 }
 
 TEST(RecipeErrors, ScalarMethods) {
@@ -712,9 +740,9 @@ TEST(QuarotRecipes, Errors) {
               {"key 'weights' (line 2) must be rtn, gptq or none, got 'gtpq'",
                "did you mean 'gptq'?"});
   ExpectError("method: gptq\nrotation: {r1: true}\n",
-              {"key 'rotation' (line 2) applies only to methods quarot and prefixquant, not gptq"});
+              {"key 'rotation' (line 2) applies only to methods quarot, prefixquant and spinquant, not gptq"});
   ExpectError("method: rtn\nactivations: {bits: 4}\n",
-              {"key 'activations' (line 2) applies only to methods quarot and prefixquant, not rtn"});
+              {"key 'activations' (line 2) applies only to methods quarot, prefixquant and spinquant, not rtn"});
   ExpectError("method: quarot\nweights: none\nbits: 4\n",
               {"key 'bits' (line 3) does not apply with 'weights: none' (line 2)"});
   ExpectError("method: quarot\nweights: rtn\ndamp: 0.01\n",

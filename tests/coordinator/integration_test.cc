@@ -494,6 +494,23 @@ TEST_F(CoordinatorIntegrationTest, PrefixquantPrefixPhaseOnTwoRanksMatchesSingle
   ExpectBitIdenticalWithRanks(2);
 }
 
+// SpinQuant trains its rotations in a global phase on every rank (each a slice of every step's
+// batch, the gradients summed exactly), then its blocks run as QuaRot's: the checkpoint is the
+// single process's, byte for byte.
+TEST_F(CoordinatorIntegrationTest, SpinquantRotationsPhaseOnTwoRanksMatchesSingleProcess) {
+  recipe_ = WriteRecipe("spinquant-small.yaml", 16, "spinquant-w4a4kv4");
+  ASSERT_FALSE(recipe_.empty());
+  auto text = ReadFile(recipe_);
+  ASSERT_TRUE(text.ok());
+  std::string yaml = *text;
+  const std::string key = "steps: 100";
+  const size_t pos = yaml.find(key);
+  ASSERT_NE(pos, std::string::npos);
+  yaml.replace(pos, key.size(), "steps: 12");  // 12 steps of 8 sequences, 4 on each rank
+  ASSERT_TRUE(WriteFileAtomic(recipe_, yaml).ok());
+  ExpectBitIdenticalWithRanks(2);
+}
+
 TEST_F(CoordinatorIntegrationTest, UnauthenticatedRequestsAreRefused) {
   for (const std::string& token : {std::string(), std::string("wrong-token-wrong-token")}) {
     grpc::ClientContext ctx;
