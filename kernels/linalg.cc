@@ -362,14 +362,15 @@ StatusOr<BlockLdl> BlockLdlDecompose(std::vector<double>&& h, int64_t n, int64_t
   return BlockLdlDecomposeImpl(h.data(), &h, n, block, form);
 }
 
-StatusOr<std::vector<double>> InverseCholeskyUpper(const double* h, int64_t n) {
+namespace {
+
+// InverseCholeskyUpper on `a` = P H P (the reversed H), in place.
+StatusOr<std::vector<double>> InverseCholeskyUpperReversed(std::vector<double> a, int64_t n) {
   // GPTQ computes chol(H) -> H⁻¹ -> chol(H⁻¹, upper). The factor is unique (upper triangular,
   // positive diagonal), so we get it more cheaply: with C' = chol(P H P) lower, H = U Uᵀ for the
   // upper triangular U = P C' P, hence H⁻¹ = U⁻ᵀ U⁻¹ and R = U⁻¹ = P C'⁻¹ P.
   // Cost n³/3 (potrf) + n³/3 (trtri) instead of 4n³/3.
   const char* what = "GPTQ inverse Cholesky";
-  QCAL_RETURN_IF_ERROR(CheckSquare(h, n, what));
-  std::vector<double> a = ReversedCopy(h, n);
   QCAL_RETURN_IF_ERROR(PotrfLower(a.data(), n, what, /*reversed=*/true));
   // C'⁻¹ in place (row-major lower), tiled on qcal's threads.
   const int info = TiledTrtriLower(a.data(), n);
@@ -380,6 +381,24 @@ StatusOr<std::vector<double>> InverseCholeskyUpper(const double* h, int64_t n) {
   }
   Rotate180(a.data(), n);
   return a;
+}
+
+}  // namespace
+
+StatusOr<std::vector<double>> InverseCholeskyUpper(const double* h, int64_t n) {
+  QCAL_RETURN_IF_ERROR(CheckSquare(h, n, "GPTQ inverse Cholesky"));
+  return InverseCholeskyUpperReversed(ReversedCopy(h, n), n);
+}
+
+StatusOr<std::vector<double>> InverseCholeskyUpper(std::vector<double>&& h, int64_t n) {
+  if (static_cast<int64_t>(h.size()) != n * n) {
+    return absl::InvalidArgumentError(absl::StrCat("GPTQ inverse Cholesky: ", h.size(),
+                                                   " values for an ", n, "x", n, " matrix"));
+  }
+  QCAL_RETURN_IF_ERROR(CheckSquare(h.data(), n, "GPTQ inverse Cholesky"));
+  std::vector<double> a = std::move(h);
+  ReverseInPlace(a.data(), n);
+  return InverseCholeskyUpperReversed(std::move(a), n);
 }
 
 std::vector<double> MultiplyLLt(const std::vector<double>& c, int64_t n) {

@@ -97,6 +97,9 @@ inline StatusOr<BlockLdl> LdlDecompose(const double* h, int64_t n, LdlForm form 
 // unique, it is computed here as R = P C'⁻¹ P with C' = chol(P H P) (n³/3 + n³/3 flops instead of
 // 4n³/3). [n, n] row-major, strict lower triangle zero.
 StatusOr<std::vector<double>> InverseCholeskyUpper(const double* h, int64_t n);
+// The same computed in `h`'s own storage (moved in, returned as R): the peak is one n×n matrix
+// instead of two. Bit-identical to the copying form. On error `h` is consumed.
+StatusOr<std::vector<double>> InverseCholeskyUpper(std::vector<double>&& h, int64_t n);
 
 // Reconstruction helpers (tests, small n): L·Lᵀ, and the product of a form's factors.
 std::vector<double> MultiplyLLt(const std::vector<double>& c, int64_t n);

@@ -321,10 +321,10 @@ StatusOr<ScalarRoundingResult> Gptq(const double* w, int64_t m, int64_t n, const
   const ScalarQuantConfig& qc = config.quant;
   QCAL_ASSIGN_OR_RETURN(Prepared prep, Prepare(w, m, n, h, config.damp, config.act_order, what));
   ScalarRoundingResult res = InitScalarResult(w, m, n, qc, prep.perm);
-  StatusOr<std::vector<double>> rinv = InverseCholeskyUpper(prep.h.data(), n);
+  // R is computed in the damped Hessian's own storage (one n² matrix at the peak, not two).
+  StatusOr<std::vector<double>> rinv = InverseCholeskyUpper(std::move(prep.h), n);
   if (!rinv.ok()) return Annotate(rinv.status(), what);
   const std::vector<double>& R = *rinv;
-  prep.h = std::vector<double>();  // Free n² doubles.
 
   std::vector<double>& W = prep.w;  // The running weights.
   std::vector<int32_t> codes(m * n);
@@ -393,9 +393,8 @@ StatusOr<ScalarRoundingResult> Ldlq(const double* w, int64_t m, int64_t n, const
   const ScalarQuantConfig& qc = config.quant;
   QCAL_ASSIGN_OR_RETURN(Prepared prep, Prepare(w, m, n, h, config.damp, config.act_order, what));
   ScalarRoundingResult res = InitScalarResult(w, m, n, qc, prep.perm);
-  StatusOr<BlockLdl> ldl = BlockLdlDecompose(prep.h.data(), n, 1, LdlForm::kLtDL);
+  StatusOr<BlockLdl> ldl = BlockLdlDecompose(std::move(prep.h), n, 1, LdlForm::kLtDL);
   if (!ldl.ok()) return Annotate(ldl.status(), what);
-  prep.h = std::vector<double>();
   const std::vector<double>& L = ldl->L;  // U[j][k] = L[k][j] for j < k.
 
   const std::vector<double>& W = prep.w;

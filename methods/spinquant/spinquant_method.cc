@@ -9,6 +9,7 @@
 #include "methods/spinquant/rotation_phase.h"
 #include "methods/spinquant/spinquant_spec.h"
 #include "worker/qsim/act_quant.h"
+#include "worker/quant/scalar_quantize.h"
 #include "worker/qsim/kv_quantizer.h"
 
 namespace qcal::methods::spinquant {
@@ -90,6 +91,17 @@ class SpinquantMethod final : public quarot::QuarotMethod {
   static StatusOr<RotationPhaseOptions> PhaseOptions(const SpinquantConfig& s,
                                                      const LlamaConfig& config) {
     RotationPhaseOptions o;
+    if (s.training.weight_bits < 16) {
+      quant::ScalarQuantizeOptions w;
+      w.bits = s.training.weight_bits;
+      w.grid = s.scalar;
+      o.training.weight_quantizer = [w](const at::Tensor& weight) -> StatusOr<at::Tensor> {
+        at::Tensor d = weight.to(at::kDouble).contiguous().clone();
+        QCAL_RETURN_IF_ERROR(
+            quant::RoundToNearestInPlace(w, d.data_ptr<double>(), d.size(0), d.size(1)));
+        return d.to(at::kFloat);
+      };
+    }
     if (s.activations.enabled()) {
       ActivationQuantSpec a = s.activations;
       a.is_static = false;

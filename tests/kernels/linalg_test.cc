@@ -182,6 +182,10 @@ TEST(LinalgTest, GptqInverseFactorMatchesLtDl) {
     const std::vector<double> h = RandomSpd(n, g, 0.05);
     auto r = InverseCholeskyUpper(h.data(), n);
     ASSERT_TRUE(r.ok()) << r.status();
+    // Computed in the matrix's own storage (GPTQ's path): the same bits.
+    auto owned = InverseCholeskyUpper(std::vector<double>(h), n);
+    ASSERT_TRUE(owned.ok()) << owned.status();
+    EXPECT_TRUE(*owned == *r);
     auto f = LdlDecompose(h.data(), n, LdlForm::kLtDL);
     ASSERT_TRUE(f.ok());
     for (int64_t i = 0; i < n; ++i) {

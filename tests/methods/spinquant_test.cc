@@ -11,6 +11,9 @@
 #include <gtest/gtest.h>
 
 #include "common/quant_specs.h"
+#include "common/recipe.h"
+#include "methods/quarot/quarot_model.h"
+#include "methods/registry.h"
 #include "methods/spinquant/rotation_phase.h"
 #include "tests/model_fixtures.h"
 #include "tests/test_util.h"
@@ -21,6 +24,7 @@
 #include "worker/qsim/kv_quantizer.h"
 #include "worker/qsim/rotate.h"
 #include "worker/qsim/rotation_training.h"
+#include "worker/quant/scalar_quantize.h"
 #include "worker/tools/plant_outliers.h"
 
 namespace qcal {
@@ -39,7 +43,8 @@ at::Tensor StoryBatch(const std::string& dir, int64_t b, int64_t s) {
 }
 
 // The recipe's quantizers (QuaRot W4A4KV4: symmetric per-token activations with clip 0.9, int4
-// asymmetric K/V per head with clip 0.95), as the spinquant method hands them to training.
+// asymmetric K/V per head with clip 0.95, weights RTN per channel with clip search), as the
+// spinquant method hands them to training.
 qsim::RotationTrainingOptions W4A4KV4(const LlamaConfig& c, int weight_bits) {
   qsim::RotationTrainingOptions o;
   o.weight_bits = weight_bits;
@@ -50,6 +55,17 @@ qsim::RotationTrainingOptions W4A4KV4(const LlamaConfig& c, int weight_bits) {
   KvCacheSpec k;
   k.bits = 4;
   o.kv_quantizer = *qsim::MakeKvQuantizer(k, c, 0, nullptr);
+  if (weight_bits < 16) {  // the recipe's grid: per channel, symmetric, clip search
+    quant::ScalarQuantizeOptions w;
+    w.bits = weight_bits;
+    w.grid.clip_search = true;
+    o.weight_quantizer = [w](const at::Tensor& weight) -> StatusOr<at::Tensor> {
+      at::Tensor d = weight.to(at::kDouble).contiguous().clone();
+      QCAL_RETURN_IF_ERROR(
+          quant::RoundToNearestInPlace(w, d.data_ptr<double>(), d.size(0), d.size(1)));
+      return d.to(at::kFloat);
+    };
+  }
   return o;
 }
 
@@ -281,6 +297,52 @@ TEST(SpinquantTest, TrainingLowersTheQuantizedLossAndTheFusedRotationsKeepTheFun
   const at::Tensor ids = StoryBatch(dir, 2, 96);
   at::NoGradGuard no_grad;
   EXPECT_LT(testing::RelMaxDiff(rotated->Forward(ids), m->Forward(ids)), 1e-4);
+}
+
+
+// The training forward is the simulated inference the checkpoint will run: for learned (here
+// random orthogonal, non-symmetric) T1/T2, RotatedQuantizedLoss with the recipe's quantizers and
+// float weights equals the loss of QuaRot's prepared model (rotations fused, R3/R4 and the A4KV4
+// quantizers installed) on the same tokens.
+TEST(SpinquantTest, TrainingForwardIsTheInferenceItOptimisesFor) {
+  model::SetComputeThreads(1);
+  const std::string dir = testing::RealModelDir("stories260K");
+  auto m = testing::LoadModelOrDie(dir);
+  const LlamaConfig& c = m->config();
+  auto recipe = ParseRecipe(
+      "method: quarot\nweights: none\nactivations: {bits: 4, clip: 0.9}\n"
+      "kv_cache: {bits: 4, clip: 0.95}\n", "test");
+  ASSERT_TRUE(recipe.ok()) << recipe.status();
+  auto plan = qsim::PlanRotations(RotationSpec{}, c);
+  at::manual_seed(3);
+  const at::Tensor t1 = std::get<0>(at::linalg_qr(at::randn({c.hidden_size, c.hidden_size}, at::kDouble)));
+  std::vector<at::Tensor> t2s;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    t2s.push_back(std::get<0>(at::linalg_qr(at::randn({c.head_dim, c.head_dim}, at::kDouble))));
+  }
+  const at::Tensor t2 = at::stack(t2s);
+  ASSERT_TRUE(qsim::SetLearnedRotations(&*plan, t1, t2, c.num_hidden_layers).ok());
+  const at::Tensor tokens = StoryBatch(dir, 4, 96);
+  qsim::RotationTrainingOptions o = W4A4KV4(c, 16);
+  double train = 0;
+  {
+    at::NoGradGuard no_grad;
+    train = qsim::RotatedQuantizedLoss(*m, *plan, t1, t2, tokens, o)->item<double>();
+  }
+  auto inference = testing::LoadModelOrDie(dir);
+  ASSERT_TRUE(methods::quarot::PrepareModel(*inference, *recipe, *plan).ok());
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    ASSERT_TRUE(methods::quarot::InstallQuantizedInference(inference->mutable_block(l), c, l,
+                                                           *recipe, *plan).ok());
+  }
+  at::NoGradGuard no_grad;
+  const int64_t s = tokens.size(1);
+  const at::Tensor logits = inference->Forward(tokens).narrow(1, 0, s - 1);
+  const double infer = at::nll_loss(at::log_softmax(logits.reshape({-1, logits.size(-1)}), -1),
+                                    tokens.narrow(1, 1, s - 1).reshape({-1})).item<double>();
+  std::printf("A4KV4, random orthogonal T1/T2: training forward %.6f, inference %.6f\n", train,
+              infer);
+  EXPECT_NEAR(train, infer, 2e-3 * infer);
 }
 
 }  // namespace

@@ -120,7 +120,7 @@ at::Tensor RotatedBlockForward(const FusedWeights& f, const LlamaConfig& c,
                                const model::Rope& rope, const at::Tensor& t1,
                                const at::Tensor& t2, const std::shared_ptr<const OnlineHadamard>& t4,
                                const at::Tensor& r3, const RotationTrainingOptions& o,
-                               const at::Tensor& h) {
+                               const at::Tensor& h, std::vector<at::Tensor>* offsets = nullptr) {
   const int64_t hid = c.hidden_size, d = c.head_dim, kv = c.num_key_value_heads;
   const int64_t heads = c.num_attention_heads;
   const int Q = 0, K = 1, V = 2, O = 3, G = 4, U = 5, D = 6;
@@ -137,7 +137,26 @@ at::Tensor RotatedBlockForward(const FusedWeights& f, const LlamaConfig& c,
   bw.post_norm = at::ones({hid}, at::kFloat);
   for (LinearKind k : model::kAllLinears) {
     const int j = static_cast<int>(k);
-    bw.linears[j] = std::make_unique<TrainLinear>(SteWeight(w[j], o.weight_bits),
+    at::Tensor wq;
+    if (o.weight_bits < 16 && o.weight_quantizer) {
+      // q(w) − w is constant for given rotations: computed once per step and block when the
+      // caller keeps `offsets` (the clip search is the step's most expensive part otherwise).
+      at::Tensor off = offsets != nullptr && !offsets->empty() ? (*offsets)[j] : at::Tensor();
+      if (!off.defined()) {
+        const at::Tensor d = w[j].detach();
+        StatusOr<at::Tensor> q = o.weight_quantizer(d);
+        if (!q.ok()) throw std::runtime_error(std::string(q.status().message()));
+        off = q->to(at::kFloat) - d;
+        if (offsets != nullptr) {
+          offsets->resize(7);
+          (*offsets)[j] = off;
+        }
+      }
+      wq = w[j] + off;
+    } else {
+      wq = SteWeight(w[j], o.weight_bits);
+    }
+    bw.linears[j] = std::make_unique<TrainLinear>(wq,
                                                   k == LinearKind::kDown ? t4 : nullptr,
                                                   o.act_bits, o.act_quantizer);
   }
@@ -187,7 +206,11 @@ StatusOr<at::Tensor> RotatedQuantizedLoss(const model::LlamaModel& m, const Rota
   at::Tensor h = at::matmul(m.Embed(tokens), t1.t());
   for (int64_t l = 0; l < m.num_blocks(); ++l) {
     QCAL_ASSIGN_OR_RETURN(FusedWeights f, FuseBlock(m.block(l).weights(), t4.get()));
-    h = RotatedBlockForward(f, c, m.rope(), t1, t2[l], t4, r3, o, h);
+    try {
+      h = RotatedBlockForward(f, c, m.rope(), t1, t2[l], t4, r3, o, h);
+    } catch (const std::exception& e) {
+      return absl::InternalError(absl::StrCat("rotation training, block ", l, ": ", e.what()));
+    }
   }
   const at::Tensor head = m.head().DenseWeight().to(at::kFloat) * m.final_norm().to(at::kFloat);
   const at::Tensor normed = model::RmsNorm(h, at::ones({c.hidden_size}, at::kFloat), c.rms_norm_eps);
@@ -247,6 +270,17 @@ StatusOr<at::Tensor> RotationGradients::HeadChunk(int64_t begin, int64_t n) {
   return rows.to(at::kFloat) * final_norm_;
 }
 
+std::vector<at::Tensor>* RotationGradients::StepOffsets(const at::Tensor& r1, const at::Tensor& r2,
+                                                        int64_t layer) {
+  // Keyed by the rotations' values: a new step (or another caller's rotations) starts afresh.
+  if (!offsets_r1_.defined() || !at::equal(offsets_r1_, r1) || !at::equal(offsets_r2_, r2)) {
+    offsets_r1_ = r1.clone();
+    offsets_r2_ = r2.clone();
+    offsets_.assign(source_->config().num_hidden_layers, {});
+  }
+  return &offsets_[layer];
+}
+
 StatusOr<RotationGradients::Result> RotationGradients::Sequence(const at::Tensor& r1,
                                                                 const at::Tensor& r2,
                                                                 const at::Tensor& tokens) {
@@ -270,7 +304,7 @@ StatusOr<RotationGradients::Result> RotationGradients::Sequence(const at::Tensor
       for (int64_t l = 0; l < layers; ++l) {
         QCAL_ASSIGN_OR_RETURN(auto f, Block(l));
         hs[l + 1] = RotatedBlockForward(*f, c, rope, t1, r2[l].t().to(at::kFloat), t4_, r3_,
-                                        options_, hs[l]);
+                                        options_, hs[l], StepOffsets(r1, r2, l));
       }
     }
     at::AutoGradMode grad_mode(true);
@@ -325,8 +359,9 @@ StatusOr<RotationGradients::Result> RotationGradients::Sequence(const at::Tensor
       QCAL_ASSIGN_OR_RETURN(auto f, Block(l));
       const at::Tensor x = hs[l].detach().requires_grad_(true);
       const at::Tensor p2 = r2[l].detach().clone().requires_grad_(true);
-      const at::Tensor out = RotatedBlockForward(*f, c, rope, p1.t().to(at::kFloat),
-                                                 p2.t().to(at::kFloat), t4_, r3_, options_, x);
+      const at::Tensor out =
+          RotatedBlockForward(*f, c, rope, p1.t().to(at::kFloat), p2.t().to(at::kFloat), t4_, r3_,
+                              options_, x, StepOffsets(r1, r2, l));
       out.backward(g);
       g = x.grad();
       result.g2[l].copy_(p2.grad());

@@ -28,6 +28,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -57,6 +58,10 @@ struct RotationTrainingOptions {
   // linear inputs (when act_bits < 16), kv_quantizer on K and V (when kv_bits < 16).
   std::shared_ptr<const ActivationQuantizer> act_quantizer;
   std::shared_ptr<const model::KvCacheHook> kv_quantizer;
+  // The weights' fake quantizer when weight_bits < 16 (the recipe's RTN grid: clip search, groups;
+  // a rotated weight [out, in] float32 in, its dequantized rounding out); unset: per-channel
+  // symmetric RTN at the channel's max, as the reference.
+  std::function<StatusOr<at::Tensor>(const at::Tensor&)> weight_quantizer;
 };
 
 // The cosine learning rate of step t of `steps` (SpinQuant's schedule: to 0, no warm-up).
@@ -95,6 +100,9 @@ class RotationGradients {
   RotationGradients() = default;
   StatusOr<std::shared_ptr<const Fused>> Block(int64_t layer);
   StatusOr<at::Tensor> HeadChunk(int64_t begin, int64_t n);  // rows·diag(norm), float32
+  // Block `layer`'s weight fake-quantization offsets q(W) − W for rotations (r1, r2): computed by
+  // the first sequence of a step, reused by the others (and by the backward's recomputation).
+  std::vector<at::Tensor>* StepOffsets(const at::Tensor& r1, const at::Tensor& r2, int64_t layer);
 
   model::ModelSource* source_ = nullptr;
   RotationPlan plan_;
@@ -105,6 +113,8 @@ class RotationGradients {
   at::Tensor final_norm_;
   std::vector<std::shared_ptr<const Fused>> cached_;
   at::Tensor head_;  // cached whole (rows·diag(norm)) when it fits
+  at::Tensor offsets_r1_, offsets_r2_;
+  std::vector<std::vector<at::Tensor>> offsets_;
 };
 
 }  // namespace qcal::qsim

@@ -26,6 +26,17 @@ kernels::ScalarQuantConfig ScalarConfig(const ScalarQuantizeOptions& o) {
 
 }  // namespace
 
+Status RoundToNearestInPlace(const ScalarQuantizeOptions& o, double* w, int64_t out,
+                             int64_t in) {
+  QCAL_ASSIGN_OR_RETURN(kernels::ScalarRoundingResult r,
+                        kernels::RoundToNearest(w, out, in, ScalarConfig(o)));
+  if (static_cast<int64_t>(r.w_hat.size()) != out * in) {
+    return absl::InternalError("round to nearest: wrong result size");
+  }
+  std::copy(r.w_hat.begin(), r.w_hat.end(), w);
+  return Status();
+}
+
 StatusOr<QuantizedLinear> QuantizeScalarLinear(const ScalarQuantizeOptions& o, const double* w,
                                                int64_t out, int64_t in, const double* h) {
   kernels::ScalarRoundingResult rounded;

@@ -27,4 +27,10 @@ StatusOr<QuantizedLinear> QuantizeScalarLinear(const ScalarQuantizeOptions& opti
                                                const double* w, int64_t out, int64_t in,
                                                const double* h);
 
+// The recipe grid's round to nearest of w (fp64 [out, in] row-major), dequantized in place: the
+// weights an RTN linear of these options computes with (QuantizeScalarLinear's result without
+// GPTQ). Learned-rotation training uses it as its weight fake quantizer.
+Status RoundToNearestInPlace(const ScalarQuantizeOptions& options, double* w, int64_t out,
+                             int64_t in);
+
 }  // namespace qcal::quant
