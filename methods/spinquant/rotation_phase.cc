@@ -28,7 +28,7 @@ std::string Fingerprint(const qsim::RotationPlan& plan, const RotationPhaseOptio
   const qsim::RotationTrainingOptions& t = o.training;
   return absl::StrCat("steps=", t.steps, " lr=", FormatDouble(t.lr), " batch=", t.batch,
                       " clip=", FormatDouble(t.grad_clip), " w", t.weight_bits, "a", t.act_bits,
-                      "kv", t.kv_bits, " seed=", t.seed, " plan=", plan.Describe(),
+                      "kv", t.kv_bits, " seed=", t.seed, t.identity_init ? " init=identity" : " init=hadamard", " plan=", plan.Describe(),
                       " tokens=", tokens.size(0), "x", tokens.size(1));
 }
 
@@ -166,9 +166,14 @@ StatusOr<RotationPhaseResult> TrainRotationsDataParallel(runtime::Comm& comm,
   }
   QCAL_RETURN_IF_ERROR(comm.Broadcast(&start, sizeof(start), 0));
   if (start == 0) {
-    QCAL_ASSIGN_OR_RETURN(auto init, qsim::DenseRotations(plan, layers));
-    state.r1 = init.first.t().contiguous();  // R = Tᵀ
-    state.r2 = init.second.transpose(1, 2).contiguous();
+    if (t.identity_init) {
+      state.r1 = at::eye(hid, at::kDouble);
+      state.r2 = at::eye(d, at::kDouble).expand({layers, d, d}).contiguous();
+    } else {
+      QCAL_ASSIGN_OR_RETURN(auto init, qsim::DenseRotations(plan, layers));
+      state.r1 = init.first.t().contiguous();  // R = Tᵀ
+      state.r2 = init.second.transpose(1, 2).contiguous();
+    }
     state.losses.clear();
   } else {
     if (comm.rank() != 0) {

@@ -123,6 +123,7 @@ class SpinquantMethod final : public quarot::QuarotMethod {
     t.act_bits = s.activations.enabled() ? s.activations.bits : 16;
     t.kv_bits = s.kv_cache.enabled() ? s.kv_cache.bits : 16;
     t.seed = s.rotation.seed;
+    t.identity_init = s.training.init == "identity";
     o.checkpoint_every = s.training.checkpoint_every;
     return o;
   }

@@ -15,6 +15,7 @@
 //     weight_bits: 16       # fake-quantized weights in training: 16 (float) before GPTQ, as
 //                           # SpinQuant; default 16 for gptq, the target bits for rtn
 //     checkpoint_every: 10  # steps between saved training states (resume)
+//     init: hadamard        # the starting R1/R2: QuaRot's random Hadamards, or identity
 //
 // rotation.r1 and rotation.r2 must be on (they are what is trained).
 #pragma once
@@ -35,6 +36,7 @@ struct RotationTrainingSpec {
   double grad_clip = 1.0;
   int weight_bits = 16;
   int64_t checkpoint_every = 10;
+  std::string init = "hadamard";  // hadamard (QuaRot's R1/R2, as SpinQuant) | identity
 };
 
 struct SpinquantConfig final : quarot::QuarotConfig {

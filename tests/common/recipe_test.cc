@@ -404,7 +404,7 @@ TEST(RecipeDefaults, PrefixquantKeysRoundTripAndBadValuesAreNamed) {
 TEST(RecipeDefaults, SpinquantKeysRoundTripAndBadValuesAreNamed) {
   const std::string yaml =
       "method: spinquant\nweights: gptq\nbits: 4\nactivations: {bits: 4}\nkv_cache: {bits: 4}\n"
-      "training: {steps: 20, lr: 0.5, batch: 4, grad_clip: 0, checkpoint_every: 5}\n";
+      "training: {steps: 20, lr: 0.5, batch: 4, grad_clip: 0, checkpoint_every: 5, init: identity}\n";
   const Recipe r = MustParse(yaml);
   EXPECT_TRUE(r.needs().sequential);
   EXPECT_EQ(r.needs().global_phases, (std::vector<std::string>{"rotations"}));
@@ -424,6 +424,8 @@ TEST(RecipeDefaults, SpinquantKeysRoundTripAndBadValuesAreNamed) {
               {"key 'kv_cache'", "int KV cache"});
   ExpectError("method: spinquant\ntraining: {steps: 0}\n", {"key 'training.steps'", "1..100000"});
   ExpectError("method: spinquant\ntraining: {lr: -1}\n", {"key 'training.lr'"});
+  ExpectError("method: spinquant\ntraining: {init: random}\n",
+              {"key 'training.init'", "must be hadamard or identity"});
   ExpectError("method: spinquant\ntraining: {momentum: 0.9}\n",
               {"unknown key 'training.momentum'"});
 }

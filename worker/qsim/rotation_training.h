@@ -52,6 +52,7 @@ struct RotationTrainingOptions {
   int act_bits = 4;        // 16: float
   int kv_bits = 4;         // 16: float
   uint64_t seed = 0;       // the QR re-orthonormalisation steps
+  bool identity_init = false;  // start from R1 = R2 = I instead of the plan's Hadamards
   CayleyOptions cayley;
   // The quantizers inference will run (dynamic), applied with straight-through gradients in
   // place of the reference's per-token asymmetric ones when set: act_quantizer on the four
