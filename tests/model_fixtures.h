@@ -67,6 +67,18 @@ inline int32_t PieceId(const std::string& model_dir, const std::string& piece) {
   return -1;
 }
 
+// [b, s] int64: b consecutive pieces of the TinyStories sample's tokens, each BOS (1) and s - 1
+// tokens.
+inline at::Tensor StoryBatch(const std::string& model_dir, int64_t b, int64_t s) {
+  const std::vector<int32_t> ids = StoryTokens(model_dir, static_cast<size_t>(b * (s - 1)));
+  at::Tensor t = at::empty({b, s}, at::kLong);
+  for (int64_t i = 0; i < b; ++i) {
+    t[i][0] = 1;
+    for (int64_t j = 1; j < s; ++j) t[i][j] = ids[i * (s - 1) + j - 1];
+  }
+  return t;
+}
+
 // [1, n] int64: BOS followed by the tokens.
 inline at::Tensor WithBos(const std::vector<int32_t>& tokens, int64_t n, int32_t bos = 1) {
   std::vector<int64_t> ids = {bos};

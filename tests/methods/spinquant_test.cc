@@ -32,16 +32,6 @@ namespace {
 
 namespace sq = methods::spinquant;
 
-at::Tensor StoryBatch(const std::string& dir, int64_t b, int64_t s) {
-  const std::vector<int32_t> ids = testing::StoryTokens(dir, static_cast<size_t>(b * (s - 1)));
-  at::Tensor t = at::empty({b, s}, at::kLong);
-  for (int64_t i = 0; i < b; ++i) {
-    t[i][0] = 1;
-    for (int64_t j = 1; j < s; ++j) t[i][j] = ids[i * (s - 1) + j - 1];
-  }
-  return t;
-}
-
 // The recipe's quantizers (QuaRot W4A4KV4: symmetric per-token activations with clip 0.9, int4
 // asymmetric K/V per head with clip 0.95, weights RTN per channel with clip search), as the
 // spinquant method hands them to training.
@@ -88,7 +78,7 @@ TEST(SpinquantTest, StreamedGradientsEqualOneAutogradGraph) {
   ASSERT_TRUE(dense.ok());
   const at::Tensor r1 = dense->first.t().contiguous();
   const at::Tensor r2 = dense->second.transpose(1, 2).contiguous();
-  const at::Tensor tokens = StoryBatch(dir, 1, 96);
+  const at::Tensor tokens = testing::StoryBatch(dir, 1, 96);
   for (int bits : {16, 4}) {
     qsim::RotationTrainingOptions o = W4A4KV4(c, bits);
     // Autograd through the whole model at once.
@@ -132,7 +122,7 @@ TEST(SpinquantTest, FloatLossDoesNotDependOnTheRotations) {
   auto dense = qsim::DenseRotations(*plan, c.num_hidden_layers);
   const at::Tensor r1 = dense->first.t().contiguous();
   const at::Tensor r2 = dense->second.transpose(1, 2).contiguous();
-  const at::Tensor tokens = StoryBatch(dir, 1, 96)[0];
+  const at::Tensor tokens = testing::StoryBatch(dir, 1, 96)[0];
   qsim::RotationTrainingOptions flt;
   flt.weight_bits = flt.act_bits = flt.kv_bits = 16;
   auto gf = qsim::RotationGradients::Create(source->get(), *plan, flt, 1 << 30);
@@ -191,7 +181,7 @@ TEST(SpinquantTest, OneTwoAndThreeRanksTrainTheSameRotationsBitForBit) {
   model::SetComputeThreads(1);
   const std::string dir = testing::RealModelDir("stories260K");
   auto m = testing::LoadModelOrDie(dir);
-  const at::Tensor tokens = StoryBatch(dir, 12, 64);
+  const at::Tensor tokens = testing::StoryBatch(dir, 12, 64);
   const sq::RotationPhaseOptions o = SmallRun(m->config());
   const sq::RotationPhaseResult one = TrainOnRanks(1, dir, tokens, o);
   ASSERT_TRUE(one.t1.defined());
@@ -211,7 +201,7 @@ TEST(SpinquantTest, InterruptedTrainingResumesFromItsSavedStateToTheSameBits) {
   model::SetComputeThreads(1);
   const std::string dir = testing::RealModelDir("stories260K");
   auto m = testing::LoadModelOrDie(dir);
-  const at::Tensor tokens = StoryBatch(dir, 12, 64);
+  const at::Tensor tokens = testing::StoryBatch(dir, 12, 64);
   const std::string tmp = testing::MakeTempDir("spinquant-resume");
   sq::RotationPhaseOptions o = SmallRun(m->config());
   o.checkpoint_every = 2;
@@ -260,7 +250,7 @@ TEST(SpinquantTest, TrainingLowersTheQuantizedLossAndTheFusedRotationsKeepTheFun
   const std::string dir = testing::RealModelDir("stories260K");
   auto m = testing::LoadModelOrDie(dir);
   const LlamaConfig& c = m->config();
-  const at::Tensor tokens = StoryBatch(dir, 32, 64);
+  const at::Tensor tokens = testing::StoryBatch(dir, 32, 64);
   sq::RotationPhaseOptions o;
   o.training = W4A4KV4(c, 4);
   o.training.steps = 60;
@@ -294,7 +284,7 @@ TEST(SpinquantTest, TrainingLowersTheQuantizedLossAndTheFusedRotationsKeepTheFun
   ASSERT_TRUE(qsim::SetLearnedRotations(&*plan, r->t1, r->t2, c.num_hidden_layers).ok());
   auto rotated = testing::LoadModelOrDie(dir);
   ASSERT_TRUE(qsim::RotateModel(*rotated, *plan).ok());
-  const at::Tensor ids = StoryBatch(dir, 2, 96);
+  const at::Tensor ids = testing::StoryBatch(dir, 2, 96);
   at::NoGradGuard no_grad;
   EXPECT_LT(testing::RelMaxDiff(rotated->Forward(ids), m->Forward(ids)), 1e-4);
 }
@@ -322,7 +312,7 @@ TEST(SpinquantTest, TrainingForwardIsTheInferenceItOptimisesFor) {
   }
   const at::Tensor t2 = at::stack(t2s);
   ASSERT_TRUE(qsim::SetLearnedRotations(&*plan, t1, t2, c.num_hidden_layers).ok());
-  const at::Tensor tokens = StoryBatch(dir, 4, 96);
+  const at::Tensor tokens = testing::StoryBatch(dir, 4, 96);
   qsim::RotationTrainingOptions o = W4A4KV4(c, 16);
   double train = 0;
   {

@@ -17,16 +17,6 @@
 namespace qcal {
 namespace {
 
-at::Tensor StoryBatch(const std::string& dir, int64_t b, int64_t s) {
-  const std::vector<int32_t> ids = testing::StoryTokens(dir, static_cast<size_t>(b * (s - 1)));
-  at::Tensor t = at::empty({b, s}, at::kLong);
-  for (int64_t i = 0; i < b; ++i) {
-    t[i][0] = 1;
-    for (int64_t j = 1; j < s; ++j) t[i][j] = ids[i * (s - 1) + j - 1];
-  }
-  return t;
-}
-
 double FloatLoss(const model::LlamaModel& m, const at::Tensor& tokens) {
   at::NoGradGuard no_grad;
   const int64_t s = tokens.size(1);
@@ -46,7 +36,7 @@ TEST(RotationTrainingTest, UnquantizedRotatedForwardIsTheFloatModel) {
   auto dense = qsim::DenseRotations(*plan, c.num_hidden_layers);
   ASSERT_TRUE(dense.ok()) << dense.status();
   EXPECT_LT(qsim::OrthogonalityError(dense->first), 1e-12);
-  const at::Tensor tokens = StoryBatch(dir, 2, 64);
+  const at::Tensor tokens = testing::StoryBatch(dir, 2, 64);
   qsim::RotationTrainingOptions o;
   o.weight_bits = o.act_bits = o.kv_bits = 16;
   at::NoGradGuard no_grad;
