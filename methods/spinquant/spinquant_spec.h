@@ -12,8 +12,9 @@
 //     lr: 1.5               # cosine decay to 0, no warm-up
 //     batch: 8              # sequences per step, over all ranks (calibration sequences, in order)
 //     grad_clip: 1.0        # global L2 norm; 0: none
-//     weight_bits: 16       # fake-quantized weights in training: 16 (float) before GPTQ, as
-//                           # SpinQuant; default 16 for gptq, the target bits for rtn
+//     weight_bits: 16       # fake-quantized weights in training (the recipe's scalar grid):
+//                           # default 16 (float) with GPTQ and quantized activations or KV, as
+//                           # SpinQuant; else the target bits
 //     checkpoint_every: 10  # steps between saved training states (resume)
 //     init: hadamard        # the starting R1/R2: QuaRot's random Hadamards, or identity
 //
