@@ -272,10 +272,15 @@ StatusOr<at::Tensor> RotationGradients::HeadChunk(int64_t begin, int64_t n) {
 
 std::vector<at::Tensor>* RotationGradients::StepOffsets(const at::Tensor& r1, const at::Tensor& r2,
                                                         int64_t layer) {
-  // Keyed by the rotations' values: a new step (or another caller's rotations) starts afresh.
-  if (!offsets_r1_.defined() || !at::equal(offsets_r1_, r1) || !at::equal(offsets_r2_, r2)) {
-    offsets_r1_ = r1.clone();
-    offsets_r2_ = r2.clone();
+  // Keyed by the rotation tensors themselves (identity and version, O(1) where comparing values
+  // would read hidden² doubles per block and sequence): new rotations, or these changed in place,
+  // start afresh.
+  if (!offsets_r1_.defined() || !offsets_r1_.is_same(r1) || !offsets_r2_.is_same(r2) ||
+      offsets_v1_ != r1._version() || offsets_v2_ != r2._version()) {
+    offsets_r1_ = r1;
+    offsets_r2_ = r2;
+    offsets_v1_ = r1._version();
+    offsets_v2_ = r2._version();
     offsets_.assign(source_->config().num_hidden_layers, {});
   }
   return &offsets_[layer];

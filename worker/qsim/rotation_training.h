@@ -114,7 +114,8 @@ class RotationGradients {
   at::Tensor final_norm_;
   std::vector<std::shared_ptr<const Fused>> cached_;
   at::Tensor head_;  // cached whole (rows·diag(norm)) when it fits
-  at::Tensor offsets_r1_, offsets_r2_;
+  at::Tensor offsets_r1_, offsets_r2_;  // the rotations the offsets were computed for
+  int64_t offsets_v1_ = 0, offsets_v2_ = 0;
   std::vector<std::vector<at::Tensor>> offsets_;
 };
 
