@@ -15,6 +15,8 @@
 #include "methods/quarot/quarot_model.h"
 #include "methods/registry.h"
 #include "methods/spinquant/rotation_phase.h"
+#include "methods/spinquant/spinquant_spec.h"
+#include "methods/worker_registry.h"
 #include "tests/model_fixtures.h"
 #include "tests/test_util.h"
 #include "worker/comm/comm.h"
@@ -333,6 +335,57 @@ TEST(SpinquantTest, TrainingForwardIsTheInferenceItOptimisesFor) {
   std::printf("A4KV4, random orthogonal T1/T2: training forward %.6f, inference %.6f\n", train,
               infer);
   EXPECT_NEAR(train, infer, 2e-3 * infer);
+}
+
+
+// The method refuses to prepare blocks or non-block rows until it is bound to the rotations
+// phase's products (so a job can never fall back to the Hadamards silently); binding refuses
+// missing or non-orthogonal products; the bound method fuses the learned matrices.
+TEST(SpinquantTest, UnboundMethodRefusesToPrepareAndBindingChecksTheProducts) {
+  model::SetComputeThreads(1);
+  const std::string dir = testing::RealModelDir("stories260K");
+  auto source = model::OpenFloatCheckpoint(dir);
+  ASSERT_TRUE(source.ok());
+  const LlamaConfig& c = (*source)->config();
+  auto recipe = LoadRecipe(testing::SourceDir() + "/jobs/spinquant-w4a4kv4.yaml");
+  ASSERT_TRUE(recipe.ok()) << recipe.status();
+  auto method = methods::MakeMethod(*recipe, c);
+  ASSERT_TRUE(method.ok()) << method.status();
+  auto block = (*source)->LoadBlockWeights(0);
+  ASSERT_TRUE(block.ok());
+  Status s = (*method)->PrepareBlock(0, &*block);
+  EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+  EXPECT_NE(s.message().find("not bound"), std::string::npos) << s;
+  auto rows = (*method)->PrepareEmbeddingRows(at::zeros({2, c.hidden_size}));
+  EXPECT_TRUE(absl::IsFailedPrecondition(rows.status())) << rows.status();
+
+  std::map<std::string, methods::PhaseProducts> phases;
+  auto none = (*method)->BindPhaseProducts(phases);
+  EXPECT_TRUE(absl::IsFailedPrecondition(none.status())) << none.status();
+  EXPECT_NE(std::string(none.status().message()).find("(r1, r2) are missing"), std::string::npos);
+  at::manual_seed(5);
+  const at::Tensor t1 =
+      std::get<0>(at::linalg_qr(at::randn({c.hidden_size, c.hidden_size}, at::kDouble)));
+  const at::Tensor t2 =
+      at::eye(c.head_dim, at::kDouble).expand({c.num_hidden_layers, c.head_dim, c.head_dim})
+          .contiguous();
+  phases[sq::kRotationsPhase] = {{"r1", t1 * 1.01}, {"r2", t2}};  // not orthogonal
+  auto skewed = (*method)->BindPhaseProducts(phases);
+  EXPECT_FALSE(skewed.ok());
+  EXPECT_NE(std::string(skewed.status().message()).find("trained rotations"), std::string::npos)
+      << skewed.status();
+  phases[sq::kRotationsPhase] = {{"r1", t1}, {"r2", t2}};
+  auto bound = (*method)->BindPhaseProducts(phases);
+  ASSERT_TRUE(bound.ok()) << bound.status();
+  ASSERT_NE(bound->get(), nullptr);
+  ASSERT_TRUE((*bound)->PrepareBlock(0, &*block).ok());
+  // The bound embedding rows are E·T1ᵀ.
+  const at::Tensor ids = at::arange(0, 4, at::kLong);
+  auto e = (*source)->Embed(ids);
+  auto rotated = (*bound)->PrepareEmbeddingRows(*e);
+  ASSERT_TRUE(rotated.ok()) << rotated.status();
+  EXPECT_LT(testing::RelMaxDiff(at::matmul(e->to(at::kDouble), t1.t()), rotated->to(at::kDouble)),
+            1e-6);
 }
 
 }  // namespace
