@@ -10,6 +10,8 @@
 #include <random>
 
 #include "common/safetensors.h"
+#include "kernels/fixed_point.h"
+#include "kernels/hessian_fixed.h"
 #include "tests/test_util.h"
 #include "worker/calib/calibration.h"
 #include "worker/calib/hessian.h"
@@ -176,6 +178,52 @@ TEST(HessianFixedTest, ConversionMatchesAnIndependentExactSum) {
               static_cast<long long>(ties), static_cast<long long>(large));
   EXPECT_GT(ties, 100);
   EXPECT_GT(large, 20);
+}
+
+// The CPU fast path (this accumulator: tiled, grouped, vectorized rounding) and the plain
+// reference that the GPU kernels are tested against (kernels/hessian_fixed.h) give the same
+// integers when the fp32 products are exact, and the shared rounding and digit helpers of
+// kernels/fixed_point.h agree with this accumulator's: the chain GPU == reference == CPU path.
+TEST(HessianFixedTest, FastPathEqualsTheKernelsReferenceBitForBit) {
+  model::SetComputeThreads(2);
+  const uint64_t seed = testing::TestSeed();
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int> k(-64, 64);
+  const int64_t seqs = 11, t = 128, n = 300;  // products are multiples of 1/256 below 2^12: exact
+  at::Tensor x = at::empty({seqs, t, n});
+  float* p = x.data_ptr<float>();
+  for (int64_t i = 0; i < x.numel(); ++i) p[i] = static_cast<float>(k(rng)) / 16.0f;
+  HessianAccumulator acc(n);
+  ASSERT_TRUE(acc.Add(x).ok());
+  std::vector<kernels::Fixed128> ref(kernels::HessianPackedSize(n), 0);
+  ASSERT_TRUE(kernels::AccumulateHessianFixedReference(p, seqs, t, n, ref.data()).ok());
+  ASSERT_EQ(acc.packed().size(), ref.size());
+  EXPECT_TRUE(std::equal(ref.begin(), ref.end(), acc.packed().begin()));
+  EXPECT_NE(ref[0], 0);
+  // Rounding (ties to even, every magnitude range) and digits agree with FromSum / SplitDigits.
+  std::uniform_real_distribution<double> u(-1.0, 1.0);
+  std::vector<double> vals = {0.0, 0x1p-51, 3 * 0x1p-51, -3 * 0x1p-51, 0x1p-52, 1.5, -1.75,
+                              0x1p3 + 0x1p-49, -(0x1p3 + 0x1p-49), 0x1p12 + 0x1p-40, 7e12,
+                              -7e12, 123456.789, -0x1p20 - 0x1p-30, 0x1p40, -0x1p60};
+  for (int i = 0; i < 2000; ++i) vals.push_back(u(rng) * std::pow(10.0, (i % 40) - 20));
+  for (double v : vals) {
+    at::Tensor s = at::full({1, 1}, v, at::kDouble);
+    auto h = HessianAccumulator::FromSum(s, 1);
+    ASSERT_TRUE(h.ok());
+    kernels::Fixed128 q = 0;
+    ASSERT_TRUE(kernels::ToFixed128(v, &q));
+    ASSERT_TRUE(h->packed()[0] == 2 * q) << v;  // FromSum rounds both triangles: 2·q(v)
+    int64_t a[4], b[4];
+    HessianAccumulator::SplitDigits(&h->packed()[0], 1, a);
+    kernels::SplitFixedDigits(h->packed()[0], b);
+    for (int l = 0; l < 4; ++l) ASSERT_EQ(a[l], b[l]);
+    kernels::Fixed128 back = 0;
+    ASSERT_TRUE(kernels::CombineFixedDigits(b, &back));
+    ASSERT_TRUE(back == h->packed()[0]);
+  }
+  kernels::Fixed128 q = 0;
+  EXPECT_FALSE(kernels::ToFixed128(std::nan(""), &q));
+  EXPECT_FALSE(kernels::ToFixed128(0x1p74, &q));  // 2^124 after scaling
 }
 
 TEST(HessianFixedTest, DigitsCarryAndDetectOverflow) {

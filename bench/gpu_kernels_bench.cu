@@ -1,0 +1,287 @@
+// GPU kernel throughput against cuBLAS measured in the same run (issue 15's goals):
+//   * Hessian accumulation (kernels/hessian_cuda.h: triangle GEMMs + exact fixed-point sums)
+//     against one full cuBLAS bf16 GEMM Xᵀ·X of the same shape (goal: ≥ 70% of its throughput,
+//     counting the triangle's useful flops, t·n(n+1) per sequence);
+//   * E8P exact encoding (kernels/e8p_cuda.h) in vectors/s, beside the CPU encoder on one thread;
+//   * fp64 Cholesky (cuSOLVER) ÷ one fp64 GEMM and one bf16 GEMM of the same n.
+// Shapes are Llama-2-7B's (4096, 11008) and Llama-2/3-70B's (8192, 28672) linear inputs, with
+// random data (bf16 Gaussian activations; diagonally dominant SPD matrices). Prints a table and
+// one JSON object per measurement ("bench": ...). Usage: bench_gpu_kernels [--quick]
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda_status.h"
+#include "kernels/e8p.h"
+#include "kernels/e8p_cuda.h"
+#include "kernels/hessian_cuda.h"
+#include "kernels/linalg_cuda.h"
+
+namespace {
+
+using qcal::Status;
+
+#define CHECK_OK(expr)                                                                  \
+  do {                                                                                  \
+    const ::qcal::Status st_ = (expr);                                                  \
+    if (!st_.ok()) {                                                                    \
+      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, st_.ToString().c_str()); \
+      std::exit(1);                                                                     \
+    }                                                                                   \
+  } while (0)
+#define CHECK_CUDA(expr) CHECK_OK(::qcal::CudaStatus((expr), #expr, __FILE__, __LINE__))
+#define CHECK_CUBLAS(expr) CHECK_OK(::qcal::CublasStatus((expr), #expr, __FILE__, __LINE__))
+
+__device__ uint64_t Mix(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+// Approximately N(0, 1) from a hash (sum of 4 uniforms, rescaled): enough for timing.
+__device__ float Gauss(uint64_t i, uint64_t seed) {
+  const uint64_t h = Mix(i ^ (seed << 40));
+  float s = 0;
+  for (int k = 0; k < 4; ++k) s += static_cast<float>((h >> (16 * k)) & 0xFFFF) / 65535.0f;
+  return (s - 2.0f) * 1.7320508f;
+}
+__global__ void FillBf16(__nv_bfloat16* x, int64_t count, uint64_t seed) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < count) x[i] = __float2bfloat16(Gauss(i, seed));
+}
+__global__ void FillFloat(float* x, int64_t count, uint64_t seed) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < count) x[i] = 1.03f * Gauss(i, seed);
+}
+// Symmetric, diagonally dominant (so positive definite): off-diagonal in ±0.5/n, diagonal 1.
+__global__ void FillSpd(double* a, int64_t n, uint64_t seed) {
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e >= n * n) return;
+  const int64_t i = e / n, j = e % n;
+  const int64_t lo = i < j ? i : j, hi = i < j ? j : i;
+  const double u = static_cast<double>(Mix(static_cast<uint64_t>(lo * n + hi) ^ seed) >> 11) *
+                   0x1p-53;
+  a[e] = i == j ? 1.0 : (u - 0.5) / static_cast<double>(n);
+}
+
+unsigned Blocks(int64_t count) { return static_cast<unsigned>((count + 255) / 256); }
+
+class Timer {
+ public:
+  Timer() {
+    cudaEventCreate(&a_);
+    cudaEventCreate(&b_);
+  }
+  ~Timer() {
+    cudaEventDestroy(a_);
+    cudaEventDestroy(b_);
+  }
+  void Start() { cudaEventRecord(a_); }
+  double StopMs() {
+    cudaEventRecord(b_);
+    cudaEventSynchronize(b_);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, a_, b_);
+    return ms;
+  }
+
+ private:
+  cudaEvent_t a_, b_;
+};
+
+void Json(const std::string& body) { std::printf("{\"bench\": %s}\n", body.c_str()); }
+
+// cuBLAS bf16 GEMM C[n, n] (fp32) = Xᵀ X for one sequence X [t, n], ms per call.
+double GemmBf16Ms(cublasHandle_t h, const __nv_bfloat16* x, float* c, int64_t n, int64_t t,
+                  int reps) {
+  const float alpha = 1, beta = 0;
+  auto call = [&] {
+    CHECK_CUBLAS(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, static_cast<int>(n),
+                              static_cast<int>(n), static_cast<int>(t), &alpha, x, CUDA_R_16BF,
+                              static_cast<int>(n), x, CUDA_R_16BF, static_cast<int>(n), &beta, c,
+                              CUDA_R_32F, static_cast<int>(n), CUBLAS_COMPUTE_32F,
+                              CUBLAS_GEMM_DEFAULT));
+  };
+  call();
+  Timer tm;
+  tm.Start();
+  for (int r = 0; r < reps; ++r) call();
+  return tm.StopMs() / reps;
+}
+
+void BenchHessian(int64_t n, int64_t t, int64_t seqs, int64_t strip, int64_t group) {
+  cublasHandle_t h;
+  CHECK_CUBLAS(cublasCreate(&h));
+  __nv_bfloat16* x = nullptr;
+  float* c = nullptr;
+  CHECK_CUDA(cudaMalloc(&x, seqs * t * n * sizeof(__nv_bfloat16)));
+  CHECK_CUDA(cudaMalloc(&c, n * n * sizeof(float)));
+  FillBf16<<<Blocks(seqs * t * n), 256>>>(x, seqs * t * n, 1);
+  CHECK_CUDA(cudaDeviceSynchronize());
+  const double gemm_ms = GemmBf16Ms(h, x, c, n, t, 3);
+  CHECK_CUDA(cudaFree(c));
+  const double gemm_tflops = 2.0 * n * n * t / (gemm_ms * 1e-3) / 1e12;
+  qcal::kernels::HessianCudaOptions o;
+  o.strip = strip;
+  o.max_group = group;
+  o.workspace_bytes = int64_t{8} << 30;
+  double acc_ms = 0;
+  {
+  auto acc = qcal::kernels::HessianAccumulatorCuda::Create(n, nullptr, o);
+  CHECK_OK(acc.status());
+  CHECK_OK(acc->Add(x, qcal::kernels::HessianInputType::kBf16, std::min<int64_t>(seqs, 2), t));
+  CHECK_OK(acc->Sync());
+  Timer tm;
+  tm.Start();
+  CHECK_OK(acc->Add(x, qcal::kernels::HessianInputType::kBf16, seqs, t));
+  acc_ms = tm.StopMs();
+  CHECK_OK(acc->Sync());
+  }  // frees the accumulator
+  const double useful_tflops = static_cast<double>(seqs) * t * n * (n + 1) / (acc_ms * 1e-3) / 1e12;
+  const double ratio = useful_tflops / gemm_tflops;
+  std::printf("hessian n=%-6lld t=%lld seqs=%lld strip=%lld group=%lld: %.2f ms (%.1f useful TFLOP/s) | "
+              "cuBLAS bf16 GEMM XᵀX %.3f ms/seq (%.1f TFLOP/s) | ratio %.2f\n",
+              (long long)n, (long long)t, (long long)seqs, (long long)strip, (long long)group,
+              acc_ms, useful_tflops, gemm_ms, gemm_tflops, ratio);
+  char buf[512];
+  std::snprintf(buf, sizeof buf,
+                "\"hessian\", \"n\": %lld, \"t\": %lld, \"seqs\": %lld, \"strip\": %lld, \"group\": %lld, "
+                "\"ms\": %.3f, \"useful_tflops\": %.2f, \"gemm_ms_per_seq\": %.4f, "
+                "\"gemm_tflops\": %.2f, \"ratio\": %.3f",
+                (long long)n, (long long)t, (long long)seqs, (long long)strip, (long long)group,
+                acc_ms, useful_tflops, gemm_ms, gemm_tflops, ratio);
+  Json(std::string("{\"kind\": ") + buf + "}");
+  CHECK_CUDA(cudaFree(x));
+  cublasDestroy(h);
+}
+
+void BenchE8p(int64_t count) {
+  float* x = nullptr;
+  uint32_t* codes = nullptr;
+  CHECK_CUDA(cudaMalloc(&x, count * 8 * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&codes, count * sizeof(uint32_t)));
+  FillFloat<<<Blocks(count * 8), 256>>>(x, count * 8, 2);
+  CHECK_OK(qcal::kernels::E8pEncodeCuda(x, 1024, codes, nullptr, nullptr));
+  CHECK_CUDA(cudaDeviceSynchronize());
+  Timer tm;
+  tm.Start();
+  CHECK_OK(qcal::kernels::E8pEncodeCuda(x, count, codes, nullptr, nullptr));
+  const double ms = tm.StopMs();
+  // The CPU encoder on one thread, on the first 2^16 of the same vectors.
+  const int64_t cpu_count = 1 << 16;
+  std::vector<float> host(cpu_count * 8);
+  CHECK_CUDA(cudaMemcpy(host.data(), x, host.size() * 4, cudaMemcpyDeviceToHost));
+  qcal::kernels::E8pCodebook cb;
+  std::vector<uint32_t> cpu_codes(cpu_count);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t v = 0; v < cpu_count; ++v) cpu_codes[v] = cb.EncodeOne(&host[8 * v], nullptr).bits;
+  const double cpu_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::vector<uint32_t> gpu_codes(cpu_count);
+  CHECK_CUDA(cudaMemcpy(gpu_codes.data(), codes, cpu_count * 4, cudaMemcpyDeviceToHost));
+  const bool same = gpu_codes == cpu_codes;
+  std::printf("e8p encode: %lld vectors in %.2f ms = %.3g vectors/s (CPU one thread: %.3g "
+              "vectors/s; ratio %.0f; codes equal on the first %lld: %s)\n",
+              (long long)count, ms, count / (ms * 1e-3), cpu_count / cpu_s,
+              (count / (ms * 1e-3)) / (cpu_count / cpu_s), (long long)cpu_count,
+              same ? "yes" : "NO");
+  char buf[256];
+  std::snprintf(buf, sizeof buf,
+                "{\"kind\": \"e8p\", \"vectors\": %lld, \"ms\": %.3f, \"vectors_per_s\": %.4g, "
+                "\"cpu_one_thread_vectors_per_s\": %.4g, \"codes_equal\": %s}",
+                (long long)count, ms, count / (ms * 1e-3), cpu_count / cpu_s,
+                same ? "true" : "false");
+  Json(buf);
+  CHECK_CUDA(cudaFree(x));
+  CHECK_CUDA(cudaFree(codes));
+}
+
+void BenchCholesky(int64_t n) {
+  cublasHandle_t h;
+  CHECK_CUBLAS(cublasCreate(&h));
+  double* a = nullptr;
+  CHECK_CUDA(cudaMalloc(&a, n * n * sizeof(double)));
+  FillSpd<<<Blocks(n * n), 256>>>(a, n, 3);
+  CHECK_CUDA(cudaDeviceSynchronize());
+  Timer tm;
+  tm.Start();
+  CHECK_OK(qcal::kernels::CholeskyCuda(a, n, nullptr));
+  const double chol_ms = tm.StopMs();
+  // One fp64 GEMM and one bf16 GEMM of the same n (C = A·A).
+  double* c = nullptr;
+  CHECK_CUDA(cudaMalloc(&c, n * n * sizeof(double)));
+  const double one = 1, zero = 0;
+  auto dgemm = [&] {
+    CHECK_CUBLAS(cublasDgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, (int)n, (int)n, (int)n, &one, a, (int)n,
+                             a, (int)n, &zero, c, (int)n));
+  };
+  dgemm();
+  tm.Start();
+  dgemm();
+  const double dgemm_ms = tm.StopMs();
+  CHECK_CUDA(cudaFree(c));
+  __nv_bfloat16* xb = nullptr;
+  float* cf = nullptr;
+  CHECK_CUDA(cudaMalloc(&xb, n * n * sizeof(__nv_bfloat16)));
+  CHECK_CUDA(cudaMalloc(&cf, n * n * sizeof(float)));
+  FillBf16<<<Blocks(n * n), 256>>>(xb, n * n, 4);
+  const double bgemm_ms = GemmBf16Ms(h, xb, cf, n, n, 2);
+  CHECK_CUDA(cudaFree(xb));
+  CHECK_CUDA(cudaFree(cf));
+  CHECK_CUDA(cudaFree(a));
+  std::printf("cholesky fp64 n=%-6lld: %.2f ms | fp64 GEMM %.2f ms (ratio %.2f) | bf16 GEMM %.2f "
+              "ms (ratio %.1f)\n",
+              (long long)n, chol_ms, dgemm_ms, chol_ms / dgemm_ms, bgemm_ms, chol_ms / bgemm_ms);
+  char buf[256];
+  std::snprintf(buf, sizeof buf,
+                "{\"kind\": \"cholesky\", \"n\": %lld, \"ms\": %.3f, \"dgemm_ms\": %.3f, "
+                "\"bf16_gemm_ms\": %.3f}",
+                (long long)n, chol_ms, dgemm_ms, bgemm_ms);
+  Json(buf);
+  cublasDestroy(h);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  std::string why;
+  if (!qcal::CudaDeviceAvailable(&why)) {
+    std::printf("SKIPPED: no CUDA device: %s\n", why.c_str());
+    return 0;
+  }
+  cudaDeviceProp prop{};
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %.1f GiB, %d SMs\n", prop.name,
+              prop.totalGlobalMem / double(1ull << 30), prop.multiProcessorCount);
+  Json(std::string("{\"kind\": \"device\", \"name\": \"") + prop.name + "\"}");
+  {  // Warm-up: library loading and first-call costs stay out of the timings.
+    double* w = nullptr;
+    CHECK_CUDA(cudaMalloc(&w, 256 * 256 * sizeof(double)));
+    FillSpd<<<Blocks(256 * 256), 256>>>(w, 256, 5);
+    CHECK_OK(qcal::kernels::CholeskyCuda(w, 256, nullptr));
+    CHECK_CUDA(cudaFree(w));
+  }
+  // The calibration shapes: 4096-token sequences (QuIP#'s 6144 × 4096 devset), 32 per call.
+  if (quick) {
+    BenchHessian(4096, 2048, 2, 1024, 16);
+  } else {
+    for (int64_t n : {4096, 8192, 11008, 28672}) BenchHessian(n, 4096, 32, 1024, 16);
+    for (int64_t group : {8, 32}) BenchHessian(8192, 4096, 32, 1024, group);
+    BenchHessian(8192, 4096, 32, 512, 16);
+    BenchHessian(8192, 2048, 32, 1024, 16);
+  }
+  BenchE8p(quick ? (1 << 20) : (1 << 24));
+  for (int64_t n : {4096, 8192, 14336, 28672}) {
+    if (quick && n > 4096) break;
+    BenchCholesky(n);
+  }
+  return 0;
+}

@@ -1,0 +1,18 @@
+// fp64 Cholesky on a CUDA device through cuSOLVER (the GPU counterpart of CholeskyInPlace in
+// kernels/linalg.h, same layout and contract): the factor every rounding method starts from
+// (GPTQ's inverse factor, LDLQ's and BlockLDLQ's (block) LDL are derived from it).
+#pragma once
+
+#include <cstdint>
+
+#include "common/status.h"
+
+namespace qcal::kernels {
+
+// In place on a device matrix a [n, n] row-major, symmetric positive definite (its lower
+// triangle is read): on success a holds C (lower triangle, H = C Cᵀ), strict upper triangle
+// zeroed. FailedPrecondition naming the pivot when the matrix is not positive definite (suggests
+// damping, as the CPU version does). Synchronizes `stream` (to read cuSOLVER's status).
+Status CholeskyCuda(double* a, int64_t n, void* stream);
+
+}  // namespace qcal::kernels
