@@ -22,6 +22,7 @@
 #include "kernels/e8p.h"
 #include "kernels/e8p_cuda.h"
 #include "kernels/hessian_cuda.h"
+#include "kernels/ldlq_cuda.h"
 #include "kernels/linalg_cuda.h"
 
 namespace {
@@ -248,6 +249,66 @@ void BenchCholesky(int64_t n) {
   cublasDestroy(h);
 }
 
+// BlockLDLQ (E8P) of one linear W [m, n] with a random SPD Hessian [n, n]: device phases, beside
+// one fp32 GEMM W·H and one bf16 GEMM of the same shape (m × n × n) in the same run.
+void BenchBlockLdlq(int64_t m, int64_t n, const char* name) {
+  std::vector<double> w(m * n), h(n * n);
+  uint64_t state = 0x2545F4914F6CDD1Dull ^ static_cast<uint64_t>(m * n);
+  auto uniform = [&] {  // xorshift64*, in [0, 1)
+    state ^= state >> 12;
+    state ^= state << 25;
+    state ^= state >> 27;
+    return static_cast<double>((state * 0x2545F4914F6CDD1Dull) >> 11) * 0x1p-53;
+  };
+  for (double& v : w) v = 0.02 * (uniform() + uniform() + uniform() - 1.5);
+  for (int64_t i = 0; i < n; ++i) {
+    h[i * n + i] = 1.0;
+    for (int64_t j = 0; j < i; ++j) h[i * n + j] = h[j * n + i] = (uniform() - 0.5) / n;
+  }
+  qcal::kernels::VectorRoundingConfig config;
+  qcal::kernels::BlockLdlqCudaTimes t;
+  auto res = qcal::kernels::BlockLdlqE8pCuda(w.data(), m, n, h.data(), config, nullptr, &t);
+  CHECK_OK(res.status());
+  // GEMMs of the same shape.
+  cublasHandle_t hd;
+  CHECK_CUBLAS(cublasCreate(&hd));
+  CHECK_CUBLAS(cublasSetMathMode(hd, CUBLAS_PEDANTIC_MATH));
+  float *a = nullptr, *b = nullptr, *c = nullptr;
+  CHECK_CUDA(cudaMalloc(&a, m * n * 4));
+  CHECK_CUDA(cudaMalloc(&b, n * n * 4));
+  CHECK_CUDA(cudaMalloc(&c, m * n * 4));
+  FillFloat<<<Blocks(m * n), 256>>>(a, m * n, 6);
+  FillFloat<<<Blocks(n * n), 256>>>(b, n * n, 7);
+  const float one = 1, zero = 0;
+  auto sgemm = [&] {
+    CHECK_CUBLAS(cublasSgemm(hd, CUBLAS_OP_N, CUBLAS_OP_N, (int)m, (int)n, (int)n, &one, a, (int)m,
+                             b, (int)n, &zero, c, (int)m));
+  };
+  sgemm();
+  Timer tm;
+  tm.Start();
+  sgemm();
+  const double sgemm_ms = tm.StopMs();
+  CHECK_CUDA(cudaFree(a));
+  CHECK_CUDA(cudaFree(b));
+  CHECK_CUDA(cudaFree(c));
+  cublasDestroy(hd);
+  const double device_ms = t.factor_ms + t.sweep_ms;
+  std::printf("blockldlq e8p %-10s %lldx%lld: factor %.1f ms + sweep %.1f ms = %.1f ms on the "
+              "device (upload %.0f ms, download+decode %.0f ms) | fp32 GEMM m·n·n %.2f ms "
+              "(ratio %.1f)\n",
+              name, (long long)m, (long long)n, t.factor_ms, t.sweep_ms, device_ms, t.upload_ms,
+              t.download_ms, sgemm_ms, device_ms / sgemm_ms);
+  char buf[400];
+  std::snprintf(buf, sizeof buf,
+                "{\"kind\": \"blockldlq_e8p\", \"linear\": \"%s\", \"m\": %lld, \"n\": %lld, "
+                "\"factor_ms\": %.2f, \"sweep_ms\": %.2f, \"upload_ms\": %.1f, "
+                "\"download_ms\": %.1f, \"fp32_gemm_ms\": %.3f}",
+                name, (long long)m, (long long)n, t.factor_ms, t.sweep_ms, t.upload_ms,
+                t.download_ms, sgemm_ms);
+  Json(buf);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -282,6 +343,12 @@ int main(int argc, char** argv) {
   for (int64_t n : {4096, 8192, 14336, 28672}) {
     if (quick && n > 4096) break;
     BenchCholesky(n);
+  }
+  BenchBlockLdlq(4096, 4096, "7b.q_proj");
+  if (!quick) {
+    BenchBlockLdlq(4096, 11008, "7b.down");
+    BenchBlockLdlq(8192, 8192, "70b.q_proj");
+    BenchBlockLdlq(8192, 28672, "70b.down");
   }
   return 0;
 }

@@ -29,7 +29,9 @@
 #include "kernels/hessian_cuda.h"
 #include "kernels/hessian_fixed.h"
 #include "kernels/linalg.h"
+#include "kernels/ldlq_cuda.h"
 #include "kernels/linalg_cuda.h"
+#include "kernels/rounding.h"
 
 namespace qcal::kernels {
 namespace {
@@ -330,6 +332,80 @@ TEST_F(GpuOpsTest, CholeskyMatchesLapackWithinFp64Tolerance) {
   const Status bad_st = CholeskyCuda(dbad.get(), n, nullptr);
   EXPECT_EQ(bad_st.code(), absl::StatusCode::kFailedPrecondition) << bad_st;
   EXPECT_NE(std::string(bad_st.message()).find("pivot 10"), std::string::npos) << bad_st;
+}
+
+// A correlated SPD matrix: (B Bᵀ)/(2n) + ridge·I with B [n, 2n] Gaussian plus a shared factor.
+std::vector<double> RandomSpd(std::mt19937_64& rng, int64_t n, double ridge) {
+  std::normal_distribution<double> g(0.0, 1.0);
+  std::vector<double> b(n * 2 * n), h(n * n, 0.0), common(2 * n);
+  for (double& v : common) v = g(rng);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t k = 0; k < 2 * n; ++k) b[i * 2 * n + k] = g(rng) + 0.5 * common[k];
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j <= i; ++j) {
+      double s = 0;
+      for (int64_t k = 0; k < 2 * n; ++k) s += b[i * 2 * n + k] * b[j * 2 * n + k];
+      h[i * n + j] = h[j * n + i] = s / (2.0 * n) + (i == j ? ridge : 0.0);
+    }
+  }
+  return h;
+}
+
+TEST_F(GpuOpsTest, BlockLdlMatchesTheCpuFactorWithinFp64Tolerance) {
+  const int64_t n = 512;
+  const std::vector<double> h = RandomSpd(rng_, n, 0.05);
+  auto ref = BlockLdlDecompose(h.data(), n, 8, LdlForm::kLtDL);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  DeviceArray<double> d(h);
+  const Status st = BlockLdlCuda(d.get(), n, 8, nullptr);
+  ASSERT_TRUE(st.ok()) << st;
+  const std::vector<double> l = d.Download();
+  double max_ref = 0, max_diff = 0;
+  for (int64_t e = 0; e < n * n; ++e) {
+    max_ref = std::max(max_ref, std::fabs(ref->L[e]));
+    max_diff = std::max(max_diff, std::fabs(l[e] - ref->L[e]));
+  }
+  EXPECT_GT(max_ref, 0.1);
+  EXPECT_LE(max_diff, 1e-9 * max_ref);
+  std::cout << "[ info     ] max |gpu L - cpu L| = " << max_diff << " (max |L| " << max_ref << ")"
+            << std::endl;
+  EXPECT_EQ(BlockLdlCuda(d.get(), n, 4, nullptr).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(GpuOpsTest, BlockLdlqE8pMatchesTheCpuRounding) {
+  // Two and a half lazy blocks, a dead input column: every path of the sweep.
+  const int64_t m = 192, n = 320;
+  std::vector<double> h = RandomSpd(rng_, n, 0.01);
+  for (int64_t j = 0; j < n; ++j) h[7 * n + j] = h[j * n + 7] = 0.0;
+  std::normal_distribution<double> g(0.0, 0.02);
+  std::vector<double> w(m * n);
+  for (double& v : w) v = g(rng_);
+  VectorRoundingConfig config;
+  const E8pCodebook cb;
+  auto cpu = BlockLdlq(w.data(), m, n, h.data(), cb, config);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  BlockLdlqCudaTimes times;
+  auto gpu = BlockLdlqE8pCuda(w.data(), m, n, h.data(), config, nullptr, &times);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  ASSERT_EQ(gpu->codes.size(), cpu->codes.size());
+  EXPECT_EQ(gpu->scale, cpu->scale);
+  int64_t same = 0;
+  for (size_t i = 0; i < cpu->codes.size(); ++i) same += gpu->codes[i] == cpu->codes[i];
+  const double frac = static_cast<double>(same) / static_cast<double>(cpu->codes.size());
+  const double loss_cpu = ProxyLoss(w.data(), cpu->w_hat.data(), h.data(), m, n);
+  const double loss_gpu = ProxyLoss(w.data(), gpu->w_hat.data(), h.data(), m, n);
+  std::cout << "[ info     ] codes equal " << frac << ", proxy loss cpu " << loss_cpu << " gpu "
+            << loss_gpu << std::endl;
+  EXPECT_GE(frac, 0.99);
+  EXPECT_GT(loss_cpu, 0.0);
+  EXPECT_NEAR(loss_gpu, loss_cpu, 0.005 * loss_cpu);
+  // Errors as on the CPU: a shape the codebook cannot take, non-finite weights.
+  EXPECT_EQ(BlockLdlqE8pCuda(w.data(), m, n - 4, h.data(), config, nullptr).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  w[3] = std::nan("");
+  EXPECT_EQ(BlockLdlqE8pCuda(w.data(), m, n, h.data(), config, nullptr).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace
