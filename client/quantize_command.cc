@@ -9,6 +9,8 @@
 
 #include "client/progress.h"
 #include "common/cli.h"
+#include "common/log.h"
+#include "kernels/device_select.h"
 #include "methods/registry.h"
 #include "worker/job/quantize_job.h"
 
@@ -19,6 +21,7 @@ struct QuantizeOptions {
   std::string recipe_path;
   job::QuantizeJobOptions job;
   std::string max_memory;
+  std::string device = "auto";
   bool json = false;
 };
 
@@ -29,6 +32,9 @@ int RunQuantize(const QuantizeOptions& o_in) {
     if (!bytes.ok()) return Fail(bytes.status());
     o.job.max_memory = *bytes;
   }
+  auto device = kernels::SelectComputeDevice(o.device);
+  if (!device.ok()) return Fail(device.status());
+  QCAL_LOG_INFO("quantize: device {}", *device);
   auto recipe = LoadRecipe(o.recipe_path);
   if (!recipe.ok()) return Fail(recipe.status());
   o.job.recipe_source = o.recipe_path;
@@ -116,6 +122,10 @@ void AddQuantizeCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--max-memory", o->max_memory,
                   "activations kept in memory before spilling them to the job directory: 8G, "
                   "512M, ... (default: half the machine's RAM)");
+  cmd->add_option("--device", o->device,
+                  "compute device: auto (a GPU when one is usable, else the CPU), cpu, cuda, "
+                  "cuda:N")
+      ->capture_default_str();
   cmd->add_flag("--json", o->json, "print one JSON object");
   cmd->callback([o, exit_code] { *exit_code = RunQuantize(*o); });
 }

@@ -101,6 +101,7 @@ struct SpecOptions {
   int calib_batch = 0;
   std::string name;
   std::string max_memory;  // "8G", "512M", bytes; empty: the worker's default
+  std::string device;      // every rank's --device; empty: auto
   // The evaluation phase (perplexity by the workers after the job).
   bool eval = false;
   std::vector<std::string> eval_data;
@@ -121,6 +122,9 @@ void AddSpecOptions(CLI::App* cmd, SpecOptions* o) {
   cmd->add_option("--threads", o->threads, "compute threads per rank (0 = automatic)")
       ->check(CLI::Range(0, kMaxThreads));
   cmd->add_option("--calib-batch", o->calib_batch, "sequences per calibration forward (0 = 8)");
+  cmd->add_option("--device", o->device,
+                  "compute device of every rank: auto (a local GPU by the rank's local index, "
+                  "else the CPU), cpu, cuda, cuda:N (default auto)");
   cmd->add_option("--name", o->name, "a label shown by `qcal list`");
   cmd->add_option("--max-memory", o->max_memory,
                   "activations a worker rank keeps in memory before spilling them to the job "
@@ -175,6 +179,7 @@ StatusOr<v1::JobSpec> MakeSpec(const SpecOptions& o) {
   spec.set_data_root(Absolute(o.data_root));
   spec.set_workers(o.workers);
   spec.set_threads_per_worker(o.threads);
+  spec.set_device(o.device);
   spec.set_calib_batch(o.calib_batch);
   spec.set_name(o.name);
   if (!o.max_memory.empty()) {

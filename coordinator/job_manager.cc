@@ -388,6 +388,7 @@ void JobManager::DriveUnsafe(const std::shared_ptr<JobRuntime>& rt) {
     ls.job_id = rt->job.id();
     ls.workers = spec.workers();
     ls.threads_per_worker = spec.threads_per_worker();
+    ls.device = spec.device();
     ls.coordinator_address = worker_address_;
     ls.auth_token_file = options_.auth_token_file;
     ls.tls_ca_file = options_.worker_tls_ca;

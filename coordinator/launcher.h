@@ -17,6 +17,7 @@ struct LaunchSpec {
   std::string job_id;
   int workers = 1;                  // MPI ranks
   int threads_per_worker = 0;       // 0: the worker decides
+  std::string device;               // --device of every worker; empty: the worker's default (auto)
   std::string coordinator_address;  // host:port the workers dial
   std::string auth_token_file;      // the workers read the bearer token from it
   std::string tls_ca_file;          // empty: plaintext

@@ -269,6 +269,7 @@ std::vector<std::string> WorkerCommand(const std::string& worker_binary, const L
   if (s.threads_per_worker > 0) {
     args.insert(args.end(), {"--threads", std::to_string(s.threads_per_worker)});
   }
+  if (!s.device.empty()) args.insert(args.end(), {"--device", s.device});
   return args;
 }
 

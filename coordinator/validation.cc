@@ -43,6 +43,12 @@ StatusOr<Recipe> ValidateJobSpec(v1::JobSpec* spec) {
     return Invalid(absl::StrCat("workers must be at most ", kMaxWorkers, " (got ",
                                 spec->workers(), ")"));
   }
+  if (const std::string& d = spec->device();
+      !d.empty() && d != "auto" && d != "cpu" && d != "cuda" &&
+      !(d.size() > 5 && d.rfind("cuda:", 0) == 0 &&
+        d.find_first_not_of("0123456789", 5) == std::string::npos)) {
+    return Invalid(absl::StrCat("device must be auto, cpu, cuda or cuda:N (got '", d, "')"));
+  }
   if (spec->threads_per_worker() < 0 || spec->threads_per_worker() > kMaxThreads) {
     return Invalid(absl::StrCat("threads_per_worker must be in [0, ", kMaxThreads, "] (got ",
                                 spec->threads_per_worker(), ")"));

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/codebook.h"
+#include "kernels/gpu_backend.h"
 #include "kernels/hadamard.h"
 #include "kernels/incoherence.h"
 #include "kernels/rounding.h"
@@ -118,9 +119,32 @@ StatusOr<QuipRounding> RoundQuipLinear(const double* w, int64_t out, int64_t in,
     }
     vc.scale = 1.0;
   }
-  QCAL_ASSIGN_OR_RETURN(auto rounded,
-                        kernels::BlockLdlqConsumingHessian(wp.data(), out_pad, in_pad,
-                                                           std::move(hp), *codebook, vc));
+  // On a GPU worker, E8P BlockLDLQ runs on the device (the same algorithm); refinement sweeps
+  // then run here on its result exactly as BlockLdlqConsumingHessian runs them (undamped H, dead
+  // input columns zeroed). Other codebooks stay on the CPU.
+  kernels::GpuBackend* gpu = kernels::ActiveGpuBackend();
+  const bool on_gpu = gpu != nullptr && codebook->name() == "e8p";
+  StatusOr<kernels::VectorRoundingResult> rounded_or = absl::UnknownError("not rounded");
+  if (on_gpu) {
+    kernels::VectorRoundingConfig device_config = vc;
+    device_config.refine_sweeps = 0;
+    rounded_or = gpu->BlockLdlqE8p(wp.data(), out_pad, in_pad, hp.data(), device_config);
+    if (rounded_or.ok() && vc.refine_sweeps > 0) {
+      for (int64_t j = 0; j < in_pad; ++j) {
+        if (hp[j * in_pad + j] != 0.0) continue;
+        for (int64_t r = 0; r < out_pad; ++r) wp[r * in_pad + j] = 0.0;
+      }
+      auto refined = kernels::RefineRounding(wp.data(), hp.data(), vc.refine_sweeps, vc.damp,
+                                             vc.lazy_block, vc.num_threads, *codebook,
+                                             &*rounded_or);
+      if (!refined.ok()) rounded_or = refined.status();
+    }
+  } else {
+    rounded_or = kernels::BlockLdlqConsumingHessian(wp.data(), out_pad, in_pad, std::move(hp),
+                                                    *codebook, vc);
+  }
+  QCAL_ASSIGN_OR_RETURN(auto rounded, std::move(rounded_or));
+  hp = std::vector<double>();
   wp = std::vector<double>();
   result.refine = rounded.refine;
   data.codes = std::move(rounded.codes);

@@ -44,6 +44,15 @@ TEST(ValidationTest, EachProblemHasAPreciseMessage) {
   s.set_threads_per_worker(2000);
   EXPECT_EQ(Problem(s), "threads_per_worker must be in [0, 1024] (got 2000)");
   s = env.Spec();
+  s.set_device("gpu");
+  EXPECT_EQ(Problem(s), "device must be auto, cpu, cuda or cuda:N (got 'gpu')");
+  s.set_device("cuda:1x");
+  EXPECT_EQ(Problem(s), "device must be auto, cpu, cuda or cuda:N (got 'cuda:1x')");
+  for (const char* ok : {"", "auto", "cpu", "cuda", "cuda:3"}) {
+    s.set_device(ok);
+    EXPECT_EQ(Problem(s), "") << ok;
+  }
+  s = env.Spec();
   s.set_recipe_yaml("method: quip\nname: \xff\n");
   EXPECT_NE(Problem(s).find("not UTF-8 text at line 2, byte 7 (0xff)"), std::string::npos)
       << Problem(s);

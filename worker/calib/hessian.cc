@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/cpu.h"
 #include "kernels/blas_threads.h"
+#include "kernels/gpu_backend.h"
 
 namespace qcal::calib {
 
@@ -415,15 +416,31 @@ HessianKind HessianKindOf(model::LinearKind linear) {
 
 namespace {
 
-// Forwards to the wrapped layer and records the input into an accumulator (borrowed).
+// x [seqs, seq, n] (or 2-D: all rows one sequence) into a device accumulator: the same
+// per-sequence products as HessianAccumulator::Add, on the GPU.
+Status AddOnDevice(kernels::DeviceHessian* device, const at::Tensor& x) {
+  const at::Tensor c = x.to(at::kFloat).contiguous();
+  const int64_t n = c.size(-1);
+  const int64_t seqs = c.dim() >= 3 ? c.numel() / (c.size(-2) * n) : 1;
+  const int64_t t = c.dim() >= 3 ? c.size(-2) : c.numel() / std::max<int64_t>(n, 1);
+  return device->Add(c.data_ptr<float>(), seqs, t);
+}
+
+// Forwards to the wrapped layer and records the input into an accumulator (borrowed): the CPU
+// accumulator, or the GPU backend's when one is active.
 class RecordingLinear final : public model::Linear {
  public:
-  RecordingLinear(std::unique_ptr<model::Linear> inner, HessianAccumulator* acc)
-      : inner_(std::move(inner)), acc_(acc) {}
+  RecordingLinear(std::unique_ptr<model::Linear> inner, HessianAccumulator* acc,
+                  kernels::DeviceHessian* device = nullptr)
+      : inner_(std::move(inner)), acc_(acc), device_(device) {}
   at::Tensor Forward(const at::Tensor& x) const override {
     // The first error sticks (the accumulator is unusable after it); the forward goes on and
     // the caller reports it after the pass.
-    if (acc_ && status_.ok()) status_ = acc_->Add(x);
+    if (device_ && status_.ok()) {
+      status_ = AddOnDevice(device_, x);
+    } else if (acc_ && status_.ok()) {
+      status_ = acc_->Add(x);
+    }
     return inner_->Forward(x);
   }
   const Status& status() const { return status_; }
@@ -435,6 +452,7 @@ class RecordingLinear final : public model::Linear {
  private:
   std::unique_ptr<model::Linear> inner_;
   HessianAccumulator* acc_;
+  kernels::DeviceHessian* device_;
   mutable Status status_;
 };
 
@@ -472,6 +490,17 @@ StatusOr<at::Tensor> ForwardCollectingHessians(model::DecoderBlock& block, const
     }
   }
   if (x.size(0) == 0) return x;  // a rank without sequences still has sized accumulators
+  // With a GPU backend the products and their exact sums run on the device; the sums are
+  // merged into the CPU accumulators after the pass (the same integer format, so reductions
+  // across ranks, caches and rounding are unchanged).
+  std::array<std::unique_ptr<kernels::DeviceHessian>, 4> device{};
+  if (kernels::GpuBackend* gpu = kernels::ActiveGpuBackend(); gpu != nullptr) {
+    for (HessianKind k : kAllHessianKinds) {
+      auto d = gpu->NewHessian(hessians->at(k).dim());
+      if (!d.ok()) return Annotate(d.status(), absl::StrCat(HessianKindName(k), " input (GPU)"));
+      device[static_cast<int>(k)] = std::move(*d);
+    }
+  }
   // Wrap: only one linear per distinct input records (q records for k and v).
   std::array<RecordingLinear*, 4> recorders{};
   for (model::LinearKind k : model::kAllLinears) {
@@ -479,7 +508,8 @@ StatusOr<at::Tensor> ForwardCollectingHessians(model::DecoderBlock& block, const
                          k == model::LinearKind::kGate || k == model::LinearKind::kDown;
     auto& slot = w.linears[static_cast<int>(k)];
     auto rec = std::make_unique<RecordingLinear>(
-        std::move(slot), records ? &hessians->at(HessianKindOf(k)) : nullptr);
+        std::move(slot), records ? &hessians->at(HessianKindOf(k)) : nullptr,
+        records ? device[static_cast<int>(HessianKindOf(k))].get() : nullptr);
     if (records) recorders[static_cast<int>(HessianKindOf(k))] = rec.get();
     slot = std::move(rec);
   }
@@ -491,6 +521,18 @@ StatusOr<at::Tensor> ForwardCollectingHessians(model::DecoderBlock& block, const
   for (HessianKind k : kAllHessianKinds) {
     const Status& s = recorders[static_cast<int>(k)]->status();
     if (!s.ok()) return Annotate(s, absl::StrCat(HessianKindName(k), " input"));
+  }
+  for (HessianKind k : kAllHessianKinds) {
+    kernels::DeviceHessian* d = device[static_cast<int>(k)].get();
+    if (d == nullptr) continue;
+    int64_t count = 0;
+    auto packed = d->Finish(&count);
+    if (!packed.ok()) return Annotate(packed.status(), absl::StrCat(HessianKindName(k), " input"));
+    HessianAccumulator& acc = hessians->at(k);
+    QCAL_ASSIGN_OR_RETURN(HessianAccumulator part,
+                          HessianAccumulator::FromFixed(acc.dim(), std::move(*packed), count));
+    const Status merged = acc.Merge(part);
+    if (!merged.ok()) return Annotate(merged, absl::StrCat(HessianKindName(k), " input"));
   }
   return out;
 }

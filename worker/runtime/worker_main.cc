@@ -17,6 +17,7 @@
 #include "absl/status/status.h"
 #include "common/cli.h"
 #include "common/log.h"
+#include "kernels/device_select.h"
 #include "rpc/auth.h"
 #include "worker/runtime/coordinator_client.h"
 #include "worker/comm/mpi_comm.h"
@@ -35,6 +36,10 @@ int main(int argc, char** argv) {
   app.add_option("--tls-key", tls_key, "private key of --tls-cert");
   app.add_option("--threads", threads, "compute threads (default: the job's setting)")
       ->check(CLI::Range(0, qcal::kMaxThreads));
+  std::string device = "auto";
+  app.add_option("--device", device,
+                 "compute device: auto (a local GPU by the rank's local index, else the CPU), "
+                 "cpu, cuda, cuda:N");
   app.add_option("--log-level", log_level, "debug, info, warn, error");
   app.add_option("--log-file", log_file, "also log to this file");
   CLI11_PARSE(app, argc, argv);
@@ -72,8 +77,13 @@ int main(int argc, char** argv) {
   auto comm = qcal::runtime::MakeMpiComm(MPI_COMM_WORLD);
   if (!comm.ok()) return fail(comm.status());
 
+  auto selected = qcal::kernels::SelectComputeDevice(device);
+  if (!selected.ok()) return fail(selected.status());
+  QCAL_LOG_INFO("qcal-worker rank {}: device {}", rank, *selected);
+
   qcal::runtime::TaskLoopOptions options;
   options.job_id = job_id;
+  options.device = *selected;
   options.threads = threads;
   // Called from the heartbeat thread: leave at once, without MPI (mpirun stops the others).
   options.on_cancelled = [rank] {

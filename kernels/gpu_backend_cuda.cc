@@ -1,0 +1,98 @@
+#include "kernels/gpu_backend_cuda.h"
+
+#include <cuda_runtime_api.h>
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "kernels/cuda_status.h"
+#include "kernels/hessian_cuda.h"
+#include "kernels/ldlq_cuda.h"
+
+namespace qcal::kernels {
+namespace {
+
+class CudaHessian final : public DeviceHessian {
+ public:
+  CudaHessian(HessianAccumulatorCuda acc, int64_t n) : acc_(std::move(acc)), n_(n) {}
+  ~CudaHessian() override { cudaFree(staging_); }
+
+  Status Add(const float* x, int64_t seqs, int64_t t) override {
+    const size_t count = static_cast<size_t>(seqs * t * n_);
+    if (count == 0) return absl::OkStatus();
+    if (count > capacity_) {
+      QCAL_RETURN_IF_ERROR(acc_.Sync());  // the old buffer may still be read
+      if (staging_ != nullptr) QCAL_CUDA_RETURN_IF_ERROR(cudaFree(staging_));
+      staging_ = nullptr;
+      capacity_ = 0;
+      QCAL_CUDA_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(&staging_), count * 4));
+      capacity_ = count;
+    }
+    // Synchronous copy (pageable host memory): the previous Add's GEMMs have read the buffer by
+    // the time the copy runs on the same (default) stream.
+    QCAL_CUDA_RETURN_IF_ERROR(cudaMemcpy(staging_, x, count * 4, cudaMemcpyHostToDevice));
+    return acc_.Add(staging_, HessianInputType::kFloat32, seqs, t);
+  }
+
+  StatusOr<std::vector<Fixed128>> Finish(int64_t* count) override {
+    QCAL_ASSIGN_OR_RETURN(std::vector<Fixed128> packed, acc_.Download());
+    *count = acc_.count();
+    return packed;
+  }
+
+ private:
+  HessianAccumulatorCuda acc_;
+  int64_t n_;
+  float* staging_ = nullptr;
+  size_t capacity_ = 0;
+};
+
+class CudaBackend final : public GpuBackend {
+ public:
+  CudaBackend(int index, std::string description)
+      : index_(index), description_(std::move(description)) {}
+  std::string description() const override { return description_; }
+
+  StatusOr<std::unique_ptr<DeviceHessian>> NewHessian(int64_t n) override {
+    QCAL_CUDA_RETURN_IF_ERROR(cudaSetDevice(index_));
+    QCAL_ASSIGN_OR_RETURN(HessianAccumulatorCuda acc, HessianAccumulatorCuda::Create(n, nullptr));
+    return std::unique_ptr<DeviceHessian>(std::make_unique<CudaHessian>(std::move(acc), n));
+  }
+
+  StatusOr<VectorRoundingResult> BlockLdlqE8p(const double* w, int64_t m, int64_t n,
+                                              const double* h,
+                                              const VectorRoundingConfig& config) override {
+    QCAL_CUDA_RETURN_IF_ERROR(cudaSetDevice(index_));
+    return BlockLdlqE8pCuda(w, m, n, h, config, nullptr);
+  }
+
+ private:
+  int index_;
+  std::string description_;
+};
+
+}  // namespace
+
+int CudaDeviceCount(std::string* why) {
+  if (!CudaDeviceAvailable(why)) return 0;
+  int count = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) {
+    if (why != nullptr) *why = cudaGetErrorString(e);
+    return 0;
+  }
+  return count;
+}
+
+StatusOr<std::unique_ptr<GpuBackend>> CreateCudaBackend(int index) {
+  QCAL_CUDA_RETURN_IF_ERROR(cudaSetDevice(index));
+  cudaDeviceProp prop{};
+  QCAL_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, index));
+  const std::string description =
+      absl::StrFormat("cuda:%d (%s, %.1f GiB)", index, prop.name,
+                      static_cast<double>(prop.totalGlobalMem) / (1ull << 30));
+  return std::unique_ptr<GpuBackend>(std::make_unique<CudaBackend>(index, description));
+}
+
+}  // namespace qcal::kernels
