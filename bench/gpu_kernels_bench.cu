@@ -6,7 +6,8 @@
 //   * fp64 Cholesky (cuSOLVER) ÷ one fp64 GEMM and one bf16 GEMM of the same n.
 // Shapes are Llama-2-7B's (4096, 11008) and Llama-2/3-70B's (8192, 28672) linear inputs, with
 // random data (bf16 Gaussian activations; diagonally dominant SPD matrices). Prints a table and
-// one JSON object per measurement ("bench": ...). Usage: bench_gpu_kernels [--quick]
+// one JSON object per measurement ("bench": ...).
+// Usage: bench_gpu_kernels [--quick] [--only=hessian,e8p,cholesky,blockldlq,gptq]
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
@@ -21,6 +22,7 @@
 #include "kernels/cuda_status.h"
 #include "kernels/e8p.h"
 #include "kernels/e8p_cuda.h"
+#include "kernels/gptq_cuda.h"
 #include "kernels/hessian_cuda.h"
 #include "kernels/ldlq_cuda.h"
 #include "kernels/linalg_cuda.h"
@@ -309,10 +311,84 @@ void BenchBlockLdlq(int64_t m, int64_t n, const char* name) {
   Json(buf);
 }
 
+// GPTQ (4-bit per channel, act order; gptq-4bit's grid without its clip search) of one linear W [m, n] with
+// a random SPD Hessian: device phases beside one fp64 GEMM W·H of the same shape.
+void BenchGptq(int64_t m, int64_t n, const char* name) {
+  std::vector<double> w(m * n), h(n * n);
+  uint64_t state = 0x9E3779B97F4A7C15ull ^ static_cast<uint64_t>(m * n);
+  auto uniform = [&] {
+    state ^= state >> 12;
+    state ^= state << 25;
+    state ^= state >> 27;
+    return static_cast<double>((state * 0x2545F4914F6CDD1Dull) >> 11) * 0x1p-53;
+  };
+  for (double& v : w) v = 0.02 * (uniform() + uniform() + uniform() - 1.5);
+  for (int64_t i = 0; i < n; ++i) {
+    h[i * n + i] = 1.0 + uniform();
+    for (int64_t j = 0; j < i; ++j) h[i * n + j] = h[j * n + i] = (uniform() - 0.5) / n;
+  }
+  // No clip search: its per-channel search runs on the host (single-threaded in
+  // InitScalarResult, pow() per grid point and weight) and would dominate: at 8192 × 28672 it
+  // ran for minutes on the GPU machine's CPU before this bench was changed.
+  qcal::kernels::ScalarRoundingConfig config;
+  config.quant.bits = 4;
+  config.act_order = true;
+  qcal::kernels::GptqCudaTimes t;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto res = qcal::kernels::GptqCuda(w.data(), m, n, h.data(), config, nullptr, &t);
+  const double total_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  CHECK_OK(res.status());
+  cublasHandle_t hd;
+  CHECK_CUBLAS(cublasCreate(&hd));
+  double *a = nullptr, *b = nullptr, *c = nullptr;
+  CHECK_CUDA(cudaMalloc(&a, m * n * 8));
+  CHECK_CUDA(cudaMalloc(&b, n * n * 8));
+  CHECK_CUDA(cudaMalloc(&c, m * n * 8));
+  CHECK_CUDA(cudaMemset(a, 0, m * n * 8));
+  CHECK_CUDA(cudaMemset(b, 0, n * n * 8));
+  const double one = 1, zero = 0;
+  auto dgemm = [&] {
+    CHECK_CUBLAS(cublasDgemm(hd, CUBLAS_OP_N, CUBLAS_OP_N, (int)m, (int)n, (int)n, &one, a, (int)m,
+                             b, (int)n, &zero, c, (int)m));
+  };
+  dgemm();
+  Timer tm;
+  tm.Start();
+  dgemm();
+  const double dgemm_ms = tm.StopMs();
+  CHECK_CUDA(cudaFree(a));
+  CHECK_CUDA(cudaFree(b));
+  CHECK_CUDA(cudaFree(c));
+  cublasDestroy(hd);
+  std::printf("gptq 4-bit act-order %-10s %lldx%lld: factor %.1f ms + sweep %.1f ms (whole call "
+              "with host preparation %.0f ms) | fp64 GEMM m·n·n %.2f ms (device ratio %.1f)\n",
+              name, (long long)m, (long long)n, t.factor_ms, t.sweep_ms, total_ms, dgemm_ms,
+              (t.factor_ms + t.sweep_ms) / dgemm_ms);
+  char buf[320];
+  std::snprintf(buf, sizeof buf,
+                "{\"kind\": \"gptq\", \"linear\": \"%s\", \"m\": %lld, \"n\": %lld, "
+                "\"factor_ms\": %.2f, \"sweep_ms\": %.2f, \"total_ms\": %.1f, "
+                "\"fp64_gemm_ms\": %.3f}",
+                name, (long long)m, (long long)n, t.factor_ms, t.sweep_ms, total_ms, dgemm_ms);
+  Json(buf);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  // [--quick] [--only=hessian,e8p,cholesky,blockldlq,gptq]
+  bool quick = false;
+  std::string only;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--quick") == 0) quick = true;
+    if (std::strncmp(argv[i], "--only=", 7) == 0) only = argv[i] + 7;
+  }
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // line-buffered: a run stopped at a time limit
+                                              // keeps the lines it printed
+  auto want = [&](const char* part) {
+    return only.empty() || ("," + only + ",").find(std::string(",") + part + ",") != std::string::npos;
+  };
   std::string why;
   if (!qcal::CudaDeviceAvailable(&why)) {
     std::printf("SKIPPED: no CUDA device: %s\n", why.c_str());
@@ -331,7 +407,8 @@ int main(int argc, char** argv) {
     CHECK_CUDA(cudaFree(w));
   }
   // The calibration shapes: 4096-token sequences (QuIP#'s 6144 × 4096 devset), 32 per call.
-  if (quick) {
+  if (!want("hessian")) {
+  } else if (quick) {
     BenchHessian(4096, 2048, 2, 1024, 16);
   } else {
     for (int64_t n : {4096, 8192, 11008, 28672}) BenchHessian(n, 4096, 32, 1024, 16);
@@ -339,16 +416,22 @@ int main(int argc, char** argv) {
     BenchHessian(8192, 4096, 32, 512, 16);
     BenchHessian(8192, 2048, 32, 1024, 16);
   }
-  BenchE8p(quick ? (1 << 20) : (1 << 24));
+  if (want("e8p")) BenchE8p(quick ? (1 << 20) : (1 << 24));
   for (int64_t n : {4096, 8192, 14336, 28672}) {
-    if (quick && n > 4096) break;
+    if (!want("cholesky") || (quick && n > 4096)) break;
     BenchCholesky(n);
   }
-  BenchBlockLdlq(4096, 4096, "7b.q_proj");
-  if (!quick) {
+  if (want("blockldlq")) BenchBlockLdlq(4096, 4096, "7b.q_proj");
+  if (!quick && want("blockldlq")) {
     BenchBlockLdlq(4096, 11008, "7b.down");
     BenchBlockLdlq(8192, 8192, "70b.q_proj");
     BenchBlockLdlq(8192, 28672, "70b.down");
+  }
+  if (want("gptq")) BenchGptq(4096, 4096, "7b.q_proj");
+  if (!quick && want("gptq")) {
+    BenchGptq(4096, 11008, "7b.down");
+    BenchGptq(8192, 8192, "70b.q_proj");
+    BenchGptq(8192, 28672, "70b.down");
   }
   return 0;
 }

@@ -38,6 +38,10 @@ class GpuBackend {
   virtual StatusOr<VectorRoundingResult> BlockLdlqE8p(const double* w, int64_t m, int64_t n,
                                                       const double* h,
                                                       const VectorRoundingConfig& config) = 0;
+  // GPTQ (Gptq's contract, refinement sweeps included).
+  virtual StatusOr<ScalarRoundingResult> Gptq(const double* w, int64_t m, int64_t n,
+                                              const double* h,
+                                              const ScalarRoundingConfig& config) = 0;
 };
 
 // The process's backend (borrowed; null: CPU). Set once at start-up, before worker threads run.

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "kernels/cuda_status.h"
+#include "kernels/gptq_cuda.h"
 #include "kernels/hessian_cuda.h"
 #include "kernels/ldlq_cuda.h"
 
@@ -65,6 +66,12 @@ class CudaBackend final : public GpuBackend {
                                               const VectorRoundingConfig& config) override {
     QCAL_CUDA_RETURN_IF_ERROR(cudaSetDevice(index_));
     return BlockLdlqE8pCuda(w, m, n, h, config, nullptr);
+  }
+
+  StatusOr<ScalarRoundingResult> Gptq(const double* w, int64_t m, int64_t n, const double* h,
+                                      const ScalarRoundingConfig& config) override {
+    QCAL_CUDA_RETURN_IF_ERROR(cudaSetDevice(index_));
+    return GptqCuda(w, m, n, h, config, nullptr);
   }
 
  private:

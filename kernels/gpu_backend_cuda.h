@@ -1,5 +1,6 @@
 // The CUDA implementation of kernels/gpu_backend.h: Hessians through HessianAccumulatorCuda (fp32
-// inputs, exact fixed-point sums), BlockLDLQ (E8P) through BlockLdlqE8pCuda, on one device.
+// inputs, exact fixed-point sums), BlockLDLQ (E8P) through BlockLdlqE8pCuda and GPTQ through
+// GptqCuda, on one device.
 #pragma once
 
 #include <memory>

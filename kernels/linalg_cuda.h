@@ -15,4 +15,9 @@ namespace qcal::kernels {
 // damping, as the CPU version does). Synchronizes `stream` (to read cuSOLVER's status).
 Status CholeskyCuda(double* a, int64_t n, void* stream);
 
+// In place: a (device, [n, n] row-major, SPD) becomes GPTQ's inverse factor R (upper, H⁻¹ = RᵀR),
+// computed as InverseCholeskyUpper (kernels/linalg.h) does: R = P C'⁻¹ P with C' = chol(P H P)
+// (cuSOLVER potrf and trtri). Strict lower triangle zero. FailedPrecondition as CholeskyCuda.
+Status InverseCholeskyUpperCuda(double* a, int64_t n, void* stream);
+
 }  // namespace qcal::kernels

@@ -314,24 +314,45 @@ StatusOr<ScalarRoundingResult> RoundToNearest(const double* w, int64_t rows, int
 // arithmetic (the same single-threaded BLAS shapes) whatever the thread count.
 constexpr int64_t kScalarRowsPerTask = 128;
 
+StatusOr<GptqPlan> PrepareGptq(const double* w, int64_t m, int64_t n, const double* h,
+                               const ScalarRoundingConfig& config) {
+  const char* what = "gptq";
+  QCAL_RETURN_IF_ERROR(ValidateScalarRounding(w, m, n, h, config, what));
+  QCAL_ASSIGN_OR_RETURN(Prepared prep, Prepare(w, m, n, h, config.damp, config.act_order, what));
+  GptqPlan plan;
+  plan.res = InitScalarResult(w, m, n, config.quant, prep.perm);
+  plan.w = std::move(prep.w);
+  plan.h = std::move(prep.h);
+  plan.lazy_block = EffectiveLazyBlock(config.lazy_block, config.quant, n);
+  return plan;
+}
+
+void FinishGptqCodes(const std::vector<int32_t>& codes_perm, ScalarRoundingResult* res) {
+  FinishScalarResult(codes_perm, res);
+}
+
+void SetScalarParams(ScalarRoundingResult* res, int64_t row, int64_t group,
+                     const ScalarQuantParams<double>& p) {
+  SetParams(res, row, group, p);
+}
+
 StatusOr<ScalarRoundingResult> Gptq(const double* w, int64_t m, int64_t n, const double* h,
                                     const ScalarRoundingConfig& config) {
   const char* what = "gptq";
-  QCAL_RETURN_IF_ERROR(ValidateScalarRounding(w, m, n, h, config, what));
   const ScalarQuantConfig& qc = config.quant;
-  QCAL_ASSIGN_OR_RETURN(Prepared prep, Prepare(w, m, n, h, config.damp, config.act_order, what));
-  ScalarRoundingResult res = InitScalarResult(w, m, n, qc, prep.perm);
+  QCAL_ASSIGN_OR_RETURN(GptqPlan plan, PrepareGptq(w, m, n, h, config));
+  ScalarRoundingResult& res = plan.res;
   // R is computed in the damped Hessian's own storage (one n² matrix at the peak, not two).
-  StatusOr<std::vector<double>> rinv = InverseCholeskyUpper(std::move(prep.h), n);
+  StatusOr<std::vector<double>> rinv = InverseCholeskyUpper(std::move(plan.h), n);
   if (!rinv.ok()) return Annotate(rinv.status(), what);
   const std::vector<double>& R = *rinv;
 
-  std::vector<double>& W = prep.w;  // The running weights.
+  std::vector<double>& W = plan.w;  // The running weights.
   std::vector<int32_t> codes(m * n);
   const int32_t cmin = ScalarCodeMin(qc), cmax = ScalarCodeMax(qc);
   const bool grouped = qc.granularity == QuantGranularity::kPerGroup;
   const int64_t g = grouped ? std::min(qc.group_size, n) : n;
-  const int64_t B = EffectiveLazyBlock(config.lazy_block, qc, n);
+  const int64_t B = plan.lazy_block;
 
   // Rows evolve independently (row r's updates need only its own errors and the shared R), so
   // the sweep runs in fixed tasks of kScalarRowsPerTask rows, each on one thread with
@@ -383,7 +404,7 @@ StatusOr<ScalarRoundingResult> Gptq(const double* w, int64_t m, int64_t n, const
                                       .status(),
                                   what));
   }
-  return res;
+  return std::move(res);  // res is plan.res: moved, not copied
 }
 
 StatusOr<ScalarRoundingResult> Ldlq(const double* w, int64_t m, int64_t n, const double* h,

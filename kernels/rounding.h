@@ -113,6 +113,25 @@ StatusOr<ScalarRoundingResult> RoundToNearest(const double* w, int64_t rows, int
 StatusOr<ScalarRoundingResult> Gptq(const double* w, int64_t rows, int64_t cols, const double* h,
                                     const ScalarRoundingConfig& config);
 
+// The host half of Gptq, for other implementations of its sweep (kernels/gptq_cuda.h):
+// validation, act order (perm), dead columns (zeroed weights, diagonal 1), damping, and the
+// result skeleton with per-tensor / per-channel grid parameters from the caller's W. The sweep
+// then rounds `w` column by column in `perm` order with R = InverseCholeskyUpper(h), setting
+// per-group parameters from the running weights at each group start (ComputeScalarQuantParams),
+// and FinishGptqCodes stores its codes (processing order, [m, n]) and Ŵ in original order.
+struct GptqPlan {
+  std::vector<double> w;  // [m, n], permuted columns, dead columns zeroed
+  std::vector<double> h;  // [n, n], permuted, dead diagonals 1, damped
+  ScalarRoundingResult res;
+  int64_t lazy_block = 0;  // the effective lazy block (a multiple of the group size)
+};
+StatusOr<GptqPlan> PrepareGptq(const double* w, int64_t rows, int64_t cols, const double* h,
+                               const ScalarRoundingConfig& config);
+void FinishGptqCodes(const std::vector<int32_t>& codes_perm, ScalarRoundingResult* res);
+// Mutable access to one row's parameter set of a result (for sweeps that set group parameters).
+void SetScalarParams(ScalarRoundingResult* res, int64_t row, int64_t group,
+                     const ScalarQuantParams<double>& p);
+
 // LDLQ (QuIP §4 / QuIP# §4.1 with g = 1): H = Lᵀ D L (LdlForm::kLtDL), U = Lᵀ − I strictly upper,
 // Ŵ = Q(W + (W − Ŵ)U) solved column by column: X_k = W_k + Σ_{j<k} (W_j − Ŵ_j) U_jk, Ŵ_k = Q(X_k).
 // Feedback from earlier lazy blocks is applied with one dgemm per block. Same errors and cost as

@@ -26,6 +26,7 @@
 #include "kernels/e8p.h"
 #include "kernels/e8p_cuda.h"
 #include "kernels/fixed_point.h"
+#include "kernels/gptq_cuda.h"
 #include "kernels/hessian_cuda.h"
 #include "kernels/hessian_fixed.h"
 #include "kernels/linalg.h"
@@ -406,6 +407,69 @@ TEST_F(GpuOpsTest, BlockLdlqE8pMatchesTheCpuRounding) {
   w[3] = std::nan("");
   EXPECT_EQ(BlockLdlqE8pCuda(w.data(), m, n, h.data(), config, nullptr).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(GpuOpsTest, InverseCholeskyUpperMatchesTheCpuFactor) {
+  const int64_t n = 400;
+  const std::vector<double> h = RandomSpd(rng_, n, 0.05);
+  auto ref = InverseCholeskyUpper(h.data(), n);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  DeviceArray<double> d(h);
+  const Status st = InverseCholeskyUpperCuda(d.get(), n, nullptr);
+  ASSERT_TRUE(st.ok()) << st;
+  const std::vector<double> r = d.Download();
+  double max_ref = 0, max_diff = 0;
+  for (int64_t e = 0; e < n * n; ++e) {
+    max_ref = std::max(max_ref, std::fabs((*ref)[e]));
+    max_diff = std::max(max_diff, std::fabs(r[e] - (*ref)[e]));
+  }
+  EXPECT_GT(max_ref, 0.5);
+  EXPECT_LE(max_diff, 1e-9 * max_ref);
+  std::cout << "[ info     ] max |gpu R - cpu R| = " << max_diff << " (max |R| " << max_ref << ")"
+            << std::endl;
+}
+
+TEST_F(GpuOpsTest, GptqMatchesTheCpuRounding) {
+  const int64_t m = 160, n = 256;
+  std::normal_distribution<double> g(0.0, 0.02);
+  std::vector<double> w(m * n);
+  for (double& v : w) v = g(rng_);
+  std::vector<double> h = RandomSpd(rng_, n, 0.01);
+  for (int64_t j = 0; j < n; ++j) h[9 * n + j] = h[j * n + 9] = 0.0;  // a dead input
+  ScalarRoundingConfig channel;  // gptq-4bit's grid: per channel, act order, clip search
+  channel.quant.bits = 4;
+  channel.quant.clip_search = true;
+  channel.act_order = true;
+  channel.lazy_block = 64;
+  ScalarRoundingConfig group;  // 3-bit asymmetric groups of 32, two groups per lazy block
+  group.quant.bits = 3;
+  group.quant.symmetric = false;
+  group.quant.granularity = QuantGranularity::kPerGroup;
+  group.quant.group_size = 32;
+  group.lazy_block = 64;
+  ScalarRoundingConfig refined = channel;
+  refined.refine_sweeps = 1;
+  for (const auto& [name, config] : {std::pair<const char*, ScalarRoundingConfig>{"channel", channel},
+                                     {"group", group}, {"refined", refined}}) {
+    SCOPED_TRACE(name);
+    auto cpu = Gptq(w.data(), m, n, h.data(), config);
+    ASSERT_TRUE(cpu.ok()) << cpu.status();
+    auto gpu = GptqCuda(w.data(), m, n, h.data(), config, nullptr);
+    ASSERT_TRUE(gpu.ok()) << gpu.status();
+    ASSERT_EQ(gpu->codes.size(), cpu->codes.size());
+    int64_t same = 0;
+    for (size_t i = 0; i < cpu->codes.size(); ++i) same += gpu->codes[i] == cpu->codes[i];
+    const double frac = static_cast<double>(same) / static_cast<double>(cpu->codes.size());
+    const double loss_cpu = ProxyLoss(w.data(), cpu->w_hat.data(), h.data(), m, n);
+    const double loss_gpu = ProxyLoss(w.data(), gpu->w_hat.data(), h.data(), m, n);
+    std::cout << "[ info     ] gptq " << name << ": codes equal " << frac << ", proxy loss cpu "
+              << loss_cpu << " gpu " << loss_gpu << std::endl;
+    EXPECT_GE(frac, 0.999);
+    EXPECT_GT(loss_cpu, 0.0);
+    EXPECT_NEAR(loss_gpu, loss_cpu, 0.001 * loss_cpu);
+    EXPECT_EQ(gpu->scales.size(), cpu->scales.size());
+    EXPECT_EQ(gpu->perm, cpu->perm);
+  }
 }
 
 }  // namespace

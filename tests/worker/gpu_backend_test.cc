@@ -3,7 +3,8 @@
 // interface and its BlockLdlqE8p the CPU BlockLdlq. A QuIP# E8P job with the fake installed must
 // take the GPU path (every Hessian and every E8P rounding through the backend) and write the same
 // bytes as the plain CPU job: the plumbing (device sums merged into the accumulators, rounding
-// dispatch, results) adds nothing of its own. Also --device selection and its errors.
+// dispatch, results) adds nothing of its own. The same for GPTQ jobs through the backend's
+// Gptq. Also --device selection and its errors.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -27,6 +28,7 @@ namespace {
 
 std::atomic<int> g_hessian_adds{0};
 std::atomic<int> g_roundings{0};
+std::atomic<int> g_gptq{0};
 
 class FakeHessian final : public kernels::DeviceHessian {
  public:
@@ -59,6 +61,12 @@ class FakeBackend final : public kernels::GpuBackend {
     static const kernels::E8pCodebook cb;
     return kernels::BlockLdlq(w, m, n, h, cb, config);
   }
+  StatusOr<kernels::ScalarRoundingResult> Gptq(
+      const double* w, int64_t m, int64_t n, const double* h,
+      const kernels::ScalarRoundingConfig& config) override {
+    ++g_gptq;
+    return kernels::Gptq(w, m, n, h, config);
+  }
 };
 
 std::string ReadAll(const std::string& path) {
@@ -66,14 +74,12 @@ std::string ReadAll(const std::string& path) {
   return s.ok() ? *s : std::string("<unreadable>");
 }
 
-TEST(GpuBackendTest, QuipJobThroughTheBackendWritesTheCpuJobsBytes) {
+// Runs `yaml` on stories260K on the CPU and through the fake backend; every output file must
+// be byte-identical. Returns false (with failures recorded) otherwise.
+void ExpectSameBytesThroughTheBackend(const std::string& yaml, const std::string& tag) {
   model::SetComputeThreads(1);
-  const std::string root = testing::MakeTempDir("gpu_backend");
-  auto recipe = ParseRecipe(
-      "name: quip-e8p-fake\nmethod: quip\nbits: 2\ncodebook: e8p\n"
-      "calibration: {files: [data/wikitext2/wiki.valid.tokens], num_sequences: 16, "
-      "seq_len: 128}\n",
-      "fake.yaml");
+  const std::string root = testing::MakeTempDir("gpu_backend_" + tag);
+  auto recipe = ParseRecipe(yaml, tag + ".yaml");
   ASSERT_TRUE(recipe.ok()) << recipe.status();
   auto run = [&](const std::string& name) {
     job::QuantizeJobOptions o;
@@ -87,21 +93,46 @@ TEST(GpuBackendTest, QuipJobThroughTheBackendWritesTheCpuJobsBytes) {
     return o.out_dir;
   };
   const std::string cpu = run("cpu");
-  EXPECT_EQ(g_hessian_adds.load(), 0);
   ASSERT_EQ(kernels::SetActiveGpuBackend(std::make_unique<FakeBackend>()), nullptr);
   const std::string gpu = run("gpu");
   kernels::SetActiveGpuBackend(nullptr);
-  // 5 layers × 4 Hessian kinds, 7 linears each rounded with E8P.
-  EXPECT_GE(g_hessian_adds.load(), 20);
-  EXPECT_EQ(g_roundings.load(), 5 * 7);
   int files = 0;
   for (const auto& e : std::filesystem::directory_iterator(cpu)) {
     const std::string name = e.path().filename().string();
     if (name == "qcal_job.json") continue;  // timings
     ++files;
-    EXPECT_EQ(ReadAll(cpu + "/" + name), ReadAll(gpu + "/" + name)) << name;
+    EXPECT_EQ(ReadAll(cpu + "/" + name), ReadAll(gpu + "/" + name)) << tag << ": " << name;
   }
   EXPECT_GT(files, 2);
+}
+
+constexpr char kCalib[] =
+    "calibration: {files: [data/wikitext2/wiki.valid.tokens], num_sequences: 16, seq_len: 128}\n";
+
+TEST(GpuBackendTest, QuipJobThroughTheBackendWritesTheCpuJobsBytes) {
+  g_hessian_adds = 0;
+  g_roundings = 0;
+  ExpectSameBytesThroughTheBackend(
+      std::string("name: quip-e8p-fake\nmethod: quip\nbits: 2\ncodebook: e8p\n") + kCalib,
+      "quip");
+  // 5 layers × 4 Hessian kinds, 7 linears each rounded with E8P.
+  EXPECT_GE(g_hessian_adds.load(), 20);
+  EXPECT_EQ(g_roundings.load(), 5 * 7);
+}
+
+TEST(GpuBackendTest, GptqJobsThroughTheBackendWriteTheCpuJobsBytes) {
+  g_gptq = 0;
+  // Per channel with act order and clip search (gptq-4bit's grid), and groups of 32 (the
+  // per-group parameters are set by the sweep).
+  ExpectSameBytesThroughTheBackend(
+      std::string("name: gptq-fake\nmethod: gptq\nbits: 4\n"
+                  "scalar: {group_size: -1, act_order: true, clip_search: true}\n") + kCalib,
+      "gptq_channel");
+  ExpectSameBytesThroughTheBackend(
+      std::string("name: gptq-fake-g32\nmethod: gptq\nbits: 3\n"
+                  "scalar: {group_size: 32, symmetric: false}\n") + kCalib,
+      "gptq_group");
+  EXPECT_EQ(g_gptq.load(), 2 * 5 * 7);
 }
 
 TEST(DeviceSelectTest, ChoicesAndErrors) {

@@ -1,5 +1,6 @@
 #include "worker/quant/scalar_quantize.h"
 
+#include "kernels/gpu_backend.h"
 #include "kernels/rounding.h"
 #include "kernels/scalar_quant.h"
 #include "worker/quant/scalar_linear.h"
@@ -46,7 +47,10 @@ StatusOr<QuantizedLinear> QuantizeScalarLinear(const ScalarQuantizeOptions& o, c
     sc.damp = o.damp;
     sc.act_order = o.grid.act_order;
     sc.refine_sweeps = o.refine_sweeps;
-    QCAL_ASSIGN_OR_RETURN(rounded, kernels::Gptq(w, out, in, h, sc));
+    // On a GPU worker the sweep runs on the device (kernels/gptq_cuda.h, the same algorithm).
+    kernels::GpuBackend* gpu = kernels::ActiveGpuBackend();
+    QCAL_ASSIGN_OR_RETURN(rounded, gpu != nullptr ? gpu->Gptq(w, out, in, h, sc)
+                                                  : kernels::Gptq(w, out, in, h, sc));
   } else {
     QCAL_ASSIGN_OR_RETURN(rounded, kernels::RoundToNearest(w, out, in, ScalarConfig(o)));
   }
