@@ -74,6 +74,10 @@ TEST_F(LauncherTest, CommandLine) {
   s.tls_key_file = "/worker.key";
   expected.insert(expected.end() - 2, {"--tls-cert", "/worker.pem", "--tls-key", "/worker.key"});
   EXPECT_EQ(LocalMpiCommand(o, s), expected);
+  // The job's device reaches every worker.
+  s.device = "cuda";
+  expected.insert(expected.end(), {"--device", "cuda"});
+  EXPECT_EQ(LocalMpiCommand(o, s), expected);
 }
 
 TEST_F(LauncherTest, ReportsTheExitStatusAndKeepsTheLog) {
