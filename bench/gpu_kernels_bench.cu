@@ -251,22 +251,32 @@ void BenchCholesky(int64_t n) {
   cublasDestroy(h);
 }
 
-// BlockLDLQ (E8P) of one linear W [m, n] with a random SPD Hessian [n, n]: device phases, beside
-// one fp32 GEMM W·H and one bf16 GEMM of the same shape (m × n × n) in the same run.
-void BenchBlockLdlq(int64_t m, int64_t n, const char* name) {
-  std::vector<double> w(m * n), h(n * n);
-  uint64_t state = 0x2545F4914F6CDD1Dull ^ static_cast<uint64_t>(m * n);
-  auto uniform = [&] {  // xorshift64*, in [0, 1)
+// A random linear layer for the rounding benchmarks: weights W [m, n] (about N(0, 0.02²): a sum
+// of three uniforms) and a symmetric, diagonally dominant Hessian H [n, n] (diagonal 1 plus
+// `diag_spread`·U(0, 1), off-diagonal U(−0.5, 0.5)/n), from xorshift64*.
+void RandomLinear(int64_t m, int64_t n, uint64_t seed, double diag_spread, std::vector<double>* w,
+                  std::vector<double>* h) {
+  uint64_t state = seed ^ static_cast<uint64_t>(m * n);
+  auto uniform = [&] {
     state ^= state >> 12;
     state ^= state << 25;
     state ^= state >> 27;
     return static_cast<double>((state * 0x2545F4914F6CDD1Dull) >> 11) * 0x1p-53;
   };
-  for (double& v : w) v = 0.02 * (uniform() + uniform() + uniform() - 1.5);
+  w->resize(m * n);
+  h->resize(n * n);
+  for (double& v : *w) v = 0.02 * (uniform() + uniform() + uniform() - 1.5);
   for (int64_t i = 0; i < n; ++i) {
-    h[i * n + i] = 1.0;
-    for (int64_t j = 0; j < i; ++j) h[i * n + j] = h[j * n + i] = (uniform() - 0.5) / n;
+    (*h)[i * n + i] = 1.0 + diag_spread * uniform();
+    for (int64_t j = 0; j < i; ++j) (*h)[i * n + j] = (*h)[j * n + i] = (uniform() - 0.5) / n;
   }
+}
+
+// BlockLDLQ (E8P) of one linear W [m, n] with a random SPD Hessian [n, n]: device phases, beside
+// one fp32 GEMM W·H and one bf16 GEMM of the same shape (m × n × n) in the same run.
+void BenchBlockLdlq(int64_t m, int64_t n, const char* name) {
+  std::vector<double> w, h;
+  RandomLinear(m, n, 0x2545F4914F6CDD1Dull, /*diag_spread=*/0.0, &w, &h);
   qcal::kernels::VectorRoundingConfig config;
   qcal::kernels::BlockLdlqCudaTimes t;
   auto res = qcal::kernels::BlockLdlqE8pCuda(w.data(), m, n, h.data(), config, nullptr, &t);
@@ -314,19 +324,8 @@ void BenchBlockLdlq(int64_t m, int64_t n, const char* name) {
 // GPTQ (4-bit per channel, act order; gptq-4bit's grid without its clip search) of one linear W [m, n] with
 // a random SPD Hessian: device phases beside one fp64 GEMM W·H of the same shape.
 void BenchGptq(int64_t m, int64_t n, const char* name) {
-  std::vector<double> w(m * n), h(n * n);
-  uint64_t state = 0x9E3779B97F4A7C15ull ^ static_cast<uint64_t>(m * n);
-  auto uniform = [&] {
-    state ^= state >> 12;
-    state ^= state << 25;
-    state ^= state >> 27;
-    return static_cast<double>((state * 0x2545F4914F6CDD1Dull) >> 11) * 0x1p-53;
-  };
-  for (double& v : w) v = 0.02 * (uniform() + uniform() + uniform() - 1.5);
-  for (int64_t i = 0; i < n; ++i) {
-    h[i * n + i] = 1.0 + uniform();
-    for (int64_t j = 0; j < i; ++j) h[i * n + j] = h[j * n + i] = (uniform() - 0.5) / n;
-  }
+  std::vector<double> w, h;
+  RandomLinear(m, n, 0x9E3779B97F4A7C15ull, /*diag_spread=*/1.0, &w, &h);
   // No clip search: its per-channel search runs on the host (single-threaded in
   // InitScalarResult, pow() per grid point and weight) and would dominate: at 8192 × 28672 it
   // ran for minutes on the GPU machine's CPU before this bench was changed.

@@ -10,23 +10,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda_status.h"
+#include "kernels/cuda_util.cuh"
 #include "kernels/linalg_cuda.h"
 
 namespace qcal::kernels {
 namespace {
 
-struct DeviceFree {
-  void operator()(void* p) const { cudaFree(p); }
-};
-template <typename T>
-using DevicePtr = std::unique_ptr<T, DeviceFree>;
-
-template <typename T>
-StatusOr<DevicePtr<T>> Alloc(size_t count) {
-  void* p = nullptr;
-  QCAL_CUDA_RETURN_IF_ERROR(cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T)));
-  return DevicePtr<T>(static_cast<T*>(p));
-}
 
 // One span [c0, c1) of a lazy block [i1, i2) (a whole block, or one group of it), one thread per
 // row: W column-major (W[j·m + r]); scale/zero: the row's parameters for this span; err
@@ -53,9 +42,6 @@ __global__ void GptqSpanKernel(double* w, const double* r_inv, const double* sca
   }
 }
 
-double MsSince(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-}
 
 }  // namespace
 

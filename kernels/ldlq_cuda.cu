@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda_status.h"
+#include "kernels/cuda_util.cuh"
 #include "kernels/e8p_device.cuh"
 #include "kernels/linalg_cuda.h"
 
@@ -19,31 +20,7 @@ namespace {
 
 constexpr int kG = 8;  // E8P's dimension
 
-struct DeviceFree {
-  void operator()(void* p) const { cudaFree(p); }
-};
-template <typename T>
-using DevicePtr = std::unique_ptr<T, DeviceFree>;
 
-template <typename T>
-StatusOr<DevicePtr<T>> Alloc(size_t count) {
-  void* p = nullptr;
-  QCAL_CUDA_RETURN_IF_ERROR(cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T)));
-  return DevicePtr<T>(static_cast<T*>(p));
-}
-
-unsigned Blocks(int64_t count, int threads) {
-  return static_cast<unsigned>((count + threads - 1) / threads);
-}
-
-// a[e] <-> a[n² − 1 − e]: (P A P)[i][j] = A[n−1−i][n−1−j].
-__global__ void Rotate180Kernel(double* a, int64_t n2) {
-  const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (e >= n2 / 2) return;
-  const double t = a[e];
-  a[e] = a[n2 - 1 - e];
-  a[n2 - 1 - e] = t;
-}
 
 // The diagonal g×g blocks of C' (lower triangular), copied out: diag[b][k][t] = C'[b·g+k][b·g+t].
 __global__ void CopyDiagonalBlocksKernel(const double* c, int64_t n, double* diag) {
@@ -141,9 +118,6 @@ __global__ void ToFloatKernel(const double* a, float* b, int64_t count) {
   if (e < count) b[e] = static_cast<float>(a[e]);
 }
 
-double MsSince(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-}
 
 }  // namespace
 

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda_status.h"
+#include "kernels/cuda_util.cuh"
 
 namespace qcal::kernels {
 namespace {
@@ -21,20 +22,8 @@ __global__ void ZeroStrictUpperKernel(double* a, int64_t n) {
   if (i < n && j < n && j > i) a[i * n + j] = 0.0;
 }
 
-// a[e] <-> a[n² − 1 − e]: (P A P)[i][j] = A[n−1−i][n−1−j].
-__global__ void Rotate180Kernel(double* a, int64_t n2) {
-  const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (e >= n2 / 2) return;
-  const double t = a[e];
-  a[e] = a[n2 - 1 - e];
-  a[n2 - 1 - e] = t;
-}
-
 struct SolverFree {
   void operator()(cusolverDnContext* h) const { cusolverDnDestroy(h); }
-};
-struct DeviceFree {
-  void operator()(void* p) const { cudaFree(p); }
 };
 
 }  // namespace

@@ -17,14 +17,8 @@ case "${1:-}" in
     build=${2:-build}
     shared=${QCAL_SHARED_DIR:-../shared}
     stage=$(mktemp -d)/qb
-    mkdir -p "$stage/lib" "$stage/shared/models" "$stage/shared/data/wikitext2" "$stage/shared/data/tinystories"
-    cp "$build/client/qcal" "$stage/"
-    ldd "$build/client/qcal" | awk '/=> \//{print $3}' | while read -r lib; do
-      case "$(basename "$lib")" in
-        libc.so*|libm.so*|libdl.so*|libpthread.so*|librt.so*|ld-linux*|libcuda.so*|libcudart*|libcublas*|libcusolver*|libcusparse*|libnvJitLink*|libnccl*|libstdc++*|libgcc_s*) ;;
-        *) cp -n "$lib" "$stage/lib/" ;;
-      esac
-    done
+    bash scripts/gpu-bundle.sh "$build" "$stage" qcal > /dev/null || exit 1
+    mkdir -p "$stage/shared/models" "$stage/shared/data/wikitext2" "$stage/shared/data/tinystories"
     cp -r "$shared/models/stories260K" "$stage/shared/models/"
     cp "$shared/data/wikitext2/wiki.valid.tokens" "$stage/shared/data/wikitext2/"
     cp "$shared/data/tinystories/TinyStories-valid.sample30k.txt" "$stage/shared/data/tinystories/"

@@ -33,24 +33,10 @@
 #include "kernels/ldlq_cuda.h"
 #include "kernels/linalg_cuda.h"
 #include "kernels/rounding.h"
+#include "tests/test_util.h"
 
 namespace qcal::kernels {
 namespace {
-
-uint64_t TestSeed() {
-  static const uint64_t seed = [] {
-    uint64_t s;
-    if (const char* env = std::getenv("QCAL_TEST_SEED"); env != nullptr && *env != '\0') {
-      s = std::strtoull(env, nullptr, 10);
-    } else {
-      std::random_device rd;
-      s = (static_cast<uint64_t>(rd()) << 32) ^ rd();
-    }
-    std::cout << "[ seed     ] QCAL_TEST_SEED=" << s << std::endl;
-    return s;
-  }();
-  return seed;
-}
 
 // A device buffer of T (RAII).
 template <typename T>
@@ -96,7 +82,7 @@ class GpuOpsTest : public ::testing::Test {
   void SetUp() override {
     std::string why;
     if (!CudaDeviceAvailable(&why)) GTEST_SKIP() << "no CUDA device: " << why;
-    rng_.seed(TestSeed() ^ std::hash<std::string>()(
+    rng_.seed(qcal::testing::ProcessSeed() ^ std::hash<std::string>()(
                                ::testing::UnitTest::GetInstance()->current_test_info()->name()));
   }
   std::mt19937_64 rng_;

@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/cpu.h"
 #include "kernels/blas_threads.h"
+#include "kernels/fixed_point.h"
 #include "kernels/gpu_backend.h"
 
 namespace qcal::calib {
@@ -356,37 +357,16 @@ at::Tensor HessianMeans::For(model::LinearKind linear) {
 }
 
 void HessianAccumulator::SplitDigits(const Fixed128* values, size_t n, int64_t* limbs) {
-  for (size_t i = 0; i < n; ++i) {
-    const unsigned __int128 u = static_cast<unsigned __int128>(values[i]);
-    limbs[4 * i + 0] = static_cast<int64_t>(static_cast<uint64_t>(u) & 0xffffffffu);
-    limbs[4 * i + 1] = static_cast<int64_t>(static_cast<uint64_t>(u >> 32) & 0xffffffffu);
-    limbs[4 * i + 2] = static_cast<int64_t>(static_cast<uint64_t>(u >> 64) & 0xffffffffu);
-    limbs[4 * i + 3] = static_cast<int64_t>(values[i] >> 96);  // arithmetic: in [-2^31, 2^31)
-  }
+  for (size_t i = 0; i < n; ++i) kernels::SplitFixedDigits(values[i], limbs + 4 * i);
 }
 
 Status HessianAccumulator::CombineDigits(const int64_t* limbs, size_t n, Fixed128* values) {
   for (size_t i = 0; i < n; ++i) {
-    const int64_t* s = limbs + 4 * i;
-    // Digits 0..2 are sums of values in [0, 2^32): non-negative, so >> is a floor division.
-    int64_t t = s[0];
-    const uint64_t d0 = static_cast<uint64_t>(t) & 0xffffffffu;
-    t = s[1] + (t >> 32);
-    const uint64_t d1 = static_cast<uint64_t>(t) & 0xffffffffu;
-    t = s[2] + (t >> 32);
-    const uint64_t d2 = static_cast<uint64_t>(t) & 0xffffffffu;
-    const int64_t top = s[3] + (t >> 32);
-    if (s[0] < 0 || s[1] < 0 || s[2] < 0 || top < -(int64_t{1} << 31) ||
-        top >= (int64_t{1} << 31)) {
+    if (!kernels::CombineFixedDigits(limbs + 4 * i, &values[i])) {
       return absl::OutOfRangeError(absl::StrCat(
           "reduced Hessian value ", i, " leaves the 128-bit fixed-point range (or its digits are "
           "malformed)"));
     }
-    const unsigned __int128 u = (static_cast<unsigned __int128>(static_cast<uint64_t>(top))
-                                 << 96) |
-                                (static_cast<unsigned __int128>(d2) << 64) |
-                                (static_cast<unsigned __int128>(d1) << 32) | d0;
-    values[i] = static_cast<Fixed128>(u);
   }
   return absl::OkStatus();
 }
