@@ -29,6 +29,7 @@ namespace {
 std::atomic<int> g_hessian_adds{0};
 std::atomic<int> g_roundings{0};
 std::atomic<int> g_gptq{0};
+std::atomic<int> g_new_hessians{0};
 
 class FakeHessian final : public kernels::DeviceHessian {
  public:
@@ -52,6 +53,7 @@ class FakeBackend final : public kernels::GpuBackend {
  public:
   std::string description() const override { return "fake:0"; }
   StatusOr<std::unique_ptr<kernels::DeviceHessian>> NewHessian(int64_t n) override {
+    ++g_new_hessians;
     return std::unique_ptr<kernels::DeviceHessian>(std::make_unique<FakeHessian>(n));
   }
   StatusOr<kernels::VectorRoundingResult> BlockLdlqE8p(
@@ -112,11 +114,14 @@ constexpr char kCalib[] =
 TEST(GpuBackendTest, QuipJobThroughTheBackendWritesTheCpuJobsBytes) {
   g_hessian_adds = 0;
   g_roundings = 0;
+  g_new_hessians = 0;
   ExpectSameBytesThroughTheBackend(
       std::string("name: quip-e8p-fake\nmethod: quip\nbits: 2\ncodebook: e8p\n") + kCalib,
       "quip");
-  // 5 layers × 4 Hessian kinds, 7 linears each rounded with E8P.
-  EXPECT_GE(g_hessian_adds.load(), 20);
+  // 5 layers × 4 Hessian kinds, 7 linears each rounded with E8P. The 16 sequences are 2 chunks
+  // of 8 per block: one device accumulator per kind and block, kept across the chunks.
+  EXPECT_EQ(g_hessian_adds.load(), 5 * 4 * 2);
+  EXPECT_EQ(g_new_hessians.load(), 5 * 4);
   EXPECT_EQ(g_roundings.load(), 5 * 7);
 }
 

@@ -498,14 +498,16 @@ StatusOr<CalibrationResult> Calibrate(runtime::Comm& comm, model::ModelSource& s
           QCAL_RETURN_IF_ERROR(
               ForwardCollectingHessians(*block, none, source.rope(), options.batch, &h).status());
         }
+        // On a GPU the sums stay on the device for the whole block (flushed once below).
         for (int64_t i = 0; i < store.chunks(); ++i) {
           QCAL_ASSIGN_OR_RETURN(at::Tensor x, store.Get(i));
           QCAL_ASSIGN_OR_RETURN(at::Tensor y,
                                 ForwardCollectingHessians(*block, x, source.rope(), options.batch,
-                                                          walk_hessians ? &h : nullptr));
+                                                          walk_hessians ? &h : nullptr,
+                                                          /*flush_device=*/false));
           QCAL_RETURN_IF_ERROR(store.Put(i, y));
         }
-        return Status();
+        return FlushDeviceHessians(&h);
       }();
       QCAL_RETURN_IF_ERROR(AgreeOk(comm, Annotate(local, where), where));
       if (walk_hessians) {

@@ -438,9 +438,25 @@ class RecordingLinear final : public model::Linear {
 
 }  // namespace
 
+Status FlushDeviceHessians(BlockHessians* hessians) {
+  for (HessianKind k : kAllHessianKinds) {
+    std::shared_ptr<kernels::DeviceHessian> d = std::move(hessians->device[static_cast<int>(k)]);
+    if (d == nullptr) continue;
+    int64_t count = 0;
+    auto packed = d->Finish(&count);
+    if (!packed.ok()) return Annotate(packed.status(), absl::StrCat(HessianKindName(k), " input"));
+    HessianAccumulator& acc = hessians->at(k);
+    QCAL_ASSIGN_OR_RETURN(HessianAccumulator part,
+                          HessianAccumulator::FromFixed(acc.dim(), std::move(*packed), count));
+    const Status merged = acc.Merge(part);
+    if (!merged.ok()) return Annotate(merged, absl::StrCat(HessianKindName(k), " input"));
+  }
+  return absl::OkStatus();
+}
+
 StatusOr<at::Tensor> ForwardCollectingHessians(model::DecoderBlock& block, const at::Tensor& x,
                                                const model::Rope& rope, int64_t batch,
-                                               BlockHessians* hessians) {
+                                               BlockHessians* hessians, bool flush_device) {
   if (x.dim() != 3) {
     return absl::InvalidArgumentError(
         absl::StrCat("block inputs must be [seqs, seq, hidden], got ", x.dim(), " dims"));
@@ -473,9 +489,10 @@ StatusOr<at::Tensor> ForwardCollectingHessians(model::DecoderBlock& block, const
   // With a GPU backend the products and their exact sums run on the device; the sums are
   // merged into the CPU accumulators after the pass (the same integer format, so reductions
   // across ranks, caches and rounding are unchanged).
-  std::array<std::unique_ptr<kernels::DeviceHessian>, 4> device{};
+  std::array<std::shared_ptr<kernels::DeviceHessian>, 4>& device = hessians->device;
   if (kernels::GpuBackend* gpu = kernels::ActiveGpuBackend(); gpu != nullptr) {
     for (HessianKind k : kAllHessianKinds) {
+      if (device[static_cast<int>(k)] != nullptr) continue;  // kept from an earlier call
       auto d = gpu->NewHessian(hessians->at(k).dim());
       if (!d.ok()) return Annotate(d.status(), absl::StrCat(HessianKindName(k), " input (GPU)"));
       device[static_cast<int>(k)] = std::move(*d);
@@ -502,18 +519,7 @@ StatusOr<at::Tensor> ForwardCollectingHessians(model::DecoderBlock& block, const
     const Status& s = recorders[static_cast<int>(k)]->status();
     if (!s.ok()) return Annotate(s, absl::StrCat(HessianKindName(k), " input"));
   }
-  for (HessianKind k : kAllHessianKinds) {
-    kernels::DeviceHessian* d = device[static_cast<int>(k)].get();
-    if (d == nullptr) continue;
-    int64_t count = 0;
-    auto packed = d->Finish(&count);
-    if (!packed.ok()) return Annotate(packed.status(), absl::StrCat(HessianKindName(k), " input"));
-    HessianAccumulator& acc = hessians->at(k);
-    QCAL_ASSIGN_OR_RETURN(HessianAccumulator part,
-                          HessianAccumulator::FromFixed(acc.dim(), std::move(*packed), count));
-    const Status merged = acc.Merge(part);
-    if (!merged.ok()) return Annotate(merged, absl::StrCat(HessianKindName(k), " input"));
-  }
+  if (flush_device) QCAL_RETURN_IF_ERROR(FlushDeviceHessians(hessians));
   return out;
 }
 

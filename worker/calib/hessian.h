@@ -30,11 +30,13 @@
 
 #include <array>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
 
 #include "common/status.h"
+#include "kernels/gpu_backend.h"
 #include "worker/model/llama.h"
 
 namespace qcal::calib {
@@ -97,9 +99,15 @@ HessianKind HessianKindOf(model::LinearKind linear);
 
 struct BlockHessians {
   std::array<HessianAccumulator, 4> h;
+  // With a GPU backend: the device's sums not yet merged into h (see ForwardCollectingHessians
+  // and FlushDeviceHessians). Null otherwise. Shared by copies (flush before copying).
+  std::array<std::shared_ptr<kernels::DeviceHessian>, 4> device;
   HessianAccumulator& at(HessianKind k) { return h[static_cast<int>(k)]; }
   const HessianAccumulator& at(HessianKind k) const { return h[static_cast<int>(k)]; }
 };
+
+// Merges the device's sums into the accumulators and releases them (a no-op without any).
+Status FlushDeviceHessians(BlockHessians* hessians);
 
 // The mean Hessians of a block task's linears, each kind's computed once when its first linear
 // asks (kAllLinears order: q, k, v share one; gate, up share one) and dropped when the next
@@ -123,8 +131,13 @@ class HessianMeans {
 // returns the block's outputs [num_seqs, seq, hidden]. The block is left as it was. With
 // hessians == nullptr it only runs the block (same chunks, same outputs). An overflow is
 // OutOfRange naming the Hessian ("gate_up input: ...").
+// With a GPU backend (kernels/gpu_backend.h) the products are summed on the device. By default
+// the device's sums are merged into *hessians before returning; with flush_device = false they
+// stay on the device across calls (one device accumulator per kind for a whole block, instead
+// of an allocation and a download of up to 6.6 GB per call) until FlushDeviceHessians, which
+// the caller must then call before reading the accumulators.
 StatusOr<at::Tensor> ForwardCollectingHessians(model::DecoderBlock& block, const at::Tensor& x,
                                                const model::Rope& rope, int64_t batch,
-                                               BlockHessians* hessians);
+                                               BlockHessians* hessians, bool flush_device = true);
 
 }  // namespace qcal::calib
