@@ -77,7 +77,8 @@ struct ScalarQuantConfig {
   bool f16_scales = false;
 };
 
-// A positive scale rounded to the nearest IEEE half (ties to even), kept inside the normal
+// A positive scale rounded up to the nearest IEEE half at or above it (so the grid still covers
+// the range and |dequant(code(x)) − x| ≤ scale/2 holds), kept inside the normal
 // half range [2^-14, 65504]: a scale below it would lose precision as a subnormal or round to 0.
 double RoundScaleToHalf(double scale);
 

@@ -240,7 +240,13 @@ TEST(ScalarQuantTest, PerChannelRtnErrorBoundAndRoundTrip) {
 }
 
 TEST(ScalarQuantTest, HalfScalesAreExactInFp16AndKeepTheErrorBound) {
-  EXPECT_EQ(RoundScaleToHalf(0.1), static_cast<double>(HalfToFloat(FloatToHalf(0.1f))));
+  // Up to the next half: 0.1 lies between two halves; the larger is taken.
+  const double below = static_cast<double>(HalfToFloat(FloatToHalf(0.1f)));
+  EXPECT_GE(RoundScaleToHalf(0.1), 0.1);
+  EXPECT_EQ(RoundScaleToHalf(0.1), below >= 0.1 ? below
+                                                : static_cast<double>(HalfToFloat(
+                                                      static_cast<uint16_t>(FloatToHalf(0.1f) + 1))));
+  EXPECT_LT(RoundScaleToHalf(0.1) - 0.1, 0.1 * 0x1p-10);  // within one half ulp step
   EXPECT_EQ(RoundScaleToHalf(1e-9), 0x1.0p-14);  // below the normal half range
   EXPECT_EQ(RoundScaleToHalf(1e9), 65504.0);
   EXPECT_EQ(RoundScaleToHalf(0.375), 0.375);     // already a half
