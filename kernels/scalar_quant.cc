@@ -73,11 +73,7 @@ double RoundScaleToHalf(double scale) {
   constexpr double kMax = 65504.0;
   if (!(scale > kMinNormal)) return kMinNormal;  // NaN too
   if (scale >= kMax) return kMax;
-  // Up, not to nearest: a smaller scale would leave the range's end uncovered (an asymmetric
-  // grid's maximum then rounded past the last code: error up to ~0.503 steps, not 0.5).
-  const uint16_t h = FloatToHalf(static_cast<float>(scale));
-  const double v = static_cast<double>(HalfToFloat(h));
-  return v >= scale ? v : static_cast<double>(HalfToFloat(static_cast<uint16_t>(h + 1)));
+  return static_cast<double>(HalfToFloat(FloatToHalf(static_cast<float>(scale))));
 }
 
 template <typename T>
