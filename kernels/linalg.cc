@@ -385,6 +385,57 @@ StatusOr<std::vector<double>> InverseCholeskyUpperReversed(std::vector<double> a
 
 }  // namespace
 
+Status InverseCholeskyUpperKeepingLower(double* h, int64_t n) {
+  const char* what = "GPTQ inverse Cholesky";
+  QCAL_RETURN_IF_ERROR(CheckSquare(h, n, what));
+  // The steps of InverseCholeskyUpperReversed on a = P h P in place. Its potrf reads and writes
+  // only a's lower triangle (h's upper, reflected) and leaves a's strict upper (h's strict lower)
+  // alone; its triangular inverse reads the strict upper parts of the kCholeskyTile diagonal tiles
+  // as zeros, so only those are saved and zeroed (the copying form zeroes all of it: same bits).
+  ReverseInPlace(h, n);
+  const int potrf = TiledPotrfLower(h, n);
+  if (potrf != 0) {
+    Rotate180(h, n);  // back: the strict lower is h's again
+    if (potrf < 0) {
+      return absl::InternalError(absl::StrCat(what, ": dpotrf argument ", -potrf, " invalid"));
+    }
+    const int64_t k = potrf;
+    return absl::FailedPreconditionError(absl::StrCat(
+        what,
+        ": matrix is not positive definite: Cholesky of the index-reversed matrix failed at "
+        "original index ",
+        n - k, " (the trailing ", k, "x", k, " principal minor, indices ", n - k, "..", n - 1,
+        ", is not positive definite). Damp the Hessian (DampHessian, e.g. delta = 0.01) or check "
+        "it for rank deficiency."));
+  }
+  std::vector<double> saved;  // the diagonal tiles' strict upper parts, row by row
+  saved.reserve(static_cast<size_t>(n) * (kCholeskyTile - 1) / 2 + 1);
+  for (int64_t k0 = 0; k0 < n; k0 += kCholeskyTile) {
+    const int64_t k1 = std::min(k0 + kCholeskyTile, n);
+    for (int64_t i = k0; i < k1; ++i) {
+      for (int64_t j = i + 1; j < k1; ++j) {
+        saved.push_back(h[i * n + j]);
+        h[i * n + j] = 0.0;
+      }
+    }
+  }
+  const int trtri = TiledTrtriLower(h, n);
+  Rotate180(h, n);
+  size_t s = 0;  // a's (i, j) is now at (n-1-i, n-1-j)
+  for (int64_t k0 = 0; k0 < n; k0 += kCholeskyTile) {
+    const int64_t k1 = std::min(k0 + kCholeskyTile, n);
+    for (int64_t i = k0; i < k1; ++i) {
+      for (int64_t j = i + 1; j < k1; ++j) h[(n - 1 - i) * n + (n - 1 - j)] = saved[s++];
+    }
+  }
+  if (trtri != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(what, ": triangular inverse failed (zero diagonal at reversed index ",
+                     trtri - 1, "): H is singular"));
+  }
+  return absl::OkStatus();
+}
+
 StatusOr<std::vector<double>> InverseCholeskyUpper(const double* h, int64_t n) {
   QCAL_RETURN_IF_ERROR(CheckSquare(h, n, "GPTQ inverse Cholesky"));
   return InverseCholeskyUpperReversed(ReversedCopy(h, n), n);

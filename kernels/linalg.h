@@ -101,6 +101,15 @@ StatusOr<std::vector<double>> InverseCholeskyUpper(const double* h, int64_t n);
 // instead of two. Bit-identical to the copying form. On error `h` is consumed.
 StatusOr<std::vector<double>> InverseCholeskyUpper(std::vector<double>&& h, int64_t n);
 
+// The same R computed in h's own storage while keeping h: on success the upper triangle of h
+// (diagonal included) is R, bit-identical to the copying forms, and the strict lower triangle is
+// h's own, untouched; on a FailedPrecondition (not positive definite, singular) the strict lower
+// triangle is h's too and the rest unspecified. R is computed from h's upper triangle (h is
+// meant to be symmetric). Lets GPTQ restore H after its sweep without a second n×n matrix
+// (GptqInPlace in kernels/rounding.h). InvalidArgument (non-finite entries, bad n) leaves h as
+// it was.
+Status InverseCholeskyUpperKeepingLower(double* h, int64_t n);
+
 // Reconstruction helpers (tests, small n): L·Lᵀ, and the product of a form's factors.
 std::vector<double> MultiplyLLt(const std::vector<double>& c, int64_t n);
 std::vector<double> ReconstructLdl(const BlockLdl& f);

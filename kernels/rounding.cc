@@ -49,24 +49,38 @@ struct Prepared {
   std::vector<int64_t> perm;  // perm[k] = original column at position k.
 };
 
+// GPTQ's column order: act order sorts by descending diagonal (dead columns counted as 1),
+// stable; otherwise the identity. perm[k] = original column at position k.
+std::vector<int64_t> GptqOrder(const double* h, int64_t n, bool act_order) {
+  std::vector<int64_t> perm(n);
+  std::iota(perm.begin(), perm.end(), int64_t{0});
+  if (act_order) {
+    std::vector<double> diag(n);
+    for (int64_t i = 0; i < n; ++i) diag[i] = h[i * n + i] == 0.0 ? 1.0 : h[i * n + i];
+    std::stable_sort(perm.begin(), perm.end(),
+                     [&](int64_t a, int64_t b) { return diag[a] > diag[b]; });
+  }
+  return perm;
+}
+
+// W's columns in processing order, dead columns (H_jj = 0) zeroed.
+std::vector<double> PermutedWeights(const double* w, int64_t m, int64_t n, const double* h,
+                                    const std::vector<int64_t>& perm) {
+  std::vector<double> out(m * n);
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t j = perm[k];
+      out[r * n + k] = h[j * n + j] == 0.0 ? 0.0 : w[r * n + j];
+    }
+  }
+  return out;
+}
+
 StatusOr<Prepared> Prepare(const double* w, int64_t m, int64_t n, const double* h, double damp,
                            bool act_order, const char* what) {
   Prepared p;
-  p.perm.resize(n);
-  std::iota(p.perm.begin(), p.perm.end(), int64_t{0});
-  std::vector<double> diag(n);
-  for (int64_t i = 0; i < n; ++i) diag[i] = h[i * n + i] == 0.0 ? 1.0 : h[i * n + i];
-  if (act_order) {
-    std::stable_sort(p.perm.begin(), p.perm.end(),
-                     [&](int64_t a, int64_t b) { return diag[a] > diag[b]; });
-  }
-  p.w.resize(m * n);
-  for (int64_t r = 0; r < m; ++r) {
-    for (int64_t k = 0; k < n; ++k) {
-      const int64_t j = p.perm[k];
-      p.w[r * n + k] = h[j * n + j] == 0.0 ? 0.0 : w[r * n + j];
-    }
-  }
+  p.perm = GptqOrder(h, n, act_order);
+  p.w = PermutedWeights(w, m, n, h, p.perm);
   p.h.resize(n * n);
   for (int64_t a = 0; a < n; ++a) {
     const int64_t i = p.perm[a];
@@ -76,6 +90,57 @@ StatusOr<Prepared> Prepare(const double* w, int64_t m, int64_t n, const double* 
   auto added = DampHessian(p.h.data(), n, damp);
   if (!added.ok()) return Annotate(added.status(), what);
   return p;
+}
+
+// a ← P a Pᵀ in place for the [n, n] row-major a, with to[k] the new index of old index k
+// (rows moved along the permutation's cycles through one row of scratch, then each row's
+// columns through another). Exact (moves only).
+void PermuteSymmetricInPlace(double* a, int64_t n, const std::vector<int64_t>& to,
+                             int num_threads) {
+  std::vector<double> row(n), tmp(n);
+  std::vector<char> done(n, 0);
+  for (int64_t s = 0; s < n; ++s) {  // new row to[k] = old row k
+    if (done[s] || to[s] == s) continue;
+    std::copy(a + s * n, a + (s + 1) * n, row.data());  // old row s, bound for to[s]
+    int64_t k = s;
+    while (true) {
+      const int64_t dst = to[k];
+      done[k] = 1;
+      if (dst == s) {
+        std::copy(row.begin(), row.end(), a + s * n);
+        break;
+      }
+      std::copy(a + dst * n, a + (dst + 1) * n, tmp.data());
+      std::copy(row.begin(), row.end(), a + dst * n);
+      row.swap(tmp);
+      k = dst;
+    }
+  }
+  constexpr int64_t kRowsPerTask = 64;
+  qcal::ParallelTasks((n + kRowsPerTask - 1) / kRowsPerTask, num_threads, [&](int64_t t) {
+    std::vector<double> r(n);
+    for (int64_t i = t * kRowsPerTask; i < std::min(n, (t + 1) * kRowsPerTask); ++i) {
+      double* ai = a + i * n;
+      for (int64_t k = 0; k < n; ++k) r[to[k]] = ai[k];
+      std::copy(r.begin(), r.end(), ai);
+    }
+  });
+}
+
+// Fills the strict upper triangle of a from its strict lower one (a ← tril(a) + tril(a, −1)ᵀ),
+// in tiles.
+void MirrorLowerToUpper(double* a, int64_t n, int num_threads) {
+  constexpr int64_t kTile = 64;
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  qcal::ParallelTasks(tiles, num_threads, [&](int64_t ti) {  // tile row ti of the upper part
+    const int64_t i0 = ti * kTile, i1 = std::min(n, i0 + kTile);
+    for (int64_t j0 = i0; j0 < n; j0 += kTile) {
+      const int64_t j1 = std::min(n, j0 + kTile);
+      for (int64_t i = i0; i < i1; ++i) {
+        for (int64_t j = std::max(j0, i + 1); j < j1; ++j) a[i * n + j] = a[j * n + i];
+      }
+    }
+  });
 }
 
 // The lazy block for grouped grids: a multiple of the group size so that a group never straddles
@@ -340,23 +405,19 @@ void SetScalarParams(ScalarRoundingResult* res, int64_t row, int64_t group,
   SetParams(res, row, group, p);
 }
 
-StatusOr<ScalarRoundingResult> Gptq(const double* w, int64_t m, int64_t n, const double* h,
-                                    const ScalarRoundingConfig& config) {
-  const char* what = "gptq";
-  const ScalarQuantConfig& qc = config.quant;
-  QCAL_ASSIGN_OR_RETURN(GptqPlan plan, PrepareGptq(w, m, n, h, config));
-  ScalarRoundingResult& res = plan.res;
-  // R is computed in the damped Hessian's own storage (one n² matrix at the peak, not two).
-  StatusOr<std::vector<double>> rinv = InverseCholeskyUpper(std::move(plan.h), n);
-  if (!rinv.ok()) return Annotate(rinv.status(), what);
-  const std::vector<double>& R = *rinv;
+namespace {
 
-  std::vector<double>& W = plan.w;  // The running weights.
+// GPTQ's sweep over plan->w with R = chol(H⁻¹) upper (only R's upper triangle and diagonal are
+// read), filling plan->res's codes and Ŵ.
+void GptqSweep(const double* R, GptqPlan* plan, int64_t m, int64_t n, int num_threads,
+               const ScalarQuantConfig& qc) {
+  ScalarRoundingResult& res = plan->res;
+  std::vector<double>& W = plan->w;  // The running weights.
   std::vector<int32_t> codes(m * n);
   const int32_t cmin = ScalarCodeMin(qc), cmax = ScalarCodeMax(qc);
   const bool grouped = qc.granularity == QuantGranularity::kPerGroup;
   const int64_t g = grouped ? std::min(qc.group_size, n) : n;
-  const int64_t B = plan.lazy_block;
+  const int64_t B = plan->lazy_block;
 
   // Rows evolve independently (row r's updates need only its own errors and the shared R), so
   // the sweep runs in fixed tasks of kScalarRowsPerTask rows, each on one thread with
@@ -399,16 +460,85 @@ StatusOr<ScalarRoundingResult> Gptq(const double* w, int64_t m, int64_t n, const
       }
     }
   };
-  qcal::ParallelTasks((m + kScalarRowsPerTask - 1) / kScalarRowsPerTask, config.num_threads,
-                      run_task);
+  qcal::ParallelTasks((m + kScalarRowsPerTask - 1) / kScalarRowsPerTask, num_threads, run_task);
+  W = {};  // the running weights are spent
   FinishScalarResult(codes, &res);
+}
+
+bool ExactlySymmetric(const double* h, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < i; ++j) {
+      if (!(h[i * n + j] == h[j * n + i])) return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+StatusOr<ScalarRoundingResult> Gptq(const double* w, int64_t m, int64_t n, const double* h,
+                                    const ScalarRoundingConfig& config) {
+  const char* what = "gptq";
+  QCAL_ASSIGN_OR_RETURN(GptqPlan plan, PrepareGptq(w, m, n, h, config));
+  // R is computed in the damped Hessian's own storage (one n² matrix at the peak, not two).
+  StatusOr<std::vector<double>> rinv = InverseCholeskyUpper(std::move(plan.h), n);
+  if (!rinv.ok()) return Annotate(rinv.status(), what);
+  GptqSweep(rinv->data(), &plan, m, n, config.num_threads, config.quant);
+  *rinv = {};
   if (config.refine_sweeps > 0) {
     QCAL_RETURN_IF_ERROR(Annotate(RefineRounding(w, h, config.refine_sweeps, config.damp,
-                                                 config.lazy_block, config.num_threads, qc, &res)
+                                                 config.lazy_block, config.num_threads,
+                                                 config.quant, &plan.res)
                                       .status(),
                                   what));
   }
-  return std::move(res);  // res is plan.res: moved, not copied
+  return std::move(plan.res);  // moved, not copied
+}
+
+StatusOr<ScalarRoundingResult> GptqInPlace(const double* w, int64_t m, int64_t n, double* h,
+                                           const ScalarRoundingConfig& config) {
+  const char* what = "gptq";
+  QCAL_RETURN_IF_ERROR(ValidateScalarRounding(w, m, n, h, config, what));
+  if (!ExactlySymmetric(h, n)) return Gptq(w, m, n, h, config);
+  GptqPlan plan;
+  const std::vector<int64_t> perm = GptqOrder(h, n, config.act_order);
+  plan.w = PermutedWeights(w, m, n, h, perm);
+  plan.res = InitScalarResult(w, m, n, config.quant, perm, config.num_threads);
+  plan.lazy_block = EffectiveLazyBlock(config.lazy_block, config.quant, n);
+
+  // H → the damped Hp = P H Pᵀ (processing order, dead diagonals 1) in place, as PrepareGptq
+  // makes it in a copy; the undamped diagonal is kept to restore H afterwards.
+  std::vector<double> diag(n);
+  for (int64_t i = 0; i < n; ++i) diag[i] = h[i * n + i];
+  std::vector<int64_t> to_processing(n);
+  for (int64_t k = 0; k < n; ++k) to_processing[perm[k]] = k;
+  PermuteSymmetricInPlace(h, n, to_processing, config.num_threads);
+  for (int64_t k = 0; k < n; ++k) {
+    if (diag[perm[k]] == 0.0) h[k * n + k] = 1.0;
+  }
+  auto restore = [&] {  // from Hp's strict lower triangle (kept by the factorization) and diag
+    MirrorLowerToUpper(h, n, config.num_threads);
+    for (int64_t k = 0; k < n; ++k) h[k * n + k] = diag[perm[k]];
+    PermuteSymmetricInPlace(h, n, perm, config.num_threads);
+  };
+  if (StatusOr<double> added = DampHessian(h, n, config.damp); !added.ok()) {
+    restore();
+    return Annotate(added.status(), what);
+  }
+  if (Status f = InverseCholeskyUpperKeepingLower(h, n); !f.ok()) {
+    if (f.code() == absl::StatusCode::kFailedPrecondition) restore();
+    return Annotate(f, what);
+  }
+  GptqSweep(h, &plan, m, n, config.num_threads, config.quant);
+  restore();
+  if (config.refine_sweeps > 0) {
+    QCAL_RETURN_IF_ERROR(Annotate(RefineRounding(w, h, config.refine_sweeps, config.damp,
+                                                 config.lazy_block, config.num_threads,
+                                                 config.quant, &plan.res)
+                                      .status(),
+                                  what));
+  }
+  return std::move(plan.res);
 }
 
 StatusOr<ScalarRoundingResult> Ldlq(const double* w, int64_t m, int64_t n, const double* h,

@@ -171,6 +171,9 @@ StatusOr<quant::BlockTaskResult> PerLinearMethod::QuantizeBlock(model::BlockWeig
                           QuantizeLinear(layer, kind, float_weights.linear(kind).DenseWeight(), h));
     result.weights.linears[static_cast<int>(kind)] = std::move(q.layer);
     result.linears.push_back(q.metrics);
+    // The float linear is done with: at a 70B shape the others' fp32 weights (2.5 GB) would
+    // otherwise sit beside down_proj's Hessian and GPTQ's work matrices.
+    float_weights.linears[static_cast<int>(kind)].reset();
   }
   result.seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -187,7 +190,7 @@ StatusOr<quant::QuantizedLinear> ScalarGridMethod::QuantizeLinear(int64_t layer,
                                                                   const at::Tensor& hessian) const {
   return quant::RoundLinear(layer, kind, weight, hessian, recipe().method.c_str(),
                             /*needs_hessian=*/options_.gptq,
-                            [&](const double* w, int64_t out, int64_t in, const double* h) {
+                            [&](const double* w, int64_t out, int64_t in, double* h) {
                               return quant::QuantizeScalarLinear(options_, w, out, in, h);
                             });
 }

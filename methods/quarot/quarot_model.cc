@@ -152,7 +152,7 @@ StatusOr<quant::BlockTaskResult> RoundRotatedBlock(const QuarotConfig& q, int64_
       QCAL_ASSIGN_OR_RETURN(
           quant::QuantizedLinear ql,
           quant::RoundLinear(layer, kind, weight, h, "quarot", q.gptq(),
-                             [&](const double* w, int64_t out, int64_t in, const double* hp) {
+                             [&](const double* w, int64_t out, int64_t in, double* hp) {
                                return quant::QuantizeScalarLinear(options, w, out, in, hp);
                              }));
       layer_out = std::move(ql.layer);

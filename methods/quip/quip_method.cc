@@ -21,7 +21,7 @@ class QuipMethod final : public PerLinearMethod {
     return quant::RoundLinear(
         layer, kind, weight, hessian, "quip", /*needs_hessian=*/true,
         [&](const double* w, int64_t out, int64_t in,
-            const double* h) -> StatusOr<quant::QuantizedLinear> {
+            double* h) -> StatusOr<quant::QuantizedLinear> {
           QuipRoundingOptions options;
           options.codebook = q_.codebook;
           options.incoherence = q_.incoherence;

@@ -234,6 +234,45 @@ TEST(LinalgTest, IndefinitePivotInALaterTileIsReportedAtItsIndex) {
   EXPECT_LE(RelativeFrobeniusError(prod.data(), h.data(), n), 1e-14);
 }
 
+TEST(LinalgTest, InverseFactorKeepingLowerEqualsCopyingAndKeepsTheLowerTriangle) {
+  const uint64_t seed = testing::TestSeed();
+  Gaussian g(seed);
+  for (const int64_t n : {1, 7, 256, 300, 600}) {  // one tile, a ragged one, several
+    SCOPED_TRACE(::testing::Message() << "n " << n);
+    const std::vector<double> h = RandomSpd(n, g, 0.05);
+    auto r = InverseCholeskyUpper(h.data(), n);
+    ASSERT_TRUE(r.ok()) << r.status();
+    std::vector<double> a = h;
+    ASSERT_TRUE(InverseCholeskyUpperKeepingLower(a.data(), n).ok());
+    int64_t upper_diff = 0, lower_diff = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t j = 0; j < n; ++j) {
+        if (j >= i) upper_diff += a[i * n + j] != (*r)[i * n + j];
+        if (j < i) lower_diff += a[i * n + j] != h[i * n + j];
+      }
+    }
+    EXPECT_EQ(upper_diff, 0);
+    EXPECT_EQ(lower_diff, 0);
+    EXPECT_NE(a[(n - 1) * n + n - 1], 0.0);
+  }
+  // Not positive definite (a negative pivot in a later tile): an error, the lower triangle kept.
+  const int64_t n = 600;
+  std::vector<double> h = RandomSpd(n, g, 0.05);
+  h[450 * n + 450] = -1.0;
+  std::vector<double> a = h;
+  const Status s = InverseCholeskyUpperKeepingLower(a.data(), n);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  int64_t lower_diff = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < i; ++j) lower_diff += a[i * n + j] != h[i * n + j];
+  }
+  EXPECT_EQ(lower_diff, 0);
+  a = h;
+  a[3] = std::nan("");
+  EXPECT_EQ(InverseCholeskyUpperKeepingLower(a.data(), n).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(LinalgTest, IndefiniteMatrixGivesAClearError) {
   // diag(4, 3, -1, 5) with small off-diagonal coupling: the third pivot (index 2) fails.
   const int64_t n = 4;

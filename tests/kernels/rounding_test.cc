@@ -744,6 +744,65 @@ TEST(RoundingTest, BlockLdlqConsumingHessianEqualsCopyingBitForBit) {
             absl::StatusCode::kInvalidArgument);
 }
 
+TEST(RoundingTest, GptqInPlaceEqualsGptqBitForBitAndRestoresH) {
+  const uint64_t seed = testing::TestSeed();
+  Gaussian g(seed);
+  struct Case {
+    int64_t m, n;
+    QuantGranularity gran;
+    bool act_order;
+    int refine;
+  };
+  // n = 600 spans three of the factorization's 256-wide tiles, the last ragged.
+  for (const Case c : {Case{40, 600, QuantGranularity::kPerChannel, true, 0},
+                       Case{33, 600, QuantGranularity::kPerGroup, true, 0},
+                       Case{20, 96, QuantGranularity::kPerGroup, false, 1},
+                       Case{17, 300, QuantGranularity::kPerTensor, true, 0}}) {
+    SCOPED_TRACE(::testing::Message() << "m " << c.m << " n " << c.n << " act " << c.act_order);
+    SyntheticHessian s = MakeHessian(c.n, g, 6.0, false);
+    for (int64_t dead : {int64_t{5}, c.n - 2}) {
+      for (int64_t j = 0; j < c.n; ++j) s.h[dead * c.n + j] = s.h[j * c.n + dead] = 0.0;
+    }
+    const std::vector<double> w = RandomMatrix(c.m, c.n, g);
+    ScalarRoundingConfig cfg = ScalarCfg(3, false, c.gran);
+    cfg.quant.group_size = 32;
+    cfg.act_order = c.act_order;
+    cfg.refine_sweeps = c.refine;
+    cfg.num_threads = 2;
+    auto copied = Gptq(w.data(), c.m, c.n, s.h.data(), cfg);
+    std::vector<double> h = s.h;
+    auto in_place = GptqInPlace(w.data(), c.m, c.n, h.data(), cfg);
+    ASSERT_TRUE(copied.ok() && in_place.ok()) << copied.status() << in_place.status();
+    EXPECT_EQ(copied->codes, in_place->codes);
+    EXPECT_EQ(copied->w_hat, in_place->w_hat);
+    EXPECT_EQ(copied->scales, in_place->scales);
+    EXPECT_EQ(copied->zeros, in_place->zeros);
+    EXPECT_EQ(copied->perm, in_place->perm);
+    EXPECT_EQ(copied->g_idx, in_place->g_idx);
+    EXPECT_TRUE(h == s.h) << "H not restored bit for bit";
+    EXPECT_GT(ProxyLoss(w.data(), in_place->w_hat.data(), h.data(), c.m, c.n), 0.0);
+  }
+  // Not positive definite even after damping: the error, and H restored.
+  const int64_t m = 8, n = 300;
+  SyntheticHessian s = MakeHessian(n, g, 6.0, false);
+  s.h[260 * n + 260] = -50.0;
+  const std::vector<double> w = RandomMatrix(m, n, g);
+  ScalarRoundingConfig cfg = ScalarCfg(4, true, QuantGranularity::kPerChannel);
+  std::vector<double> h = s.h;
+  auto bad = GptqInPlace(w.data(), m, n, h.data(), cfg);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kFailedPrecondition) << bad.status();
+  EXPECT_TRUE(h == s.h) << "H not restored after the failed factorization";
+  // Not exactly symmetric: rounded by the copying form, H untouched.
+  s = MakeHessian(n, g, 6.0, false);
+  s.h[1 * n + 0] = std::nextafter(s.h[1 * n + 0], 1.0);
+  h = s.h;
+  auto copied = Gptq(w.data(), m, n, s.h.data(), cfg);
+  auto in_place = GptqInPlace(w.data(), m, n, h.data(), cfg);
+  ASSERT_TRUE(copied.ok() && in_place.ok());
+  EXPECT_EQ(copied->codes, in_place->codes);
+  EXPECT_TRUE(h == s.h);
+}
+
 TEST(RoundingTest, DeadInputsAreHandledLikeGptq) {
   const uint64_t seed = testing::TestSeed();
   Gaussian g(seed);

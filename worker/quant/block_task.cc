@@ -30,7 +30,7 @@ StatusOr<QuantizedLinear> RoundLinear(int64_t layer, model::LinearKind kind,
     }
     h = hessian.to(at::kDouble).contiguous();
   }
-  const double* hp = h.defined() ? h.data_ptr<double>() : nullptr;
+  double* hp = h.defined() ? h.data_ptr<double>() : nullptr;
   StatusOr<QuantizedLinear> q = round(w.data_ptr<double>(), out, in, hp);
   if (!q.ok()) return Annotate(q.status(), where);
   q->metrics.name = model::LinearName(kind);

@@ -44,9 +44,11 @@ struct QuantizedLinear {
   LinearMetrics metrics;
 };
 
-// Rounds W [out, in] (row-major fp64) with the input Hessian H [in, in] (fp64, or null).
+// Rounds W [out, in] (row-major fp64) with the input Hessian H [in, in] (fp64, or null). A rounder
+// may use H's storage as work space (GPTQ: kernels::GptqInPlace) but leaves it as it found it
+// when it returns OK (H is shared: q/k/v round with one, gate/up with another).
 using LinearRounder = std::function<StatusOr<QuantizedLinear>(const double* w, int64_t out,
-                                                              int64_t in, const double* h)>;
+                                                              int64_t in, double* h)>;
 
 // Rounds one linear of block `layer`: `weight` [out, in] (any float dtype; converted to fp64),
 // `hessian` [in, in] (fp64 mean, read in place when contiguous fp64; undefined when the method

@@ -39,7 +39,7 @@ Status RoundToNearestInPlace(const ScalarQuantizeOptions& o, double* w, int64_t 
 }
 
 StatusOr<QuantizedLinear> QuantizeScalarLinear(const ScalarQuantizeOptions& o, const double* w,
-                                               int64_t out, int64_t in, const double* h) {
+                                               int64_t out, int64_t in, double* h) {
   kernels::ScalarRoundingResult rounded;
   if (o.gptq) {
     kernels::ScalarRoundingConfig sc;
@@ -50,7 +50,7 @@ StatusOr<QuantizedLinear> QuantizeScalarLinear(const ScalarQuantizeOptions& o, c
     // On a GPU worker the sweep runs on the device (kernels/gptq_cuda.h, the same algorithm).
     kernels::GpuBackend* gpu = kernels::ActiveGpuBackend();
     QCAL_ASSIGN_OR_RETURN(rounded, gpu != nullptr ? gpu->Gptq(w, out, in, h, sc)
-                                                  : kernels::Gptq(w, out, in, h, sc));
+                                                  : kernels::GptqInPlace(w, out, in, h, sc));
   } else {
     QCAL_ASSIGN_OR_RETURN(rounded, kernels::RoundToNearest(w, out, in, ScalarConfig(o)));
   }
