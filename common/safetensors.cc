@@ -543,6 +543,15 @@ Status SafetensorsWriter::AddStreamed(std::string name, DType dtype, std::vector
   return absl::OkStatus();
 }
 
+StatusOr<uint64_t> SafetensorsWriter::DataOffset(const std::string& name) const {
+  uint64_t offset = 0;
+  for (const Entry& entry : entries_) {  // the order Prefix() lays them out in
+    if (entry.name == name) return offset;
+    offset += entry.nbytes;
+  }
+  return absl::NotFoundError(absl::StrCat("SafetensorsWriter: no tensor '", Printable(name), "'"));
+}
+
 StatusOr<std::string> SafetensorsWriter::Prefix(const std::string& path) const {
   json header = json::object();
   if (!metadata_.empty()) {

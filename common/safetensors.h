@@ -124,6 +124,9 @@ class SafetensorsWriter {
   // Prefix().size() + its offset in the data section (a file filled in place, e.g. by several
   // processes each writing its rows). Write() refuses a writer holding one.
   Status Reserve(std::string name, DType dtype, std::vector<int64_t> shape);
+  // Where tensor `name`'s bytes start in the data section (add Prefix().size() for the file
+  // offset); NotFound for a name not added.
+  StatusOr<uint64_t> DataOffset(const std::string& name) const;
   // Total bytes of tensor data added (or reserved) so far.
   uint64_t data_bytes() const { return data_bytes_; }
   // The file's first bytes: the 8-byte header length and the JSON header padded to 8 bytes.

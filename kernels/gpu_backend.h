@@ -28,6 +28,42 @@ class DeviceHessian {
   virtual StatusOr<std::vector<Fixed128>> Finish(int64_t* count) = 0;
 };
 
+// One Llama decoder block's calibration forward on the device (kernels/block_forward_cuda.h for
+// the arithmetic): shape, host weights, precision.
+struct BlockForwardShape {
+  int64_t hidden = 0;
+  int64_t intermediate = 0;
+  int64_t heads = 0;
+  int64_t kv_heads = 0;
+  int64_t head_dim = 0;
+  double rms_eps = 1e-5;
+};
+
+// Host fp32 weights of one block, row-major; linears[k] in LinearKind order (q, k, v, o, gate,
+// up, down), each [out, in].
+struct BlockForwardWeights {
+  const float* input_norm = nullptr;  // [hidden]
+  const float* post_norm = nullptr;   // [hidden]
+  const float* linears[7] = {};
+};
+
+enum class BlockForwardPrecision { kFloat32, kBf16 };
+
+// InvalidArgument naming the problem when the device forward cannot run this shape (heads not a
+// multiple of kv_heads, head_dim odd or above 128, sizes not positive); OK otherwise.
+Status CheckBlockForwardShape(const BlockForwardShape& shape);
+
+// A block's weights resident on the device, for the whole calibration of that block.
+class DeviceBlock {
+ public:
+  virtual ~DeviceBlock() = default;
+  // x, out: host fp32 [seqs, t, hidden]; cos, sin: host fp32 [t, head_dim], the RoPE tables of
+  // positions 0..t-1. hessians[k] (worker/calib's HessianKind order: qkv, o, gate_up, down; null:
+  // not collected) receive the linears' inputs, which stay on the device.
+  virtual Status Forward(const float* x, int64_t seqs, int64_t t, const float* cos,
+                         const float* sin, DeviceHessian* const hessians[4], float* out) = 0;
+};
+
 class GpuBackend {
  public:
   virtual ~GpuBackend() = default;
@@ -42,6 +78,12 @@ class GpuBackend {
   virtual StatusOr<ScalarRoundingResult> Gptq(const double* w, int64_t m, int64_t n,
                                               const double* h,
                                               const ScalarRoundingConfig& config) = 0;
+  // Uploads a plain decoder block (no hooks, dense fp32 weights) for its calibration forward.
+  // Unimplemented (the default): the caller runs the CPU forward and feeds NewHessian's sums.
+  virtual StatusOr<std::unique_ptr<DeviceBlock>> NewBlock(const BlockForwardShape& shape,
+                                                          const BlockForwardWeights& weights) {
+    return absl::UnimplementedError("this backend has no device block forward");
+  }
 };
 
 // The process's backend (borrowed; null: CPU). Set once at start-up, before worker threads run.

@@ -2,10 +2,13 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "kernels/block_forward_cuda.h"
 #include "kernels/cuda_status.h"
 #include "kernels/gptq_cuda.h"
 #include "kernels/hessian_cuda.h"
@@ -42,12 +45,52 @@ class CudaHessian final : public DeviceHessian {
     return packed;
   }
 
+  HessianAccumulatorCuda* accumulator() { return &acc_; }
+
  private:
   HessianAccumulatorCuda acc_;
   int64_t n_;
   float* staging_ = nullptr;
   size_t capacity_ = 0;
 };
+
+class CudaBlock final : public DeviceBlock {
+ public:
+  explicit CudaBlock(std::unique_ptr<BlockForwardCuda> block) : block_(std::move(block)) {}
+  Status Forward(const float* x, int64_t seqs, int64_t t, const float* cos, const float* sin,
+                 DeviceHessian* const hessians[4], float* out) override {
+    HessianAccumulatorCuda* acc[4] = {};
+    for (int k = 0; k < 4; ++k) {
+      if (hessians[k] == nullptr) continue;
+      auto* h = dynamic_cast<CudaHessian*>(hessians[k]);
+      if (h == nullptr) {
+        return absl::InvalidArgumentError("device block forward: a Hessian of another backend");
+      }
+      acc[k] = h->accumulator();
+    }
+    return block_->Forward(x, seqs, t, cos, sin, acc, out);
+  }
+
+ private:
+  std::unique_ptr<BlockForwardCuda> block_;
+};
+
+// QCAL_GPU_FORWARD: bf16 (default: tensor cores, fp32 accumulation), fp32 (pedantic, no TF32),
+// or cpu (the calibration forward stays on the CPU; Hessians are still summed on the device).
+StatusOr<BlockForwardPrecision> ForwardPrecisionFromEnv(bool* on_cpu) {
+  const char* v = std::getenv("QCAL_GPU_FORWARD");
+  *on_cpu = false;
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "bf16") == 0) {
+    return BlockForwardPrecision::kBf16;
+  }
+  if (std::strcmp(v, "fp32") == 0) return BlockForwardPrecision::kFloat32;
+  if (std::strcmp(v, "cpu") == 0) {
+    *on_cpu = true;
+    return BlockForwardPrecision::kFloat32;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("QCAL_GPU_FORWARD=", v, ": expected bf16, fp32 or cpu"));
+}
 
 class CudaBackend final : public GpuBackend {
  public:
@@ -72,6 +115,17 @@ class CudaBackend final : public GpuBackend {
                                       const ScalarRoundingConfig& config) override {
     QCAL_CUDA_RETURN_IF_ERROR(cudaSetDevice(index_));
     return GptqCuda(w, m, n, h, config, nullptr);
+  }
+
+  StatusOr<std::unique_ptr<DeviceBlock>> NewBlock(const BlockForwardShape& shape,
+                                                  const BlockForwardWeights& weights) override {
+    bool on_cpu = false;
+    QCAL_ASSIGN_OR_RETURN(BlockForwardPrecision precision, ForwardPrecisionFromEnv(&on_cpu));
+    if (on_cpu) return absl::UnimplementedError("QCAL_GPU_FORWARD=cpu");
+    QCAL_CUDA_RETURN_IF_ERROR(cudaSetDevice(index_));
+    QCAL_ASSIGN_OR_RETURN(std::unique_ptr<BlockForwardCuda> block,
+                          BlockForwardCuda::Create(shape, weights, precision, nullptr));
+    return std::unique_ptr<DeviceBlock>(std::make_unique<CudaBlock>(std::move(block)));
   }
 
  private:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# A stories260K job on the GPU against the same job on the CPU (issue 15): QuIP# 2-bit (E8P) and
+# The device block forward's test (worker_gpu_block_forward_test), then a stories260K job on the
+# GPU against the same job on the CPU (issue 15): QuIP# 2-bit (E8P) and
 # GPTQ 4-bit with `qcal quantize --device cuda` and `--device cpu` on the same machine, then the
 # per-linear proxy losses and the TinyStories perplexity of each pair compared.
 #
@@ -17,7 +18,9 @@ case "${1:-}" in
     build=${2:-build}
     shared=${QCAL_SHARED_DIR:-../shared}
     stage=$(mktemp -d)/qb
-    bash scripts/gpu-bundle.sh "$build" "$stage" qcal > /dev/null || exit 1
+    ninja -C "$build" qcal worker_gpu_block_forward_test || exit 1
+    bash scripts/gpu-bundle.sh "$build" "$stage" qcal worker_gpu_block_forward_test > /dev/null || exit 1
+    strip --strip-debug "$stage/qcal" "$stage/worker_gpu_block_forward_test"
     mkdir -p "$stage/shared/models" "$stage/shared/data/wikitext2" "$stage/shared/data/tinystories"
     cp -r "$shared/models/stories260K" "$stage/shared/models/"
     cp "$shared/data/wikitext2/wiki.valid.tokens" "$stage/shared/data/wikitext2/"
@@ -37,6 +40,10 @@ case "${1:-}" in
     Q=/tmp/qb/qcal S=/tmp/qb/shared W=/tmp/qcal-e2e
     rm -rf "$W" && mkdir -p "$W"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
+    # The device block forward and its Hessians against the CPU block (fp32 and bf16).
+    /tmp/qb/worker_gpu_block_forward_test > "$out/block-forward-test.log" 2>&1
+    echo "worker_gpu_block_forward_test: rc=$?"
+    grep -E '^\[ +(OK|FAILED|SKIPPED) |seed|Hessian' "$out/block-forward-test.log" | head -20
     $Q import llama2c "$S/models/stories260K/stories260K.bin" "$S/models/stories260K/tok512.bin" \
       --out "$W/float" > /dev/null || exit 1
     for r in quip-e8p-2bit gptq-4bit; do

@@ -2,11 +2,18 @@
 # Pins the output bytes of a few small recipes on stories260K (single-process `qcal quantize`):
 # the sha256 of every output file must equal tests/pinned/output-hashes.txt. An unintended
 # numeric change fails here; an intended one updates that file in the same commit and says why
-# (regenerate with: bash scripts/recipe-hashes.sh /tmp/h gptq-4bit quarot-w4a4kv4 quip-e8p-2bit-ft
+# (regenerate with: OPENBLAS_CORETYPE=Haswell bash scripts/recipe-hashes.sh /tmp/h gptq-4bit quarot-w4a4kv4 quip-e8p-2bit-ft
 # quip-e8p-2bit spinquant-w4a4kv4 > tests/pinned/output-hashes.txt).
 # Usage (ctest runs it): pinned_outputs_test.sh SOURCE_DIR BUILD_DIR
 set -euo pipefail
 src=$1 build=$2
+# The pins were made with OpenBLAS's Haswell (AVX2) kernels. On an AVX-512 machine OpenBLAS picks
+# other kernels by default (SkylakeX and later: small-matrix GEMM paths that sum in another
+# order), which changes the bits of the recipes that train (block fine-tuning, rotation
+# training: many small GEMMs) and nothing else; outputs stay bit-identical across ranks and
+# threads on one machine either way (docs/architecture.md, "Determinism"). Selecting the kernels
+# makes the pins hold on any x86-64 CI machine.
+export OPENBLAS_CORETYPE=${QCAL_PIN_OPENBLAS_CORETYPE:-Haswell}
 pins="$src/tests/pinned/output-hashes.txt"
 work=$(mktemp -d /tmp/qcal-pinned.XXXXXX)
 trap 'rm -rf "$work"' EXIT

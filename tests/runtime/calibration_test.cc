@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <limits>
 #include <thread>
 
@@ -20,6 +21,10 @@
 
 namespace qcal {
 namespace {
+
+bool VerifyCacheChecksumOk(const std::string& path) {
+  return calib::VerifyCacheChecksum(path).ok();
+}
 
 // Records each sequence's fp32 xᵀx summed in fp64 (the accumulation the fixed-point sums
 // replaced), for the reference.
@@ -70,8 +75,10 @@ class CalibrationRanksTest : public ::testing::Test {
 
   // Runs Calibrate on `ranks` thread-ranks (each with its own model) into `job_dir`; returns
   // rank 0's result (every rank's Hessians are checked equal to rank 0's).
-  static calib::CalibrationResult Run(int ranks, const std::string& job_dir,
-                                      int64_t budget = std::numeric_limits<int64_t>::max()) {
+  static calib::CalibrationResult Run(
+      int ranks, const std::string& job_dir,
+      int64_t budget = std::numeric_limits<int64_t>::max(),
+      const std::function<void(calib::CalibrationOptions&)>& tweak = nullptr) {
     auto comms = runtime::MakeThreadComms(ranks);
     std::vector<StatusOr<calib::CalibrationResult>> results(ranks, absl::UnknownError("not run"));
     std::vector<std::thread> threads;
@@ -87,6 +94,7 @@ class CalibrationRanksTest : public ::testing::Test {
         opt.batch = 4;
         opt.activations = true;
         opt.memory_budget_bytes = budget;
+        if (tweak) tweak(opt);
         results[r] = calib::Calibrate(*comms[r], **source, *tokens_, job_dir, "key", opt);
         if (!results[r].ok()) comms[r].reset();
       });
@@ -205,6 +213,52 @@ TEST_F(CalibrationRanksTest, RanksGiveTheWorldOfOneBitsAndMatchAnFp64Reference) 
   EXPECT_TRUE(again->from_cache);
   EXPECT_TRUE(again->activations_from_cache);
   EXPECT_TRUE(again->hessians[1].h[2].packed() == one->hessians[1].h[2].packed());
+}
+
+// Sharded Hessians (each rank sums every rank's inputs into its band of rows and writes it in
+// place): the same files, byte for byte, as the unsharded walk of one rank. With 16-row strips
+// stories260K's inputs (64 and 172 wide) are cut into 4 and 11 strips, so 2 and 3 ranks own real
+// bands; with the production strips (512 rows) rank 0 owns everything and the others none. 22
+// sequences in chunks of 4: 6 chunks, so with 4 ranks two ranks step past their last chunk.
+TEST_F(CalibrationRanksTest, ShardedHessiansWriteTheUnshardedFilesByteForByte) {
+  const int64_t blocks = 5;  // stories260K
+  for (int64_t strip : {int64_t{16}, calib::kHessianStripRows}) {
+    const std::string dir1 = *root_ + "/unsharded-strip" + std::to_string(strip);
+    calib::CalibrationResult one = Run(1, dir1, std::numeric_limits<int64_t>::max(),
+                                       [&](calib::CalibrationOptions& o) {
+                                         o.hessian_strip_rows = strip;
+                                       });
+    ASSERT_EQ(static_cast<int64_t>(one.hessians.size()), blocks);
+    for (auto [ranks, budget] : {std::pair<int, int64_t>{2, std::numeric_limits<int64_t>::max()},
+                                 {3, std::numeric_limits<int64_t>::max()},
+                                 {4, 1}}) {
+      const std::string dir = *root_ + "/sharded-strip" + std::to_string(strip) + "-" +
+                              std::to_string(ranks);
+      calib::CalibrationResult many = Run(ranks, dir, budget, [&](calib::CalibrationOptions& o) {
+        o.hessian_strip_rows = strip;
+        o.shard_hessians = true;
+      });
+      ASSERT_EQ(static_cast<int64_t>(many.hessians.size()), blocks) << ranks << " ranks";
+      EXPECT_EQ(many.tokens, 22 * 64);
+      for (int64_t l = 0; l < blocks; ++l) {
+        auto h1 = ReadFile(calib::HessianPath(dir1, l));
+        auto hn = ReadFile(calib::HessianPath(dir, l));
+        ASSERT_TRUE(h1.ok() && hn.ok()) << hn.status();
+        EXPECT_TRUE(*h1 == *hn) << "strip " << strip << ", " << ranks << " ranks: block " << l;
+        EXPECT_TRUE(VerifyCacheChecksumOk(calib::HessianPath(dir, l)));
+        for (int k = 0; k < 4; ++k) {
+          EXPECT_FALSE(many.hessians[l].h[k].is_band()) << "kept Hessians are whole";
+          EXPECT_TRUE(many.hessians[l].h[k].packed() == one.hessians[l].h[k].packed());
+        }
+      }
+      for (int64_t l = 0; l <= blocks; ++l) {
+        auto a1 = ReadFile(calib::ActivationPath(dir1, l));
+        auto an = ReadFile(calib::ActivationPath(dir, l));
+        ASSERT_TRUE(a1.ok() && an.ok()) << an.status();
+        EXPECT_TRUE(*a1 == *an) << ranks << " ranks: activations at boundary " << l;
+      }
+    }
+  }
 }
 
 TEST_F(CalibrationRanksTest, MoreRanksThanChunksStillAgree) {

@@ -64,6 +64,8 @@ TEST_P(ThreadCommTest, CollectivesGiveEveryRankTheSameResult) {
   std::vector<std::vector<double>> dsums(n);
   std::vector<std::vector<char>> gathered(n);
   std::vector<std::string> bcast(n);
+  std::vector<std::vector<char>> all_gathered(n);
+  std::vector<std::vector<size_t>> all_sizes(n);
   auto status = RunRanks(n, [&](Comm& c) -> Status {
     const int r = c.rank();
     EXPECT_EQ(c.size(), n);
@@ -93,6 +95,12 @@ TEST_P(ThreadCommTest, CollectivesGiveEveryRankTheSameResult) {
     std::vector<char> out = {'x'};
     QCAL_RETURN_IF_ERROR(c.Gather(mine.data(), mine.size(), 0, &out));
     gathered[r] = out;
+    // AllGather of the same parts: every rank gets them all, with the sizes.
+    std::vector<char> all = {'x'};
+    std::vector<size_t> sizes;
+    QCAL_RETURN_IF_ERROR(AllGather(c, mine.data(), mine.size(), &all, &sizes));
+    all_gathered[r] = all;
+    all_sizes[r] = sizes;
     return absl::OkStatus();
   });
   std::string expect_gather;
@@ -110,6 +118,10 @@ TEST_P(ThreadCommTest, CollectivesGiveEveryRankTheSameResult) {
     EXPECT_EQ(dsums[r][0], expect);
     EXPECT_EQ(dsums[r][2], -n);
     EXPECT_EQ(bcast[r], "hello");
+    EXPECT_EQ(std::string(all_gathered[r].begin(), all_gathered[r].end()), expect_gather)
+        << "rank " << r;
+    ASSERT_EQ(all_sizes[r].size(), static_cast<size_t>(n));
+    for (int k = 0; k < n; ++k) EXPECT_EQ(all_sizes[r][k], k == 1 ? 0u : k + 1u);
     if (r == 0) {
       EXPECT_EQ(std::string(gathered[0].begin(), gathered[0].end()), expect_gather);
     } else {

@@ -45,6 +45,14 @@ TEST(MpiCommTest, CollectivesMatchTheirDefinition) {
   } else {
     EXPECT_EQ(out, std::vector<char>{'x'});
   }
+  // AllGather (built on AllReduceSum and Broadcast): every rank gets every part, in rank order.
+  std::vector<char> all = {'x'};
+  ASSERT_TRUE(AllGather(c, mine.data(), mine.size(), &all).ok());
+  {
+    std::string expect;
+    for (int k = 0; k < n; ++k) expect += std::string(k == 1 ? 0 : k + 1, 'a' + k);
+    EXPECT_EQ(std::string(all.begin(), all.end()), expect);
+  }
   ASSERT_TRUE(c.Barrier().ok());
   // A bad root is refused locally, without a collective.
   EXPECT_EQ(c.Broadcast(msg, 1, n).code(), absl::StatusCode::kInvalidArgument);

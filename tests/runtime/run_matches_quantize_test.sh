@@ -2,7 +2,8 @@
 # Issue 18: `qcal run` (a private coordinator + mpirun with its default binding, which on a
 # 2-core machine pins each of 1 or 2 ranks to one core) gives output byte-identical to the
 # single-process `qcal quantize`, whatever --workers and --threads, for QuIP# 2-bit and for a
-# fine-tuning recipe (quip-e8p-2bit-ft with 32 calibration sequences, to keep the test short).
+# fine-tuning recipe (quip-e8p-2bit-ft with 32 calibration sequences, to keep the test short),
+# and with Hessian sums sharded over 2 ranks (--max-memory below a block's working set).
 # Before the fix the fine-tuning recipe differed in every shard with 1 or 2 workers: OpenBLAS
 # splits a GEMM over the CPUs of the affinity mask, and the split changed the bits.
 # Usage (ctest runs it): run_matches_quantize_test.sh SOURCE_DIR BUILD_DIR
@@ -41,14 +42,21 @@ for recipe in quip2 ft; do
   "$q" quantize --recipe "$work/$recipe.yaml" --model "$work/model" --out "$ref" \
     --data-root "$shared" > "$work/$recipe-quantize.log" 2>&1 \
     || { echo "qcal quantize $recipe failed:"; tail -5 "$work/$recipe-quantize.log"; exit 1; }
-  # (workers, threads): 0 threads = the job's automatic choice.
-  for combo in "1 0" "2 0" "2 1" "1 2"; do
+  # (workers, threads[, max-memory]): 0 threads = the job's automatic choice. A 64K budget is
+  # below a block's working set, so the 2 ranks shard the Hessian sums by row bands.
+  combos=("1 0" "2 0" "2 1" "1 2")
+  [ "$recipe" = quip2 ] && combos+=("2 0 64K")
+  for combo in "${combos[@]}"; do
     set -- $combo
-    label="$recipe run --workers $1 --threads $2"
-    out="$work/$recipe-w$1-t$2"
+    mem=${3:-}
+    label="$recipe run --workers $1 --threads $2${mem:+ --max-memory $mem}"
+    out="$work/$recipe-w$1-t$2${mem:+-m$mem}"
     if ! "$q" run "$work/$recipe.yaml" --model "$work/model" --out "$out" --data-root "$shared" \
-        --workers "$1" --threads "$2" --no-eval > "$out.log" 2>&1; then
+        --workers "$1" --threads "$2" ${mem:+--max-memory "$mem"} --no-eval > "$out.log" 2>&1; then
       echo "FAIL $label: qcal run exited non-zero:"; tail -8 "$out.log"; fail=1; continue
+    fi
+    if [ -n "$mem" ] && ! grep -q "shard the sums by row bands" "$out.job/workers.log"; then
+      echo "FAIL $label: the workers did not shard the Hessian sums"; fail=1
     fi
     compare "$ref" "$out" "$label" || fail=1
   done

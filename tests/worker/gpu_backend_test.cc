@@ -9,10 +9,12 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstring>
 #include <filesystem>
 #include <string>
 
 #include "common/atomic_file.h"
+#include "common/hf_config.h"
 #include "methods/registry.h"
 #include "kernels/device_select.h"
 #include "kernels/e8p.h"
@@ -49,7 +51,7 @@ class FakeHessian final : public kernels::DeviceHessian {
   calib::HessianAccumulator acc_;
 };
 
-class FakeBackend final : public kernels::GpuBackend {
+class FakeBackend : public kernels::GpuBackend {
  public:
   std::string description() const override { return "fake:0"; }
   StatusOr<std::unique_ptr<kernels::DeviceHessian>> NewHessian(int64_t n) override {
@@ -71,6 +73,93 @@ class FakeBackend final : public kernels::GpuBackend {
   }
 };
 
+std::atomic<int> g_new_blocks{0};
+std::atomic<int> g_block_forwards{0};
+
+// The CPU forward behind the device-block interface: a DecoderBlock over copies of the uploaded
+// weights whose q, o, gate and down linears hand their inputs to the Forward call's Hessians.
+// It checks that the RoPE tables it is given are the model's for positions 0..t-1.
+class TapLinear final : public model::Linear {
+ public:
+  TapLinear(at::Tensor w, kernels::DeviceHessian* const* slot, Status* status)
+      : dense_(std::move(w)), slot_(slot), status_(status) {}
+  at::Tensor Forward(const at::Tensor& x) const override {
+    if (slot_ != nullptr && *slot_ != nullptr && status_->ok()) {
+      const at::Tensor c = x.contiguous();
+      *status_ = (*slot_)->Add(c.data_ptr<float>(), c.size(0), c.size(1));
+    }
+    return dense_.Forward(x);
+  }
+  int64_t in_features() const override { return dense_.in_features(); }
+  int64_t out_features() const override { return dense_.out_features(); }
+  at::Tensor DenseWeight() const override { return dense_.DenseWeight(); }
+
+ private:
+  model::DenseLinear dense_;
+  kernels::DeviceHessian* const* slot_;
+  Status* status_;
+};
+
+class FakeDeviceBlock final : public kernels::DeviceBlock {
+ public:
+  FakeDeviceBlock(const LlamaConfig& config, const kernels::BlockForwardShape& shape,
+                  const kernels::BlockForwardWeights& w)
+      : rope_(config), hidden_(shape.hidden) {
+    model::BlockWeights bw;
+    bw.input_norm = at::from_blob(const_cast<float*>(w.input_norm), {shape.hidden}).clone();
+    bw.post_norm = at::from_blob(const_cast<float*>(w.post_norm), {shape.hidden}).clone();
+    const int64_t hd = shape.heads * shape.head_dim, kvd = shape.kv_heads * shape.head_dim;
+    const int64_t outs[7] = {hd, kvd, kvd, shape.hidden, shape.intermediate, shape.intermediate,
+                             shape.hidden};
+    const int64_t ins[7] = {shape.hidden, shape.hidden, shape.hidden, hd,
+                            shape.hidden, shape.hidden, shape.intermediate};
+    const int tap_of[7] = {0, -1, -1, 1, 2, -1, 3};  // HessianKind of the recording linears
+    for (int k = 0; k < 7; ++k) {
+      at::Tensor t = at::from_blob(const_cast<float*>(w.linears[k]), {outs[k], ins[k]}).clone();
+      bw.linears[k] = std::make_unique<TapLinear>(
+          std::move(t), tap_of[k] >= 0 ? &taps_[tap_of[k]] : nullptr, &status_);
+    }
+    block_ = std::make_unique<model::DecoderBlock>(config, std::move(bw));
+  }
+  Status Forward(const float* x, int64_t seqs, int64_t t, const float* cos, const float* sin,
+                 kernels::DeviceHessian* const hessians[4], float* out) override {
+    ++g_block_forwards;
+    const at::Tensor c = rope_.cos_table().narrow(0, 0, t).contiguous();
+    const at::Tensor s = rope_.sin_table().narrow(0, 0, t).contiguous();
+    if (std::memcmp(c.data_ptr<float>(), cos, c.numel() * 4) != 0 ||
+        std::memcmp(s.data_ptr<float>(), sin, s.numel() * 4) != 0) {
+      return absl::InternalError("the RoPE tables passed are not the model's");
+    }
+    for (int k = 0; k < 4; ++k) taps_[k] = hessians[k];
+    status_ = absl::OkStatus();
+    at::Tensor in = at::from_blob(const_cast<float*>(x), {seqs, t, hidden_});
+    at::Tensor y = block_->Forward(in, rope_).contiguous();
+    std::memcpy(out, y.data_ptr<float>(), y.numel() * 4);
+    return status_;
+  }
+
+ private:
+  model::Rope rope_;
+  int64_t hidden_;
+  std::unique_ptr<model::DecoderBlock> block_;
+  kernels::DeviceHessian* taps_[4] = {};
+  Status status_;
+};
+
+class FakeBlockBackend final : public FakeBackend {
+ public:
+  explicit FakeBlockBackend(LlamaConfig config) : config_(std::move(config)) {}
+  StatusOr<std::unique_ptr<kernels::DeviceBlock>> NewBlock(
+      const kernels::BlockForwardShape& shape, const kernels::BlockForwardWeights& w) override {
+    ++g_new_blocks;
+    return std::unique_ptr<kernels::DeviceBlock>(
+        std::make_unique<FakeDeviceBlock>(config_, shape, w));
+  }
+
+ private:
+  LlamaConfig config_;
+};
+
 std::string ReadAll(const std::string& path) {
   auto s = ReadFile(path);
   return s.ok() ? *s : std::string("<unreadable>");
@@ -78,7 +167,8 @@ std::string ReadAll(const std::string& path) {
 
 // Runs `yaml` on stories260K on the CPU and through the fake backend; every output file must
 // be byte-identical. Returns false (with failures recorded) otherwise.
-void ExpectSameBytesThroughTheBackend(const std::string& yaml, const std::string& tag) {
+void ExpectSameBytesThroughTheBackend(const std::string& yaml, const std::string& tag,
+                                      bool block_forward = false) {
   model::SetComputeThreads(1);
   const std::string root = testing::MakeTempDir("gpu_backend_" + tag);
   auto recipe = ParseRecipe(yaml, tag + ".yaml");
@@ -95,7 +185,13 @@ void ExpectSameBytesThroughTheBackend(const std::string& yaml, const std::string
     return o.out_dir;
   };
   const std::string cpu = run("cpu");
-  ASSERT_EQ(kernels::SetActiveGpuBackend(std::make_unique<FakeBackend>()), nullptr);
+  std::unique_ptr<kernels::GpuBackend> backend = std::make_unique<FakeBackend>();
+  if (block_forward) {
+    auto config = LoadLlamaConfig(testing::RealModelDir("stories260K") + "/config.json");
+    ASSERT_TRUE(config.ok()) << config.status();
+    backend = std::make_unique<FakeBlockBackend>(*config);
+  }
+  ASSERT_EQ(kernels::SetActiveGpuBackend(std::move(backend)), nullptr);
   const std::string gpu = run("gpu");
   kernels::SetActiveGpuBackend(nullptr);
   int files = 0;
@@ -120,6 +216,24 @@ TEST(GpuBackendTest, QuipJobThroughTheBackendWritesTheCpuJobsBytes) {
       "quip");
   // 5 layers × 4 Hessian kinds, 7 linears each rounded with E8P. The 16 sequences are 2 chunks
   // of 8 per block: one device accumulator per kind and block, kept across the chunks.
+  EXPECT_EQ(g_hessian_adds.load(), 5 * 4 * 2);
+  EXPECT_EQ(g_new_hessians.load(), 5 * 4);
+  EXPECT_EQ(g_roundings.load(), 5 * 7);
+}
+
+TEST(GpuBackendTest, BlockForwardOnTheDeviceWritesTheCpuJobsBytes) {
+  g_hessian_adds = 0;
+  g_new_hessians = 0;
+  g_new_blocks = 0;
+  g_block_forwards = 0;
+  g_roundings = 0;
+  ExpectSameBytesThroughTheBackend(
+      std::string("name: quip-e8p-fake-block\nmethod: quip\nbits: 2\ncodebook: e8p\n") + kCalib,
+      "quip_block", /*block_forward=*/true);
+  // Each of the 5 blocks is uploaded once and runs its 2 chunks of 8 sequences on the device,
+  // its 4 linear inputs going to the device Hessians there.
+  EXPECT_EQ(g_new_blocks.load(), 5);
+  EXPECT_EQ(g_block_forwards.load(), 5 * 2);
   EXPECT_EQ(g_hessian_adds.load(), 5 * 4 * 2);
   EXPECT_EQ(g_new_hessians.load(), 5 * 4);
   EXPECT_EQ(g_roundings.load(), 5 * 7);

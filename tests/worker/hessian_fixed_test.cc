@@ -271,6 +271,23 @@ TEST(HessianFixedTest, CacheRoundTripsExactlyAndOldFilesAreStale) {
     EXPECT_EQ(back->h[k].count(), 15);
     EXPECT_TRUE(at::equal(back->h[k].Mean(), h.h[k].Mean()));
   }
+  // Mapped: nothing read into the accumulators; each mean made from the file is bit-identical,
+  // through BlockHessians::Mean and through HessianMeans (what block tasks use).
+  auto mapped = LoadBlockHessians(dir + "/b.safetensors", "key1", /*mapped=*/true);
+  ASSERT_TRUE(mapped.ok()) << mapped.status();
+  ASSERT_NE(mapped->stored, nullptr);
+  HessianMeans means(&*mapped);
+  const model::LinearKind first[4] = {model::LinearKind::kQ, model::LinearKind::kO,
+                                      model::LinearKind::kGate, model::LinearKind::kDown};
+  for (int k = 0; k < 4; ++k) {
+    EXPECT_EQ(mapped->h[k].dim(), 0);
+    EXPECT_EQ(mapped->stored->dim(kAllHessianKinds[k]), dims[k]);
+    EXPECT_EQ(mapped->stored->count(kAllHessianKinds[k]), 15);
+    const at::Tensor want = h.h[k].Mean();
+    ASSERT_GT(want.abs().max().item<double>(), 0.0);
+    EXPECT_TRUE(at::equal(mapped->Mean(kAllHessianKinds[k]), want)) << k;
+    EXPECT_TRUE(at::equal(means.For(first[k]), want)) << k;
+  }
   EXPECT_EQ(LoadBlockHessians(dir + "/b.safetensors", "key2").status().code(),
             absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(LoadBlockHessians(dir + "/none.safetensors", "key1").status().code(),
@@ -323,6 +340,80 @@ TEST(HessianMeansTest, EachKindOnceAndItsSumsReleased) {
   EXPECT_EQ(h.h[3].dim(), 0);
   HessianMeans none(nullptr);
   EXPECT_FALSE(none.For(model::LinearKind::kQ).defined());
+}
+
+// Bands (sharded calibration): the owners' bands tile [0, n) in whole strips with about equal
+// numbers of values, and a band accumulator's values are the whole accumulator's there, bit for
+// bit, for the production strip height and a small one.
+TEST(HessianBandTest, BandsTileTheTriangleAndHoldTheWholeAccumulatorsValues) {
+  model::SetComputeThreads(2);
+  const uint64_t seed = testing::TestSeed();
+  at::manual_seed(seed);
+  struct Case {
+    int64_t n, strip;
+  };
+  for (const Case c : {Case{1300, kHessianStripRows}, Case{100, 16}, Case{64, 16}}) {
+    at::Tensor x = at::randn({5, 24, c.n});
+    x.select(2, 3).mul_(200.0);
+    HessianAccumulator whole(c.n, c.strip);
+    ASSERT_TRUE(whole.Add(x).ok());
+    ASSERT_TRUE(whole.Add(x.narrow(0, 0, 2)).ok());  // a second call adds on
+    const int64_t total = c.n * (c.n + 1) / 2;
+    for (int size : {1, 2, 3, 4}) {
+      int64_t next_row = 0;
+      for (int r = 0; r < size; ++r) {
+        const HessianRows band = HessianBandForRank(c.n, r, size, c.strip);
+        EXPECT_EQ(band.begin, next_row) << c.n << " rank " << r << "/" << size;
+        next_row = band.end;
+        EXPECT_TRUE(band.begin % c.strip == 0);
+        EXPECT_TRUE(band.end % c.strip == 0 || band.end == c.n);
+        auto acc = HessianAccumulator::Band(c.n, band, c.strip);
+        ASSERT_TRUE(acc.ok()) << acc.status();
+        ASSERT_TRUE(acc->Add(x).ok());
+        ASSERT_TRUE(acc->Add(x.narrow(0, 0, 2)).ok());
+        EXPECT_EQ(acc->count(), whole.count());
+        EXPECT_EQ(acc->is_band(), size > 1 && !(band.begin == 0 && band.end == c.n));
+        const int64_t begin = acc->packed_begin();
+        const int64_t size_vals = static_cast<int64_t>(acc->packed().size());
+        // Balanced: no band holds more than its share plus one strip's values.
+        EXPECT_LE(size_vals, total / size + c.strip * c.n) << c.n << " rank " << r << "/" << size;
+        ASSERT_LE(begin + size_vals, total);
+        EXPECT_TRUE(std::equal(acc->packed().begin(), acc->packed().end(),
+                               whole.packed().begin() + begin))
+            << "band [" << band.begin << ", " << band.end << ") of " << c.n << " differs";
+        int64_t nonzero = 0;
+        for (Fixed v : acc->packed()) nonzero += v != 0;
+        EXPECT_EQ(nonzero, size_vals) << "random inputs give no zero sums";
+      }
+      EXPECT_EQ(next_row, c.n);
+    }
+  }
+  // With more ranks than strips some bands are empty, and the bands still tile.
+  EXPECT_EQ(HessianBandForRank(64, 0, 2).end, 64);
+  EXPECT_EQ(HessianBandForRank(64, 1, 2).begin, 64);
+  EXPECT_EQ(HessianBandForRank(64, 1, 2).end, 64);
+  auto empty = HessianAccumulator::Band(64, HessianBandForRank(64, 1, 2));
+  ASSERT_TRUE(empty.ok()) << empty.status();
+  EXPECT_TRUE(empty->packed().empty());
+  ASSERT_TRUE(empty->Add(at::randn({2, 8, 64})).ok());
+  EXPECT_EQ(empty->count(), 16);
+}
+
+TEST(HessianBandTest, MisalignedBandsAndMixedMergesAreRefused) {
+  EXPECT_EQ(HessianAccumulator::Band(1300, {100, 512}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(HessianAccumulator::Band(1300, {0, 700}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(HessianAccumulator::Band(1300, {512, 1400}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto a = HessianAccumulator::Band(1300, {0, 512});
+  auto b = HessianAccumulator::Band(1300, {512, 1300});
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->Merge(*b).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(a->Add(at::randn({1, 4, 1300}, at::kDouble)).code(),
+            absl::StatusCode::kInvalidArgument)
+      << "bands take fp32 products only";
+  EXPECT_THROW(a->Mean(), c10::Error) << "a band has no fp64 form";
 }
 
 }  // namespace

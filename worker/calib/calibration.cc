@@ -159,7 +159,38 @@ Status SaveBlockHessians(const std::string& path, const BlockHessians& h, const 
   return WriteCacheChecksum(path);
 }
 
-StatusOr<BlockHessians> LoadBlockHessians(const std::string& path, const std::string& key) {
+namespace {
+
+// A block's Hessian cache file, mapped: each kind's mean from its stored sums, their pages
+// released after each use.
+class MappedHessianFile final : public StoredHessianSums {
+ public:
+  struct Kind {
+    int64_t n = 0, count = 0;
+    const TensorInfo* fixed = nullptr;
+  };
+  MappedHessianFile(std::unique_ptr<SafetensorsFile> file, std::array<Kind, 4> kinds)
+      : file_(std::move(file)), kinds_(kinds) {}
+  int64_t dim(HessianKind k) const override { return kinds_[static_cast<int>(k)].n; }
+  int64_t count(HessianKind k) const override { return kinds_[static_cast<int>(k)].count; }
+  at::Tensor Mean(HessianKind k) const override {
+    const Kind& kind = kinds_[static_cast<int>(k)];
+    if (kind.count == 0) return at::zeros({kind.n, kind.n}, at::kDouble);
+    at::Tensor mean = SymmetricSumFromPacked(file_->Data(*kind.fixed), kind.n)
+                          .div_(static_cast<double>(kind.count));
+    file_->ReleasePages(*kind.fixed);
+    return mean;
+  }
+
+ private:
+  std::unique_ptr<SafetensorsFile> file_;
+  std::array<Kind, 4> kinds_;
+};
+
+}  // namespace
+
+StatusOr<BlockHessians> LoadBlockHessians(const std::string& path, const std::string& key,
+                                          bool mapped) {
   if (FileSize(path) < 0) return absl::NotFoundError(path + ": no cached Hessians");
   QCAL_ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open(path));
   auto it = file->metadata().find("calibration_key");
@@ -179,6 +210,7 @@ StatusOr<BlockHessians> LoadBlockHessians(const std::string& path, const std::st
   // sums are used.
   QCAL_RETURN_IF_ERROR(VerifyCacheChecksum(path));
   BlockHessians h;
+  std::array<MappedHessianFile::Kind, 4> kinds;
   for (HessianKind k : kAllHessianKinds) {
     const std::string base = HessianKindName(k);
     const TensorInfo* fixed = file->Find(base + ".fixed");
@@ -197,6 +229,11 @@ StatusOr<BlockHessians> LoadBlockHessians(const std::string& path, const std::st
     }
     int64_t c;
     std::memcpy(&c, file->Data(*count), sizeof(c));
+    if (c < 0) return absl::DataLossError(absl::StrCat(path, ": '", base, ".count' is ", c));
+    if (mapped) {
+      kinds[static_cast<int>(k)] = {n, c, fixed};
+      continue;
+    }
     std::vector<Fixed128> packed(fixed->shape[0]);
     std::memcpy(packed.data(), file->Data(*fixed), packed.size() * sizeof(Fixed128));
     file->ReleasePages(*fixed);
@@ -204,6 +241,7 @@ StatusOr<BlockHessians> LoadBlockHessians(const std::string& path, const std::st
     if (!acc.ok()) return Annotate(acc.status(), path);
     h.at(k) = std::move(*acc);
   }
+  if (mapped) h.stored = std::make_shared<MappedHessianFile>(std::move(file), kinds);
   return h;
 }
 
@@ -282,35 +320,32 @@ Status AgreeOk(runtime::Comm& comm, const Status& local, const std::string& what
   return absl::OkStatus();
 }
 
-// One boundary's activation file, written in place by every rank (its own sequences' rows) so
-// that no rank ever holds all of them: rank 0 creates "<path>.partial" with the header and the
-// full size, every rank writes its rows at their offsets, and rank 0 renames the file once every
-// rank has synced. The bytes equal SaveActivation's for the same tensor. Collective: Begin and
-// Finish on every rank at the same point.
-class SharedActivationFile {
+// A safetensors file filled in place by every rank, so that no rank holds what the others
+// write: rank 0 creates "<path>.partial" with the header of `layout` (whose tensors are all
+// Reserve()d) and the full size; every rank writes its parts of the tensors at their offsets
+// (Write); Finish renames the file once every rank has synced, and writes its checksum. The bytes
+// equal SafetensorsWriter::Write's for the same tensors. Collective: Begin and Finish on every
+// rank at the same point. Used for the activation files (each rank its sequences' rows) and for
+// sharded Hessians (each rank its band of each triangle).
+class SharedSafetensorsFile {
  public:
-  static StatusOr<std::unique_ptr<SharedActivationFile>> Begin(
-      runtime::Comm& comm, const std::string& path, const std::string& key,
-      const std::vector<int64_t>& shape) {
-    auto f = std::unique_ptr<SharedActivationFile>(new SharedActivationFile());
+  static StatusOr<std::unique_ptr<SharedSafetensorsFile>> Begin(runtime::Comm& comm,
+                                                                const std::string& path,
+                                                                SafetensorsWriter layout) {
+    auto f = std::unique_ptr<SharedSafetensorsFile>(new SharedSafetensorsFile());
     f->path_ = path;
     f->partial_ = path + ".partial";
+    f->layout_ = std::move(layout);
     Status local = [&]() -> Status {
-      SafetensorsWriter writer;
-      writer.SetMetadata("calibration_key", key);
-      QCAL_RETURN_IF_ERROR(writer.Reserve("hidden", DType::kF32, shape));
-      QCAL_ASSIGN_OR_RETURN(std::string prefix, writer.Prefix(path));
+      QCAL_ASSIGN_OR_RETURN(std::string prefix, f->layout_.Prefix(path));
       f->data_offset_ = static_cast<int64_t>(prefix.size());
-      f->row_bytes_ = static_cast<int64_t>(sizeof(float));
-      for (size_t d = 1; d < shape.size(); ++d) f->row_bytes_ *= shape[d];
       if (comm.rank() != 0) return Status();
       const int fd = ::open(f->partial_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
       if (fd < 0) return Errno(f->partial_, "cannot create");
-      const bool ok = ::write(fd, prefix.data(), prefix.size()) ==
-                          static_cast<ssize_t>(prefix.size()) &&
-                      ::ftruncate(fd, static_cast<off_t>(prefix.size() + writer.data_bytes())) ==
-                          0 &&
-                      ::fsync(fd) == 0;
+      const bool ok =
+          ::write(fd, prefix.data(), prefix.size()) == static_cast<ssize_t>(prefix.size()) &&
+          ::ftruncate(fd, static_cast<off_t>(prefix.size() + f->layout_.data_bytes())) == 0 &&
+          ::fsync(fd) == 0;
       ::close(fd);
       return ok ? Status() : Errno(f->partial_, "cannot write the header");
     }();
@@ -321,21 +356,21 @@ class SharedActivationFile {
     return f;
   }
 
-  ~SharedActivationFile() {
+  ~SharedSafetensorsFile() {
     if (fd_ >= 0) ::close(fd_);
   }
 
-  // Sequences [first, first + x.size(0)) of the file.
-  Status WriteRows(int64_t first, const at::Tensor& x) {
-    const at::Tensor c = x.detach().to(at::kCPU, at::kFloat).contiguous();
-    const char* p = static_cast<const char*>(c.data_ptr());
-    size_t left = c.numel() * sizeof(float);
-    off_t off = data_offset_ + first * row_bytes_;
+  // `bytes` bytes at byte `offset` of tensor `name`'s data.
+  Status Write(const std::string& name, uint64_t offset, const void* data, size_t bytes) {
+    QCAL_ASSIGN_OR_RETURN(const uint64_t start, layout_.DataOffset(name));
+    const char* p = static_cast<const char*>(data);
+    size_t left = bytes;
+    off_t off = static_cast<off_t>(data_offset_ + start + offset);
     while (left > 0) {
       const ssize_t n = ::pwrite(fd_, p, left, off);
       if (n <= 0) {
         if (n < 0 && errno == EINTR) continue;
-        return Errno(partial_, "cannot write activations");
+        return Errno(partial_, absl::StrCat("cannot write tensor ", name).c_str());
       }
       p += n;
       left -= static_cast<size_t>(n);
@@ -359,14 +394,89 @@ class SharedActivationFile {
   }
 
  private:
-  SharedActivationFile() = default;
+  SharedSafetensorsFile() = default;
   static Status Errno(const std::string& path, const char* what) {
     return absl::InternalError(absl::StrCat(path, ": ", what, ": ", std::strerror(errno)));
   }
   std::string path_, partial_;
-  int64_t data_offset_ = 0, row_bytes_ = 0;
+  SafetensorsWriter layout_;
+  int64_t data_offset_ = 0;
   int fd_ = -1;
 };
+
+// One boundary's activation file: every rank writes its own sequences' rows.
+StatusOr<std::unique_ptr<SharedSafetensorsFile>> BeginActivationFile(
+    runtime::Comm& comm, const std::string& path, const std::string& key,
+    const std::vector<int64_t>& shape) {
+  SafetensorsWriter layout;
+  layout.SetMetadata("calibration_key", key);
+  const Status reserved = layout.Reserve("hidden", DType::kF32, shape);
+  QCAL_RETURN_IF_ERROR(AgreeOk(comm, reserved, path));
+  return SharedSafetensorsFile::Begin(comm, path, std::move(layout));
+}
+
+// Sequences [first, first + x.size(0)) of an activation file [N, S, hidden].
+Status WriteActivationRows(SharedSafetensorsFile& file, int64_t first, const at::Tensor& x) {
+  const at::Tensor c = x.detach().to(at::kCPU, at::kFloat).contiguous();
+  const uint64_t row_bytes = c.numel() > 0 ? c.numel() / c.size(0) * sizeof(float) : 0;
+  return file.Write("hidden", first * row_bytes, c.data_ptr(), c.numel() * sizeof(float));
+}
+
+// The layout SaveBlockHessians writes (the same header bytes), for a file that the ranks fill
+// with their bands.
+SafetensorsWriter HessianFileLayout(const BlockHessians& h, const std::string& key) {
+  SafetensorsWriter layout;
+  layout.SetMetadata("calibration_key", key);
+  layout.SetMetadata("hessian_format", kHessianFormat);
+  layout.SetMetadata("hessian_frac_bits", std::to_string(kHessianFracBits));
+  for (HessianKind k : kAllHessianKinds) {
+    const std::string base = HessianKindName(k);
+    const int64_t n = h.at(k).dim();
+    // Reserve cannot fail here: fresh names, valid shapes.
+    (void)layout.Reserve(base + ".fixed", DType::kI64, {n * (n + 1) / 2, 2});
+    (void)layout.Reserve(base + ".dim", DType::kI64, {});
+    (void)layout.Reserve(base + ".count", DType::kI64, {});
+  }
+  return layout;
+}
+
+// Writes a block's Hessians whose accumulators are bands (sharded calibration): every rank
+// writes its band of each triangle in place, rank 0 the dimensions and counts. The file's bytes
+// equal SaveBlockHessians's for the whole sums. Collective.
+Status SaveShardedBlockHessians(runtime::Comm& comm, const std::string& path,
+                                const BlockHessians& h, const std::string& key) {
+  QCAL_ASSIGN_OR_RETURN(auto file,
+                        SharedSafetensorsFile::Begin(comm, path, HessianFileLayout(h, key)));
+  Status local;
+  for (HessianKind k : kAllHessianKinds) {
+    if (!local.ok()) break;
+    const HessianAccumulator& acc = h.at(k);
+    const std::string base = HessianKindName(k);
+    local = file->Write(base + ".fixed", acc.packed_begin() * sizeof(Fixed128),
+                        acc.packed().data(), acc.packed().size() * sizeof(Fixed128));
+    if (local.ok() && comm.rank() == 0) {
+      const int64_t n = acc.dim(), count = acc.count();
+      local = file->Write(base + ".dim", 0, &n, sizeof(n));
+      if (local.ok()) local = file->Write(base + ".count", 0, &count, sizeof(count));
+    }
+  }
+  QCAL_RETURN_IF_ERROR(AgreeOk(comm, local, path));
+  return file->Finish(comm);
+}
+
+// Every rank's captured inputs [s_r, seq, n] (fp32, contiguous) concatenated in rank order:
+// [Σ s_r, seq, n] on every rank. Collective.
+StatusOr<at::Tensor> GatherSequences(runtime::Comm& comm, const at::Tensor& mine) {
+  const int64_t seq = mine.size(1), n = mine.size(2);
+  auto buffer = std::make_shared<std::vector<char>>();
+  QCAL_RETURN_IF_ERROR(runtime::AllGather(comm, mine.data_ptr(), mine.numel() * sizeof(float),
+                                          buffer.get()));
+  const int64_t row_bytes = seq * n * static_cast<int64_t>(sizeof(float));
+  if (buffer->empty() || row_bytes == 0) return at::empty({0, seq, n}, at::kFloat);
+  const int64_t rows = static_cast<int64_t>(buffer->size()) / row_bytes;
+  return at::from_blob(
+      buffer->data(), {rows, seq, n}, [buffer](void*) {}, at::TensorOptions().dtype(at::kFloat));
+}
 
 }  // namespace
 
@@ -476,22 +586,87 @@ StatusOr<CalibrationResult> Calibrate(runtime::Comm& comm, model::ModelSource& s
     if (walk_hessians && options.keep_hessians) result.hessians.assign(blocks, BlockHessians{});
     // Saves boundary l (the inputs of block l; l = blocks: the last block's outputs).
     auto save_boundary = [&](int64_t l) -> Status {
-      QCAL_ASSIGN_OR_RETURN(
-          auto file, SharedActivationFile::Begin(comm, ActivationPath(job_dir, l), key, act_shape));
+      QCAL_ASSIGN_OR_RETURN(auto file,
+                            BeginActivationFile(comm, ActivationPath(job_dir, l), key, act_shape));
       Status rows;
       for (int64_t i = 0; i < store.chunks() && rows.ok(); ++i) {
         auto x = store.Get(i);
-        rows = x.ok() ? file->WriteRows(first_seq[i], *x) : x.status();
+        rows = x.ok() ? WriteActivationRows(*file, first_seq[i], *x) : x.status();
       }
       QCAL_RETURN_IF_ERROR(AgreeOk(comm, rows, ActivationPath(job_dir, l)));
       return file->Finish(comm);
+    };
+    // Sharded Hessians: each rank sums every rank's inputs into its band of each triangle (all
+    // ranks step through their chunks together; a rank past its last chunk contributes none).
+    const bool sharded = walk_hessians && options.shard_hessians;
+    const int64_t steps = runtime::SliceForRank(chunks, 0, comm.size()).size();
+    auto walk_block_sharded = [&](int64_t l, const std::string& where,
+                                  BlockHessians* h) -> Status {
+      std::unique_ptr<model::DecoderBlock> block;
+      local = [&]() -> Status {
+        QCAL_ASSIGN_OR_RETURN(block, source.LoadBlock(l));
+        for (model::LinearKind k : model::kAllLinears) {
+          const int64_t n = block->weights().linear(k).in_features();
+          const HessianRows band =
+              HessianBandForRank(n, comm.rank(), comm.size(), options.hessian_strip_rows);
+          QCAL_ASSIGN_OR_RETURN(h->at(HessianKindOf(k)),
+                                HessianAccumulator::Band(n, band, options.hessian_strip_rows));
+        }
+        return Status();
+      }();
+      QCAL_RETURN_IF_ERROR(AgreeOk(comm, Annotate(local, where), where));
+      for (int64_t step = 0; step < steps; ++step) {
+        std::array<at::Tensor, 4> inputs;
+        local = [&]() -> Status {
+          if (step >= store.chunks()) {
+            for (HessianKind k : kAllHessianKinds) {
+              inputs[static_cast<int>(k)] = at::empty({0, seq_len, h->at(k).dim()}, at::kFloat);
+            }
+            return Status();
+          }
+          QCAL_ASSIGN_OR_RETURN(at::Tensor x, store.Get(step));
+          QCAL_ASSIGN_OR_RETURN(at::Tensor y, ForwardCapturingInputs(*block, x, source.rope(),
+                                                                     options.batch, &inputs));
+          return store.Put(step, y);
+        }();
+        QCAL_RETURN_IF_ERROR(AgreeOk(comm, Annotate(local, where), where));
+        for (HessianKind k : kAllHessianKinds) {
+          at::Tensor& mine = inputs[static_cast<int>(k)];
+          QCAL_ASSIGN_OR_RETURN(at::Tensor all, GatherSequences(comm, mine));
+          mine = at::Tensor();
+          local = all.size(0) > 0 ? h->at(k).Add(all) : Status();
+          const std::string input = absl::StrCat(where, ", ", HessianKindName(k), " input");
+          QCAL_RETURN_IF_ERROR(AgreeOk(comm, Annotate(local, input), input));
+        }
+      }
+      return Status();
     };
     for (int64_t l = 0; l < blocks; ++l) {
       const std::string where = absl::StrCat("calibration, block ", l);
       if (walk_activations) QCAL_RETURN_IF_ERROR(Annotate(save_boundary(l), where));
       BlockHessians h;
+      if (sharded) {
+        QCAL_RETURN_IF_ERROR(walk_block_sharded(l, where, &h));
+        QCAL_RETURN_IF_ERROR(
+            Annotate(SaveShardedBlockHessians(comm, HessianPath(job_dir, l), h, key), where));
+        result.tokens = h.at(HessianKind::kQkv).count();
+        h = BlockHessians{};  // the bands are in the file
+        if (options.keep_hessians) {
+          StatusOr<BlockHessians> whole = LoadBlockHessians(HessianPath(job_dir, l), key);
+          QCAL_RETURN_IF_ERROR(AgreeOk(comm, Annotate(whole.status(), where), where));
+          result.hessians[l] = std::move(*whole);
+        }
+        if (progress) progress(l + 1, blocks);
+        continue;
+      }
       local = [&]() -> Status {
         QCAL_ASSIGN_OR_RETURN(std::unique_ptr<model::DecoderBlock> block, source.LoadBlock(l));
+        if (walk_hessians && options.hessian_strip_rows != kHessianStripRows) {
+          for (model::LinearKind k : model::kAllLinears) {
+            const int64_t n = block->weights().linear(k).in_features();
+            h.at(HessianKindOf(k)) = HessianAccumulator(n, options.hessian_strip_rows);
+          }
+        }
         if (store.chunks() == 0 && walk_hessians) {
           // A rank without sequences still reduces: its accumulators get the block's sizes.
           const at::Tensor none = at::empty({0, seq_len, config.hidden_size}, at::kFloat);

@@ -18,10 +18,12 @@
 // sums only) are treated as stale and recomputed. activations/block_<l>.safetensors:
 // tensor "hidden" [N, S, hidden] F32 = the float model's input of block l (l = num_blocks: the
 // last block's output), all N sequences in order, metadata calibration_key. Rank 0 writes the
-// Hessian files; every rank writes its own rows of the activation files; all read them from the
-// shared job directory when they need them.
+// Hessian files (with sharded Hessians every rank writes its band of each triangle in place, and
+// the bytes are the same); every rank writes its own rows of the activation files; all read them
+// from the shared job directory when they need them.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -66,8 +68,12 @@ std::string ActivationPath(const std::string& job_dir, int64_t boundary);
 // Saves / loads one block's Hessians (exact sums + counts) under job_dir/hessians/.
 Status SaveBlockHessians(const std::string& path, const BlockHessians& h, const std::string& key);
 // NotFound when absent; FailedPrecondition when present with another key or in the old format
-// (stale cache); DataLoss when malformed.
-StatusOr<BlockHessians> LoadBlockHessians(const std::string& path, const std::string& key);
+// (stale cache); DataLoss when malformed. mapped: the sums are not read into the accumulators;
+// the file stays mapped (BlockHessians::stored) and each kind's mean is made from it when asked
+// for (BlockHessians::Mean, HessianMeans), so a block task holds one kind's fp64 mean at a time
+// and never its exact sums (6.6 GB at a 70B down_proj) beside it.
+StatusOr<BlockHessians> LoadBlockHessians(const std::string& path, const std::string& key,
+                                          bool mapped = false);
 
 // Sums every rank's accumulators (exactly: fixed-point digits through AllReduceSum(int64)); every
 // rank ends with the total. The accumulators must have the same dimensions on every rank.
@@ -87,6 +93,18 @@ struct CalibrationOptions {
   bool hessians = true;           // compute (or reuse) every block's Hessians
   bool activations = false;       // compute (or reuse) every block boundary's activations
   bool keep_hessians = true;      // return the Hessians in CalibrationResult::hessians
+  // Sharded Hessians: instead of every rank summing its own sequences into whole accumulators
+  // (16 bytes per entry of each triangle on every rank: 8.2 GB at a 70B block) and reducing
+  // them, each rank owns one band of rows of each triangle (HessianBandForRank) and sums every
+  // rank's sequences into it: the ranks gather one chunk's linear inputs from each other at a
+  // time. Memory per rank falls to 1/ranks of the sums plus the ranks' inputs of one chunk; the
+  // traffic is the calibration inputs (all of them reach every rank) instead of two passes over
+  // the sums. The bands are written in place into the same file, so the bytes (and every later
+  // result) are those of the unsharded walk. Every rank must pass the same value.
+  bool shard_hessians = false;
+  // The accumulators' strip height (kHessianStripRows). Tests lower it to cut small Hessians
+  // into several bands; both walks give the same bits for the same value.
+  int64_t hessian_strip_rows = kHessianStripRows;
 };
 
 struct CalibrationResult {

@@ -44,11 +44,38 @@ namespace qcal::calib {
 inline constexpr int kHessianFracBits = 50;
 using Fixed128 = __int128;
 
+// fp32 products are computed in row strips of this many rows (each entry by the same GEMM shape
+// whatever the threads, the grouping or the band that holds it; see hessian.cc).
+inline constexpr int64_t kHessianStripRows = 512;
+
+// Rows [begin, end) of a Hessian's packed upper triangle.
+struct HessianRows {
+  int64_t begin = 0, end = 0;
+  bool operator==(const HessianRows& o) const { return begin == o.begin && end == o.end; }
+};
+
+// The band of rows that `rank` of `size` owns when a block's accumulators are sharded over the
+// ranks (sharded calibration, calibration.h): whole strips of `strip_rows` rows, contiguous, cut
+// so the ranks hold about the same number of packed entries (the triangle's rows shorten
+// downwards, so the first band has the fewest rows). Deterministic; a rank may own no rows
+// (begin == end) when there are fewer strips than ranks. The bands of all ranks tile [0, n).
+HessianRows HessianBandForRank(int64_t n, int rank, int size,
+                               int64_t strip_rows = kHessianStripRows);
+
 // Sum of x xᵀ over rows and the number of rows, in exact fixed point. Not thread-safe.
+//
+// A band accumulator (Band) holds only the rows [rows.begin, rows.end) of T: the packed values
+// from PackedIndex(begin, begin) on, exactly the values the whole accumulator holds there for the
+// same inputs (the same GEMM pieces compute them), so the bands of all ranks, laid end to end,
+// are the whole T. Sharded calibration gives each rank one band and every rank's inputs.
 class HessianAccumulator {
  public:
   HessianAccumulator() : HessianAccumulator(0) {}
-  explicit HessianAccumulator(int64_t n);
+  explicit HessianAccumulator(int64_t n, int64_t strip_rows = kHessianStripRows);
+  // Rows [rows.begin, rows.end) of an n-input Hessian. rows.begin must be a multiple of
+  // strip_rows and rows.end one too, or n (InvalidArgument otherwise).
+  static StatusOr<HessianAccumulator> Band(int64_t n, HessianRows rows,
+                                           int64_t strip_rows = kHessianStripRows);
   // From an fp64 sum ([n, n], symmetrised and rounded to fixed point) and a row count: for
   // synthetic Hessians (benchmarks, tests). Not exact below 2^-50; OutOfRange when too large.
   static StatusOr<HessianAccumulator> FromSum(const at::Tensor& sum, int64_t count);
@@ -58,23 +85,29 @@ class HessianAccumulator {
 
   // x: [..., n]; every row is one sample. Float inputs: xᵀx of each sequence (x [seqs, seq, n],
   // or all rows of a 2-D x as one sequence) in fp32, each entry rounded to fixed point; double
-  // inputs: products in fp64, then rounded the same way. OutOfRange on overflow or a non-finite
-  // product; the accumulator is then unusable.
+  // inputs: products in fp64, then rounded the same way (whole accumulators only). OutOfRange on
+  // overflow or a non-finite product; the accumulator is then unusable.
   Status Add(const at::Tensor& x);
-  // Adds another accumulator's sums (ranks, shards). InvalidArgument for another dimension,
-  // OutOfRange on overflow (the accumulator is then unusable).
+  // Adds another accumulator's sums (ranks, shards). InvalidArgument for another dimension or
+  // band, OutOfRange on overflow (the accumulator is then unusable).
   Status Merge(const HessianAccumulator& other);
 
   int64_t dim() const { return n_; }
   int64_t count() const { return count_; }
-  // T, packed upper triangle, row-major: entry (i, j), i <= j, at PackedIndex(i, j).
+  HessianRows rows() const { return rows_; }
+  bool is_band() const { return rows_.begin != 0 || rows_.end != n_; }
+  // The index in the whole packed triangle of packed()[0]: PackedIndex(rows().begin, rows().begin).
+  int64_t packed_begin() const { return PackedIndex(rows_.begin, rows_.begin); }
+  // T, packed upper triangle, row-major: entry (i, j), i <= j, at PackedIndex(i, j) (less
+  // packed_begin() for a band).
   const std::vector<Fixed128>& packed() const { return packed_; }
   // Moves T out (for an in-place reduction), leaving the accumulator empty (dimension 0).
   std::vector<Fixed128> ReleasePacked();
   int64_t PackedIndex(int64_t i, int64_t j) const { return i * n_ - i * (i - 1) / 2 + (j - i); }
-  // (S + Sᵀ)/2 in fp64 ([n, n], exactly symmetric), derived from T.
+  // (S + Sᵀ)/2 in fp64 ([n, n], exactly symmetric), derived from T. Whole accumulators only (a
+  // band throws: a caller bug).
   at::Tensor sum() const;
-  // (S + Sᵀ) / (2 count) ([n, n] double, exactly symmetric); zeros when empty.
+  // (S + Sᵀ) / (2 count) ([n, n] double, exactly symmetric); zeros when empty. Whole only.
   at::Tensor Mean() const;
 
   // For reductions over Comm::AllReduceSum(int64_t*): each value as 4 base-2^32 digits in int64
@@ -85,6 +118,8 @@ class HessianAccumulator {
 
  private:
   int64_t n_;
+  int64_t strip_rows_ = kHessianStripRows;
+  HessianRows rows_;
   int64_t count_ = 0;
   std::vector<Fixed128> packed_;
 };
@@ -97,11 +132,37 @@ const char* HessianKindName(HessianKind kind);
 // Which Hessian a linear's input belongs to.
 HessianKind HessianKindOf(model::LinearKind linear);
 
+// Exact sums read from where they are stored rather than held in memory (a block's Hessian
+// cache file, mapped: LoadBlockHessians(..., mapped = true)). Mean(kind) makes that kind's fp64
+// mean from the stored sums, exactly as HessianAccumulator::Mean would from the same values.
+class StoredHessianSums {
+ public:
+  virtual ~StoredHessianSums() = default;
+  virtual int64_t dim(HessianKind kind) const = 0;
+  virtual int64_t count(HessianKind kind) const = 0;
+  virtual at::Tensor Mean(HessianKind kind) const = 0;
+};
+
+// (S + Sᵀ)/2 in fp64 [n, n] from exact packed sums T (n(n+1)/2 values as HessianAccumulator
+// stores them) at `packed`, which need not be aligned for Fixed128 (a mapped file's bytes).
+at::Tensor SymmetricSumFromPacked(const void* packed, int64_t n);
+
 struct BlockHessians {
   std::array<HessianAccumulator, 4> h;
+  // Set by LoadBlockHessians(..., mapped = true): the sums stay in the cache file and a kind's
+  // accumulator in h is empty (dimension 0): its mean is made from the file when asked for.
+  std::shared_ptr<const StoredHessianSums> stored;
+  // The fp64 mean of kind k from the accumulator, or from `stored` when the accumulator is
+  // empty; undefined when neither has it.
+  at::Tensor Mean(HessianKind k) const;
   // With a GPU backend: the device's sums not yet merged into h (see ForwardCollectingHessians
   // and FlushDeviceHessians). Null otherwise. Shared by copies (flush before copying).
   std::array<std::shared_ptr<kernels::DeviceHessian>, 4> device;
+  // With a GPU backend that runs the block forward: the block's weights on the device, uploaded
+  // by the first ForwardCollectingHessians call of the block (keyed by its q_proj weights) and
+  // kept until FlushDeviceHessians.
+  std::shared_ptr<kernels::DeviceBlock> device_block;
+  const void* device_block_key = nullptr;
   HessianAccumulator& at(HessianKind k) { return h[static_cast<int>(k)]; }
   const HessianAccumulator& at(HessianKind k) const { return h[static_cast<int>(k)]; }
 };
@@ -139,5 +200,14 @@ class HessianMeans {
 StatusOr<at::Tensor> ForwardCollectingHessians(model::DecoderBlock& block, const at::Tensor& x,
                                                const model::Rope& rope, int64_t batch,
                                                BlockHessians* hessians, bool flush_device = true);
+
+// Runs x [num_seqs, seq, hidden] through `block` in the same chunks of `batch` sequences as
+// ForwardCollectingHessians (same outputs) and, instead of summing products, returns the four
+// distinct linear inputs: inputs->at(kind) = [num_seqs, seq, n] fp32 (kAllHessianKinds order).
+// Sharded calibration gathers them from every rank and sums them into each rank's bands. The
+// block is left as it was.
+StatusOr<at::Tensor> ForwardCapturingInputs(model::DecoderBlock& block, const at::Tensor& x,
+                                            const model::Rope& rope, int64_t batch,
+                                            std::array<at::Tensor, 4>* inputs);
 
 }  // namespace qcal::calib

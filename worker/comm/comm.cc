@@ -37,6 +37,33 @@ class SelfComm final : public Comm {
 
 std::unique_ptr<Comm> MakeSelfComm() { return std::make_unique<SelfComm>(); }
 
+Status AllGather(Comm& comm, const void* data, size_t bytes, std::vector<char>* out,
+                 std::vector<size_t>* sizes) {
+  const int n = comm.size(), me = comm.rank();
+  std::vector<int64_t> counts(n, 0);
+  counts[me] = static_cast<int64_t>(bytes);
+  QCAL_RETURN_IF_ERROR(comm.AllReduceSum(counts.data(), counts.size()));
+  size_t total = 0;
+  std::vector<size_t> offsets(n);
+  for (int r = 0; r < n; ++r) {
+    if (counts[r] < 0) {
+      return absl::InternalError(absl::StrCat("AllGather: rank ", r, " sends ", counts[r],
+                                              " bytes"));
+    }
+    offsets[r] = total;
+    total += static_cast<size_t>(counts[r]);
+  }
+  out->resize(total);
+  if (bytes > 0) std::memcpy(out->data() + offsets[me], data, bytes);
+  for (int r = 0; r < n; ++r) {
+    if (counts[r] == 0) continue;  // every rank knows the counts: all skip the same roots
+    QCAL_RETURN_IF_ERROR(
+        comm.Broadcast(out->data() + offsets[r], static_cast<size_t>(counts[r]), r));
+  }
+  if (sizes != nullptr) sizes->assign(counts.begin(), counts.end());
+  return absl::OkStatus();
+}
+
 Range SliceForRank(int64_t total, int rank, int size) {
   Range r;
   if (total <= 0 || size <= 0 || rank < 0 || rank >= size) return r;

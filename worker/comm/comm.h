@@ -45,6 +45,14 @@ class Comm {
   virtual Status Barrier() = 0;
 };
 
+// Every rank's `bytes` bytes (the count may differ per rank), concatenated in rank order into
+// *out on every rank; *sizes (when given) gets each rank's count. A collective built from
+// AllReduceSum (the counts) and one Broadcast per rank, so every Comm has it. The data moved is
+// each rank's bytes to every other rank: meant for activations of one calibration chunk, not
+// for anything that grows with the model.
+Status AllGather(Comm& comm, const void* data, size_t bytes, std::vector<char>* out,
+                 std::vector<size_t>* sizes = nullptr);
+
 // A world of one: reductions and broadcasts are no-ops.
 std::unique_ptr<Comm> MakeSelfComm();
 

@@ -15,6 +15,7 @@
 #include "common/log.h"
 #include "common/text.h"
 #include "common/tokenizer.h"
+#include "kernels/gpu_backend.h"
 #include "methods/worker_registry.h"
 #include "worker/calib/calibration.h"
 #include "worker/eval/perplexity.h"
@@ -43,12 +44,43 @@ std::string Resolve(const std::string& root, const std::string& path) {
 // Bytes a block task holds besides activations: the block's fp32 weights twice (loaded and
 // transformed or rounded) and the exact Hessian accumulators of its four inputs (16 bytes per
 // entry of one triangle, plus the fp32 product and fp64 mean of the largest).
-int64_t BlockWorkingBytes(const LlamaConfig& c) {
+int64_t BlockParams(const LlamaConfig& c) {
   const int64_t h = c.hidden_size, ff = c.intermediate_size;
-  const int64_t params = (c.q_dim() + 2 * c.kv_dim()) * h + h * c.q_dim() + 3 * h * ff;
-  int64_t hessians = 0;
-  for (int64_t n : {h, c.q_dim(), h, ff}) hessians += n * (n + 1) / 2 * 16;
-  return 2 * params * 4 + hessians + ff * ff * (4 + 8);
+  return (c.q_dim() + 2 * c.kv_dim()) * h + h * c.q_dim() + 3 * h * ff;
+}
+int64_t HessianSumBytes(const LlamaConfig& c) {
+  int64_t bytes = 0;
+  for (int64_t n : {c.hidden_size, c.q_dim(), c.hidden_size, c.intermediate_size}) {
+    bytes += n * (n + 1) / 2 * 16;
+  }
+  return bytes;
+}
+int64_t BlockWorkingBytes(const LlamaConfig& c) {
+  const int64_t ff = c.intermediate_size;
+  return 2 * BlockParams(c) * 4 + HessianSumBytes(c) + ff * ff * (4 + 8);
+}
+
+// Whether the ranks shard the Hessian sums (calib::CalibrationOptions::shard_hessians): when a
+// rank would hold more than its max_memory calibrating one block with whole accumulators (the
+// block's fp32 weights plus the exact sums of its four inputs: 11.6 GB at a 70B shape) and there
+// are ranks to share them. A GPU rank sums on its device and never asks. The ranks agree (any
+// rank asking makes all shard), since their budgets may differ by node. Collective.
+StatusOr<bool> ShardHessians(runtime::Comm& comm, const JobContext& ctx) {
+  int64_t want = 0;
+  const int64_t need = BlockParams(ctx.config) * 4 + HessianSumBytes(ctx.config);
+  if (comm.size() > 1 && kernels::ActiveGpuBackend() == nullptr &&
+      need > ctx.options.max_memory) {
+    want = 1;
+  }
+  QCAL_RETURN_IF_ERROR(comm.AllReduceSum(&want, 1));
+  if (want > 0) {
+    QCAL_LOG_INFO("calibration: a block's fp32 weights and exact Hessian sums ({:.2f} GiB) exceed "
+                  "this rank's memory budget ({:.2f} GiB): the {} ranks shard the sums by row "
+                  "bands ({:.2f} GiB each) and gather each other's linear inputs",
+                  need / 1073741824.0, ctx.options.max_memory / 1073741824.0, comm.size(),
+                  HessianSumBytes(ctx.config) / static_cast<double>(comm.size()) / 1073741824.0);
+  }
+  return want > 0;
 }
 
 // The activation budget of a rank: its max_memory less a block's working set.
@@ -422,11 +454,18 @@ Status CalibrationWalk(runtime::Comm& comm, JobContext* ctx, bool hessians, bool
   options.activations = flags[1];
   options.keep_hessians = false;  // block tasks read them from the job directory
   options.memory_budget_bytes = ActivationBudget(*ctx);
+  if (options.hessians) {
+    QCAL_ASSIGN_OR_RETURN(options.shard_hessians, ShardHessians(comm, *ctx));
+  }
   const int64_t blocks = ctx->config.num_hidden_layers;
   // One walk produces both products; its progress is reported as "calibrate" (Hessians), and
   // the activations as their own phase ("activations"), as the single-process job always did.
   const std::string walk_phase = options.hessians ? "calibrate" : "activations";
-  Emit(on_event, walk_phase, 0, blocks);
+  Emit(on_event, walk_phase, 0, blocks,
+       options.shard_hessians
+           ? absl::StrCat("Hessian sums sharded over ", comm.size(),
+                          " ranks (a block's working set exceeds the memory budget)")
+           : "");
   QCAL_ASSIGN_OR_RETURN(
       calib::CalibrationResult calib,
       calib::Calibrate(comm, *ctx->source, ctx->tokens, ctx->options.job_dir, ctx->calib_key,
@@ -494,7 +533,9 @@ StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
   in.batch = ctx->options.calib_batch;
   calib::BlockHessians hessians;
   if (needs.float_hessians) {
-    auto h = calib::LoadBlockHessians(calib::HessianPath(job_dir, layer), ctx->calib_key);
+    // Mapped: each kind's mean is made from the file when its first linear asks for it.
+    auto h = calib::LoadBlockHessians(calib::HessianPath(job_dir, layer), ctx->calib_key,
+                                      /*mapped=*/true);
     if (!h.ok()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "block ", layer, ": no usable Hessians (run calibration first): ", h.status().message()));

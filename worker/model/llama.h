@@ -104,6 +104,10 @@ class Rope {
   // channel perm[h][j]. perm [heads, head_dim] int64; undefined = Apply(x, offset).
   at::Tensor Apply(const at::Tensor& x, const at::Tensor& perm, int64_t offset = 0) const;
   int64_t max_positions() const { return max_positions_; }
+  // The tables Apply multiplies by: [max_positions, head_dim] float32 (cos and sin of position ·
+  // the half-split inverse frequencies, repeated for both halves).
+  const at::Tensor& cos_table() const { return cos_; }
+  const at::Tensor& sin_table() const { return sin_; }
 
  private:
   int64_t max_positions_;
@@ -176,6 +180,9 @@ class DecoderBlock {
   const BlockHooks& hooks() const { return hooks_; }
   void set_hooks(BlockHooks hooks) { hooks_ = std::move(hooks); }
   int64_t head_dim() const { return head_dim_; }
+  int64_t heads() const { return heads_; }
+  int64_t kv_heads() const { return kv_heads_; }
+  double rms_eps() const { return eps_; }
 
  private:
   at::Tensor Attention(const at::Tensor& h, const Rope& rope) const;

@@ -218,7 +218,7 @@ StatusOr<BlockTaskResult> QuantizeBlockWithFinetune(const FinetuneOptions& optio
   const int64_t batch = stage.batch;
 
   auto hessian_of = [&](LinearKind k) {
-    return hessians ? hessians->at(calib::HessianKindOf(k)).Mean() : at::Tensor();
+    return hessians ? hessians->Mean(calib::HessianKindOf(k)) : at::Tensor();
   };
   auto idx = [](LinearKind k) { return static_cast<int>(k); };
 
