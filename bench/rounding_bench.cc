@@ -3,6 +3,7 @@
 //   build-quant/bench/bench_rounding --benchmark_filter='n:4096/'
 //   build-quant/bench/bench_rounding --benchmark_filter='n:11008'   # ~4.5 GB of fp64 buffers
 //   build/bench/bench_rounding --benchmark_filter='m:28672'          # Llama-2-70B gate/up_proj
+//   build/bench/bench_rounding --benchmark_filter=ClipSearch          # GPTQ's clip search
 //
 // Arguments are {m = out_features, n = in_features}: W is [m, n], H is [n, n] (fp64). Every
 // benchmark runs once per repetition (the work is seconds long) and reports wall time (BLAS uses
@@ -30,6 +31,7 @@
 #include "kernels/blas_threads.h"
 #include "kernels/codebook.h"
 #include "kernels/rounding.h"
+#include "kernels/scalar_quant.h"
 
 namespace {
 
@@ -226,6 +228,65 @@ void BM_BlockLdlq(benchmark::State& state) {
   });
 }
 
+// GPTQ's clip search (4-bit symmetric per channel, grid 100, max shrink 0.8, norm 2.4: the
+// gptq-4bit recipe) over `rows` Gaussian rows of `cols` weights on one thread, against an
+// exhaustive search written here (every candidate's error summed over the whole row) timed in
+// the same run: counter x_exhaustive = time / exhaustive time. Both must choose the same scales.
+void BM_ClipSearch(benchmark::State& state) {
+  using namespace qcal::kernels;
+  const int64_t rows = state.range(0), cols = state.range(1);
+  const double norm = static_cast<double>(state.range(2)) / 10.0;
+  const std::vector<double> w = Gaussian(rows * cols, 3);
+  ScalarQuantConfig c;
+  c.bits = 4;
+  c.symmetric = true;
+  c.granularity = QuantGranularity::kPerChannel;
+  c.clip_search = true;
+  c.clip_search_norm = norm;
+  const int32_t cmin = ScalarCodeMin(c), cmax = ScalarCodeMax(c);
+  const int steps = static_cast<int>(c.clip_search_max_shrink * c.clip_search_grid);
+  for (auto _ : state) {
+    std::vector<double> fast(rows), slow(rows);
+    auto t0 = std::chrono::steady_clock::now();
+    for (int64_t r = 0; r < rows; ++r) fast[r] = ComputeScalarQuantParams(&w[r * cols], cols, c).scale;
+    const double t_fast =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    t0 = std::chrono::steady_clock::now();
+    for (int64_t r = 0; r < rows; ++r) {
+      const double* x = &w[r * cols];
+      double lo = 0, hi = 0;
+      for (int64_t j = 0; j < cols; ++j) {
+        lo = std::min(lo, x[j]);
+        hi = std::max(hi, x[j]);
+      }
+      double best = 0;
+      for (int i = 0; i < steps; ++i) {
+        const auto p = ScalarQuantParamsFromRange<double>(
+            lo, hi, 1.0 - static_cast<double>(i) / c.clip_search_grid, c);
+        double e = 0;
+        for (int64_t j = 0; j < cols; ++j) {
+          const double d = ScalarDequantizeCode(ScalarQuantizeCode(x[j], p, cmin, cmax), p) - x[j];
+          e += std::pow(std::fabs(d), norm);
+        }
+        if (i == 0 || e < best) {
+          best = e;
+          slow[r] = p.scale;
+        }
+      }
+    }
+    const double t_slow =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (fast != slow) {
+      state.SkipWithError("the early-stopping clip search chose other scales than the exhaustive one");
+      return;
+    }
+    state.SetIterationTime(t_fast);
+    state.counters["exhaustive_s"] = t_slow;
+    state.counters["x_exhaustive"] = t_fast / t_slow;
+    state.counters["ns_per_weight"] = 1e9 * t_fast / static_cast<double>(rows * cols);
+  }
+}
+
 }  // namespace
 
 // Registered shape by shape (Sgemm, Gptq act_order 0|1, Ldlq, BlockLdlq halfint grid | E8P) so
@@ -253,6 +314,15 @@ int main(int argc, char** argv) {
                 ->ArgNames({"m", "n", "e8p", "sweeps"})
                 ->Args({m, n, 1, sweeps}));
     }
+  }
+  // GPTQ's clip search at Llama-70B row lengths (hidden 8192, intermediate 28672), norm 2.4.
+  for (int64_t cols : {8192, 28672}) {
+    benchmark::RegisterBenchmark("BM_ClipSearch", BM_ClipSearch)
+        ->ArgNames({"rows", "cols", "norm_x10"})
+        ->Args({32, cols, 24})
+        ->Iterations(1)
+        ->UseManualTime()
+        ->Unit(benchmark::kSecond);
   }
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;

@@ -21,8 +21,15 @@ int LocalRankFromEnvironment() {
   return 0;
 }
 
+namespace {
+int g_selected_cuda_device = -1;
+}  // namespace
+
+int SelectedCudaDevice() { return g_selected_cuda_device; }
+
 StatusOr<std::string> SelectComputeDevice(std::string_view requested_view) {
   const std::string requested(requested_view);
+  g_selected_cuda_device = -1;
   int index = -1;  // -1: by local rank
   bool want_cuda = false;
   if (requested == "cpu") {
@@ -58,6 +65,7 @@ StatusOr<std::string> SelectComputeDevice(std::string_view requested_view) {
   QCAL_ASSIGN_OR_RETURN(std::unique_ptr<GpuBackend> backend, CreateCudaBackend(index));
   std::string description = backend->description();
   SetActiveGpuBackend(std::move(backend));
+  g_selected_cuda_device = index;
   return description;
 #else
   if (want_cuda) {

@@ -19,6 +19,9 @@ namespace qcal::kernels {
 
 StatusOr<std::string> SelectComputeDevice(std::string_view requested);
 
+// The CUDA device the last SelectComputeDevice bound this process to; -1 for the CPU.
+int SelectedCudaDevice();
+
 // The local rank index from the launcher's environment (see above); 0 when none is set.
 int LocalRankFromEnvironment();
 

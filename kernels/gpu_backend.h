@@ -7,7 +7,9 @@
 // and the calibration code never include CUDA headers and CPU-only builds are unchanged.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -18,12 +20,28 @@
 
 namespace qcal::kernels {
 
+// An in-place sum over the job's ranks of `count` int64 values in device memory: NCCL's
+// all-reduce on the GPU ranks' communicator. The worker supplies it (kernels/ knows no
+// communicator); every rank calls it at the same point with the same count.
+using DeviceInt64Sum = std::function<Status(int64_t* device_data, size_t count)>;
+
 // Exact fixed-point Hessian sums of one linear input on the device (fixed_point.h's format).
 class DeviceHessian {
  public:
   virtual ~DeviceHessian() = default;
   // x: host fp32 [seqs, t, n] row-major (each sequence's xᵀx rounded and summed exactly).
   virtual Status Add(const float* x, int64_t seqs, int64_t t) = 0;
+  // Rows (tokens) added on this rank.
+  virtual int64_t count() const = 0;
+  // Replaces this rank's sums with the sums over all ranks without leaving the device: the
+  // packed sums as reduction digits (fixed_point.h; integers, so the result is exact and the same
+  // for any reduction order or rank count) through `sum`, piece by piece so the digit buffer
+  // stays small; the row count becomes `total_rows` (the caller sums the counts on the host).
+  // A collective: every rank calls it at the same point for the same n. Unimplemented (the
+  // default) when the backend cannot; the caller then reduces the downloaded sums on the host.
+  virtual Status AllReduce(const DeviceInt64Sum& sum, int64_t total_rows) {
+    return absl::UnimplementedError("this backend reduces Hessian sums on the host");
+  }
   // The packed sums T and the row count; the object is spent afterwards.
   virtual StatusOr<std::vector<Fixed128>> Finish(int64_t* count) = 0;
 };

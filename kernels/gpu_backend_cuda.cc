@@ -2,6 +2,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <utility>
@@ -37,6 +38,34 @@ class CudaHessian final : public DeviceHessian {
     // the time the copy runs on the same (default) stream.
     QCAL_CUDA_RETURN_IF_ERROR(cudaMemcpy(staging_, x, count * 4, cudaMemcpyHostToDevice));
     return acc_.Add(staging_, HessianInputType::kFloat32, seqs, t);
+  }
+
+  int64_t count() const override { return acc_.count(); }
+
+  // Pieces of kReducePiece packed values: 4 digits of 8 bytes each, 128 MiB of device buffer,
+  // in place of 13 GB for the whole 28672-wide triangle at once.
+  Status AllReduce(const DeviceInt64Sum& sum, int64_t total_rows) override {
+    constexpr int64_t kReducePiece = int64_t{1} << 22;
+    const int64_t size = HessianPackedSize(n_);
+    const int64_t piece = std::min(size, kReducePiece);
+    int64_t* limbs = nullptr;
+    QCAL_CUDA_RETURN_IF_ERROR(
+        cudaMalloc(reinterpret_cast<void**>(&limbs), static_cast<size_t>(piece) * 4 * 8));
+    struct Free {
+      int64_t* p;
+      ~Free() { cudaFree(p); }
+    } free_limbs{limbs};
+    for (int64_t first = 0; first < size; first += piece) {
+      const int64_t m = std::min(piece, size - first);
+      QCAL_RETURN_IF_ERROR(acc_.ToDigits(first, m, limbs));
+      // The communicator runs on its own stream: the digits must be written before it reads
+      // them (and the previous piece's FromDigits, on this stream, is done with the buffer).
+      QCAL_RETURN_IF_ERROR(acc_.Sync());
+      QCAL_RETURN_IF_ERROR(sum(limbs, static_cast<size_t>(4 * m)));  // returns when complete
+      QCAL_RETURN_IF_ERROR(acc_.FromDigits(first, m, limbs));
+    }
+    acc_.set_count(total_rows);
+    return acc_.Sync();  // before the buffer is freed; reports an overflow past 128 bits
   }
 
   StatusOr<std::vector<Fixed128>> Finish(int64_t* count) override {

@@ -54,12 +54,13 @@ __global__ void ToDigitsKernel(const Fixed128* __restrict__ packed, int64_t size
   if (e < size) SplitFixedDigits(packed[e], limbs + 4 * e);
 }
 
-__global__ void FromDigitsKernel(const int64_t* __restrict__ limbs, int64_t size,
+// packed and limbs start at packed index `first`; errors name the packed index.
+__global__ void FromDigitsKernel(const int64_t* __restrict__ limbs, int64_t size, int64_t first,
                                  Fixed128* __restrict__ packed, unsigned long long* error) {
   const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (e >= size) return;
   Fixed128 v = 0;
-  if (!CombineFixedDigits(limbs + 4 * e, &v)) RecordError(error, e);
+  if (!CombineFixedDigits(limbs + 4 * e, &v)) RecordError(error, first + e);
   packed[e] = v;
 }
 
@@ -208,18 +209,39 @@ StatusOr<std::vector<Fixed128>> HessianAccumulatorCuda::Download() {
 }
 
 Status HessianAccumulatorCuda::ToDigits(int64_t* device_limbs) const {
-  const int64_t size = HessianPackedSize(n_);
-  ToDigitsKernel<<<Blocks(size, 256), 256, 0, AsStream(stream_)>>>(packed_, size, device_limbs);
+  return ToDigits(0, HessianPackedSize(n_), device_limbs);
+}
+
+Status HessianAccumulatorCuda::FromDigits(const int64_t* device_limbs, int64_t count) {
+  QCAL_RETURN_IF_ERROR(FromDigits(0, HessianPackedSize(n_), device_limbs));
+  count_ = count;
+  return absl::OkStatus();
+}
+
+Status HessianAccumulatorCuda::ToDigits(int64_t first, int64_t size, int64_t* device_limbs) const {
+  if (first < 0 || size < 0 || first + size > HessianPackedSize(n_)) {
+    return absl::OutOfRangeError(absl::StrCat("HessianAccumulatorCuda::ToDigits: [", first, ", ",
+                                              first + size, ") outside ",
+                                              HessianPackedSize(n_), " packed values"));
+  }
+  if (size == 0) return absl::OkStatus();
+  ToDigitsKernel<<<Blocks(size, 256), 256, 0, AsStream(stream_)>>>(packed_ + first, size,
+                                                                  device_limbs);
   QCAL_CUDA_RETURN_IF_LAUNCH_ERROR("ToDigitsKernel");
   return absl::OkStatus();
 }
 
-Status HessianAccumulatorCuda::FromDigits(const int64_t* device_limbs, int64_t count) {
-  const int64_t size = HessianPackedSize(n_);
-  FromDigitsKernel<<<Blocks(size, 256), 256, 0, AsStream(stream_)>>>(device_limbs, size, packed_,
-                                                                    error_);
+Status HessianAccumulatorCuda::FromDigits(int64_t first, int64_t size,
+                                          const int64_t* device_limbs) {
+  if (first < 0 || size < 0 || first + size > HessianPackedSize(n_)) {
+    return absl::OutOfRangeError(absl::StrCat("HessianAccumulatorCuda::FromDigits: [", first,
+                                              ", ", first + size, ") outside ",
+                                              HessianPackedSize(n_), " packed values"));
+  }
+  if (size == 0) return absl::OkStatus();
+  FromDigitsKernel<<<Blocks(size, 256), 256, 0, AsStream(stream_)>>>(device_limbs, size, first,
+                                                                    packed_ + first, error_);
   QCAL_CUDA_RETURN_IF_LAUNCH_ERROR("FromDigitsKernel");
-  count_ = count;
   return absl::OkStatus();
 }
 

@@ -62,6 +62,12 @@ class HessianAccumulatorCuda {
   // bits). Enqueued on the stream.
   Status ToDigits(int64_t* device_limbs) const;
   Status FromDigits(const int64_t* device_limbs, int64_t count);
+  // The same for the packed values [first, first + size) only (4·size int64 digits), so a
+  // reduction can run in pieces through a small buffer; FromDigits' errors name the packed index.
+  Status ToDigits(int64_t first, int64_t size, int64_t* device_limbs) const;
+  Status FromDigits(int64_t first, int64_t size, const int64_t* device_limbs);
+  // Sets the row count (after the sums were replaced by a reduction over ranks).
+  void set_count(int64_t count) { count_ = count; }
   // The device pointer to T (HessianPackedSize(n) Fixed128).
   const Fixed128* device_packed() const { return packed_; }
 

@@ -38,6 +38,40 @@ std::string LastLine(const std::string& s) {
   return pos == std::string::npos ? t : t.substr(pos + 1);
 }
 
+// qcal runs OpenBLAS's Haswell kernels on x86-64 CPUs with AVX2 and FMA (common/cpu.h:
+// SelectBlasKernelsOrReexec), unless OPENBLAS_CORETYPE says otherwise.
+TEST(CliBlasTest, HaswellKernelsUnlessTheUserChoseOthers) {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) {
+    GTEST_SKIP() << "this CPU has no AVX2 + FMA: OpenBLAS keeps its own choice";
+  }
+  const std::string qcal = testing::BuildDir() + "/client/qcal";
+  auto run = [&](const std::string& env) {
+    Result r{-1, ""};
+    // Not a model directory: the command fails after the start-up that logs the kernels.
+    FILE* p = popen((env + " " + qcal + " --log-level info eval --model " + testing::BuildDir() +
+                     " --data " + testing::SharedDir() +
+                     "/data/tinystories/TinyStories-valid.sample30k.txt 2>&1").c_str(), "r");
+    if (!p) return r;
+    std::array<char, 4096> buf;
+    size_t n;
+    while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
+    pclose(p);
+    return r;
+  };
+  Result r = run("env -u OPENBLAS_CORETYPE");
+  EXPECT_NE(r.out.find("BLAS: openblas"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(", Haswell kernels"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(testing::BuildDir()), std::string::npos) << "the command still runs: "
+                                                                << r.out;
+  r = run("env OPENBLAS_CORETYPE=Prescott");
+  EXPECT_NE(r.out.find(", Prescott kernels"), std::string::npos) << r.out;
+#else
+  GTEST_SKIP() << "not x86-64";
+#endif
+}
+
 class CliTest : public ::testing::Test {
  protected:
   void SetUp() override {

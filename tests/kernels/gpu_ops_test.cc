@@ -26,6 +26,8 @@
 #include "kernels/e8p.h"
 #include "kernels/e8p_cuda.h"
 #include "kernels/fixed_point.h"
+#include "kernels/gpu_backend.h"
+#include "kernels/gpu_backend_cuda.h"
 #include "kernels/gptq_cuda.h"
 #include "kernels/hessian_cuda.h"
 #include "kernels/hessian_fixed.h"
@@ -218,6 +220,80 @@ TEST_F(GpuOpsTest, HessianSumsAreIdenticalForAnySplitAcrossRanks) {
   auto reduced = combined->Download();
   ASSERT_TRUE(reduced.ok()) << reduced.status();
   EXPECT_TRUE(*reduced == *whole);
+}
+
+TEST_F(GpuOpsTest, DeviceHessianAllReduceInPiecesEqualsOneAccumulatorOverAllRanks) {
+  // DeviceHessian::AllReduce (the backend's; NCCL's all-reduce in qcal-worker) on rank 0 of three
+  // simulated ranks: the sum callback adds ranks 1 and 2's digits (downloaded beforehand) to each
+  // device piece it is given. n = 3000 has 4.5M packed values: two pieces (4M and the rest).
+  const int64_t n = 3000, t = 32;
+  const int64_t seqs[3] = {2, 1, 3};
+  std::normal_distribution<float> g(0.0f, 2.0f);
+  auto backend = CreateCudaBackend(0);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  std::vector<std::vector<float>> inputs(3);
+  std::vector<std::unique_ptr<DeviceHessian>> ranks;
+  for (int r = 0; r < 3; ++r) {
+    inputs[r].resize(seqs[r] * t * n);
+    for (float& v : inputs[r]) v = g(rng_);
+    auto h = (*backend)->NewHessian(n);
+    ASSERT_TRUE(h.ok()) << h.status();
+    ASSERT_TRUE((*h)->Add(inputs[r].data(), seqs[r], t).ok());
+    ranks.push_back(std::move(*h));
+  }
+  // Everything on one accumulator: the expected bits.
+  auto whole = (*backend)->NewHessian(n);
+  ASSERT_TRUE(whole.ok());
+  for (int r = 0; r < 3; ++r) ASSERT_TRUE((*whole)->Add(inputs[r].data(), seqs[r], t).ok());
+  int64_t whole_count = 0;
+  auto expect = (*whole)->Finish(&whole_count);
+  ASSERT_TRUE(expect.ok()) << expect.status();
+  ASSERT_GT(CountNonZero(*expect), expect->size() / 2);
+  // Ranks 1 and 2's digits, summed on the host.
+  const int64_t size = HessianPackedSize(n);
+  std::vector<int64_t> others(4 * size, 0);
+  for (int r = 1; r < 3; ++r) {
+    int64_t count = 0;
+    auto v = ranks[r]->Finish(&count);
+    ASSERT_TRUE(v.ok()) << v.status();
+    for (int64_t e = 0; e < size; ++e) {
+      int64_t d[4];
+      SplitFixedDigits((*v)[e], d);
+      for (int l = 0; l < 4; ++l) others[4 * e + l] += d[l];
+    }
+  }
+  size_t offset = 0;
+  int pieces = 0;
+  DeviceInt64Sum sum = [&](int64_t* device, size_t count) -> Status {
+    ++pieces;
+    std::vector<int64_t> host(count);
+    QCAL_CUDA_RETURN_IF_ERROR(
+        cudaMemcpy(host.data(), device, count * 8, cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < count; ++i) host[i] += others[offset + i];
+    offset += count;
+    QCAL_CUDA_RETURN_IF_ERROR(
+        cudaMemcpy(device, host.data(), count * 8, cudaMemcpyHostToDevice));
+    return absl::OkStatus();
+  };
+  ASSERT_TRUE(ranks[0]->AllReduce(sum, whole_count).ok());
+  EXPECT_EQ(pieces, 2);
+  EXPECT_EQ(offset, static_cast<size_t>(4 * size));
+  EXPECT_EQ(ranks[0]->count(), whole_count);
+  int64_t count = 0;
+  auto reduced = ranks[0]->Finish(&count);
+  ASSERT_TRUE(reduced.ok()) << reduced.status();
+  EXPECT_EQ(count, (2 + 1 + 3) * t);
+  EXPECT_TRUE(*reduced == *expect);
+}
+
+TEST_F(GpuOpsTest, HessianDigitRangesOutsideTheTriangleAreErrors) {
+  auto acc = HessianAccumulatorCuda::Create(10, nullptr);
+  ASSERT_TRUE(acc.ok()) << acc.status();
+  DeviceArray<int64_t> limbs(4 * 55);
+  EXPECT_TRUE(acc->ToDigits(50, 5, limbs.get()).ok());
+  EXPECT_EQ(acc->ToDigits(50, 6, limbs.get()).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(acc->FromDigits(-1, 2, limbs.get()).code(), absl::StatusCode::kOutOfRange);
+  ASSERT_TRUE(acc->Sync().ok());
 }
 
 TEST_F(GpuOpsTest, HessianOverflowIsAnErrorNamingTheEntry) {

@@ -348,6 +348,63 @@ TEST(ScalarQuantTest, ClipSearchNeverWorseThanNoClipAndIsTheArgmin) {
   }
 }
 
+// The search stops summing a candidate's error once it reaches the best so far. It must choose
+// exactly what the plain search chooses: the first grid point (1 - i/grid) whose full error,
+// summed in index order, is smallest. Rows here are longer than the stopping check's stride and
+// not a multiple of it, and some rows make many grid points tie exactly.
+TEST(ScalarQuantTest, ClipSearchChoosesTheFirstExactArgmin) {
+  const uint64_t seed = testing::TestSeed();
+  Gaussian gauss(seed);
+  const int64_t rows = 12, cols = 1000;
+  std::vector<double> x = HeavyTailed(gauss, rows * cols);
+  for (int64_t j = 0; j < cols; ++j) {
+    x[0 * cols + j] = 0.25;                      // constant: every ratio's error is tied
+    x[1 * cols + j] = (j % 5) - 2.0;             // five levels
+    x[2 * cols + j] = j == 7 ? 40.0 : (j % 2 ? 1.0 : -1.0);  // one outlier
+    x[3 * cols + j] = std::ldexp(gauss(), -20);  // tiny
+  }
+  for (double norm : {2.0, 2.4, 1.0}) {
+    for (bool sym : {true, false}) {
+      for (int bits : {2, 4, 8}) {
+        SCOPED_TRACE(::testing::Message() << "norm " << norm << " sym " << sym << " bits " << bits);
+        ScalarQuantConfig search = Cfg(bits, sym, QuantGranularity::kPerChannel);
+        search.clip_search = true;
+        search.clip_search_norm = norm;
+        const int32_t cmin = ScalarCodeMin(search), cmax = ScalarCodeMax(search);
+        for (int64_t r = 0; r < rows; ++r) {
+          const double* row = &x[r * cols];
+          double lo = 0, hi = 0;
+          for (int64_t j = 0; j < cols; ++j) {
+            lo = std::min(lo, row[j]);
+            hi = std::max(hi, row[j]);
+          }
+          const int steps = static_cast<int>(search.clip_search_max_shrink * search.clip_search_grid);
+          ScalarQuantParams<double> want{};
+          double want_err = 0;
+          for (int i = 0; i < steps; ++i) {
+            const double ratio = 1.0 - static_cast<double>(i) / search.clip_search_grid;
+            const auto p = ScalarQuantParamsFromRange<double>(lo, hi, ratio, search);
+            double e = 0;
+            for (int64_t j = 0; j < cols; ++j) {
+              const double d =
+                  ScalarDequantizeCode(ScalarQuantizeCode(row[j], p, cmin, cmax), p) - row[j];
+              e += norm == 2.0 ? d * d : std::pow(std::fabs(d), norm);
+            }
+            if (i == 0 || e < want_err) {
+              want_err = e;
+              want = p;
+            }
+          }
+          const auto got = ComputeScalarQuantParams(row, cols, search);
+          EXPECT_EQ(got.clip_ratio, want.clip_ratio) << "row " << r;
+          EXPECT_EQ(got.scale, want.scale) << "row " << r;
+          EXPECT_EQ(got.zero, want.zero) << "row " << r;
+        }
+      }
+    }
+  }
+}
+
 TEST(ScalarQuantTest, ClipSearchPerGroupAndPerTensor) {
   const uint64_t seed = testing::TestSeed();
   Gaussian gauss(seed);

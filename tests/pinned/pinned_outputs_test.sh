@@ -7,12 +7,12 @@
 # Usage (ctest runs it): pinned_outputs_test.sh SOURCE_DIR BUILD_DIR
 set -euo pipefail
 src=$1 build=$2
-# The pins were made with OpenBLAS's Haswell (AVX2) kernels. On an AVX-512 machine OpenBLAS picks
-# other kernels by default (SkylakeX and later: small-matrix GEMM paths that sum in another
-# order), which changes the bits of the recipes that train (block fine-tuning, rotation
-# training: many small GEMMs) and nothing else; outputs stay bit-identical across ranks and
-# threads on one machine either way (docs/architecture.md, "Determinism"). Selecting the kernels
-# makes the pins hold on any x86-64 CI machine.
+# The pins were made with OpenBLAS's Haswell (AVX2 + FMA) kernels, which qcal selects by itself
+# on every x86-64 CPU with AVX2 and FMA (common/cpu.h, SelectBlasKernelsOrReexec). Other kernels
+# (OpenBLAS's Prescott fallback on CPUs newer than the library, or SkylakeX) sum small GEMMs in
+# another order and change the bits of the recipes that train (block fine-tuning, rotation
+# training). The export below keeps the pins on Haswell even where that selection cannot run;
+# QCAL_PIN_OPENBLAS_CORETYPE tries others.
 export OPENBLAS_CORETYPE=${QCAL_PIN_OPENBLAS_CORETYPE:-Haswell}
 pins="$src/tests/pinned/output-hashes.txt"
 work=$(mktemp -d /tmp/qcal-pinned.XXXXXX)

@@ -7,12 +7,14 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <functional>
 #include <limits>
 #include <thread>
 
 #include "common/atomic_file.h"
 #include "common/tokenizer.h"
+#include "kernels/gpu_backend.h"
 #include "tests/model_fixtures.h"
 #include "tests/test_util.h"
 #include "worker/model/model_source.h"
@@ -78,7 +80,7 @@ class CalibrationRanksTest : public ::testing::Test {
   static calib::CalibrationResult Run(
       int ranks, const std::string& job_dir,
       int64_t budget = std::numeric_limits<int64_t>::max(),
-      const std::function<void(calib::CalibrationOptions&)>& tweak = nullptr) {
+      const std::function<void(calib::CalibrationOptions&, runtime::Comm&)>& tweak = nullptr) {
     auto comms = runtime::MakeThreadComms(ranks);
     std::vector<StatusOr<calib::CalibrationResult>> results(ranks, absl::UnknownError("not run"));
     std::vector<std::thread> threads;
@@ -94,7 +96,7 @@ class CalibrationRanksTest : public ::testing::Test {
         opt.batch = 4;
         opt.activations = true;
         opt.memory_budget_bytes = budget;
-        if (tweak) tweak(opt);
+        if (tweak) tweak(opt, *comms[r]);
         results[r] = calib::Calibrate(*comms[r], **source, *tokens_, job_dir, "key", opt);
         if (!results[r].ok()) comms[r].reset();
       });
@@ -225,7 +227,7 @@ TEST_F(CalibrationRanksTest, ShardedHessiansWriteTheUnshardedFilesByteForByte) {
   for (int64_t strip : {int64_t{16}, calib::kHessianStripRows}) {
     const std::string dir1 = *root_ + "/unsharded-strip" + std::to_string(strip);
     calib::CalibrationResult one = Run(1, dir1, std::numeric_limits<int64_t>::max(),
-                                       [&](calib::CalibrationOptions& o) {
+                                       [&](calib::CalibrationOptions& o, runtime::Comm&) {
                                          o.hessian_strip_rows = strip;
                                        });
     ASSERT_EQ(static_cast<int64_t>(one.hessians.size()), blocks);
@@ -234,7 +236,8 @@ TEST_F(CalibrationRanksTest, ShardedHessiansWriteTheUnshardedFilesByteForByte) {
                                  {4, 1}}) {
       const std::string dir = *root_ + "/sharded-strip" + std::to_string(strip) + "-" +
                               std::to_string(ranks);
-      calib::CalibrationResult many = Run(ranks, dir, budget, [&](calib::CalibrationOptions& o) {
+      calib::CalibrationResult many =
+          Run(ranks, dir, budget, [&](calib::CalibrationOptions& o, runtime::Comm&) {
         o.hessian_strip_rows = strip;
         o.shard_hessians = true;
       });
@@ -259,6 +262,123 @@ TEST_F(CalibrationRanksTest, ShardedHessiansWriteTheUnshardedFilesByteForByte) {
       }
     }
   }
+}
+
+// A GPU backend whose "device" Hessians are host accumulators, and whose device reduction is
+// DeviceHessian::AllReduce's contract done on the host: the sums as reduction digits through
+// the given int64 sum, piece by piece. Counts the reductions and the downloads.
+std::atomic<int> g_device_reductions{0};
+std::atomic<int> g_device_downloads{0};
+
+class HostDeviceHessian final : public kernels::DeviceHessian {
+ public:
+  explicit HostDeviceHessian(int64_t n) : n_(n), acc_(n) {}
+  Status Add(const float* x, int64_t seqs, int64_t t) override {
+    return acc_.Add(at::from_blob(const_cast<float*>(x), {seqs, t, n_}, at::kFloat));
+  }
+  int64_t count() const override { return acc_.count(); }
+  Status AllReduce(const kernels::DeviceInt64Sum& sum, int64_t total_rows) override {
+    ++g_device_reductions;
+    std::vector<kernels::Fixed128> packed = acc_.ReleasePacked();
+    constexpr size_t kPiece = 1000;  // several pieces per Hessian, the last one short
+    std::vector<int64_t> limbs;
+    for (size_t off = 0; off < packed.size(); off += kPiece) {
+      const size_t m = std::min(kPiece, packed.size() - off);
+      limbs.resize(4 * m);
+      calib::HessianAccumulator::SplitDigits(packed.data() + off, m, limbs.data());
+      QCAL_RETURN_IF_ERROR(sum(limbs.data(), limbs.size()));
+      QCAL_RETURN_IF_ERROR(
+          calib::HessianAccumulator::CombineDigits(limbs.data(), m, packed.data() + off));
+    }
+    QCAL_ASSIGN_OR_RETURN(acc_,
+                          calib::HessianAccumulator::FromFixed(n_, std::move(packed), total_rows));
+    return absl::OkStatus();
+  }
+  StatusOr<std::vector<kernels::Fixed128>> Finish(int64_t* count) override {
+    ++g_device_downloads;
+    *count = acc_.count();
+    return acc_.ReleasePacked();
+  }
+
+ private:
+  int64_t n_;
+  calib::HessianAccumulator acc_;
+};
+
+class HostDeviceBackend final : public kernels::GpuBackend {
+ public:
+  std::string description() const override { return "host-as-device:0"; }
+  StatusOr<std::unique_ptr<kernels::DeviceHessian>> NewHessian(int64_t n) override {
+    return std::unique_ptr<kernels::DeviceHessian>(std::make_unique<HostDeviceHessian>(n));
+  }
+  StatusOr<kernels::VectorRoundingResult> BlockLdlqE8p(const double*, int64_t, int64_t,
+                                                       const double*,
+                                                       const kernels::VectorRoundingConfig&) override {
+    return absl::UnimplementedError("not in this test");
+  }
+  StatusOr<kernels::ScalarRoundingResult> Gptq(const double*, int64_t, int64_t, const double*,
+                                               const kernels::ScalarRoundingConfig&) override {
+    return absl::UnimplementedError("not in this test");
+  }
+};
+
+// GPU ranks reduce their Hessian sums where they are (CalibrationOptions::device_sum: NCCL's
+// all-reduce in qcal-worker; here the thread-ranks' int64 all-reduce on the fake's host
+// "device" memory). The files must be the world of one's bytes. Each block's four sums go
+// through the device reduction on every rank, and only the saving rank downloads them, unless
+// the Hessians are kept. Without device_sum on every rank, every rank downloads and reduces on
+// the host (same bytes).
+TEST_F(CalibrationRanksTest, DeviceReducedHessiansWriteTheHostReducedBytes) {
+  const int64_t blocks = 5;  // stories260K
+  const std::string dir1 = *root_ + "/device-one";
+  calib::CalibrationResult one = Run(1, dir1);
+  ASSERT_EQ(static_cast<int64_t>(one.hessians.size()), blocks);
+  ASSERT_EQ(kernels::SetActiveGpuBackend(std::make_unique<HostDeviceBackend>()), nullptr);
+  // 22 sequences in chunks of 4: 6 chunks; 7 ranks leave rank 6 without any.
+  for (int ranks : {2, 7}) {
+    for (bool keep : {false, true}) {
+      for (bool all_have_sum : {true, false}) {
+        SCOPED_TRACE(::testing::Message() << ranks << " ranks, keep " << keep << ", device_sum on "
+                                          << (all_have_sum ? "every rank" : "rank 0 only"));
+        g_device_reductions = 0;
+        g_device_downloads = 0;
+        const std::string dir = *root_ + "/device-" + std::to_string(ranks) + "-" +
+                                std::to_string(keep) + std::to_string(all_have_sum);
+        calib::CalibrationResult many = Run(
+            ranks, dir, std::numeric_limits<int64_t>::max(),
+            [&](calib::CalibrationOptions& o, runtime::Comm& comm) {
+              o.keep_hessians = keep;
+              if (all_have_sum || comm.rank() == 0) {
+                o.device_sum = [&comm](int64_t* data, size_t count) {
+                  return comm.AllReduceSum(data, count);
+                };
+              }
+            });
+        EXPECT_EQ(many.tokens, 22 * 64);
+        if (all_have_sum) {
+          EXPECT_EQ(g_device_reductions.load(), ranks * blocks * 4);
+          EXPECT_EQ(g_device_downloads.load(), (keep ? ranks : 1) * blocks * 4);
+        } else {
+          EXPECT_EQ(g_device_reductions.load(), 0);
+          // Ranks with sequences download their own sums before the host reduction.
+          EXPECT_EQ(g_device_downloads.load(), std::min(ranks, 6) * blocks * 4);
+        }
+        for (int64_t l = 0; l < blocks; ++l) {
+          auto h1 = ReadFile(calib::HessianPath(dir1, l));
+          auto hn = ReadFile(calib::HessianPath(dir, l));
+          ASSERT_TRUE(h1.ok() && hn.ok()) << hn.status();
+          EXPECT_TRUE(*h1 == *hn) << "block " << l;
+          if (keep) {
+            ASSERT_EQ(static_cast<int64_t>(many.hessians.size()), blocks);
+            for (int k = 0; k < 4; ++k) {
+              EXPECT_TRUE(many.hessians[l].h[k].packed() == one.hessians[l].h[k].packed());
+            }
+          }
+        }
+      }
+    }
+  }
+  kernels::SetActiveGpuBackend(nullptr);
 }
 
 TEST_F(CalibrationRanksTest, MoreRanksThanChunksStillAgree) {

@@ -41,6 +41,7 @@ class FakeHessian final : public kernels::DeviceHessian {
     at::Tensor v = at::from_blob(const_cast<float*>(x), {seqs, t, n_}, at::kFloat);
     return acc_.Add(v);
   }
+  int64_t count() const override { return acc_.count(); }
   StatusOr<std::vector<kernels::Fixed128>> Finish(int64_t* count) override {
     *count = acc_.count();
     return acc_.ReleasePacked();

@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <array>
 #include <chrono>
 #include <cstring>
 #include <cstdio>
@@ -245,26 +246,39 @@ StatusOr<BlockHessians> LoadBlockHessians(const std::string& path, const std::st
   return h;
 }
 
-Status AllReduceHessians(runtime::Comm& comm, BlockHessians* h) {
-  if (comm.size() == 1) return absl::OkStatus();
-  // Counts and dimensions first. Every rank sees the same sums, so all agree whether the
-  // dimensions match (they all do iff size·Σd² = (Σd)²).
-  std::vector<int64_t> head;
-  for (HessianKind k : kAllHessianKinds) {
-    head.push_back(h->at(k).count());
-    head.push_back(h->at(k).dim());
-    head.push_back(h->at(k).dim() * h->at(k).dim());
-  }
-  QCAL_RETURN_IF_ERROR(comm.AllReduceSum(head.data(), head.size()));
+namespace {
+
+// The reduction's head: each kind's row count summed over the ranks (head[3k]), and a check that
+// every rank holds the same dimensions. Every rank sees the same sums, so all agree whether the
+// dimensions match (they all do iff size·Σd² = (Σd)²). counts[k]: this rank's rows of kind k.
+Status ReduceHessianHead(runtime::Comm& comm, const BlockHessians& h,
+                         const std::array<int64_t, 4>& counts, std::vector<int64_t>* head) {
+  head->clear();
   for (size_t ki = 0; ki < 4; ++ki) {
-    const int64_t sum = head[3 * ki + 1], sum_sq = head[3 * ki + 2];
+    const int64_t dim = h.at(kAllHessianKinds[ki]).dim();
+    head->insert(head->end(), {counts[ki], dim, dim * dim});
+  }
+  QCAL_RETURN_IF_ERROR(comm.AllReduceSum(head->data(), head->size()));
+  for (size_t ki = 0; ki < 4; ++ki) {
+    const int64_t sum = (*head)[3 * ki + 1], sum_sq = (*head)[3 * ki + 2];
     if (comm.size() * sum_sq != sum * sum) {
       return absl::InvalidArgumentError(absl::StrCat(
           "Hessian reduction: ranks hold ", HessianKindName(kAllHessianKinds[ki]),
-          " Hessians of different dimensions (this rank: ", h->at(kAllHessianKinds[ki]).dim(),
+          " Hessians of different dimensions (this rank: ", h.at(kAllHessianKinds[ki]).dim(),
           ")"));
     }
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+Status AllReduceHessians(runtime::Comm& comm, BlockHessians* h) {
+  if (comm.size() == 1) return absl::OkStatus();
+  std::array<int64_t, 4> counts;
+  for (size_t ki = 0; ki < 4; ++ki) counts[ki] = h->at(kAllHessianKinds[ki]).count();
+  std::vector<int64_t> head;
+  QCAL_RETURN_IF_ERROR(ReduceHessianHead(comm, *h, counts, &head));
   // The sums, in pieces (4 int64 limbs per value: 32 bytes per value in flight).
   constexpr size_t kPiece = size_t{1} << 20;
   std::vector<int64_t> limbs;
@@ -284,6 +298,49 @@ Status AllReduceHessians(runtime::Comm& comm, BlockHessians* h) {
     QCAL_ASSIGN_OR_RETURN(acc, HessianAccumulator::FromFixed(dim, std::move(total),
                                                              head[3 * ki]));
   }
+  return absl::OkStatus();
+}
+
+namespace {
+Status AgreeOk(runtime::Comm& comm, const Status& local, const std::string& what);
+}  // namespace
+
+Status AllReduceDeviceHessians(runtime::Comm& comm, const kernels::DeviceInt64Sum& device_sum,
+                               bool download, BlockHessians* h, int64_t* rows) {
+  kernels::GpuBackend* gpu = kernels::ActiveGpuBackend();
+  if (gpu == nullptr || !device_sum) {
+    return absl::FailedPreconditionError("device Hessian reduction without a GPU backend");
+  }
+  // A rank without sequences has sized accumulators but no device sums: zero ones.
+  Status local;
+  for (HessianKind k : kAllHessianKinds) {
+    auto& d = h->device[static_cast<int>(k)];
+    if (d != nullptr || !local.ok()) continue;
+    auto made = gpu->NewHessian(h->at(k).dim());
+    if (made.ok()) {
+      d = std::move(*made);
+    } else {
+      local = Annotate(made.status(), absl::StrCat(HessianKindName(k), " input (GPU)"));
+    }
+  }
+  QCAL_RETURN_IF_ERROR(AgreeOk(comm, local, "device Hessian sums"));
+  // Counts and dimensions on the hosts.
+  std::array<int64_t, 4> counts;
+  for (size_t ki = 0; ki < 4; ++ki) counts[ki] = h->device[ki]->count();
+  std::vector<int64_t> head;
+  QCAL_RETURN_IF_ERROR(ReduceHessianHead(comm, *h, counts, &head));
+  // The sums where they are. A failure inside a collective is not agreed on: the worker ends
+  // the job (its ranks cannot continue a half-done all-reduce).
+  for (size_t ki = 0; ki < 4; ++ki) {
+    const HessianKind k = kAllHessianKinds[ki];
+    QCAL_RETURN_IF_ERROR(Annotate(h->device[ki]->AllReduce(device_sum, head[3 * ki]),
+                                  absl::StrCat(HessianKindName(k), " input (device reduction)")));
+  }
+  if (rows != nullptr) *rows = head[0];
+  if (download) return FlushDeviceHessians(h);
+  for (HessianKind k : kAllHessianKinds) h->device[static_cast<int>(k)].reset();
+  h->device_block.reset();
+  h->device_block_key = nullptr;
   return absl::OkStatus();
 }
 
@@ -641,6 +698,14 @@ StatusOr<CalibrationResult> Calibrate(runtime::Comm& comm, model::ModelSource& s
       }
       return Status();
     };
+    // GPU ranks reduce the sums on their devices when all of them can (every rank has a GPU
+    // backend and a device reduction); otherwise every rank downloads and reduces on the host.
+    bool reduce_on_device = false;
+    if (walk_hessians && !sharded && comm.size() > 1) {
+      int64_t can = options.device_sum && kernels::ActiveGpuBackend() != nullptr ? 1 : 0;
+      QCAL_RETURN_IF_ERROR(comm.AllReduceSum(&can, 1));
+      reduce_on_device = can == comm.size();
+    }
     for (int64_t l = 0; l < blocks; ++l) {
       const std::string where = absl::StrCat("calibration, block ", l);
       if (walk_activations) QCAL_RETURN_IF_ERROR(Annotate(save_boundary(l), where));
@@ -682,14 +747,21 @@ StatusOr<CalibrationResult> Calibrate(runtime::Comm& comm, model::ModelSource& s
                                                           /*flush_device=*/false));
           QCAL_RETURN_IF_ERROR(store.Put(i, y));
         }
-        return FlushDeviceHessians(&h);
+        return reduce_on_device ? Status() : FlushDeviceHessians(&h);
       }();
       QCAL_RETURN_IF_ERROR(AgreeOk(comm, Annotate(local, where), where));
       if (walk_hessians) {
-        QCAL_RETURN_IF_ERROR(Annotate(AllReduceHessians(comm, &h), where));
+        if (reduce_on_device) {
+          QCAL_RETURN_IF_ERROR(Annotate(
+              AllReduceDeviceHessians(comm, options.device_sum, root || options.keep_hessians,
+                                      &h, &result.tokens),
+              where));
+        } else {
+          QCAL_RETURN_IF_ERROR(Annotate(AllReduceHessians(comm, &h), where));
+          result.tokens = h.at(HessianKind::kQkv).count();
+        }
         if (root) local = Annotate(SaveBlockHessians(HessianPath(job_dir, l), h, key), where);
         QCAL_RETURN_IF_ERROR(AgreeOk(comm, local, where));
-        result.tokens = h.at(HessianKind::kQkv).count();
         if (options.keep_hessians) result.hessians[l] = std::move(h);
       }
       if (progress) progress(l + 1, blocks);

@@ -35,6 +35,7 @@
 #include "common/recipe.h"
 #include "common/status.h"
 #include "common/tokenizer.h"
+#include "kernels/gpu_backend.h"
 #include "worker/calib/hessian.h"
 #include "worker/model/llama.h"
 #include "worker/model/model_source.h"
@@ -79,6 +80,16 @@ StatusOr<BlockHessians> LoadBlockHessians(const std::string& path, const std::st
 // rank ends with the total. The accumulators must have the same dimensions on every rank.
 Status AllReduceHessians(runtime::Comm& comm, BlockHessians* h);
 
+// The same for sums still on the devices (h->device, ForwardCollectingHessians with
+// flush_device = false): the counts and dimensions over `comm` (host), the sums on the devices
+// through `device_sum` (NCCL), so only reduced sums ever come to the host. download: whether this
+// rank then moves them into its accumulators (the rank that saves them, or one that keeps them);
+// otherwise they are released and the accumulators are left as they were. *rows (when given):
+// the reduced row count of the qkv input (the calibration tokens). A rank without sequences gets
+// zero device sums first. Collective; every rank needs a GPU backend.
+Status AllReduceDeviceHessians(runtime::Comm& comm, const kernels::DeviceInt64Sum& device_sum,
+                               bool download, BlockHessians* h, int64_t* rows = nullptr);
+
 // One boundary's activations [N, S, hidden] F32. NotFound when absent, FailedPrecondition for
 // another calibration key, DataLoss when malformed or of another shape.
 StatusOr<at::Tensor> LoadActivation(const std::string& path, const std::string& key,
@@ -105,6 +116,12 @@ struct CalibrationOptions {
   // The accumulators' strip height (kHessianStripRows). Tests lower it to cut small Hessians
   // into several bands; both walks give the same bits for the same value.
   int64_t hessian_strip_rows = kHessianStripRows;
+  // GPU ranks: an in-place int64 sum over the ranks of a device buffer (NCCL's all-reduce; the
+  // worker makes it when it runs on a GPU). When every rank has a GPU backend and this, each
+  // block's Hessian sums are reduced on the devices (AllReduceDeviceHessians) instead of being
+  // downloaded and reduced through `comm` on the hosts: 32 bytes per value through host memory
+  // and MPI (16 GB at a 70B block) become a device-to-device all-reduce. Same bytes either way.
+  kernels::DeviceInt64Sum device_sum;
 };
 
 struct CalibrationResult {

@@ -454,6 +454,7 @@ Status CalibrationWalk(runtime::Comm& comm, JobContext* ctx, bool hessians, bool
   options.activations = flags[1];
   options.keep_hessians = false;  // block tasks read them from the job directory
   options.memory_budget_bytes = ActivationBudget(*ctx);
+  options.device_sum = ctx->options.device_sum;
   if (options.hessians) {
     QCAL_ASSIGN_OR_RETURN(options.shard_hessians, ShardHessians(comm, *ctx));
   }

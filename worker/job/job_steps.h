@@ -31,6 +31,7 @@
 #include "common/hf_config.h"
 #include "common/recipe.h"
 #include "common/status.h"
+#include "kernels/gpu_backend.h"
 #include "methods/method.h"
 #include "proto/job.pb.h"
 #include "worker/comm/comm.h"
@@ -49,6 +50,9 @@ struct QuantizeJobOptions {
   // Bytes of activations a rank holds in memory (calibration, evaluation, sequential inputs);
   // above it they are spilled to the job directory. 0: calib::DefaultMaxMemory().
   int64_t max_memory = 0;
+  // GPU ranks: the NCCL all-reduce of device buffers (calib::CalibrationOptions::device_sum);
+  // empty on CPU ranks and in single-process jobs.
+  kernels::DeviceInt64Sum device_sum;
 };
 
 struct JobEvent {

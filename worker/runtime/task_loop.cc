@@ -183,6 +183,7 @@ class Worker {
     opt.calib_batch = spec_.calib_batch() > 0 ? spec_.calib_batch() : 8;
     opt.threads = options_.threads > 0 ? options_.threads : spec_.threads_per_worker();
     opt.max_memory = spec_.max_memory_bytes();
+    opt.device_sum = options_.device_sum;
     QCAL_ASSIGN_OR_RETURN(ctx_, job::OpenJob(recipe, opt));
     return absl::OkStatus();
   }

@@ -25,6 +25,7 @@
 #include <string>
 
 #include "common/status.h"
+#include "kernels/gpu_backend.h"
 #include "worker/comm/comm.h"
 #include "worker/runtime/coordinator_client.h"
 
@@ -35,6 +36,9 @@ struct TaskLoopOptions {
   int threads = 0;       // > 0: overrides the job's threads_per_worker
   std::string hostname;  // for RegisterWorker (default: gethostname)
   std::string device = "cpu";
+  // GPU ranks: an all-reduce of device buffers over the job's ranks (NCCL), for the Hessian sums
+  // (calib::CalibrationOptions::device_sum). Empty: everything goes through `comm`.
+  kernels::DeviceInt64Sum device_sum;
   // Heartbeat period when the coordinator gives none (its RegisterWorkerResponse wins).
   int64_t default_heartbeat_ms = 2000;
   // After this many consecutive failed heartbeats the coordinator counts as lost: on_lost.

@@ -16,14 +16,19 @@
 
 #include "absl/status/status.h"
 #include "common/cli.h"
+#include "common/cpu.h"
 #include "common/log.h"
 #include "kernels/device_select.h"
 #include "rpc/auth.h"
 #include "worker/runtime/coordinator_client.h"
 #include "worker/comm/mpi_comm.h"
 #include "worker/runtime/task_loop.h"
+#if defined(QCAL_WORKER_NCCL)
+#include "worker/comm/nccl_comm.h"
+#endif
 
 int main(int argc, char** argv) {
+  qcal::SelectBlasKernelsOrReexec(argv);  // first: before BLAS, threads or MPI start
   CLI::App app{"qcal-worker: one MPI rank of a qcal quantization service job"};
   std::string coordinator_address, job_id, token_file, tls_ca, tls_cert, tls_key;
   std::string log_level = "info", log_file;
@@ -79,11 +84,42 @@ int main(int argc, char** argv) {
 
   auto selected = qcal::kernels::SelectComputeDevice(device);
   if (!selected.ok()) return fail(selected.status());
-  QCAL_LOG_INFO("qcal-worker rank {}: device {}", rank, *selected);
+  QCAL_LOG_INFO("qcal-worker rank {}: device {}; BLAS {}", rank, *selected,
+                qcal::BlasKernelsDescription());
 
   qcal::runtime::TaskLoopOptions options;
   options.job_id = job_id;
   options.device = *selected;
+  // GPU ranks reduce device-resident data (the Hessian sums) with NCCL; control and host data
+  // stay on MPI. Every rank must join ncclCommInitRank or none, so the ranks agree first; a
+  // world with CPU ranks among GPU ones reduces everything on the hosts.
+  std::unique_ptr<qcal::runtime::Comm> device_comm;
+  {
+    int64_t gpus = qcal::kernels::SelectedCudaDevice() >= 0 ? 1 : 0;
+    if (auto s = (*comm)->AllReduceSum(&gpus, 1); !s.ok()) return fail(s);
+    const int world = (*comm)->size();
+#if defined(QCAL_WORKER_NCCL)
+    if (world > 1 && gpus == world) {
+      auto nccl = qcal::runtime::MakeNcclComm(MPI_COMM_WORLD, qcal::kernels::SelectedCudaDevice());
+      if (!nccl.ok()) return fail(nccl.status());
+      device_comm = std::move(*nccl);
+      options.device_sum = [c = device_comm.get()](int64_t* data, size_t count) {
+        return c->AllReduceSum(data, count);
+      };
+      QCAL_LOG_INFO("qcal-worker rank {}: NCCL for device data, MPI for control", rank);
+    }
+#endif
+    if (world > 1 && gpus > 0 && !options.device_sum) {
+      QCAL_LOG_WARN("qcal-worker rank {}: {} of {} ranks have a GPU{}; device sums are reduced "
+                    "on the hosts over MPI", rank, gpus, world,
+#if defined(QCAL_WORKER_NCCL)
+                    ""
+#else
+                    " and this build has no NCCL"
+#endif
+      );
+    }
+  }
   options.threads = threads;
   // Called from the heartbeat thread: leave at once, without MPI (mpirun stops the others).
   options.on_cancelled = [rank] {
@@ -107,6 +143,7 @@ int main(int argc, char** argv) {
   QCAL_LOG_INFO("qcal-worker rank {}: {} tasks done ({} blocks), {} failed; {}", rank,
                 result->tasks_completed, result->blocks_quantized, result->tasks_failed,
                 result->shutdown_reason);
+  device_comm.reset();  // NCCL before MPI
   comm->reset();
   MPI_Finalize();
   return 0;
