@@ -18,8 +18,9 @@ struct Result {
   std::string out;  // stdout and stderr together
 };
 
-Result RunQcal(const std::string& args) {
-  const std::string cmd = testing::BuildDir() + "/client/qcal " + args + " 2>&1";
+// env: a command prefix such as "env -u VAR" (none by default).
+Result RunQcal(const std::string& args, const std::string& env = "") {
+  const std::string cmd = env + " " + testing::BuildDir() + "/client/qcal " + args + " 2>&1";
   Result r{-1, ""};
   FILE* p = popen(cmd.c_str(), "r");
   if (!p) return r;
@@ -46,19 +47,11 @@ TEST(CliBlasTest, HaswellKernelsUnlessTheUserChoseOthers) {
   if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) {
     GTEST_SKIP() << "this CPU has no AVX2 + FMA: OpenBLAS keeps its own choice";
   }
-  const std::string qcal = testing::BuildDir() + "/client/qcal";
-  auto run = [&](const std::string& env) {
-    Result r{-1, ""};
-    // Not a model directory: the command fails after the start-up that logs the kernels.
-    FILE* p = popen((env + " " + qcal + " --log-level info eval --model " + testing::BuildDir() +
-                     " --data " + testing::SharedDir() +
-                     "/data/tinystories/TinyStories-valid.sample30k.txt 2>&1").c_str(), "r");
-    if (!p) return r;
-    std::array<char, 4096> buf;
-    size_t n;
-    while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
-    pclose(p);
-    return r;
+  // Not a model directory: the command fails after the start-up that logs the kernels.
+  auto run = [](const std::string& env) {
+    return RunQcal("--log-level info eval --model " + testing::BuildDir() + " --data " +
+                       testing::SharedDir() + "/data/tinystories/TinyStories-valid.sample30k.txt",
+                   env);
   };
   Result r = run("env -u OPENBLAS_CORETYPE");
   EXPECT_NE(r.out.find("BLAS: openblas"), std::string::npos) << r.out;

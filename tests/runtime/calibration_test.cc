@@ -378,7 +378,16 @@ TEST_F(CalibrationRanksTest, DeviceReducedHessiansWriteTheHostReducedBytes) {
       }
     }
   }
+  // Without a device all-reduce, or without a backend, the device reduction says what is missing.
+  auto self = runtime::MakeSelfComm();
+  calib::BlockHessians h;
+  Status s = calib::AllReduceDeviceHessians(*self, nullptr, true, &h);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("no device all-reduce"), std::string::npos) << s;
   kernels::SetActiveGpuBackend(nullptr);
+  s = calib::AllReduceDeviceHessians(
+      *self, [](int64_t*, size_t) { return absl::OkStatus(); }, true, &h);
+  EXPECT_NE(s.message().find("no GPU backend"), std::string::npos) << s;
 }
 
 TEST_F(CalibrationRanksTest, MoreRanksThanChunksStillAgree) {

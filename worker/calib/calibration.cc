@@ -309,7 +309,9 @@ Status AllReduceDeviceHessians(runtime::Comm& comm, const kernels::DeviceInt64Su
                                bool download, BlockHessians* h, int64_t* rows) {
   kernels::GpuBackend* gpu = kernels::ActiveGpuBackend();
   if (gpu == nullptr || !device_sum) {
-    return absl::FailedPreconditionError("device Hessian reduction without a GPU backend");
+    return absl::FailedPreconditionError(absl::StrCat(
+        "device Hessian reduction needs a GPU backend and a device all-reduce (this rank has ",
+        gpu == nullptr ? "no GPU backend" : "no device all-reduce", ")"));
   }
   // A rank without sequences has sized accumulators but no device sums: zero ones.
   Status local;
