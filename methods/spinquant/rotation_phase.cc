@@ -28,7 +28,13 @@ std::string Fingerprint(const qsim::RotationPlan& plan, const RotationPhaseOptio
   const qsim::RotationTrainingOptions& t = o.training;
   return absl::StrCat("steps=", t.steps, " lr=", FormatDouble(t.lr), " batch=", t.batch,
                       " clip=", FormatDouble(t.grad_clip), " w", t.weight_bits, "a", t.act_bits,
-                      "kv", t.kv_bits, " seed=", t.seed, t.identity_init ? " init=identity" : " init=hadamard", " plan=", plan.Describe(),
+                      "kv", t.kv_bits, " seed=", t.seed,
+                      o.choose_init      ? " init=best"
+                      : t.identity_init ? " init=identity"
+                                        : " init=hadamard",
+                      t.loss == qsim::RotationTrainingOptions::Loss::kKlToFloat ? " loss=kl"
+                                                                               : " loss=ce",
+                      t.range_gradient ? " range_gradient" : "", " plan=", plan.Describe(),
                       " tokens=", tokens.size(0), "x", tokens.size(1));
 }
 
@@ -125,6 +131,28 @@ StatusOr<State> LoadState(const std::string& path, const std::string& key, int64
   return s;
 }
 
+// The mean loss of rotations (r1, r2) on calibration sequences [0, m), sliced over the ranks and
+// summed exactly (as a step's loss): the same value on every rank.
+StatusOr<double> MeanLoss(runtime::Comm& comm, qsim::RotationGradients& grads, const at::Tensor& r1,
+                          const at::Tensor& r2, const at::Tensor& tokens, int64_t m) {
+  const runtime::Range mine = runtime::SliceForRank(m, comm.rank(), comm.size());
+  std::vector<Fixed128> acc(1, 0);
+  Status local;
+  for (int64_t i = mine.begin; i < mine.end && local.ok(); ++i) {
+    auto r = grads.Sequence(r1, r2, tokens[i]);
+    local = r.ok() ? AccumulateFixed(at::tensor({r->loss}, at::kDouble), acc.data(), "loss")
+                   : r.status();
+  }
+  int64_t failed = local.ok() ? 0 : 1;
+  QCAL_RETURN_IF_ERROR(comm.AllReduceSum(&failed, 1));
+  if (!local.ok()) return Annotate(local, "rotation training: choosing the start");
+  if (failed > 0) {
+    return absl::AbortedError("rotation training: choosing the start failed on another rank");
+  }
+  QCAL_RETURN_IF_ERROR(AllReduceFixed(comm, &acc));
+  return FromFixed(acc.data(), 1, static_cast<double>(m), {1}).item<double>();
+}
+
 Status BroadcastTensor(runtime::Comm& comm, at::Tensor* t) {
   *t = t->contiguous();
   return comm.Broadcast(t->data_ptr<double>(), t->numel() * sizeof(double), 0);
@@ -165,15 +193,26 @@ StatusOr<RotationPhaseResult> TrainRotationsDataParallel(runtime::Comm& comm,
     }
   }
   QCAL_RETURN_IF_ERROR(comm.Broadcast(&start, sizeof(start), 0));
+  RotationPhaseResult result;
   if (start == 0) {
-    if (t.identity_init) {
-      state.r1 = at::eye(hid, at::kDouble);
-      state.r2 = at::eye(d, at::kDouble).expand({layers, d, d}).contiguous();
-    } else {
-      QCAL_ASSIGN_OR_RETURN(auto init, qsim::DenseRotations(plan, layers));
-      state.r1 = init.first.t().contiguous();  // R = Tᵀ
-      state.r2 = init.second.transpose(1, 2).contiguous();
+    const at::Tensor eye1 = at::eye(hid, at::kDouble);
+    const at::Tensor eye2 = at::eye(d, at::kDouble).expand({layers, d, d}).contiguous();
+    QCAL_ASSIGN_OR_RETURN(auto init, qsim::DenseRotations(plan, layers));
+    const at::Tensor had1 = init.first.t().contiguous();  // R = Tᵀ
+    const at::Tensor had2 = init.second.transpose(1, 2).contiguous();
+    bool identity = t.identity_init;
+    if (o.choose_init) {
+      const int64_t m = std::min<int64_t>(tokens.size(0), 4 * t.batch);
+      QCAL_ASSIGN_OR_RETURN(const double lh, MeanLoss(comm, *grads, had1, had2, tokens, m));
+      QCAL_ASSIGN_OR_RETURN(const double li, MeanLoss(comm, *grads, eye1, eye2, tokens, m));
+      identity = li < lh;
+      QCAL_LOG_INFO("rotation training: start loss on {} sequences: Hadamard {:.6f}, identity "
+                    "{:.6f}; starting from the {}", m, lh, li,
+                    identity ? "identity" : "Hadamards");
     }
+    state.r1 = identity ? eye1 : had1;
+    state.r2 = identity ? eye2 : had2;
+    result.init = identity ? "identity" : "hadamard";
     state.losses.clear();
   } else {
     if (comm.rank() != 0) {
@@ -187,7 +226,6 @@ StatusOr<RotationPhaseResult> TrainRotationsDataParallel(runtime::Comm& comm,
     QCAL_LOG_INFO("rotation training: resuming at step {} of {} from {}", start, t.steps,
                   o.state_path);
   }
-  RotationPhaseResult result;
   result.resumed_from = start;
 
   const int64_t n1 = hid * hid, n2 = layers * d * d, total = 1 + n1 + n2;

@@ -37,6 +37,10 @@ struct RotationPhaseOptions {
   std::string state_path;  // empty: no saved state
   std::string state_key;   // what the state must have been made for (the calibration key)
   int64_t cache_bytes = 0; // fused blocks and head kept in memory (RotationGradients)
+  // Start from whichever of the plan's Hadamards and the identity (training.identity_init is
+  // then ignored) has the lower mean loss on the first min(N, 4·batch) calibration sequences,
+  // measured over the ranks like a step's loss (exact sums, the same choice on every rank).
+  bool choose_init = false;
   // Tests of resumption: stop with Aborted once this run has taken this many steps (its state
   // saved). < 0: run to the end.
   int64_t stop_after = -1;
@@ -47,6 +51,7 @@ struct RotationPhaseResult {
   at::Tensor t2;               // [layers, head_dim, head_dim] float64
   std::vector<double> losses;  // the loss of every step (mean over its batch)
   int64_t resumed_from = 0;    // the step a saved state let this run start at
+  std::string init;            // hadamard | identity (the start this run took; "" if resumed)
 };
 
 // Collective over `comm`: every rank passes the same tokens [N, S] and options.

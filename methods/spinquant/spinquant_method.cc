@@ -124,6 +124,19 @@ class SpinquantMethod final : public quarot::QuarotMethod {
     t.kv_bits = s.kv_cache.enabled() ? s.kv_cache.bits : 16;
     t.seed = s.rotation.seed;
     t.identity_init = s.training.init == "identity";
+    o.choose_init = s.training.init == "best";
+    t.loss = s.training.loss == "ce" ? qsim::RotationTrainingOptions::Loss::kCrossEntropy
+                                     : qsim::RotationTrainingOptions::Loss::kKlToFloat;
+    // The range gradient follows the inference quantizers' sets: per token (activations), per
+    // group within a head (KV; a per-token KV cache keeps the identity gradient).
+    t.range_gradient = s.training.range_gradient;
+    t.weight_symmetric = s.scalar.symmetric;
+    t.weight_group = s.scalar.group_size;
+    if (s.kv_cache.enabled()) {
+      t.kv_grid = qsim::FakeQuantGrid{s.kv_cache.bits, s.kv_cache.symmetric, s.kv_cache.clip};
+      t.kv_group = s.kv_cache.group;
+      t.kv_range_gradient = s.kv_cache.granularity == "per_group";
+    }
     o.checkpoint_every = s.training.checkpoint_every;
     return o;
   }

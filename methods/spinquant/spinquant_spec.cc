@@ -34,7 +34,7 @@ class SpinquantSpec final : public MethodSpec {
     QCAL_ASSIGN_OR_RETURN(
         RecipeSection s,
         top.ReadSection("training", {"steps", "lr", "batch", "grad_clip", "weight_bits",
-                                     "checkpoint_every", "init"}));
+                                     "checkpoint_every", "init", "loss", "range_gradient"}));
     QCAL_RETURN_IF_ERROR(s.ReadInt("steps", &t.steps));
     QCAL_RETURN_IF_ERROR(s.RequireRange("steps", t.steps >= 1 && t.steps <= 100000, "1..100000",
                                         std::to_string(t.steps)));
@@ -65,7 +65,9 @@ class SpinquantSpec final : public MethodSpec {
     QCAL_RETURN_IF_ERROR(s.ReadInt("checkpoint_every", &t.checkpoint_every));
     QCAL_RETURN_IF_ERROR(s.RequireRange("checkpoint_every", t.checkpoint_every >= 1, ">= 1",
                                         std::to_string(t.checkpoint_every)));
-    QCAL_RETURN_IF_ERROR(s.ReadChoice("init", {"hadamard", "identity"}, &t.init));
+    QCAL_RETURN_IF_ERROR(s.ReadChoice("init", {"hadamard", "identity", "best"}, &t.init));
+    QCAL_RETURN_IF_ERROR(s.ReadChoice("loss", {"kl", "ce"}, &t.loss));
+    QCAL_RETURN_IF_ERROR(s.ReadBool("range_gradient", &t.range_gradient));
     return std::shared_ptr<const MethodConfig>(std::move(c));
   }
 };
@@ -84,7 +86,9 @@ void SpinquantConfig::AddToJson(nlohmann::json* j) const {
                       {"batch", training.batch},         {"grad_clip", training.grad_clip},
                       {"weight_bits", training.weight_bits},
                       {"checkpoint_every", training.checkpoint_every},
-                      {"init", training.init}};
+                      {"init", training.init},
+                      {"loss", training.loss},
+                      {"range_gradient", training.range_gradient}};
 }
 
 const MethodSpec& Spec() {

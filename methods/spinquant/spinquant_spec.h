@@ -16,7 +16,12 @@
 //                           # default 16 (float) with GPTQ and quantized activations or KV, as
 //                           # SpinQuant; else the target bits
 //     checkpoint_every: 10  # steps between saved training states (resume)
-//     init: hadamard        # the starting R1/R2: QuaRot's random Hadamards, or identity
+//     init: best            # the starting R1/R2: QuaRot's random Hadamards (hadamard), the
+//                           # identity, or whichever has the lower loss at the start (best)
+//     loss: kl              # kl: KL(float model ‖ quantized model) per token (AMD Quark's kl
+//                           # losses); ce: the calibration text's cross-entropy (SpinQuant)
+//     range_gradient: true  # straight-through gradients also through the dynamic quantizers'
+//                           # ranges (LSQ's scale gradient); false: identity only (SpinQuant)
 //
 // rotation.r1 and rotation.r2 must be on (they are what is trained).
 #pragma once
@@ -37,7 +42,9 @@ struct RotationTrainingSpec {
   double grad_clip = 1.0;
   int weight_bits = 16;
   int64_t checkpoint_every = 10;
-  std::string init = "hadamard";  // hadamard (QuaRot's R1/R2, as SpinQuant) | identity
+  std::string init = "best";  // hadamard (QuaRot's R1/R2, as SpinQuant) | identity | best
+  std::string loss = "kl";        // kl | ce
+  bool range_gradient = true;
 };
 
 struct SpinquantConfig final : quarot::QuarotConfig {

@@ -404,7 +404,8 @@ TEST(RecipeDefaults, PrefixquantKeysRoundTripAndBadValuesAreNamed) {
 TEST(RecipeDefaults, SpinquantKeysRoundTripAndBadValuesAreNamed) {
   const std::string yaml =
       "method: spinquant\nweights: gptq\nbits: 4\nactivations: {bits: 4}\nkv_cache: {bits: 4}\n"
-      "training: {steps: 20, lr: 0.5, batch: 4, grad_clip: 0, checkpoint_every: 5, init: identity}\n";
+      "training: {steps: 20, lr: 0.5, batch: 4, grad_clip: 0, checkpoint_every: 5, init: identity, "
+      "loss: ce, range_gradient: false}\n";
   const Recipe r = MustParse(yaml);
   EXPECT_TRUE(r.needs().sequential);
   EXPECT_EQ(r.needs().global_phases, (std::vector<std::string>{"rotations"}));
@@ -425,7 +426,11 @@ TEST(RecipeDefaults, SpinquantKeysRoundTripAndBadValuesAreNamed) {
   ExpectError("method: spinquant\ntraining: {steps: 0}\n", {"key 'training.steps'", "1..100000"});
   ExpectError("method: spinquant\ntraining: {lr: -1}\n", {"key 'training.lr'"});
   ExpectError("method: spinquant\ntraining: {init: random}\n",
-              {"key 'training.init'", "must be hadamard or identity"});
+              {"key 'training.init'", "must be hadamard or identity or best"});
+  ExpectError("method: spinquant\ntraining: {loss: mse}\n",
+              {"key 'training.loss'", "must be kl or ce"});
+  ExpectError("method: spinquant\ntraining: {range_gradient: 1}\n",
+              {"key 'training.range_gradient'"});
   ExpectError("method: spinquant\ntraining: {momentum: 0.9}\n",
               {"unknown key 'training.momentum'"});
 }

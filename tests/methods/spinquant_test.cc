@@ -47,6 +47,8 @@ qsim::RotationTrainingOptions W4A4KV4(const LlamaConfig& c, int weight_bits) {
   KvCacheSpec k;
   k.bits = 4;
   o.kv_quantizer = *qsim::MakeKvQuantizer(k, c, 0, nullptr);
+  o.kv_grid = qsim::FakeQuantGrid{k.bits, k.symmetric, k.clip};
+  o.kv_group = k.group;
   if (weight_bits < 16) {  // the recipe's grid: per channel, symmetric, clip search
     quant::ScalarQuantizeOptions w;
     w.bits = weight_bits;
@@ -81,8 +83,20 @@ TEST(SpinquantTest, StreamedGradientsEqualOneAutogradGraph) {
   const at::Tensor r1 = dense->first.t().contiguous();
   const at::Tensor r2 = dense->second.transpose(1, 2).contiguous();
   const at::Tensor tokens = testing::StoryBatch(dir, 1, 96);
-  for (int bits : {16, 4}) {
-    qsim::RotationTrainingOptions o = W4A4KV4(c, bits);
+  using Loss = qsim::RotationTrainingOptions::Loss;
+  struct Case {
+    int bits;
+    Loss loss;
+    bool range;
+  };
+  for (const Case& k : {Case{16, Loss::kCrossEntropy, false}, Case{4, Loss::kCrossEntropy, false},
+                        Case{16, Loss::kKlToFloat, true}, Case{4, Loss::kKlToFloat, true},
+                        Case{4, Loss::kCrossEntropy, true}}) {
+    qsim::RotationTrainingOptions o = W4A4KV4(c, k.bits);
+    o.loss = k.loss;
+    o.range_gradient = k.range;
+    const int bits = k.bits;
+    const char* what = k.loss == Loss::kKlToFloat ? "KL" : "CE";
     // Autograd through the whole model at once.
     const at::Tensor p1 = r1.clone().requires_grad_(true);
     const at::Tensor p2 = r2.clone().requires_grad_(true);
@@ -100,15 +114,62 @@ TEST(SpinquantTest, StreamedGradientsEqualOneAutogradGraph) {
       ASSERT_TRUE(g.ok()) << g.status();
       auto r = (*g)->Sequence(r1, r2, tokens[0]);
       ASSERT_TRUE(r.ok()) << r.status();
-      std::printf("W%d cache %lld: loss %.6f (autograd %.6f), |g1| %.4g, rel diff g1 %.2e g2 %.2e\n",
-                  bits, static_cast<long long>(cache), r->loss, want_loss,
+      std::printf("W%d %s range %d cache %lld: loss %.6f (autograd %.6f), |g1| %.4g, rel diff g1 "
+                  "%.2e g2 %.2e\n",
+                  bits, what, k.range ? 1 : 0, static_cast<long long>(cache), r->loss, want_loss,
                   r->g1.norm().item<double>(), testing::RelMaxDiff(p1.grad(), r->g1),
                   testing::RelMaxDiff(p2.grad(), r->g2));
+      EXPECT_GT(r->loss, 0);
       EXPECT_NEAR(r->loss, want_loss, 1e-5 * want_loss);
       EXPECT_GT(r->g1.abs().max().item<double>(), 0);
       EXPECT_LT(testing::RelMaxDiff(p1.grad(), r->g1), 1e-3);
       EXPECT_LT(testing::RelMaxDiff(p2.grad(), r->g2), 1e-3);
     }
+  }
+}
+
+// The range gradient changes the gradient, never the loss (the forward's values are the same);
+// the KL of the float model to itself is zero, with no gradient, whatever the rotations (the
+// streamed KL against one autograd graph: StreamedGradientsEqualOneAutogradGraph).
+TEST(SpinquantTest, KlLossAndRangeGradient) {
+  model::SetComputeThreads(1);
+  const std::string dir = testing::RealModelDir("stories260K");
+  auto source = model::OpenFloatCheckpoint(dir);
+  ASSERT_TRUE(source.ok()) << source.status();
+  const LlamaConfig& c = (*source)->config();
+  auto plan = qsim::PlanRotations(RotationSpec{}, c);
+  auto dense = qsim::DenseRotations(*plan, c.num_hidden_layers);
+  const at::Tensor r1 = dense->first.t().contiguous();
+  const at::Tensor r2 = dense->second.transpose(1, 2).contiguous();
+  const at::Tensor tokens = testing::StoryBatch(dir, 1, 96);
+  using Loss = qsim::RotationTrainingOptions::Loss;
+  auto run = [&](qsim::RotationTrainingOptions o) {
+    auto g = qsim::RotationGradients::Create(source->get(), *plan, o, 1 << 30);
+    EXPECT_TRUE(g.ok()) << g.status();
+    auto r = (*g)->Sequence(r1, r2, tokens[0]);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return *r;
+  };
+  qsim::RotationTrainingOptions flt;
+  flt.weight_bits = flt.act_bits = flt.kv_bits = 16;
+  flt.loss = Loss::kKlToFloat;
+  const auto rf = run(flt);
+  std::printf("float KL %.3e, |g1| %.3e\n", rf.loss, rf.g1.norm().item<double>());
+  EXPECT_LT(std::fabs(rf.loss), 1e-6);
+  EXPECT_LT(rf.g1.norm().item<double>(), 1e-4);
+  for (int bits : {16, 4}) {
+    qsim::RotationTrainingOptions o = W4A4KV4(c, bits);
+    o.loss = Loss::kKlToFloat;
+    const auto plain = run(o);
+    o.range_gradient = true;
+    const auto range = run(o);
+    std::printf("W%d: KL %.6f / %.6f; |g1| identity STE %.4g, with ranges %.4g, rel diff %.3f\n",
+                bits, plain.loss, range.loss, plain.g1.norm().item<double>(),
+                range.g1.norm().item<double>(), testing::RelMaxDiff(range.g1, plain.g1));
+    EXPECT_EQ(plain.loss, range.loss);
+    EXPECT_GT(testing::RelMaxDiff(range.g1, plain.g1), 1e-2);
+    EXPECT_GT(testing::RelMaxDiff(range.g2, plain.g2), 1e-2);
+    EXPECT_GT(plain.loss, 1e-3);  // KL >= 0, and quantization changes the distribution
   }
 }
 

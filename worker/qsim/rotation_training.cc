@@ -12,8 +12,39 @@ namespace {
 
 using model::LinearKind;
 
-// Per-row (last dim) asymmetric fake quantization with an identity backward (SpinQuant's STE).
-at::Tensor SteAsym(const at::Tensor& x, int bits) {
+// The dynamic scale of each parameter set of xs [sets, n] under `grid` (differentiable in xs):
+// clip · max|x| / qmax (symmetric) or clip · (max(x, 0) − min(x, 0)) / qmax, [sets, 1].
+at::Tensor SetScale(const at::Tensor& xs, const FakeQuantGrid& grid) {
+  if (grid.symmetric) {
+    const double qmax = static_cast<double>((int64_t{1} << (grid.bits - 1)) - 1);
+    return xs.abs().amax(1, true) * (grid.clip / qmax);
+  }
+  const double qmax = static_cast<double>((int64_t{1} << grid.bits) - 1);
+  return (xs.amax(1, true).clamp_min(0) - xs.amin(1, true).clamp_max(0)) * (grid.clip / qmax);
+}
+
+// x + err, err = q − x the rounding error of the fake-quantized value q (computed from x's values,
+// no graph), with a straight-through gradient: identity, and with `range` also the gradient
+// through the sets' scales (LSQ: q = x + s·u, u = (q − x)/s held fixed), the sets being the last
+// dim in pieces of set_size (> 0) or one per index of dim 0 (0; one for all of x when
+// x.dim() < 3). The value is the same either way: the scale term is (s − s) · u = 0.
+at::Tensor Ste(const at::Tensor& x, const at::Tensor& err, const FakeQuantGrid* range,
+               int64_t set_size) {
+  at::Tensor out = x + err;
+  if (range == nullptr || !x.requires_grad()) return out;
+  const at::Tensor xs = set_size > 0 ? x.reshape({-1, set_size})
+                        : x.dim() >= 3 ? x.reshape({x.size(0), -1})
+                                       : x.reshape({1, -1});
+  const at::Tensor scale = SetScale(xs, *range);
+  const at::Tensor sd = scale.detach();
+  const at::Tensor u =
+      at::where(sd > 0, err.reshape(xs.sizes()) / sd.clamp_min(1e-30), at::zeros_like(sd));
+  return out + ((scale - sd) * u).reshape(x.sizes());
+}
+
+// Per-row (last dim) asymmetric fake quantization with an identity backward (SpinQuant's STE),
+// or with the range gradient too.
+at::Tensor SteAsym(const at::Tensor& x, int bits, bool range_gradient) {
   if (bits >= 16) return x;
   const at::Tensor d = x.detach();
   const double qmax = static_cast<double>((int64_t{1} << bits) - 1);
@@ -22,26 +53,25 @@ at::Tensor SteAsym(const at::Tensor& x, int bits) {
   const at::Tensor s = ((hi - lo) / qmax).clamp_min(1e-8);
   const at::Tensor z = at::round(-lo / s);
   const at::Tensor q = (at::clamp(at::round(d / s) + z, 0.0, qmax) - z) * s;
-  return x + (q - d);  // q's value, x's gradient (q - d carries none)
+  const FakeQuantGrid grid{bits, false, 1.0};
+  return Ste(x, q - d, range_gradient ? &grid : nullptr, x.size(-1));
 }
 
-// Per-output-channel symmetric RTN with an identity backward.
-at::Tensor SteWeight(const at::Tensor& w, int bits) {
-  if (bits >= 16) return w;
-  const at::Tensor d = w.detach();
+// The rounding error q(w) − w of per-output-channel symmetric RTN at the channel's max (w [out,
+// in] without a graph).
+at::Tensor RtnWeightError(const at::Tensor& d, int bits) {
   const double qmax = static_cast<double>((int64_t{1} << (bits - 1)) - 1);
   const at::Tensor s = (d.abs().amax(1, true) / qmax).clamp_min(1e-8);
-  const at::Tensor q = at::clamp(at::round(d / s), -qmax - 1, qmax) * s;
-  return w + (q - d);
+  return at::clamp(at::round(d / s), -qmax - 1, qmax) * s - d;
 }
 
 // x → (R4) → per-token fake quantization → x·Wᵀ.
 class TrainLinear final : public model::Linear {
  public:
   TrainLinear(at::Tensor w, std::shared_ptr<const OnlineHadamard> r4, int act_bits,
-              std::shared_ptr<const ActivationQuantizer> quantizer)
+              std::shared_ptr<const ActivationQuantizer> quantizer, bool range_gradient)
       : w_(std::move(w)), r4_(std::move(r4)), act_bits_(act_bits),
-        quantizer_(std::move(quantizer)) {}
+        quantizer_(std::move(quantizer)), range_gradient_(range_gradient) {}
   at::Tensor Forward(const at::Tensor& x) const override {
     const at::Tensor h = r4_ ? r4_->ApplyDifferentiable(x) : x;
     at::Tensor q;
@@ -49,9 +79,10 @@ class TrainLinear final : public model::Linear {
       q = h;
     } else if (quantizer_) {
       const at::Tensor d = h.detach();
-      q = h + (quantizer_->Apply(d) - d);
+      q = Ste(h, quantizer_->Apply(d) - d, range_gradient_ ? &quantizer_->grid() : nullptr,
+              quantizer_->per_token() ? h.size(-1) : 0);
     } else {
-      q = SteAsym(h, act_bits_);
+      q = SteAsym(h, act_bits_, range_gradient_);
     }
     return at::matmul(q, w_.t());
   }
@@ -64,18 +95,22 @@ class TrainLinear final : public model::Linear {
   std::shared_ptr<const OnlineHadamard> r4_;
   int act_bits_;
   std::shared_ptr<const ActivationQuantizer> quantizer_;
+  bool range_gradient_;
 };
 
 // K and V per token and head, asymmetric, identity backward; queries pass.
 class TrainKvHook final : public model::KvCacheHook {
  public:
-  TrainKvHook(int bits, std::shared_ptr<const model::KvCacheHook> inner)
-      : bits_(bits), inner_(std::move(inner)) {}
+  TrainKvHook(int bits, std::shared_ptr<const model::KvCacheHook> inner, bool range_gradient,
+              const FakeQuantGrid& grid, int64_t group)
+      : bits_(bits), inner_(std::move(inner)), range_gradient_(range_gradient), grid_(grid),
+        group_(group) {}
   at::Tensor Apply(const at::Tensor& x, model::KvRole role) const override {
     if (role == model::KvRole::kQuery) return x;
-    if (!inner_) return SteAsym(x, bits_);
+    if (!inner_) return SteAsym(x, bits_, range_gradient_);
     const at::Tensor d = x.detach();
-    return x + (inner_->Apply(d, role) - d);
+    return Ste(x, inner_->Apply(d, role) - d, range_gradient_ ? &grid_ : nullptr,
+               group_ > 0 ? group_ : x.size(-1));
   }
   std::string Describe() const override {
     return inner_ ? absl::StrCat(inner_->Describe(), " (STE)")
@@ -85,6 +120,9 @@ class TrainKvHook final : public model::KvCacheHook {
  private:
   int bits_;
   std::shared_ptr<const model::KvCacheHook> inner_;
+  bool range_gradient_;
+  FakeQuantGrid grid_;
+  int64_t group_;
 };
 
 // A block's float weights with its norms fused into q/k/v and gate/up and R4's inverse fused
@@ -152,18 +190,30 @@ at::Tensor RotatedBlockForward(const FusedWeights& f, const LlamaConfig& c,
           (*offsets)[j] = off;
         }
       }
-      wq = w[j] + off;
+      const FakeQuantGrid grid{o.weight_bits, o.weight_symmetric, 1.0};
+      const int64_t in = w[j].size(1);
+      const int64_t set = o.weight_group > 0 && o.weight_group < in ? o.weight_group : in;
+      wq = Ste(w[j], off, o.range_gradient ? &grid : nullptr, set);
     } else {
-      wq = SteWeight(w[j], o.weight_bits);
+      const FakeQuantGrid grid{o.weight_bits, true, 1.0};
+      wq = o.weight_bits >= 16
+               ? w[j]
+               : Ste(w[j], RtnWeightError(w[j].detach(), o.weight_bits),
+                     o.range_gradient ? &grid : nullptr, w[j].size(1));
     }
     bw.linears[j] = std::make_unique<TrainLinear>(wq,
                                                   k == LinearKind::kDown ? t4 : nullptr,
-                                                  o.act_bits, o.act_quantizer);
+                                                  o.act_bits, o.act_quantizer,
+                                                  o.range_gradient);
   }
   model::DecoderBlock block(c, std::move(bw));
   model::BlockHooks hooks;
   if (r3.defined()) hooks.qk_rotation = r3;
-  if (o.kv_bits < 16) hooks.kv_cache = std::make_shared<TrainKvHook>(o.kv_bits, o.kv_quantizer);
+  if (o.kv_bits < 16) {
+    const bool range = o.range_gradient && (!o.kv_quantizer || o.kv_range_gradient);
+    hooks.kv_cache =
+        std::make_shared<TrainKvHook>(o.kv_bits, o.kv_quantizer, range, o.kv_grid, o.kv_group);
+  }
   block.set_hooks(std::move(hooks));
   return block.Forward(h, rope);
 }
@@ -182,6 +232,13 @@ Status OnlineParts(const RotationPlan& plan, std::shared_ptr<const OnlineHadamar
     *r3 = h3->transposed_matrix();
   }
   return Status();
+}
+
+// The float model's options: nothing quantized (its logits do not depend on the rotations).
+RotationTrainingOptions FloatOptions(const RotationTrainingOptions& o) {
+  RotationTrainingOptions f;
+  f.weight_bits = f.act_bits = f.kv_bits = 16;
+  return f;
 }
 
 }  // namespace
@@ -203,22 +260,43 @@ StatusOr<at::Tensor> RotatedQuantizedLoss(const model::LlamaModel& m, const Rota
   QCAL_RETURN_IF_ERROR(OnlineParts(plan, &t4, &r3));
   const at::Tensor t1 = t1d.to(at::kFloat);
   const at::Tensor t2 = t2d.to(at::kFloat);
-  at::Tensor h = at::matmul(m.Embed(tokens), t1.t());
+  const bool kl = o.loss == RotationTrainingOptions::Loss::kKlToFloat;
+  const RotationTrainingOptions fo = FloatOptions(o);
+  const at::Tensor e = m.Embed(tokens).to(at::kFloat);
+  at::Tensor h = at::matmul(e, t1.t());
+  at::Tensor hf = e;  // the float model without rotations (KL)
+  const at::Tensor eye1 = at::eye(c.hidden_size, at::kFloat);
+  const at::Tensor eye2 = at::eye(c.head_dim, at::kFloat);
   for (int64_t l = 0; l < m.num_blocks(); ++l) {
     QCAL_ASSIGN_OR_RETURN(FusedWeights f, FuseBlock(m.block(l).weights(), t4.get()));
     try {
       h = RotatedBlockForward(f, c, m.rope(), t1, t2[l], t4, r3, o, h);
+      if (kl) {
+        at::NoGradGuard no_grad;
+        hf = RotatedBlockForward(f, c, m.rope(), eye1, eye2, t4, r3, fo, hf);
+      }
     } catch (const std::exception& e) {
       return absl::InternalError(absl::StrCat("rotation training, block ", l, ": ", e.what()));
     }
   }
   const at::Tensor head = m.head().DenseWeight().to(at::kFloat) * m.final_norm().to(at::kFloat);
-  const at::Tensor normed = model::RmsNorm(h, at::ones({c.hidden_size}, at::kFloat), c.rms_norm_eps);
+  const at::Tensor ones = at::ones({c.hidden_size}, at::kFloat);
+  const at::Tensor normed = model::RmsNorm(h, ones, c.rms_norm_eps);
   const int64_t s = tokens.size(1);
   const at::Tensor logits =
       at::matmul(normed.narrow(1, 0, s - 1), at::matmul(head, t1.t()).t());  // [b, s-1, V]
+  const at::Tensor lq = at::log_softmax(logits.reshape({-1, logits.size(-1)}), -1);
+  if (kl) {
+    at::Tensor lf;
+    {
+      at::NoGradGuard no_grad;
+      const at::Tensor nf = model::RmsNorm(hf, ones, c.rms_norm_eps).narrow(1, 0, s - 1);
+      lf = at::log_softmax(at::matmul(nf, head.t()).reshape({-1, logits.size(-1)}), -1);
+    }
+    return (lf.exp() * (lf - lq)).sum(-1).mean();
+  }
   const at::Tensor targets = tokens.narrow(1, 1, s - 1).reshape({-1});
-  return at::nll_loss(at::log_softmax(logits.reshape({-1, logits.size(-1)}), -1), targets);
+  return at::nll_loss(lq, targets);
 }
 
 struct RotationGradients::Fused : FusedWeights {};
@@ -301,21 +379,29 @@ StatusOr<RotationGradients::Result> RotationGradients::Sequence(const at::Tensor
     QCAL_ASSIGN_OR_RETURN(at::Tensor e, source_->Embed(tokens.view({1, s})));
     e = e.to(at::kFloat);
     // Forward, keeping each block's input.
+    // With the KL loss, the float model's final states too (no rotations, nothing quantized).
+    const bool kl = options_.loss == RotationTrainingOptions::Loss::kKlToFloat;
     std::vector<at::Tensor> hs(layers + 1);
+    at::Tensor hf;
     {
       at::NoGradGuard no_grad;
       const at::Tensor t1 = r1.t().to(at::kFloat);
+      const RotationTrainingOptions fo = FloatOptions(options_);
+      const at::Tensor eye1 = at::eye(hid, at::kFloat), eye2 = at::eye(c.head_dim, at::kFloat);
       hs[0] = at::matmul(e, t1.t());
+      if (kl) hf = e;
       for (int64_t l = 0; l < layers; ++l) {
         QCAL_ASSIGN_OR_RETURN(auto f, Block(l));
         hs[l + 1] = RotatedBlockForward(*f, c, rope, t1, r2[l].t().to(at::kFloat), t4_, r3_,
                                         options_, hs[l], StepOffsets(r1, r2, l));
+        if (kl) hf = RotatedBlockForward(*f, c, rope, eye1, eye2, t4_, r3_, fo, hf);
       }
     }
     at::AutoGradMode grad_mode(true);
     const at::Tensor p1 = r1.detach().clone().requires_grad_(true);
-    // The head: u = RMSNorm(h)·T1, logits = u·(H·diag(norm))ᵀ, cross-entropy and d loss / d u
-    // in vocabulary chunks (one when the head is cached).
+    // The head: u = RMSNorm(h)·T1, logits = u·(H·diag(norm))ᵀ, the loss and d loss / d u in
+    // vocabulary chunks (one when the head is cached): cross-entropy, softmax(logits) − onehot;
+    // KL(float ‖ quantized), softmax(logits) − softmax(float logits).
     const at::Tensor hl = hs[layers].detach().requires_grad_(true);
     const at::Tensor u = at::matmul(
         model::RmsNorm(hl, at::ones({hid}, at::kFloat), c.rms_norm_eps), p1.t().to(at::kFloat));
@@ -325,35 +411,57 @@ StatusOr<RotationGradients::Result> RotationGradients::Sequence(const at::Tensor
     {
       at::NoGradGuard no_grad;
       const at::Tensor ud = un.detach();
+      at::Tensor uf;
+      if (kl) {
+        uf = model::RmsNorm(hf, at::ones({hid}, at::kFloat), c.rms_norm_eps)
+                 .narrow(1, 0, n)
+                 .reshape({n, hid});
+      }
       const int64_t step = head_.defined() || vocab * hid * 4 <= cache_bytes_
                                ? vocab
                                : model::TableChunkRows(hid);
-      at::Tensor lse, target_logit = at::zeros({n}, at::kFloat);
+      at::Tensor lse, lse_f, target_logit = at::zeros({n}, at::kFloat);
+      auto merge = [](at::Tensor* acc, const at::Tensor& chunk) {
+        *acc = acc->defined() ? at::logaddexp(*acc, chunk) : chunk;
+      };
       for (int64_t b = 0; b < vocab; b += step) {
         const int64_t m = std::min(step, vocab - b);
         QCAL_ASSIGN_OR_RETURN(at::Tensor w, HeadChunk(b, m));
         const at::Tensor logits = at::matmul(ud, w.t());  // [n, m]
-        const at::Tensor chunk = at::logsumexp(logits, 1);
-        lse = lse.defined() ? at::logaddexp(lse, chunk) : chunk;
+        merge(&lse, at::logsumexp(logits, 1));
+        if (kl) {
+          merge(&lse_f, at::logsumexp(at::matmul(uf, w.t()), 1));
+          continue;
+        }
         const at::Tensor in = (targets >= b).logical_and(targets < b + m);
         const at::Tensor rows = at::nonzero(in).view({-1});
         if (rows.numel() > 0) {
           target_logit.index_put_({rows}, logits.index({rows, targets.index({rows}) - b}));
         }
       }
-      result.loss = (lse - target_logit).mean().item<double>();
+      at::Tensor kl_sum = at::zeros({n}, at::kDouble);
       for (int64_t b = 0; b < vocab; b += step) {
         const int64_t m = std::min(step, vocab - b);
         QCAL_ASSIGN_OR_RETURN(at::Tensor w, HeadChunk(b, m));
-        at::Tensor p = at::exp(at::matmul(ud, w.t()) - lse.unsqueeze(1));
-        const at::Tensor in = (targets >= b).logical_and(targets < b + m);
-        const at::Tensor rows = at::nonzero(in).view({-1});
-        if (rows.numel() > 0) {
-          const at::Tensor cols = targets.index({rows}) - b;
-          p.index_put_({rows, cols}, p.index({rows, cols}) - 1.0);
+        const at::Tensor lq = at::matmul(ud, w.t()) - lse.unsqueeze(1);
+        at::Tensor p = at::exp(lq);
+        if (kl) {
+          const at::Tensor lf = at::matmul(uf, w.t()) - lse_f.unsqueeze(1);
+          const at::Tensor pf = at::exp(lf);
+          kl_sum.add_((pf * (lf - lq)).sum(1).to(at::kDouble));
+          p.sub_(pf);
+        } else {
+          const at::Tensor in = (targets >= b).logical_and(targets < b + m);
+          const at::Tensor rows = at::nonzero(in).view({-1});
+          if (rows.numel() > 0) {
+            const at::Tensor cols = targets.index({rows}) - b;
+            p.index_put_({rows, cols}, p.index({rows, cols}) - 1.0);
+          }
         }
         grad_u.add_(at::matmul(p, w));
       }
+      result.loss = kl ? kl_sum.mean().item<double>()
+                       : (lse - target_logit).mean().item<double>();
       grad_u.div_(static_cast<double>(n));
     }
     un.backward(grad_u);

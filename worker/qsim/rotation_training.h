@@ -19,8 +19,9 @@
 //   * RotatedQuantizedLoss: the whole model in memory, one autograd graph (the reference for
 //     tests);
 //   * RotationGradients: block-streamed with per-block recomputation (gradient checkpointing by
-//     hand): the forward keeps only each block's input hidden states, the head's cross-entropy
-//     and its gradient are computed in vocabulary chunks from the unrotated head (logits =
+//     hand): the forward keeps only each block's input hidden states, the head's loss (and, for
+//     the KL, the float model's distribution, from a float forward without rotations) and its
+//     gradient are computed in vocabulary chunks from the unrotated head (logits =
 //     (RMSNorm(h)·T1)·(H·diag(norm))ᵀ, so the head is never re-rotated), and the backward
 //     recomputes one block at a time. Memory: one block's fused weights (or all of them when
 //     they fit the cache budget), the head's chunks, and (blocks + 1) hidden states of one
@@ -53,6 +54,32 @@ struct RotationTrainingOptions {
   int kv_bits = 4;         // 16: float
   uint64_t seed = 0;       // the QR re-orthonormalisation steps
   bool identity_init = false;  // start from R1 = R2 = I instead of the plan's Hadamards
+  // The loss: the causal-LM cross-entropy of the calibration tokens (SpinQuant), or the mean
+  // KL(float model ‖ fake-quantized model) of the next-token distributions (AMD Quark's "kl"
+  // losses, over the whole vocabulary). The float model's distribution does not depend on the
+  // rotations (it is rotation-invariant), so its gradient with respect to them is zero at the
+  // float point: the KL's gradient carries only what quantization changes, where the
+  // cross-entropy's adds the float model's own misfit of the calibration text.
+  enum class Loss { kCrossEntropy, kKlToFloat };
+  Loss loss = Loss::kCrossEntropy;
+  // Straight-through gradients that also pass through the dynamic quantizers' ranges (LSQ's
+  // scale gradient, with the scale a function of the values: d q / d s = (q − x)/s), so the
+  // gradient sees that a smaller per-token (per-head) range means a smaller rounding error --
+  // what a rotation can change. false: identity backward with no gradient to the scale
+  // (SpinQuant's). The value of the forward is the same either way.
+  bool range_gradient = false;
+  // The KV quantizer's grid below, for the range gradient (the scale of a set is clip · max|x| /
+  // qmax, symmetric, or clip · (max(x, 0) − min(x, 0)) / qmax): one set per token and kv_group
+  // channels of a head (0: the head); kv_range_gradient false: the identity gradient for K and V
+  // (a KV quantizer with other sets). The activation quantizer's grid and sets are its own.
+  FakeQuantGrid kv_grid{4, false, 1.0};
+  // The weights' sets for the range gradient (weight_bits < 16): groups of weight_group inputs
+  // of an output channel (-1: the channel), symmetric or not; a clip search's ratio is held
+  // fixed (its scale is ratio · range / qmax, so the gradient is the same as the range's).
+  bool weight_symmetric = true;
+  int64_t weight_group = -1;
+  int64_t kv_group = 0;
+  bool kv_range_gradient = true;
   CayleyOptions cayley;
   // The quantizers inference will run (dynamic), applied with straight-through gradients in
   // place of the reference's per-token asymmetric ones when set: act_quantizer on the four
@@ -68,8 +95,8 @@ struct RotationTrainingOptions {
 // The cosine learning rate of step t of `steps` (SpinQuant's schedule: to 0, no warm-up).
 double RotationLr(const RotationTrainingOptions& options, int64_t t);
 
-// The mean next-token cross-entropy of `tokens` [b, s] under the rotated, fake-quantized model
-// with rotations t1 / t2 (differentiable in both). `model` is the float model as loaded.
+// The mean next-token loss (options.loss) of `tokens` [b, s] under the rotated, fake-quantized
+// model with rotations t1 / t2 (differentiable in both). `model` is the float model as loaded.
 StatusOr<at::Tensor> RotatedQuantizedLoss(const model::LlamaModel& model, const RotationPlan& plan,
                                           const at::Tensor& t1, const at::Tensor& t2,
                                           const at::Tensor& tokens,
@@ -87,7 +114,7 @@ class RotationGradients {
                                                              int64_t cache_bytes);
 
   struct Result {
-    double loss = 0;  // mean cross-entropy over the sequence's s-1 predicted tokens
+    double loss = 0;  // the mean loss over the sequence's s-1 predicted tokens
     at::Tensor g1;    // d loss / d R1 [hidden, hidden] float64
     at::Tensor g2;    // d loss / d R2 [layers, head_dim, head_dim] float64
   };
