@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -34,7 +35,13 @@ std::string Fingerprint(const qsim::RotationPlan& plan, const RotationPhaseOptio
                                         : " init=hadamard",
                       t.loss == qsim::RotationTrainingOptions::Loss::kKlToFloat ? " loss=kl"
                                                                                : " loss=ce",
-                      t.range_gradient ? " range_gradient" : "", " plan=", plan.Describe(),
+                      t.range_gradient ? " range_gradient" : "",
+                      o.validation > 0 ? absl::StrCat(" validation=", o.validation,
+                                                      " vw", o.validation_options.weight_bits,
+                                                      "a", o.validation_options.act_bits, "kv",
+                                                      o.validation_options.kv_bits)
+                                       : std::string(),
+                      " plan=", plan.Describe(),
                       " tokens=", tokens.size(0), "x", tokens.size(1));
 }
 
@@ -79,6 +86,11 @@ at::Tensor FromFixed(const Fixed128* v, int64_t n, double divisor, at::IntArrayR
 struct State {
   at::Tensor r1, r2;
   std::vector<double> losses;
+  std::string init;  // hadamard | identity
+  // With validation: the held-out scores so far and the best-scoring rotations.
+  std::vector<std::pair<int64_t, double>> validation;
+  at::Tensor best_r1, best_r2;
+  int64_t best_step = 0;
 };
 
 Status SaveState(const std::string& path, const State& s, const std::string& key) {
@@ -90,6 +102,13 @@ Status SaveState(const std::string& path, const State& s, const std::string& key
       &writer, "losses",
       at::tensor(s.losses.empty() ? std::vector<double>{0.0} : s.losses, at::kDouble)));
   writer.SetMetadata("steps", std::to_string(s.losses.size()));
+  writer.SetMetadata("init", s.init);
+  if (!s.validation.empty()) {
+    QCAL_RETURN_IF_ERROR(model::AddF64Tensor(&writer, "validation", ScoresTensor(s.validation)));
+    QCAL_RETURN_IF_ERROR(model::AddF64Tensor(&writer, "best_r1", s.best_r1));
+    QCAL_RETURN_IF_ERROR(model::AddF64Tensor(&writer, "best_r2", s.best_r2));
+    writer.SetMetadata("best_step", std::to_string(s.best_step));
+  }
   QCAL_RETURN_IF_ERROR(writer.Write(path));
   return calib::WriteCacheChecksum(path);
 }
@@ -97,7 +116,7 @@ Status SaveState(const std::string& path, const State& s, const std::string& key
 // The saved state at `path` when it is usable for `key` and these shapes; NotFound when there is
 // none; another error (logged by the caller, then ignored) when it is stale or damaged.
 StatusOr<State> LoadState(const std::string& path, const std::string& key, int64_t hidden,
-                          int64_t layers, int64_t head_dim, int64_t steps) {
+                          int64_t layers, int64_t head_dim, int64_t steps, bool validation) {
   std::error_code ec;
   if (!std::filesystem::exists(path, ec)) return absl::NotFoundError(path);
   QCAL_RETURN_IF_ERROR(calib::VerifyCacheChecksum(path));
@@ -128,29 +147,63 @@ StatusOr<State> LoadState(const std::string& path, const std::string& key, int64
   QCAL_ASSIGN_OR_RETURN(s.r2, read("r2", {layers, head_dim, head_dim}));
   QCAL_ASSIGN_OR_RETURN(at::Tensor losses, read("losses", {done}));
   s.losses.assign(losses.data_ptr<double>(), losses.data_ptr<double>() + done);
+  auto init = meta.find("init");
+  if (init == meta.end() || (init->second != "hadamard" && init->second != "identity")) {
+    return absl::DataLossError(absl::StrCat(path, ": no start recorded"));
+  }
+  s.init = init->second;
+  if (!validation) return s;
+  const TensorInfo* scores = file->Find("validation");
+  auto best = meta.find("best_step");
+  if (scores == nullptr || scores->shape.size() != 2 || scores->shape[0] < 1 ||
+      best == meta.end() || !absl::SimpleAtoi(best->second, &s.best_step) || s.best_step < 0 ||
+      s.best_step > done) {
+    return absl::DataLossError(absl::StrCat(path, ": held-out scores missing or damaged"));
+  }
+  QCAL_ASSIGN_OR_RETURN(at::Tensor v, read("validation", {scores->shape[0], 2}));
+  for (int64_t i = 0; i < v.size(0); ++i) {
+    s.validation.emplace_back(static_cast<int64_t>(v[i][0].item<double>()),
+                              v[i][1].item<double>());
+  }
+  QCAL_ASSIGN_OR_RETURN(s.best_r1, read("best_r1", {hidden, hidden}));
+  QCAL_ASSIGN_OR_RETURN(s.best_r2, read("best_r2", {layers, head_dim, head_dim}));
   return s;
 }
 
-// The mean loss of rotations (r1, r2) on calibration sequences [0, m), sliced over the ranks and
-// summed exactly (as a step's loss): the same value on every rank.
-StatusOr<double> MeanLoss(runtime::Comm& comm, qsim::RotationGradients& grads, const at::Tensor& r1,
-                          const at::Tensor& r2, const at::Tensor& tokens, int64_t m) {
+// The mean loss of rotations (r1, r2) on the sequences `tokens` [m, s] under `options`
+// (RotationGradients::Losses), sliced over the ranks and summed exactly (as a step's loss): the
+// same value on every rank, for any rank count.
+StatusOr<double> HeldOutLoss(runtime::Comm& comm, qsim::RotationGradients& grads,
+                             const at::Tensor& r1, const at::Tensor& r2, const at::Tensor& tokens,
+                             const qsim::RotationTrainingOptions& options, const char* what) {
+  const int64_t m = tokens.size(0);
   const runtime::Range mine = runtime::SliceForRank(m, comm.rank(), comm.size());
   std::vector<Fixed128> acc(1, 0);
   Status local;
-  for (int64_t i = mine.begin; i < mine.end && local.ok(); ++i) {
-    auto r = grads.Sequence(r1, r2, tokens[i]);
-    local = r.ok() ? AccumulateFixed(at::tensor({r->loss}, at::kDouble), acc.data(), "loss")
-                   : r.status();
+  if (mine.end > mine.begin) {
+    auto losses =
+        grads.Losses(r1, r2, tokens.narrow(0, mine.begin, mine.end - mine.begin), options);
+    local = losses.status();
+    for (size_t i = 0; local.ok() && i < losses->size(); ++i) {
+      local = AccumulateFixed(at::tensor({(*losses)[i]}, at::kDouble), acc.data(), "loss");
+    }
   }
   int64_t failed = local.ok() ? 0 : 1;
   QCAL_RETURN_IF_ERROR(comm.AllReduceSum(&failed, 1));
-  if (!local.ok()) return Annotate(local, "rotation training: choosing the start");
+  if (!local.ok()) return Annotate(local, absl::StrCat("rotation training: ", what));
   if (failed > 0) {
-    return absl::AbortedError("rotation training: choosing the start failed on another rank");
+    return absl::AbortedError(absl::StrCat("rotation training: ", what, " failed on another rank"));
   }
   QCAL_RETURN_IF_ERROR(AllReduceFixed(comm, &acc));
   return FromFixed(acc.data(), 1, static_cast<double>(m), {1}).item<double>();
+}
+
+// The held-out score after `step` steps (it was scored: the start and the checkpoints).
+double ScoreAt(const std::vector<std::pair<int64_t, double>>& scores, int64_t step) {
+  for (const auto& s : scores) {
+    if (s.first == step) return s.second;
+  }
+  return std::numeric_limits<double>::infinity();
 }
 
 Status BroadcastTensor(runtime::Comm& comm, at::Tensor* t) {
@@ -159,6 +212,15 @@ Status BroadcastTensor(runtime::Comm& comm, at::Tensor* t) {
 }
 
 }  // namespace
+
+at::Tensor ScoresTensor(const std::vector<std::pair<int64_t, double>>& v) {
+  at::Tensor t = at::empty({static_cast<int64_t>(v.size()), 2}, at::kDouble);
+  for (size_t i = 0; i < v.size(); ++i) {
+    t[i][0] = static_cast<double>(v[i].first);
+    t[i][1] = v[i].second;
+  }
+  return t;
+}
 
 StatusOr<RotationPhaseResult> TrainRotationsDataParallel(runtime::Comm& comm,
                                                         model::ModelSource* source,
@@ -175,15 +237,29 @@ StatusOr<RotationPhaseResult> TrainRotationsDataParallel(runtime::Comm& comm,
     return absl::InvalidArgumentError(
         "rotation training: steps, batch, lr and checkpoint_every must be positive");
   }
+  if (o.validation < 0 || o.validation >= tokens.size(0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rotation training: ", o.validation, " held-out sequences of ", tokens.size(0),
+        " leave none to train on"));
+  }
+  const bool validate = o.validation > 0;
+  const int64_t seqs = tokens.size(0) - o.validation;  // trained on: [0, seqs)
+  const at::Tensor held_out = tokens.narrow(0, seqs, o.validation);
   QCAL_ASSIGN_OR_RETURN(auto grads,
                         qsim::RotationGradients::Create(source, plan, t, o.cache_bytes));
   const std::string key = absl::StrCat(o.state_key, " | ", Fingerprint(plan, o, tokens));
+  auto score = [&](const at::Tensor& r1, const at::Tensor& r2) -> StatusOr<double> {
+    if (o.held_out_score) return o.held_out_score(r1, r2, held_out);
+    return HeldOutLoss(comm, *grads, r1, r2, held_out, o.validation_options,
+                       "scoring the held-out sequences");
+  };
 
-  // The starting state: rank 0's saved one when usable, else the plan's Hadamards.
+  // The starting state: rank 0's saved one when usable, else the plan's Hadamards (or the
+  // identity).
   State state;
   int64_t start = 0;
   if (comm.rank() == 0 && !o.state_path.empty()) {
-    auto loaded = LoadState(o.state_path, key, hid, layers, d, t.steps);
+    auto loaded = LoadState(o.state_path, key, hid, layers, d, t.steps, validate);
     if (loaded.ok()) {
       state = std::move(*loaded);
       start = static_cast<int64_t>(state.losses.size());
@@ -201,35 +277,71 @@ StatusOr<RotationPhaseResult> TrainRotationsDataParallel(runtime::Comm& comm,
     const at::Tensor had1 = init.first.t().contiguous();  // R = Tᵀ
     const at::Tensor had2 = init.second.transpose(1, 2).contiguous();
     bool identity = t.identity_init;
+    double start_score = 0;
     if (o.choose_init) {
-      const int64_t m = std::min<int64_t>(tokens.size(0), 4 * t.batch);
-      QCAL_ASSIGN_OR_RETURN(const double lh, MeanLoss(comm, *grads, had1, had2, tokens, m));
-      QCAL_ASSIGN_OR_RETURN(const double li, MeanLoss(comm, *grads, eye1, eye2, tokens, m));
+      double lh = 0, li = 0;
+      if (validate) {
+        QCAL_ASSIGN_OR_RETURN(lh, score(had1, had2));
+        QCAL_ASSIGN_OR_RETURN(li, score(eye1, eye2));
+      } else {
+        const at::Tensor first = tokens.narrow(0, 0, std::min<int64_t>(seqs, 4 * t.batch));
+        QCAL_ASSIGN_OR_RETURN(lh, HeldOutLoss(comm, *grads, had1, had2, first, t,
+                                              "choosing the start"));
+        QCAL_ASSIGN_OR_RETURN(li, HeldOutLoss(comm, *grads, eye1, eye2, first, t,
+                                              "choosing the start"));
+      }
       identity = li < lh;
-      QCAL_LOG_INFO("rotation training: start loss on {} sequences: Hadamard {:.6f}, identity "
-                    "{:.6f}; starting from the {}", m, lh, li,
+      start_score = identity ? li : lh;
+      QCAL_LOG_INFO("rotation training: start loss on {} {} sequences: Hadamard {:.6f}, identity "
+                    "{:.6f}; starting from the {}",
+                    validate ? o.validation : std::min<int64_t>(seqs, 4 * t.batch),
+                    validate ? "held-out" : "training", lh, li,
                     identity ? "identity" : "Hadamards");
     }
     state.r1 = identity ? eye1 : had1;
     state.r2 = identity ? eye2 : had2;
-    result.init = identity ? "identity" : "hadamard";
+    state.init = identity ? "identity" : "hadamard";
     state.losses.clear();
+    if (validate) {
+      if (!o.choose_init) {
+        QCAL_ASSIGN_OR_RETURN(start_score, score(state.r1, state.r2));
+      }
+      state.validation = {{0, start_score}};
+      state.best_r1 = state.r1;
+      state.best_r2 = state.r2;
+      state.best_step = 0;
+    }
   } else {
+    int64_t counts[2] = {static_cast<int64_t>(state.validation.size()),
+                         state.init == "identity" ? 1 : 0};
+    QCAL_RETURN_IF_ERROR(comm.Broadcast(counts, sizeof(counts), 0));
     if (comm.rank() != 0) {
       state.r1 = at::empty({hid, hid}, at::kDouble);
       state.r2 = at::empty({layers, d, d}, at::kDouble);
       state.losses.assign(start, 0.0);
+      state.init = counts[1] ? "identity" : "hadamard";
+      state.validation.assign(counts[0], {0, 0.0});
+      if (validate) {
+        state.best_r1 = at::empty({hid, hid}, at::kDouble);
+        state.best_r2 = at::empty({layers, d, d}, at::kDouble);
+      }
     }
     QCAL_RETURN_IF_ERROR(BroadcastTensor(comm, &state.r1));
     QCAL_RETURN_IF_ERROR(BroadcastTensor(comm, &state.r2));
     QCAL_RETURN_IF_ERROR(comm.Broadcast(state.losses.data(), start * sizeof(double), 0));
+    if (validate) {
+      QCAL_RETURN_IF_ERROR(BroadcastTensor(comm, &state.best_r1));
+      QCAL_RETURN_IF_ERROR(BroadcastTensor(comm, &state.best_r2));
+      QCAL_RETURN_IF_ERROR(comm.Broadcast(&state.best_step, sizeof(state.best_step), 0));
+      QCAL_RETURN_IF_ERROR(comm.Broadcast(
+          state.validation.data(), state.validation.size() * sizeof(state.validation[0]), 0));
+    }
     QCAL_LOG_INFO("rotation training: resuming at step {} of {} from {}", start, t.steps,
                   o.state_path);
   }
   result.resumed_from = start;
 
   const int64_t n1 = hid * hid, n2 = layers * d * d, total = 1 + n1 + n2;
-  const int64_t seqs = tokens.size(0);
   const runtime::Range mine = runtime::SliceForRank(t.batch, comm.rank(), comm.size());
   std::vector<Fixed128> acc;
   int64_t taken = 0;
@@ -283,9 +395,21 @@ StatusOr<RotationPhaseResult> TrainRotationsDataParallel(runtime::Comm& comm,
       ++taken;
       QCAL_LOG_INFO("rotation training step {}/{}: loss {:.6f}, lr {:.4g}", step + 1, t.steps,
                     loss, lr);
+      const bool checkpoint = (step + 1) % o.checkpoint_every == 0;
+      if (validate && (checkpoint || step + 1 == t.steps)) {
+        QCAL_ASSIGN_OR_RETURN(const double v, score(state.r1, state.r2));
+        const double best = ScoreAt(state.validation, state.best_step);
+        state.validation.emplace_back(step + 1, v);
+        if (v < best) {  // strictly: the earliest of equal scores stays
+          state.best_r1 = state.r1;
+          state.best_r2 = state.r2;
+          state.best_step = step + 1;
+        }
+        QCAL_LOG_INFO("rotation training: held-out loss after step {}: {:.6f} (best: {:.6f}, "
+                      "after step {})", step + 1, v, std::min(v, best), state.best_step);
+      }
       const bool stop = o.stop_after >= 0 && taken >= o.stop_after && step + 1 < t.steps;
-      const bool save = (step + 1) % o.checkpoint_every == 0 || stop;
-      if (save && !o.state_path.empty() && step + 1 < t.steps) {
+      if ((checkpoint || stop) && !o.state_path.empty() && step + 1 < t.steps) {
         Status saved;
         if (comm.rank() == 0) saved = SaveState(o.state_path, state, key);
         int64_t bad = saved.ok() ? 0 : 1;
@@ -301,9 +425,20 @@ StatusOr<RotationPhaseResult> TrainRotationsDataParallel(runtime::Comm& comm,
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat("rotation training: ", e.what()));
   }
-  result.t1 = state.r1.t().contiguous();
-  result.t2 = state.r2.transpose(1, 2).contiguous();
+  const at::Tensor& r1 = validate ? state.best_r1 : state.r1;
+  const at::Tensor& r2 = validate ? state.best_r2 : state.r2;
+  result.t1 = r1.t().contiguous();
+  result.t2 = r2.transpose(1, 2).contiguous();
   result.losses = std::move(state.losses);
+  result.init = state.init;
+  result.validation = std::move(state.validation);
+  result.selected_step = validate ? state.best_step : t.steps;
+  if (validate) {
+    QCAL_LOG_INFO("rotation training: the rotations after step {} of {} scored best on the "
+                  "held-out sequences ({:.6f}; the start: {:.6f})",
+                  result.selected_step, t.steps, ScoreAt(result.validation, result.selected_step),
+                  result.validation[0].second);
+  }
   return result;
 }
 

@@ -10,15 +10,23 @@
 //     same rotations bit for bit (given the same per-sequence gradients: the same inputs and
 //     kernels). Every rank then takes the same Cayley step, so all end with identical
 //     rotations.
-//   * Resumable: rank 0 saves the state (R1, R2, the step, the losses so far) every
-//     checkpoint_every steps to state_path (atomic, with a checksum), keyed by state_key and the
-//     training settings; a rerun loads it, broadcasts it, and continues from that step. The
-//     Cayley steps are stateless (momentum 0, QR steps from a hash of the step), so a resumed
-//     run equals an uninterrupted one bit for bit.
+//   * Held-out selection (validation > 0): the last `validation` sequences are not trained on.
+//     The rotations are scored on them -- the mean loss under validation_options, the model as
+//     it will be deployed (the weights at their bits where training keeps them float) -- at the
+//     start, every checkpoint_every steps and after the last step, and the best-scoring ones
+//     (the earliest of equal scores) are the result: training that does not help on held-out
+//     text returns its start. The scores are summed exactly over the ranks like a step's loss.
+//   * Resumable: rank 0 saves the state (R1, R2, the step, the losses so far, the held-out scores
+//     and the best rotations) every checkpoint_every steps to state_path (atomic, with a
+//     checksum), keyed by state_key and the training settings; a rerun loads it, broadcasts it,
+//     and continues from that step. The Cayley steps are stateless (momentum 0, QR steps from a
+//     hash of the step), so a resumed run equals an uninterrupted one bit for bit.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -38,9 +46,22 @@ struct RotationPhaseOptions {
   std::string state_key;   // what the state must have been made for (the calibration key)
   int64_t cache_bytes = 0; // fused blocks and head kept in memory (RotationGradients)
   // Start from whichever of the plan's Hadamards and the identity (training.identity_init is
-  // then ignored) has the lower mean loss on the first min(N, 4·batch) calibration sequences,
-  // measured over the ranks like a step's loss (exact sums, the same choice on every rank).
+  // then ignored) has the lower mean loss -- on the held-out sequences under validation_options
+  // when validation > 0, else on the first min(N, 4·batch) training sequences under the
+  // training options -- measured over the ranks like a step's loss (exact sums, the same choice
+  // on every rank).
   bool choose_init = false;
+  // Held-out sequences (the last `validation` of the tokens; at least one must be left to train
+  // on) and the quantizers they are scored with. 0: no selection, the last step's rotations.
+  int64_t validation = 0;
+  qsim::RotationTrainingOptions validation_options;
+  // How a held-out score is computed from (R1, R2 per layer) and the held-out tokens [V, S];
+  // unset: the mean loss under validation_options (RotationGradients::Losses), summed exactly over
+  // the ranks. A replacement must give every rank the same value (collective: all ranks call it);
+  // it is not part of the saved state's key.
+  std::function<StatusOr<double>(const at::Tensor& r1, const at::Tensor& r2,
+                                 const at::Tensor& held_out)>
+      held_out_score;
   // Tests of resumption: stop with Aborted once this run has taken this many steps (its state
   // saved). < 0: run to the end.
   int64_t stop_after = -1;
@@ -51,8 +72,15 @@ struct RotationPhaseResult {
   at::Tensor t2;               // [layers, head_dim, head_dim] float64
   std::vector<double> losses;  // the loss of every step (mean over its batch)
   int64_t resumed_from = 0;    // the step a saved state let this run start at
-  std::string init;            // hadamard | identity (the start this run took; "" if resumed)
+  std::string init;            // hadamard | identity (the start; a resumed run reads it back)
+  // The held-out scores: (steps taken, mean loss) at the start, every checkpoint_every steps
+  // and at the end (empty without validation), and the step whose rotations are the result.
+  std::vector<std::pair<int64_t, double>> validation;
+  int64_t selected_step = 0;
 };
+
+// The (steps, score) pairs of RotationPhaseResult::validation as a [k, 2] float64 tensor.
+at::Tensor ScoresTensor(const std::vector<std::pair<int64_t, double>>& scores);
 
 // Collective over `comm`: every rank passes the same tokens [N, S] and options.
 StatusOr<RotationPhaseResult> TrainRotationsDataParallel(runtime::Comm& comm,

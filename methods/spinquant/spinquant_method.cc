@@ -67,6 +67,11 @@ class SpinquantMethod final : public quarot::QuarotMethod {
     out["r1"] = r.t1;
     out["r2"] = r.t2;
     out["losses"] = at::tensor(r.losses, at::kDouble);
+    // What the run did, for its record: the start (0 Hadamard, 1 identity), the held-out scores
+    // [k, 2] (steps, loss) and the step whose rotations these are.
+    out["identity_start"] = at::tensor({r.init == "identity" ? int64_t{1} : int64_t{0}});
+    out["selected_step"] = at::tensor({r.selected_step});
+    if (!r.validation.empty()) out["validation"] = ScoresTensor(r.validation);
     return out;
   }
 
@@ -86,6 +91,17 @@ class SpinquantMethod final : public quarot::QuarotMethod {
         std::make_unique<SpinquantMethod>(recipe(), config(), s_, std::move(learned), true));
   }
 
+  // A rotated weight [out, in] float32 rounded to nearest on the grid w (dequantized, float32).
+  static std::function<StatusOr<at::Tensor>(const at::Tensor&)> WeightRounder(
+      const quant::ScalarQuantizeOptions& w) {
+    return [w](const at::Tensor& weight) -> StatusOr<at::Tensor> {
+      at::Tensor d = weight.to(at::kDouble).contiguous().clone();
+      QCAL_RETURN_IF_ERROR(
+          quant::RoundToNearestInPlace(w, d.data_ptr<double>(), d.size(0), d.size(1)));
+      return d.to(at::kFloat);
+    };
+  }
+
   // Training against the quantizers inference runs (dynamic versions of static ones: the
   // static ranges are calibrated only after the rotations exist).
   static StatusOr<RotationPhaseOptions> PhaseOptions(const SpinquantConfig& s,
@@ -95,12 +111,7 @@ class SpinquantMethod final : public quarot::QuarotMethod {
       quant::ScalarQuantizeOptions w;
       w.bits = s.training.weight_bits;
       w.grid = s.scalar;
-      o.training.weight_quantizer = [w](const at::Tensor& weight) -> StatusOr<at::Tensor> {
-        at::Tensor d = weight.to(at::kDouble).contiguous().clone();
-        QCAL_RETURN_IF_ERROR(
-            quant::RoundToNearestInPlace(w, d.data_ptr<double>(), d.size(0), d.size(1)));
-        return d.to(at::kFloat);
-      };
+      o.training.weight_quantizer = WeightRounder(w);
     }
     if (s.activations.enabled()) {
       ActivationQuantSpec a = s.activations;
@@ -138,6 +149,17 @@ class SpinquantMethod final : public quarot::QuarotMethod {
       t.kv_range_gradient = s.kv_cache.granularity == "per_group";
     }
     o.checkpoint_every = s.training.checkpoint_every;
+    // The held-out score: the deployed model's quantizers, the weights at the recipe's bits on
+    // its grid (RTN standing in for GPTQ, which would need every block's Hessians per score).
+    o.validation = s.training.validation;
+    o.validation_options = o.training;
+    if (s.quantizes_weights() && s.bits < 16 && o.training.weight_bits >= 16) {
+      quant::ScalarQuantizeOptions w;
+      w.bits = s.bits;
+      w.grid = s.scalar;
+      o.validation_options.weight_bits = s.bits;
+      o.validation_options.weight_quantizer = WeightRounder(w);
+    }
     return o;
   }
 

@@ -14,7 +14,7 @@ class SpinquantSpec final : public MethodSpec {
     return k;
   }
   StatusOr<std::shared_ptr<const MethodConfig>> Parse(const RecipeSection& top,
-                                                      const Recipe&) const override {
+                                                      const Recipe& recipe) const override {
     auto c = std::make_shared<SpinquantConfig>();
     QCAL_RETURN_IF_ERROR(quarot::ParseQuarotKeys(top, c.get()));
     if (!c->rotation.enabled || !c->rotation.r1 || !c->rotation.r2) {
@@ -34,7 +34,8 @@ class SpinquantSpec final : public MethodSpec {
     QCAL_ASSIGN_OR_RETURN(
         RecipeSection s,
         top.ReadSection("training", {"steps", "lr", "batch", "grad_clip", "weight_bits",
-                                     "checkpoint_every", "init", "loss", "range_gradient"}));
+                                     "checkpoint_every", "init", "loss", "range_gradient",
+                                     "validation"}));
     QCAL_RETURN_IF_ERROR(s.ReadInt("steps", &t.steps));
     QCAL_RETURN_IF_ERROR(s.RequireRange("steps", t.steps >= 1 && t.steps <= 100000, "1..100000",
                                         std::to_string(t.steps)));
@@ -68,6 +69,12 @@ class SpinquantSpec final : public MethodSpec {
     QCAL_RETURN_IF_ERROR(s.ReadChoice("init", {"hadamard", "identity", "best"}, &t.init));
     QCAL_RETURN_IF_ERROR(s.ReadChoice("loss", {"kl", "ce"}, &t.loss));
     QCAL_RETURN_IF_ERROR(s.ReadBool("range_gradient", &t.range_gradient));
+    const int64_t n = recipe.calibration.num_sequences;
+    QCAL_RETURN_IF_ERROR(s.ReadInt("validation", &t.validation));
+    QCAL_RETURN_IF_ERROR(s.RequireRange(
+        "validation", t.validation >= 0 && t.validation < n,
+        absl::StrCat("0..", n - 1, " (held out of calibration.num_sequences = ", n, ")"),
+        std::to_string(t.validation)));
     return std::shared_ptr<const MethodConfig>(std::move(c));
   }
 };
@@ -88,7 +95,8 @@ void SpinquantConfig::AddToJson(nlohmann::json* j) const {
                       {"checkpoint_every", training.checkpoint_every},
                       {"init", training.init},
                       {"loss", training.loss},
-                      {"range_gradient", training.range_gradient}};
+                      {"range_gradient", training.range_gradient},
+                      {"validation", training.validation}};
 }
 
 const MethodSpec& Spec() {

@@ -22,6 +22,11 @@
 //                           # losses); ce: the calibration text's cross-entropy (SpinQuant)
 //     range_gradient: true  # straight-through gradients also through the dynamic quantizers'
 //                           # ranges (LSQ's scale gradient); false: identity only (SpinQuant)
+//     validation: 0         # held-out calibration sequences (the last ones, not trained on):
+//                           # the start and the rotations at every checkpoint are scored on them
+//                           # with the weights at the recipe's bits (RTN on its grid, standing
+//                           # in for GPTQ) and the best are kept; 0: none, the last step's
+//                           # rotations (SpinQuant)
 //
 // rotation.r1 and rotation.r2 must be on (they are what is trained).
 #pragma once
@@ -45,6 +50,7 @@ struct RotationTrainingSpec {
   std::string init = "best";  // hadamard (QuaRot's R1/R2, as SpinQuant) | identity | best
   std::string loss = "kl";        // kl | ce
   bool range_gradient = true;
+  int64_t validation = 0;
 };
 
 struct SpinquantConfig final : quarot::QuarotConfig {

@@ -405,7 +405,7 @@ TEST(RecipeDefaults, SpinquantKeysRoundTripAndBadValuesAreNamed) {
   const std::string yaml =
       "method: spinquant\nweights: gptq\nbits: 4\nactivations: {bits: 4}\nkv_cache: {bits: 4}\n"
       "training: {steps: 20, lr: 0.5, batch: 4, grad_clip: 0, checkpoint_every: 5, init: identity, "
-      "loss: ce, range_gradient: false}\n";
+      "loss: ce, range_gradient: false, validation: 8}\n";
   const Recipe r = MustParse(yaml);
   EXPECT_TRUE(r.needs().sequential);
   EXPECT_EQ(r.needs().global_phases, (std::vector<std::string>{"rotations"}));
@@ -431,6 +431,11 @@ TEST(RecipeDefaults, SpinquantKeysRoundTripAndBadValuesAreNamed) {
               {"key 'training.loss'", "must be kl or ce"});
   ExpectError("method: spinquant\ntraining: {range_gradient: 1}\n",
               {"key 'training.range_gradient'"});
+  // Held-out sequences come out of the calibration set (64 by default): one must be left.
+  EXPECT_EQ(MustParse("method: spinquant\nbits: 4\n").ToJson()["training"]["validation"], 0);
+  ExpectError("method: spinquant\ntraining: {validation: 64}\n",
+              {"key 'training.validation'", "0..63", "calibration.num_sequences = 64"});
+  ExpectError("method: spinquant\ntraining: {validation: -1}\n", {"key 'training.validation'"});
   ExpectError("method: spinquant\ntraining: {momentum: 0.9}\n",
               {"unknown key 'training.momentum'"});
 }

@@ -5,6 +5,7 @@
 // from its saved state to the same bits; the trained rotations fused keep the float function.
 #include <cmath>
 #include <cstdio>
+#include <map>
 #include <thread>
 
 #include <ATen/ATen.h>
@@ -304,6 +305,224 @@ TEST(SpinquantTest, InterruptedTrainingResumesFromItsSavedStateToTheSameBits) {
   const sq::RotationPhaseResult again = TrainOnRanks(1, dir, tokens, o);
   EXPECT_EQ(again.resumed_from, 0);
   EXPECT_TRUE(at::equal(again.t1, whole.t1));
+}
+
+// The forward-only held-out losses (RotationGradients::Losses, block-major) are the losses the
+// training path computes (Sequence) and the one-graph reference's, for both losses and with the
+// weights fake-quantized; a sequence's loss has the same bits alone or among others.
+TEST(SpinquantTest, HeldOutLossesEqualTheTrainingLosses) {
+  model::SetComputeThreads(1);
+  const std::string dir = testing::RealModelDir("stories260K");
+  auto m = testing::LoadModelOrDie(dir);
+  auto source = model::OpenFloatCheckpoint(dir);
+  ASSERT_TRUE(source.ok()) << source.status();
+  const LlamaConfig& c = m->config();
+  auto plan = qsim::PlanRotations(RotationSpec{}, c);
+  at::manual_seed(11);
+  const at::Tensor t1 =
+      std::get<0>(at::linalg_qr(at::randn({c.hidden_size, c.hidden_size}, at::kDouble)));
+  const at::Tensor t2 = std::get<0>(at::linalg_qr(
+      at::randn({c.num_hidden_layers, c.head_dim, c.head_dim}, at::kDouble)));
+  const at::Tensor r1 = t1.t().contiguous(), r2 = t2.transpose(1, 2).contiguous();
+  const at::Tensor tokens = testing::StoryBatch(dir, 3, 64);
+  using Loss = qsim::RotationTrainingOptions::Loss;
+  for (Loss loss : {Loss::kCrossEntropy, Loss::kKlToFloat}) {
+    qsim::RotationTrainingOptions o = W4A4KV4(c, 4);
+    o.loss = loss;
+    auto g = qsim::RotationGradients::Create(source->get(), *plan, o, 1 << 30);
+    ASSERT_TRUE(g.ok()) << g.status();
+    auto all = (*g)->Losses(r1, r2, tokens, o);
+    ASSERT_TRUE(all.ok()) << all.status();
+    ASSERT_EQ(all->size(), 3u);
+    for (int64_t i = 0; i < 3; ++i) {
+      auto seq = (*g)->Sequence(r1, r2, tokens[i]);
+      ASSERT_TRUE(seq.ok()) << seq.status();
+      auto one = (*g)->Losses(r1, r2, tokens.narrow(0, i, 1), o);
+      ASSERT_TRUE(one.ok()) << one.status();
+      double graph = 0;
+      {
+        at::NoGradGuard no_grad;
+        graph = qsim::RotatedQuantizedLoss(*m, *plan, t1, t2, tokens.narrow(0, i, 1), o)
+                    ->item<double>();
+      }
+      std::printf("%s, sequence %ld: held-out %.8f, training %.8f, one graph %.8f\n",
+                  loss == Loss::kKlToFloat ? "KL" : "CE", static_cast<long>(i), (*all)[i],
+                  seq->loss, graph);
+      EXPECT_EQ((*one)[0], (*all)[i]);
+      EXPECT_NEAR((*all)[i], seq->loss, 1e-5 * seq->loss);
+      EXPECT_NEAR((*all)[i], graph, 1e-4 * graph);
+    }
+  }
+  // Other options than the instance's (the weights at 4 bits where training keeps them float):
+  // the loss of those quantizers, not of training's.
+  qsim::RotationTrainingOptions w16 = W4A4KV4(c, 16), w4 = W4A4KV4(c, 4);
+  w16.loss = w4.loss = Loss::kKlToFloat;
+  auto g = qsim::RotationGradients::Create(source->get(), *plan, w16, 1 << 30);
+  ASSERT_TRUE(g.ok()) << g.status();
+  auto float_weights = (*g)->Losses(r1, r2, tokens, w16);
+  auto rounded = (*g)->Losses(r1, r2, tokens, w4);
+  ASSERT_TRUE(float_weights.ok() && rounded.ok());
+  at::NoGradGuard no_grad;
+  const double graph =
+      qsim::RotatedQuantizedLoss(*m, *plan, t1, t2, tokens.narrow(0, 0, 1), w4)->item<double>();
+  EXPECT_NEAR((*rounded)[0], graph, 1e-4 * graph);
+  EXPECT_GT((*rounded)[0], (*float_weights)[0]);
+}
+
+// init: best starts from whichever of the Hadamards and the identity has the lower loss (each
+// measured here through the one-graph reference): the Hadamards on stories260K, the identity on
+// its outlier-planted variant (where R1 spreads a planted ×50 channel over every channel).
+TEST(SpinquantTest, BestInitStartsFromTheLowerLossStart) {
+  model::SetComputeThreads(1);
+  const std::string plain = testing::RealModelDir("stories260K");
+  const std::string planted = testing::MakeTempDir("spinquant-init") + "/planted";
+  auto p = tools::PlantOutliers(plain, planted, tools::PlantOutliersOptions{});
+  ASSERT_TRUE(p.ok()) << p.status();
+  const at::Tensor tokens = testing::StoryBatch(plain, 12, 64);
+  for (const std::string& dir : {plain, planted}) {
+    auto m = testing::LoadModelOrDie(dir);
+    const LlamaConfig& c = m->config();
+    sq::RotationPhaseOptions o;
+    o.training = W4A4KV4(c, 16);
+    o.training.loss = qsim::RotationTrainingOptions::Loss::kKlToFloat;
+    o.training.steps = 1;
+    o.training.batch = 2;  // the start is chosen on the first 4·2 = 8 sequences
+    o.choose_init = true;
+    o.cache_bytes = int64_t{1} << 30;
+    auto plan = qsim::PlanRotations(RotationSpec{}, c);
+    auto dense = qsim::DenseRotations(*plan, c.num_hidden_layers);
+    const int64_t d = c.head_dim, layers = c.num_hidden_layers;
+    double lh = 0, li = 0;
+    {
+      at::NoGradGuard no_grad;
+      const at::Tensor first = tokens.narrow(0, 0, 8);
+      lh = qsim::RotatedQuantizedLoss(*m, *plan, dense->first, dense->second, first, o.training)
+               ->item<double>();
+      li = qsim::RotatedQuantizedLoss(
+               *m, *plan, at::eye(c.hidden_size, at::kDouble),
+               at::eye(d, at::kDouble).expand({layers, d, d}).contiguous(), first, o.training)
+               ->item<double>();
+    }
+    auto comm = runtime::MakeSelfComm();
+    auto r = Train(*comm, dir, tokens, o);
+    ASSERT_TRUE(r.ok()) << r.status();
+    std::printf("%s: start loss Hadamard %.6f, identity %.6f; the run started from the %s\n",
+                dir == plain ? "stories260K" : "planted", lh, li, r->init.c_str());
+    ASSERT_GT(std::fabs(lh - li), 1e-3 * lh);  // a clear choice
+    EXPECT_EQ(r->init, li < lh ? "identity" : "hadamard");
+    EXPECT_EQ(r->init, dir == plain ? "hadamard" : "identity");
+  }
+}
+
+// Held-out selection: the last `validation` sequences are scored at the start, every
+// checkpoint_every steps and at the end; the result is the earliest best-scoring rotations (their
+// score recomputed here is the recorded one), the same on 1 and 3 ranks bit for bit, and an
+// interrupted run resumes (best rotations and scores included) to the uninterrupted run's bits.
+TEST(SpinquantTest, HeldOutSelectionKeepsTheBestScoredRotations) {
+  model::SetComputeThreads(1);
+  const std::string dir = testing::RealModelDir("stories260K");
+  auto m = testing::LoadModelOrDie(dir);
+  const LlamaConfig& c = m->config();
+  const at::Tensor tokens = testing::StoryBatch(dir, 12, 64);
+  sq::RotationPhaseOptions o = SmallRun(c);
+  o.training = W4A4KV4(c, 16);
+  o.training.lr = 0.2;
+  o.training.steps = 7;
+  o.training.batch = 5;
+  o.checkpoint_every = 2;
+  o.validation = 4;  // train on 8, score on 4
+  o.validation_options = W4A4KV4(c, 4);
+  const sq::RotationPhaseResult one = TrainOnRanks(1, dir, tokens, o);
+  ASSERT_TRUE(one.t1.defined());
+  std::vector<int64_t> steps;
+  for (const auto& [step, score] : one.validation) {
+    steps.push_back(step);
+    std::printf("held-out loss after %ld steps: %.6f\n", static_cast<long>(step), score);
+  }
+  EXPECT_EQ(steps, (std::vector<int64_t>{0, 2, 4, 6, 7}));
+  double best = one.validation[0].second;
+  int64_t best_step = 0;
+  for (const auto& [step, score] : one.validation) {
+    if (score < best) best = score, best_step = step;
+  }
+  EXPECT_EQ(one.selected_step, best_step);
+  EXPECT_EQ(one.losses.size(), 7u);  // every step trained; the result is the best scored
+  auto source = model::OpenFloatCheckpoint(dir);
+  auto plan = qsim::PlanRotations(RotationSpec{}, c);
+  auto g = qsim::RotationGradients::Create(source->get(), *plan, o.training, 1 << 30);
+  auto rescored = (*g)->Losses(one.t1.t().contiguous(), one.t2.transpose(1, 2).contiguous(),
+                               tokens.narrow(0, 8, 4), o.validation_options);
+  ASSERT_TRUE(rescored.ok()) << rescored.status();
+  double mean = 0;
+  for (double v : *rescored) mean += v / 4;
+  EXPECT_NEAR(mean, best, 1e-12);
+  EXPECT_GT(best_step, 0);  // here training helped (the other case: below)
+  // The selection with other scores: distance from the start (the start is best and returned
+  // exactly), its negative (the farthest checkpoint), a constant (the earliest, the start).
+  auto dense = qsim::DenseRotations(*plan, c.num_hidden_layers);
+  const at::Tensor start1 = dense->first.t().contiguous();
+  std::map<int64_t, double> distance;  // distance of the rotations scored, by call
+  auto by = [&](double sign) {
+    return [&, sign](const at::Tensor& r1, const at::Tensor&,
+                     const at::Tensor& held) -> StatusOr<double> {
+      EXPECT_EQ(held.size(0), 4);
+      const double dist = (r1 - start1).norm().item<double>();
+      distance[static_cast<int64_t>(distance.size())] = dist;
+      return sign * dist;
+    };
+  };
+  sq::RotationPhaseOptions near = o;
+  near.held_out_score = by(1.0);
+  const sq::RotationPhaseResult kept = TrainOnRanks(1, dir, tokens, near);
+  EXPECT_EQ(kept.selected_step, 0);
+  EXPECT_TRUE(at::equal(kept.t1, dense->first));
+  EXPECT_TRUE(at::equal(kept.t2, dense->second));
+  EXPECT_EQ(kept.losses, one.losses);  // the same training, another choice
+  distance.clear();
+  sq::RotationPhaseOptions far = o;
+  far.held_out_score = by(-1.0);
+  const sq::RotationPhaseResult farthest = TrainOnRanks(1, dir, tokens, far);
+  ASSERT_EQ(distance.size(), 5u);
+  int64_t arg = 0;
+  for (const auto& [i, dist] : distance) {
+    if (dist > distance[arg]) arg = i;
+  }
+  EXPECT_EQ(farthest.selected_step, farthest.validation[arg].first);
+  EXPECT_NEAR((farthest.t1.t() - start1).norm().item<double>(), distance[arg], 1e-12);
+  sq::RotationPhaseOptions flat = o;
+  flat.held_out_score = [](const at::Tensor&, const at::Tensor&,
+                           const at::Tensor&) -> StatusOr<double> { return 1.0; };
+  EXPECT_EQ(TrainOnRanks(1, dir, tokens, flat).selected_step, 0);
+
+  const sq::RotationPhaseResult three = TrainOnRanks(3, dir, tokens, o);
+  EXPECT_TRUE(at::equal(three.t1, one.t1));
+  EXPECT_TRUE(at::equal(three.t2, one.t2));
+  EXPECT_EQ(three.validation, one.validation);
+  EXPECT_EQ(three.selected_step, one.selected_step);
+
+  // Interrupted after step 3 (between checkpoints), resumed on two ranks.
+  const std::string tmp = testing::MakeTempDir("spinquant-heldout");
+  o.state_path = tmp + "/rotations.state.safetensors";
+  o.state_key = "calibration A";
+  sq::RotationPhaseOptions stop = o;
+  stop.stop_after = 3;
+  auto comm = runtime::MakeSelfComm();
+  auto stopped = Train(*comm, dir, tokens, stop);
+  ASSERT_TRUE(absl::IsAborted(stopped.status())) << stopped.status();
+  const sq::RotationPhaseResult resumed = TrainOnRanks(2, dir, tokens, o);
+  EXPECT_EQ(resumed.resumed_from, 3);
+  EXPECT_TRUE(at::equal(resumed.t1, one.t1));
+  EXPECT_TRUE(at::equal(resumed.t2, one.t2));
+  EXPECT_EQ(resumed.validation, one.validation);
+  EXPECT_EQ(resumed.selected_step, one.selected_step);
+  EXPECT_EQ(resumed.init, one.init);
+  EXPECT_EQ(resumed.losses, one.losses);
+  // All sequences held out leaves nothing to train on.
+  sq::RotationPhaseOptions none = o;
+  none.state_path.clear();
+  none.validation = 12;
+  auto refused = Train(*comm, dir, tokens, none);
+  EXPECT_TRUE(absl::IsInvalidArgument(refused.status())) << refused.status();
 }
 
 // W4A4KV4 training (RTN weights in the forward) lowers the loss on its data, keeps R1/R2

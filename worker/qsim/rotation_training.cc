@@ -364,11 +364,116 @@ std::vector<at::Tensor>* RotationGradients::StepOffsets(const at::Tensor& r1, co
   return &offsets_[layer];
 }
 
+StatusOr<double> RotationGradients::HeadLoss(const at::Tensor& ud, const at::Tensor& uf,
+                                             const at::Tensor& targets, bool kl,
+                                             at::Tensor* grad_u) {
+  const LlamaConfig& c = source_->config();
+  const int64_t hid = c.hidden_size, vocab = c.vocab_size, n = ud.size(0);
+  const int64_t step =
+      head_.defined() || vocab * hid * 4 <= cache_bytes_ ? vocab : model::TableChunkRows(hid);
+  at::Tensor lse, lse_f, target_logit = at::zeros({n}, at::kFloat);
+  auto merge = [](at::Tensor* acc, const at::Tensor& chunk) {
+    *acc = acc->defined() ? at::logaddexp(*acc, chunk) : chunk;
+  };
+  for (int64_t b = 0; b < vocab; b += step) {
+    const int64_t m = std::min(step, vocab - b);
+    QCAL_ASSIGN_OR_RETURN(at::Tensor w, HeadChunk(b, m));
+    const at::Tensor logits = at::matmul(ud, w.t());  // [n, m]
+    merge(&lse, at::logsumexp(logits, 1));
+    if (kl) {
+      merge(&lse_f, at::logsumexp(at::matmul(uf, w.t()), 1));
+      continue;
+    }
+    const at::Tensor in = (targets >= b).logical_and(targets < b + m);
+    const at::Tensor rows = at::nonzero(in).view({-1});
+    if (rows.numel() > 0) {
+      target_logit.index_put_({rows}, logits.index({rows, targets.index({rows}) - b}));
+    }
+  }
+  if (!kl && grad_u == nullptr) return (lse - target_logit).mean().item<double>();
+  // Second pass: the KL's sum, and softmax(logits) − onehot (cross-entropy) or
+  // softmax(logits) − softmax(float logits) (KL) into d loss / d u.
+  at::Tensor kl_sum = at::zeros({n}, at::kDouble);
+  for (int64_t b = 0; b < vocab; b += step) {
+    const int64_t m = std::min(step, vocab - b);
+    QCAL_ASSIGN_OR_RETURN(at::Tensor w, HeadChunk(b, m));
+    const at::Tensor lq = at::matmul(ud, w.t()) - lse.unsqueeze(1);
+    at::Tensor p = at::exp(lq);
+    if (kl) {
+      const at::Tensor lf = at::matmul(uf, w.t()) - lse_f.unsqueeze(1);
+      const at::Tensor pf = at::exp(lf);
+      kl_sum.add_((pf * (lf - lq)).sum(1).to(at::kDouble));
+      if (grad_u == nullptr) continue;
+      p.sub_(pf);
+    } else {
+      const at::Tensor in = (targets >= b).logical_and(targets < b + m);
+      const at::Tensor rows = at::nonzero(in).view({-1});
+      if (rows.numel() > 0) {
+        const at::Tensor cols = targets.index({rows}) - b;
+        p.index_put_({rows, cols}, p.index({rows, cols}) - 1.0);
+      }
+    }
+    grad_u->add_(at::matmul(p, w));
+  }
+  if (grad_u != nullptr) grad_u->div_(static_cast<double>(n));
+  return kl ? kl_sum.mean().item<double>() : (lse - target_logit).mean().item<double>();
+}
+
+StatusOr<std::vector<double>> RotationGradients::Losses(const at::Tensor& r1,
+                                                        const at::Tensor& r2,
+                                                        const at::Tensor& tokens,
+                                                        const RotationTrainingOptions& options) {
+  const LlamaConfig& c = source_->config();
+  const int64_t layers = c.num_hidden_layers, hid = c.hidden_size;
+  if (tokens.dim() != 2 || tokens.size(1) < 2) {
+    return absl::InvalidArgumentError("rotation training: tokens must be [m, s >= 2]");
+  }
+  const int64_t m = tokens.size(0), s = tokens.size(1), n = s - 1;
+  const bool kl = options.loss == RotationTrainingOptions::Loss::kKlToFloat;
+  const model::Rope& rope = source_->rope();
+  std::vector<double> losses(m);
+  try {
+    at::NoGradGuard no_grad;
+    const at::Tensor t1 = r1.t().to(at::kFloat);
+    const RotationTrainingOptions fo = FloatOptions(options);
+    const at::Tensor eye1 = at::eye(hid, at::kFloat), eye2 = at::eye(c.head_dim, at::kFloat);
+    std::vector<at::Tensor> h(m), hf(m);
+    for (int64_t i = 0; i < m; ++i) {
+      QCAL_ASSIGN_OR_RETURN(at::Tensor e, source_->Embed(tokens[i].view({1, s})));
+      e = e.to(at::kFloat);
+      h[i] = at::matmul(e, t1.t());
+      if (kl) hf[i] = e;
+    }
+    for (int64_t l = 0; l < layers; ++l) {
+      QCAL_ASSIGN_OR_RETURN(auto f, Block(l));
+      const at::Tensor t2 = r2[l].t().to(at::kFloat);
+      std::vector<at::Tensor> offsets;  // these options' weight offsets, once for the block
+      for (int64_t i = 0; i < m; ++i) {
+        h[i] = RotatedBlockForward(*f, c, rope, t1, t2, t4_, r3_, options, h[i], &offsets);
+        if (kl) hf[i] = RotatedBlockForward(*f, c, rope, eye1, eye2, t4_, r3_, fo, hf[i]);
+      }
+    }
+    const at::Tensor ones = at::ones({hid}, at::kFloat);
+    for (int64_t i = 0; i < m; ++i) {
+      const at::Tensor u = at::matmul(model::RmsNorm(h[i], ones, c.rms_norm_eps), t1)
+                               .narrow(1, 0, n)
+                               .reshape({n, hid});
+      at::Tensor uf;
+      if (kl) uf = model::RmsNorm(hf[i], ones, c.rms_norm_eps).narrow(1, 0, n).reshape({n, hid});
+      QCAL_ASSIGN_OR_RETURN(losses[i],
+                            HeadLoss(u, uf, tokens[i].narrow(0, 1, n).to(at::kLong), kl, nullptr));
+    }
+  } catch (const std::exception& ex) {
+    return absl::InternalError(absl::StrCat("rotation training (held-out loss): ", ex.what()));
+  }
+  return losses;
+}
+
 StatusOr<RotationGradients::Result> RotationGradients::Sequence(const at::Tensor& r1,
                                                                 const at::Tensor& r2,
                                                                 const at::Tensor& tokens) {
   const LlamaConfig& c = source_->config();
-  const int64_t layers = c.num_hidden_layers, hid = c.hidden_size, vocab = c.vocab_size;
+  const int64_t layers = c.num_hidden_layers, hid = c.hidden_size;
   if (tokens.dim() != 1 || tokens.size(0) < 2) {
     return absl::InvalidArgumentError("rotation training: a sequence must be [s >= 2] tokens");
   }
@@ -410,59 +515,13 @@ StatusOr<RotationGradients::Result> RotationGradients::Sequence(const at::Tensor
     at::Tensor grad_u = at::zeros({n, hid}, at::kFloat);
     {
       at::NoGradGuard no_grad;
-      const at::Tensor ud = un.detach();
       at::Tensor uf;
       if (kl) {
         uf = model::RmsNorm(hf, at::ones({hid}, at::kFloat), c.rms_norm_eps)
                  .narrow(1, 0, n)
                  .reshape({n, hid});
       }
-      const int64_t step = head_.defined() || vocab * hid * 4 <= cache_bytes_
-                               ? vocab
-                               : model::TableChunkRows(hid);
-      at::Tensor lse, lse_f, target_logit = at::zeros({n}, at::kFloat);
-      auto merge = [](at::Tensor* acc, const at::Tensor& chunk) {
-        *acc = acc->defined() ? at::logaddexp(*acc, chunk) : chunk;
-      };
-      for (int64_t b = 0; b < vocab; b += step) {
-        const int64_t m = std::min(step, vocab - b);
-        QCAL_ASSIGN_OR_RETURN(at::Tensor w, HeadChunk(b, m));
-        const at::Tensor logits = at::matmul(ud, w.t());  // [n, m]
-        merge(&lse, at::logsumexp(logits, 1));
-        if (kl) {
-          merge(&lse_f, at::logsumexp(at::matmul(uf, w.t()), 1));
-          continue;
-        }
-        const at::Tensor in = (targets >= b).logical_and(targets < b + m);
-        const at::Tensor rows = at::nonzero(in).view({-1});
-        if (rows.numel() > 0) {
-          target_logit.index_put_({rows}, logits.index({rows, targets.index({rows}) - b}));
-        }
-      }
-      at::Tensor kl_sum = at::zeros({n}, at::kDouble);
-      for (int64_t b = 0; b < vocab; b += step) {
-        const int64_t m = std::min(step, vocab - b);
-        QCAL_ASSIGN_OR_RETURN(at::Tensor w, HeadChunk(b, m));
-        const at::Tensor lq = at::matmul(ud, w.t()) - lse.unsqueeze(1);
-        at::Tensor p = at::exp(lq);
-        if (kl) {
-          const at::Tensor lf = at::matmul(uf, w.t()) - lse_f.unsqueeze(1);
-          const at::Tensor pf = at::exp(lf);
-          kl_sum.add_((pf * (lf - lq)).sum(1).to(at::kDouble));
-          p.sub_(pf);
-        } else {
-          const at::Tensor in = (targets >= b).logical_and(targets < b + m);
-          const at::Tensor rows = at::nonzero(in).view({-1});
-          if (rows.numel() > 0) {
-            const at::Tensor cols = targets.index({rows}) - b;
-            p.index_put_({rows, cols}, p.index({rows, cols}) - 1.0);
-          }
-        }
-        grad_u.add_(at::matmul(p, w));
-      }
-      result.loss = kl ? kl_sum.mean().item<double>()
-                       : (lse - target_logit).mean().item<double>();
-      grad_u.div_(static_cast<double>(n));
+      QCAL_ASSIGN_OR_RETURN(result.loss, HeadLoss(un.detach(), uf, targets, kl, &grad_u));
     }
     un.backward(grad_u);
     at::Tensor g = hl.grad();

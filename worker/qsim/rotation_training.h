@@ -121,6 +121,15 @@ class RotationGradients {
   // tokens [s] int64 (s >= 2); r1 = T1ᵀ, r2 = T2ᵀ per layer, float64.
   StatusOr<Result> Sequence(const at::Tensor& r1, const at::Tensor& r2, const at::Tensor& tokens);
 
+  // The loss of each sequence of tokens [m, s] (s >= 2; forward only) under `options`' quantizers
+  // and loss (e.g. the weights at the bits they will be deployed with, where training keeps them
+  // float); the rotations as for Sequence. Block-major: each block is loaded (or taken from the
+  // cache) once for all m sequences, every sequence run alone, so a sequence's loss has the same
+  // bits whatever else is in `tokens`. options' weight offsets are computed once per block.
+  StatusOr<std::vector<double>> Losses(const at::Tensor& r1, const at::Tensor& r2,
+                                       const at::Tensor& tokens,
+                                       const RotationTrainingOptions& options);
+
   ~RotationGradients();
 
  private:
@@ -128,6 +137,11 @@ class RotationGradients {
   RotationGradients() = default;
   StatusOr<std::shared_ptr<const Fused>> Block(int64_t layer);
   StatusOr<at::Tensor> HeadChunk(int64_t begin, int64_t n);  // rows·diag(norm), float32
+  // The mean loss over n predicted tokens from the head's inputs u = RMSNorm(h)·T1 [n, hidden]
+  // (uf: the float model's, for the KL; targets: the next tokens, for the cross-entropy), in
+  // vocabulary chunks; with grad_u, also d loss / d u into it ([n, hidden], zeroed by the caller).
+  StatusOr<double> HeadLoss(const at::Tensor& u, const at::Tensor& uf, const at::Tensor& targets,
+                            bool kl, at::Tensor* grad_u);
   // Block `layer`'s weight fake-quantization offsets q(W) − W for rotations (r1, r2): computed by
   // the first sequence of a step, reused by the others (and by the backward's recomputation).
   std::vector<at::Tensor>* StepOffsets(const at::Tensor& r1, const at::Tensor& r2, int64_t layer);
