@@ -36,6 +36,8 @@ std::string Fingerprint(const qsim::RotationPlan& plan, const RotationPhaseOptio
                       t.loss == qsim::RotationTrainingOptions::Loss::kKlToFloat ? " loss=kl"
                                                                                : " loss=ce",
                       t.range_gradient ? " range_gradient" : "",
+                      t.smooth ? absl::StrCat(" smooth lr=", FormatDouble(t.smooth_lr))
+                               : std::string(),
                       o.validation > 0 ? absl::StrCat(" validation=", o.validation,
                                                       " vw", o.validation_options.weight_bits,
                                                       "a", o.validation_options.act_bits, "kv",
@@ -85,19 +87,37 @@ at::Tensor FromFixed(const Fixed128* v, int64_t n, double divisor, at::IntArrayR
 
 struct State {
   at::Tensor r1, r2;
+  at::Tensor s, adam_m, adam_v;  // smoothing log-scales and their Adam moments (training.smooth)
   std::vector<double> losses;
   std::string init;  // hadamard | identity
   // With validation: the held-out scores so far and the best-scoring rotations.
   std::vector<std::pair<int64_t, double>> validation;
-  at::Tensor best_r1, best_r2;
+  at::Tensor best_r1, best_r2, best_s;
   int64_t best_step = 0;
 };
+
+// One Adam step (β1 0.9, β2 0.999, ε 1e-8, bias-corrected; `step` counts from 0) on x with
+// gradient g, in float64 (the same bits on every rank).
+void AdamStep(at::Tensor* x, at::Tensor* m, at::Tensor* v, const at::Tensor& g, double lr,
+              int64_t step) {
+  constexpr double b1 = 0.9, b2 = 0.999, eps = 1e-8;
+  *m = *m * b1 + g * (1 - b1);
+  *v = *v * b2 + g * g * (1 - b2);
+  const double c1 = 1 - std::pow(b1, static_cast<double>(step + 1));
+  const double c2 = 1 - std::pow(b2, static_cast<double>(step + 1));
+  *x = *x - lr * (*m / c1) / ((*v / c2).sqrt() + eps);
+}
 
 Status SaveState(const std::string& path, const State& s, const std::string& key) {
   SafetensorsWriter writer;
   writer.SetMetadata("state_key", key);
   QCAL_RETURN_IF_ERROR(model::AddF64Tensor(&writer, "r1", s.r1));
   QCAL_RETURN_IF_ERROR(model::AddF64Tensor(&writer, "r2", s.r2));
+  if (s.s.defined()) {
+    QCAL_RETURN_IF_ERROR(model::AddF64Tensor(&writer, "smooth", s.s));
+    QCAL_RETURN_IF_ERROR(model::AddF64Tensor(&writer, "smooth_adam_m", s.adam_m));
+    QCAL_RETURN_IF_ERROR(model::AddF64Tensor(&writer, "smooth_adam_v", s.adam_v));
+  }
   QCAL_RETURN_IF_ERROR(model::AddF64Tensor(
       &writer, "losses",
       at::tensor(s.losses.empty() ? std::vector<double>{0.0} : s.losses, at::kDouble)));
@@ -107,6 +127,9 @@ Status SaveState(const std::string& path, const State& s, const std::string& key
     QCAL_RETURN_IF_ERROR(model::AddF64Tensor(&writer, "validation", ScoresTensor(s.validation)));
     QCAL_RETURN_IF_ERROR(model::AddF64Tensor(&writer, "best_r1", s.best_r1));
     QCAL_RETURN_IF_ERROR(model::AddF64Tensor(&writer, "best_r2", s.best_r2));
+    if (s.best_s.defined()) {
+      QCAL_RETURN_IF_ERROR(model::AddF64Tensor(&writer, "best_smooth", s.best_s));
+    }
     writer.SetMetadata("best_step", std::to_string(s.best_step));
   }
   QCAL_RETURN_IF_ERROR(writer.Write(path));
@@ -116,7 +139,8 @@ Status SaveState(const std::string& path, const State& s, const std::string& key
 // The saved state at `path` when it is usable for `key` and these shapes; NotFound when there is
 // none; another error (logged by the caller, then ignored) when it is stale or damaged.
 StatusOr<State> LoadState(const std::string& path, const std::string& key, int64_t hidden,
-                          int64_t layers, int64_t head_dim, int64_t steps, bool validation) {
+                          int64_t layers, int64_t head_dim, int64_t steps, bool validation,
+                          int64_t smooth) {
   std::error_code ec;
   if (!std::filesystem::exists(path, ec)) return absl::NotFoundError(path);
   QCAL_RETURN_IF_ERROR(calib::VerifyCacheChecksum(path));
@@ -145,6 +169,11 @@ StatusOr<State> LoadState(const std::string& path, const std::string& key, int64
   };
   QCAL_ASSIGN_OR_RETURN(s.r1, read("r1", {hidden, hidden}));
   QCAL_ASSIGN_OR_RETURN(s.r2, read("r2", {layers, head_dim, head_dim}));
+  if (smooth > 0) {
+    QCAL_ASSIGN_OR_RETURN(s.s, read("smooth", {layers, smooth}));
+    QCAL_ASSIGN_OR_RETURN(s.adam_m, read("smooth_adam_m", {layers, smooth}));
+    QCAL_ASSIGN_OR_RETURN(s.adam_v, read("smooth_adam_v", {layers, smooth}));
+  }
   QCAL_ASSIGN_OR_RETURN(at::Tensor losses, read("losses", {done}));
   s.losses.assign(losses.data_ptr<double>(), losses.data_ptr<double>() + done);
   auto init = meta.find("init");
@@ -167,6 +196,9 @@ StatusOr<State> LoadState(const std::string& path, const std::string& key, int64
   }
   QCAL_ASSIGN_OR_RETURN(s.best_r1, read("best_r1", {hidden, hidden}));
   QCAL_ASSIGN_OR_RETURN(s.best_r2, read("best_r2", {layers, head_dim, head_dim}));
+  if (smooth > 0) {
+    QCAL_ASSIGN_OR_RETURN(s.best_s, read("best_smooth", {layers, smooth}));
+  }
   return s;
 }
 
@@ -174,7 +206,8 @@ StatusOr<State> LoadState(const std::string& path, const std::string& key, int64
 // (RotationGradients::Losses), sliced over the ranks and summed exactly (as a step's loss): the
 // same value on every rank, for any rank count.
 StatusOr<double> HeldOutLoss(runtime::Comm& comm, qsim::RotationGradients& grads,
-                             const at::Tensor& r1, const at::Tensor& r2, const at::Tensor& tokens,
+                             const at::Tensor& r1, const at::Tensor& r2, const at::Tensor& smooth,
+                             const at::Tensor& tokens,
                              const qsim::RotationTrainingOptions& options, const char* what) {
   const int64_t m = tokens.size(0);
   const runtime::Range mine = runtime::SliceForRank(m, comm.rank(), comm.size());
@@ -182,7 +215,7 @@ StatusOr<double> HeldOutLoss(runtime::Comm& comm, qsim::RotationGradients& grads
   Status local;
   if (mine.end > mine.begin) {
     auto losses =
-        grads.Losses(r1, r2, tokens.narrow(0, mine.begin, mine.end - mine.begin), options);
+        grads.Losses(r1, r2, tokens.narrow(0, mine.begin, mine.end - mine.begin), options, smooth);
     local = losses.status();
     for (size_t i = 0; local.ok() && i < losses->size(); ++i) {
       local = AccumulateFixed(at::tensor({(*losses)[i]}, at::kDouble), acc.data(), "loss");
@@ -248,9 +281,11 @@ StatusOr<RotationPhaseResult> TrainRotationsDataParallel(runtime::Comm& comm,
   QCAL_ASSIGN_OR_RETURN(auto grads,
                         qsim::RotationGradients::Create(source, plan, t, o.cache_bytes));
   const std::string key = absl::StrCat(o.state_key, " | ", Fingerprint(plan, o, tokens));
-  auto score = [&](const at::Tensor& r1, const at::Tensor& r2) -> StatusOr<double> {
-    if (o.held_out_score) return o.held_out_score(r1, r2, held_out);
-    return HeldOutLoss(comm, *grads, r1, r2, held_out, o.validation_options,
+  const int64_t ns = t.smooth ? qsim::SmoothingSize(c) : 0;
+  auto score = [&](const at::Tensor& r1, const at::Tensor& r2,
+                   const at::Tensor& sm) -> StatusOr<double> {
+    if (o.held_out_score) return o.held_out_score(r1, r2, sm, held_out);
+    return HeldOutLoss(comm, *grads, r1, r2, sm, held_out, o.validation_options,
                        "scoring the held-out sequences");
   };
 
@@ -259,7 +294,7 @@ StatusOr<RotationPhaseResult> TrainRotationsDataParallel(runtime::Comm& comm,
   State state;
   int64_t start = 0;
   if (comm.rank() == 0 && !o.state_path.empty()) {
-    auto loaded = LoadState(o.state_path, key, hid, layers, d, t.steps, validate);
+    auto loaded = LoadState(o.state_path, key, hid, layers, d, t.steps, validate, ns);
     if (loaded.ok()) {
       state = std::move(*loaded);
       start = static_cast<int64_t>(state.losses.size());
@@ -278,16 +313,22 @@ StatusOr<RotationPhaseResult> TrainRotationsDataParallel(runtime::Comm& comm,
     const at::Tensor had2 = init.second.transpose(1, 2).contiguous();
     bool identity = t.identity_init;
     double start_score = 0;
+    // The scales start at 0 (no scaling).
+    if (ns > 0) {
+      state.s = at::zeros({layers, ns}, at::kDouble);
+      state.adam_m = at::zeros({layers, ns}, at::kDouble);
+      state.adam_v = at::zeros({layers, ns}, at::kDouble);
+    }
     if (o.choose_init) {
       double lh = 0, li = 0;
       if (validate) {
-        QCAL_ASSIGN_OR_RETURN(lh, score(had1, had2));
-        QCAL_ASSIGN_OR_RETURN(li, score(eye1, eye2));
+        QCAL_ASSIGN_OR_RETURN(lh, score(had1, had2, state.s));
+        QCAL_ASSIGN_OR_RETURN(li, score(eye1, eye2, state.s));
       } else {
         const at::Tensor first = tokens.narrow(0, 0, std::min<int64_t>(seqs, 4 * t.batch));
-        QCAL_ASSIGN_OR_RETURN(lh, HeldOutLoss(comm, *grads, had1, had2, first, t,
+        QCAL_ASSIGN_OR_RETURN(lh, HeldOutLoss(comm, *grads, had1, had2, state.s, first, t,
                                               "choosing the start"));
-        QCAL_ASSIGN_OR_RETURN(li, HeldOutLoss(comm, *grads, eye1, eye2, first, t,
+        QCAL_ASSIGN_OR_RETURN(li, HeldOutLoss(comm, *grads, eye1, eye2, state.s, first, t,
                                               "choosing the start"));
       }
       identity = li < lh;
@@ -304,11 +345,12 @@ StatusOr<RotationPhaseResult> TrainRotationsDataParallel(runtime::Comm& comm,
     state.losses.clear();
     if (validate) {
       if (!o.choose_init) {
-        QCAL_ASSIGN_OR_RETURN(start_score, score(state.r1, state.r2));
+        QCAL_ASSIGN_OR_RETURN(start_score, score(state.r1, state.r2, state.s));
       }
       state.validation = {{0, start_score}};
       state.best_r1 = state.r1;
       state.best_r2 = state.r2;
+      state.best_s = state.s;
       state.best_step = 0;
     }
   } else {
@@ -324,14 +366,26 @@ StatusOr<RotationPhaseResult> TrainRotationsDataParallel(runtime::Comm& comm,
       if (validate) {
         state.best_r1 = at::empty({hid, hid}, at::kDouble);
         state.best_r2 = at::empty({layers, d, d}, at::kDouble);
+        if (ns > 0) state.best_s = at::empty({layers, ns}, at::kDouble);
+      }
+      if (ns > 0) {
+        state.s = at::empty({layers, ns}, at::kDouble);
+        state.adam_m = at::empty({layers, ns}, at::kDouble);
+        state.adam_v = at::empty({layers, ns}, at::kDouble);
       }
     }
     QCAL_RETURN_IF_ERROR(BroadcastTensor(comm, &state.r1));
     QCAL_RETURN_IF_ERROR(BroadcastTensor(comm, &state.r2));
+    if (ns > 0) {
+      QCAL_RETURN_IF_ERROR(BroadcastTensor(comm, &state.s));
+      QCAL_RETURN_IF_ERROR(BroadcastTensor(comm, &state.adam_m));
+      QCAL_RETURN_IF_ERROR(BroadcastTensor(comm, &state.adam_v));
+    }
     QCAL_RETURN_IF_ERROR(comm.Broadcast(state.losses.data(), start * sizeof(double), 0));
     if (validate) {
       QCAL_RETURN_IF_ERROR(BroadcastTensor(comm, &state.best_r1));
       QCAL_RETURN_IF_ERROR(BroadcastTensor(comm, &state.best_r2));
+      if (ns > 0) QCAL_RETURN_IF_ERROR(BroadcastTensor(comm, &state.best_s));
       QCAL_RETURN_IF_ERROR(comm.Broadcast(&state.best_step, sizeof(state.best_step), 0));
       QCAL_RETURN_IF_ERROR(comm.Broadcast(
           state.validation.data(), state.validation.size() * sizeof(state.validation[0]), 0));
@@ -341,7 +395,8 @@ StatusOr<RotationPhaseResult> TrainRotationsDataParallel(runtime::Comm& comm,
   }
   result.resumed_from = start;
 
-  const int64_t n1 = hid * hid, n2 = layers * d * d, total = 1 + n1 + n2;
+  const int64_t n1 = hid * hid, n2 = layers * d * d, n3 = layers * ns;
+  const int64_t total = 1 + n1 + n2 + n3;
   const runtime::Range mine = runtime::SliceForRank(t.batch, comm.rank(), comm.size());
   std::vector<Fixed128> acc;
   int64_t taken = 0;
@@ -351,7 +406,7 @@ StatusOr<RotationPhaseResult> TrainRotationsDataParallel(runtime::Comm& comm,
       Status local;
       for (int64_t i = mine.begin; i < mine.end && local.ok(); ++i) {
         const at::Tensor seq = tokens[(step * t.batch + i) % seqs];
-        auto r = grads->Sequence(state.r1, state.r2, seq);
+        auto r = grads->Sequence(state.r1, state.r2, seq, state.s);
         if (!r.ok()) {
           local = r.status();
           break;
@@ -359,6 +414,9 @@ StatusOr<RotationPhaseResult> TrainRotationsDataParallel(runtime::Comm& comm,
         local = AccumulateFixed(at::tensor({r->loss}, at::kDouble), acc.data(), "loss");
         if (local.ok()) local = AccumulateFixed(r->g1, acc.data() + 1, "R1 gradient");
         if (local.ok()) local = AccumulateFixed(r->g2, acc.data() + 1 + n1, "R2 gradient");
+        if (local.ok() && ns > 0) {
+          local = AccumulateFixed(r->gs, acc.data() + 1 + n1 + n2, "smoothing gradient");
+        }
       }
       int64_t failed = local.ok() ? 0 : 1;
       QCAL_RETURN_IF_ERROR(comm.AllReduceSum(&failed, 1));
@@ -391,18 +449,23 @@ StatusOr<RotationPhaseResult> TrainRotationsDataParallel(runtime::Comm& comm,
             t.cayley));
       }
       state.r2 = at::stack(next, 0);
+      if (ns > 0) {  // Adam on the scales, unclipped, at the rotations' schedule
+        const at::Tensor gs = FromFixed(acc.data() + 1 + n1 + n2, n3, b, {layers, ns});
+        AdamStep(&state.s, &state.adam_m, &state.adam_v, gs, lr / t.lr * t.smooth_lr, step);
+      }
       state.losses.push_back(loss);
       ++taken;
       QCAL_LOG_INFO("rotation training step {}/{}: loss {:.6f}, lr {:.4g}", step + 1, t.steps,
                     loss, lr);
       const bool checkpoint = (step + 1) % o.checkpoint_every == 0;
       if (validate && (checkpoint || step + 1 == t.steps)) {
-        QCAL_ASSIGN_OR_RETURN(const double v, score(state.r1, state.r2));
+        QCAL_ASSIGN_OR_RETURN(const double v, score(state.r1, state.r2, state.s));
         const double best = ScoreAt(state.validation, state.best_step);
         state.validation.emplace_back(step + 1, v);
         if (v < best) {  // strictly: the earliest of equal scores stays
           state.best_r1 = state.r1;
           state.best_r2 = state.r2;
+          state.best_s = state.s;
           state.best_step = step + 1;
         }
         QCAL_LOG_INFO("rotation training: held-out loss after step {}: {:.6f} (best: {:.6f}, "
@@ -429,6 +492,7 @@ StatusOr<RotationPhaseResult> TrainRotationsDataParallel(runtime::Comm& comm,
   const at::Tensor& r2 = validate ? state.best_r2 : state.r2;
   result.t1 = r1.t().contiguous();
   result.t2 = r2.transpose(1, 2).contiguous();
+  if (ns > 0) result.smooth = (validate ? state.best_s : state.s).contiguous();
   result.losses = std::move(state.losses);
   result.init = state.init;
   result.validation = std::move(state.validation);

@@ -16,8 +16,12 @@
 //     start, every checkpoint_every steps and after the last step, and the best-scoring ones
 //     (the earliest of equal scores) are the result: training that does not help on held-out
 //     text returns its start. The scores are summed exactly over the ranks like a step's loss.
-//   * Resumable: rank 0 saves the state (R1, R2, the step, the losses so far, the held-out scores
-//     and the best rotations) every checkpoint_every steps to state_path (atomic, with a
+//   * Smoothing scales (training.smooth): the blocks' log-scales (qsim::SmoothingSize) are
+//     trained beside the rotations, their gradients summed exactly with the rotations', with Adam
+//     (AMD Quark's jointly trained SmoothQuant scales); they start at 0 (no scaling), are part
+//     of the state and of the held-out selection, and come back with the rotations.
+//   * Resumable: rank 0 saves the state (R1, R2, the scales and their Adam moments, the step,
+//     the losses so far, the held-out scores and the best rotations) every checkpoint_every steps to state_path (atomic, with a
 //     checksum), keyed by state_key and the training settings; a rerun loads it, broadcasts it,
 //     and continues from that step. The Cayley steps are stateless (momentum 0, QR steps from a
 //     hash of the step), so a resumed run equals an uninterrupted one bit for bit.
@@ -59,8 +63,9 @@ struct RotationPhaseOptions {
   // unset: the mean loss under validation_options (RotationGradients::Losses), summed exactly over
   // the ranks. A replacement must give every rank the same value (collective: all ranks call it);
   // it is not part of the saved state's key.
+  // smooth: the smoothing log-scales [layers, SmoothingSize] (undefined without training.smooth).
   std::function<StatusOr<double>(const at::Tensor& r1, const at::Tensor& r2,
-                                 const at::Tensor& held_out)>
+                                 const at::Tensor& smooth, const at::Tensor& held_out)>
       held_out_score;
   // Tests of resumption: stop with Aborted once this run has taken this many steps (its state
   // saved). < 0: run to the end.
@@ -70,6 +75,9 @@ struct RotationPhaseOptions {
 struct RotationPhaseResult {
   at::Tensor t1;               // [hidden, hidden] float64, T1 (the plan's convention)
   at::Tensor t2;               // [layers, head_dim, head_dim] float64
+  // With training.smooth: the blocks' smoothing log-scales [layers, SmoothingSize] float64
+  // (qsim::SmoothBlockWeights fuses one block's); undefined without.
+  at::Tensor smooth;
   std::vector<double> losses;  // the loss of every step (mean over its batch)
   int64_t resumed_from = 0;    // the step a saved state let this run start at
   std::string init;            // hadamard | identity (the start; a resumed run reads it back)

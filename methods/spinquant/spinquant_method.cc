@@ -20,13 +20,20 @@ constexpr char kStateFile[] = "rotations.state.safetensors";
 class SpinquantMethod final : public quarot::QuarotMethod {
  public:
   SpinquantMethod(Recipe recipe, LlamaConfig config, const SpinquantConfig* s,
-                  qsim::RotationPlan plan, bool bound)
+                  qsim::RotationPlan plan, bool bound, at::Tensor smooth = at::Tensor())
       : QuarotMethod(std::move(recipe), std::move(config), std::move(plan)),
         s_(s),
-        bound_(bound) {}
+        bound_(bound),
+        smooth_(std::move(smooth)) {}
 
+  // The trained smoothing scales (training.smooth) are fused into the float weights first
+  // (Q, K rows; up rows, down columns), then the block is rotated and quantized as QuaRot does.
   Status PrepareBlock(int64_t layer, model::BlockWeights* weights) const override {
     QCAL_RETURN_IF_ERROR(CheckBound());
+    if (smooth_.defined()) {
+      QCAL_RETURN_IF_ERROR(Annotate(qsim::SmoothBlockWeights(config(), smooth_[layer], weights),
+                                    absl::StrCat("spinquant: block ", layer)));
+    }
     return QuarotMethod::PrepareBlock(layer, weights);
   }
   StatusOr<at::Tensor> PrepareEmbeddingRows(const at::Tensor& rows) const override {
@@ -66,6 +73,7 @@ class SpinquantMethod final : public quarot::QuarotMethod {
     PhaseProducts out;
     out["r1"] = r.t1;
     out["r2"] = r.t2;
+    if (r.smooth.defined()) out["smooth"] = r.smooth;
     out["losses"] = at::tensor(r.losses, at::kDouble);
     // What the run did, for its record: the start (0 Hadamard, 1 identity), the held-out scores
     // [k, 2] (steps, loss) and the step whose rotations these are.
@@ -87,8 +95,23 @@ class SpinquantMethod final : public quarot::QuarotMethod {
         qsim::SetLearnedRotations(&learned, it->second.at("r1"), it->second.at("r2"),
                                   config().num_hidden_layers),
         "spinquant: the trained rotations"));
-    return std::unique_ptr<Method>(
-        std::make_unique<SpinquantMethod>(recipe(), config(), s_, std::move(learned), true));
+    at::Tensor smooth;
+    auto sm = it->second.find("smooth");
+    if (s_->training.smooth) {
+      const int64_t layers = config().num_hidden_layers, n = qsim::SmoothingSize(config());
+      if (sm == it->second.end() || sm->second.dim() != 2 || sm->second.size(0) != layers ||
+          sm->second.size(1) != n) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "spinquant: the rotations phase's smoothing scales are missing or not [", layers,
+            ", ", n, "]"));
+      }
+      smooth = sm->second.to(at::kDouble).contiguous();
+    } else if (sm != it->second.end()) {
+      return absl::FailedPreconditionError(
+          "spinquant: the rotations phase has smoothing scales but the recipe trains none");
+    }
+    return std::unique_ptr<Method>(std::make_unique<SpinquantMethod>(
+        recipe(), config(), s_, std::move(learned), true, std::move(smooth)));
   }
 
   // A rotated weight [out, in] float32 rounded to nearest on the grid w (dequantized, float32).
@@ -134,6 +157,8 @@ class SpinquantMethod final : public quarot::QuarotMethod {
     t.act_bits = s.activations.enabled() ? s.activations.bits : 16;
     t.kv_bits = s.kv_cache.enabled() ? s.kv_cache.bits : 16;
     t.seed = s.rotation.seed;
+    t.smooth = s.training.smooth;
+    t.smooth_lr = s.training.smooth_lr;
     t.identity_init = s.training.init == "identity";
     o.choose_init = s.training.init == "best";
     t.loss = s.training.loss == "ce" ? qsim::RotationTrainingOptions::Loss::kCrossEntropy
@@ -172,6 +197,7 @@ class SpinquantMethod final : public quarot::QuarotMethod {
 
   const SpinquantConfig* s_;  // owned by the recipe (shared, immutable)
   const bool bound_;
+  const at::Tensor smooth_;   // [layers, SmoothingSize] float64 log-scales, or undefined
 };
 
 }  // namespace

@@ -35,7 +35,7 @@ class SpinquantSpec final : public MethodSpec {
         RecipeSection s,
         top.ReadSection("training", {"steps", "lr", "batch", "grad_clip", "weight_bits",
                                      "checkpoint_every", "init", "loss", "range_gradient",
-                                     "validation"}));
+                                     "validation", "smooth", "smooth_lr"}));
     QCAL_RETURN_IF_ERROR(s.ReadInt("steps", &t.steps));
     QCAL_RETURN_IF_ERROR(s.RequireRange("steps", t.steps >= 1 && t.steps <= 100000, "1..100000",
                                         std::to_string(t.steps)));
@@ -75,6 +75,10 @@ class SpinquantSpec final : public MethodSpec {
         "validation", t.validation >= 0 && t.validation < n,
         absl::StrCat("0..", n - 1, " (held out of calibration.num_sequences = ", n, ")"),
         std::to_string(t.validation)));
+    QCAL_RETURN_IF_ERROR(s.ReadBool("smooth", &t.smooth));
+    QCAL_RETURN_IF_ERROR(s.ReadDouble("smooth_lr", &t.smooth_lr));
+    QCAL_RETURN_IF_ERROR(s.RequireRange("smooth_lr", t.smooth_lr > 0 && t.smooth_lr <= 10,
+                                        "in (0, 10]", FormatDouble(t.smooth_lr)));
     return std::shared_ptr<const MethodConfig>(std::move(c));
   }
 };
@@ -97,6 +101,11 @@ void SpinquantConfig::AddToJson(nlohmann::json* j) const {
                       {"loss", training.loss},
                       {"range_gradient", training.range_gradient},
                       {"validation", training.validation}};
+  // Only when on: recipes without it keep their recorded config (and pinned hashes).
+  if (training.smooth) {
+    (*j)["training"]["smooth"] = true;
+    (*j)["training"]["smooth_lr"] = training.smooth_lr;
+  }
 }
 
 const MethodSpec& Spec() {

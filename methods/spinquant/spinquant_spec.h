@@ -27,6 +27,11 @@
 //                           # with the weights at the recipe's bits (RTN on its grid, standing
 //                           # in for GPTQ) and the best are kept; 0: none, the last step's
 //                           # rotations (SpinQuant)
+//     smooth: false         # also train smoothing scales where the rotations stay fixed (AMD
+//                           # Quark's O = D·R): per RoPE pair of K before R3 (queries × the
+//                           # inverse) and per down_proj input before R4 (up_proj rows ÷);
+//                           # fused into the weights (qsim::SmoothingSize)
+//     smooth_lr: 0.05       # their Adam learning rate (the rotations' cosine schedule)
 //
 // rotation.r1 and rotation.r2 must be on (they are what is trained).
 #pragma once
@@ -51,6 +56,8 @@ struct RotationTrainingSpec {
   std::string loss = "kl";        // kl | ce
   bool range_gradient = true;
   int64_t validation = 0;
+  bool smooth = false;
+  double smooth_lr = 0.05;
 };
 
 struct SpinquantConfig final : quarot::QuarotConfig {

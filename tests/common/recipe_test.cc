@@ -436,6 +436,16 @@ TEST(RecipeDefaults, SpinquantKeysRoundTripAndBadValuesAreNamed) {
   ExpectError("method: spinquant\ntraining: {validation: 64}\n",
               {"key 'training.validation'", "0..63", "calibration.num_sequences = 64"});
   ExpectError("method: spinquant\ntraining: {validation: -1}\n", {"key 'training.validation'"});
+  // Smoothing scales: recorded only when on (recipes without them keep their recorded config).
+  EXPECT_FALSE(MustParse("method: spinquant\nbits: 4\n").ToJson()["training"].contains("smooth"));
+  const std::string smooth =
+      "method: spinquant\nweights: gptq\nbits: 4\nactivations: {bits: 4}\nkv_cache: {bits: 4}\n"
+      "training: {smooth: true, smooth_lr: 0.2}\n";
+  ExpectRoundTrip(MustParse(smooth), smooth);
+  EXPECT_EQ(MustParse(smooth).ToJson()["training"]["smooth_lr"], 0.2);
+  ExpectError("method: spinquant\ntraining: {smooth: true, smooth_lr: 0}\n",
+              {"key 'training.smooth_lr'", "in (0, 10]"});
+  ExpectError("method: spinquant\ntraining: {smooth: 1}\n", {"key 'training.smooth'"});
   ExpectError("method: spinquant\ntraining: {momentum: 0.9}\n",
               {"unknown key 'training.momentum'"});
 }

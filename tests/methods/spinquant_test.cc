@@ -18,6 +18,7 @@
 #include "methods/spinquant/rotation_phase.h"
 #include "methods/spinquant/spinquant_spec.h"
 #include "methods/worker_registry.h"
+#include "tests/methods/spinquant_fixtures.h"
 #include "tests/model_fixtures.h"
 #include "tests/test_util.h"
 #include "worker/comm/comm.h"
@@ -35,33 +36,8 @@ namespace {
 
 namespace sq = methods::spinquant;
 
-// The recipe's quantizers (QuaRot W4A4KV4: symmetric per-token activations with clip 0.9, int4
-// asymmetric K/V per head with clip 0.95, weights RTN per channel with clip search), as the
-// spinquant method hands them to training.
 qsim::RotationTrainingOptions W4A4KV4(const LlamaConfig& c, int weight_bits) {
-  qsim::RotationTrainingOptions o;
-  o.weight_bits = weight_bits;
-  ActivationQuantSpec a;
-  a.bits = 4;
-  a.clip = 0.9;
-  o.act_quantizer = *qsim::ActivationQuantizer::Create(a);
-  KvCacheSpec k;
-  k.bits = 4;
-  o.kv_quantizer = *qsim::MakeKvQuantizer(k, c, 0, nullptr);
-  o.kv_grid = qsim::FakeQuantGrid{k.bits, k.symmetric, k.clip};
-  o.kv_group = k.group;
-  if (weight_bits < 16) {  // the recipe's grid: per channel, symmetric, clip search
-    quant::ScalarQuantizeOptions w;
-    w.bits = weight_bits;
-    w.grid.clip_search = true;
-    o.weight_quantizer = [w](const at::Tensor& weight) -> StatusOr<at::Tensor> {
-      at::Tensor d = weight.to(at::kDouble).contiguous().clone();
-      QCAL_RETURN_IF_ERROR(
-          quant::RoundToNearestInPlace(w, d.data_ptr<double>(), d.size(0), d.size(1)));
-      return d.to(at::kFloat);
-    };
-  }
-  return o;
+  return testing::SpinquantW4A4KV4(c, weight_bits);
 }
 
 // The tangent (Riemannian) part of a gradient G at orthogonal R: skew(RᵀG) = ½(RᵀG − GᵀR).
@@ -204,32 +180,13 @@ TEST(SpinquantTest, FloatLossDoesNotDependOnTheRotations) {
 
 
 StatusOr<sq::RotationPhaseResult> Train(runtime::Comm& comm, const std::string& dir,
-                                        const at::Tensor& tokens, sq::RotationPhaseOptions o) {
-  QCAL_ASSIGN_OR_RETURN(auto source, model::OpenFloatCheckpoint(dir));
-  const LlamaConfig& c = source->config();
-  QCAL_ASSIGN_OR_RETURN(qsim::RotationPlan plan, qsim::PlanRotations(RotationSpec{}, c));
-  return sq::TrainRotationsDataParallel(comm, source.get(), plan, tokens, o);
+                                        const at::Tensor& tokens, const sq::RotationPhaseOptions& o) {
+  return testing::TrainRotations(comm, dir, tokens, o);
 }
 
-// Each of `ranks` threads trains with its own source; rank 0's result.
 sq::RotationPhaseResult TrainOnRanks(int ranks, const std::string& dir, const at::Tensor& tokens,
                                      const sq::RotationPhaseOptions& o) {
-  auto comms = runtime::MakeThreadComms(ranks);
-  std::vector<StatusOr<sq::RotationPhaseResult>> results(ranks, absl::UnknownError("not run"));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < ranks; ++r) {
-    threads.emplace_back([&, r] { results[r] = Train(*comms[r], dir, tokens, o); });
-  }
-  for (std::thread& t : threads) t.join();
-  for (int r = 0; r < ranks; ++r) {
-    EXPECT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].status();
-    if (!results[r].ok()) return {};
-  }
-  for (int r = 1; r < ranks; ++r) {  // every rank ends with identical rotations
-    EXPECT_TRUE(at::equal(results[r]->t1, results[0]->t1)) << r;
-    EXPECT_TRUE(at::equal(results[r]->t2, results[0]->t2)) << r;
-  }
-  return *results[0];
+  return testing::TrainRotationsOnRanks(ranks, dir, tokens, o);
 }
 
 sq::RotationPhaseOptions SmallRun(const LlamaConfig& c) {
@@ -463,7 +420,7 @@ TEST(SpinquantTest, HeldOutSelectionKeepsTheBestScoredRotations) {
   const at::Tensor start1 = dense->first.t().contiguous();
   std::map<int64_t, double> distance;  // distance of the rotations scored, by call
   auto by = [&](double sign) {
-    return [&, sign](const at::Tensor& r1, const at::Tensor&,
+    return [&, sign](const at::Tensor& r1, const at::Tensor&, const at::Tensor&,
                      const at::Tensor& held) -> StatusOr<double> {
       EXPECT_EQ(held.size(0), 4);
       const double dist = (r1 - start1).norm().item<double>();
@@ -490,7 +447,7 @@ TEST(SpinquantTest, HeldOutSelectionKeepsTheBestScoredRotations) {
   EXPECT_EQ(farthest.selected_step, farthest.validation[arg].first);
   EXPECT_NEAR((farthest.t1.t() - start1).norm().item<double>(), distance[arg], 1e-12);
   sq::RotationPhaseOptions flat = o;
-  flat.held_out_score = [](const at::Tensor&, const at::Tensor&,
+  flat.held_out_score = [](const at::Tensor&, const at::Tensor&, const at::Tensor&,
                            const at::Tensor&) -> StatusOr<double> { return 1.0; };
   EXPECT_EQ(TrainOnRanks(1, dir, tokens, flat).selected_step, 0);
 
@@ -654,10 +611,35 @@ TEST(SpinquantTest, UnboundMethodRefusesToPrepareAndBindingChecksTheProducts) {
   EXPECT_FALSE(skewed.ok());
   EXPECT_NE(std::string(skewed.status().message()).find("trained rotations"), std::string::npos)
       << skewed.status();
+  // The shipped recipe trains smoothing scales: binding needs them, of the right shape.
   phases[sq::kRotationsPhase] = {{"r1", t1}, {"r2", t2}};
+  auto unsmoothed = (*method)->BindPhaseProducts(phases);
+  EXPECT_TRUE(absl::IsFailedPrecondition(unsmoothed.status())) << unsmoothed.status();
+  EXPECT_NE(std::string(unsmoothed.status().message()).find("smoothing scales"),
+            std::string::npos) << unsmoothed.status();
+  const int64_t ns = qsim::SmoothingSize(c);
+  phases[sq::kRotationsPhase]["smooth"] = at::zeros({c.num_hidden_layers, ns + 1}, at::kDouble);
+  EXPECT_FALSE((*method)->BindPhaseProducts(phases).ok());
+  const at::Tensor a = at::randn({c.num_hidden_layers, ns}, at::kDouble) * 0.5;
+  phases[sq::kRotationsPhase]["smooth"] = a;
   auto bound = (*method)->BindPhaseProducts(phases);
   ASSERT_TRUE(bound.ok()) << bound.status();
   ASSERT_NE(bound->get(), nullptr);
+  // Block 1 prepared with the scales = its weights with block 1's scales fused, prepared with
+  // none (zeros).
+  phases[sq::kRotationsPhase]["smooth"] = at::zeros({c.num_hidden_layers, ns}, at::kDouble);
+  auto plain = (*method)->BindPhaseProducts(phases);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  auto b1 = (*source)->LoadBlockWeights(1);
+  auto b1_smoothed = (*source)->LoadBlockWeights(1);
+  ASSERT_TRUE(b1.ok() && b1_smoothed.ok());
+  ASSERT_TRUE((*bound)->PrepareBlock(1, &*b1).ok());
+  ASSERT_TRUE(qsim::SmoothBlockWeights(c, a[1], &*b1_smoothed).ok());
+  ASSERT_TRUE((*plain)->PrepareBlock(1, &*b1_smoothed).ok());
+  for (model::LinearKind k : model::kAllLinears) {
+    EXPECT_TRUE(at::equal(b1->linear(k).DenseWeight(), b1_smoothed->linear(k).DenseWeight()))
+        << static_cast<int>(k);
+  }
   ASSERT_TRUE((*bound)->PrepareBlock(0, &*block).ok());
   // The bound embedding rows are E·T1ᵀ.
   const at::Tensor ids = at::arange(0, 4, at::kLong);

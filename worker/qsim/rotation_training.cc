@@ -129,15 +129,20 @@ class TrainKvHook final : public model::KvCacheHook {
 // into down_proj, float32, kAllLinears order.
 struct FusedWeights {
   at::Tensor w[7];
+  at::Tensor down_raw;  // down_proj before R4's fusion (smoothing scales sit before R4)
   int64_t bytes() const {
-    int64_t b = 0;
+    int64_t b = down_raw.defined() ? down_raw.numel() * 4 : 0;
     for (const at::Tensor& t : w) b += t.numel() * 4;
     return b;
   }
 };
 
-StatusOr<FusedWeights> FuseBlock(const model::BlockWeights& src, const OnlineHadamard* t4) {
+StatusOr<FusedWeights> FuseBlock(const model::BlockWeights& src, const OnlineHadamard* t4,
+                                 bool keep_down) {
   FusedWeights f;
+  if (keep_down && t4 != nullptr) {
+    f.down_raw = src.linear(LinearKind::kDown).DenseWeight().to(at::kFloat).contiguous();
+  }
   for (LinearKind k : model::kAllLinears) {
     at::Tensor w = src.linear(k).DenseWeight().to(at::kFloat);
     if (k == LinearKind::kQ || k == LinearKind::kK || k == LinearKind::kV) {
@@ -158,18 +163,34 @@ at::Tensor RotatedBlockForward(const FusedWeights& f, const LlamaConfig& c,
                                const model::Rope& rope, const at::Tensor& t1,
                                const at::Tensor& t2, const std::shared_ptr<const OnlineHadamard>& t4,
                                const at::Tensor& r3, const RotationTrainingOptions& o,
-                               const at::Tensor& h, std::vector<at::Tensor>* offsets = nullptr) {
+                               const at::Tensor& h, std::vector<at::Tensor>* offsets = nullptr,
+                               const at::Tensor& smooth = at::Tensor()) {
   const int64_t hid = c.hidden_size, d = c.head_dim, kv = c.num_key_value_heads;
   const int64_t heads = c.num_attention_heads;
   const int Q = 0, K = 1, V = 2, O = 3, G = 4, U = 5, D = 6;
   at::Tensor w[7];
-  w[Q] = at::matmul(f.w[Q], t1.t());
-  w[K] = at::matmul(f.w[K], t1.t());
+  at::Tensor fq = f.w[Q], fk = f.w[K], fu = f.w[U], fd = f.w[D];
+  if (smooth.defined()) {  // the smoothing scales before R3 (Q, K) and R4 (up, down)
+    const std::vector<at::Tensor> s = SmoothingFactors(c, smooth);
+    fq = fq * s[0].unsqueeze(1);
+    fk = fk * s[1].unsqueeze(1);
+    fu = fu * s[2].unsqueeze(1);
+    if (t4) {
+      if (!f.down_raw.defined()) {
+        throw std::runtime_error("smoothing before R4 needs the unfused down_proj");
+      }
+      fd = t4->ApplyDifferentiable(f.down_raw * s[3]);
+    } else {
+      fd = fd * s[3];
+    }
+  }
+  w[Q] = at::matmul(fq, t1.t());
+  w[K] = at::matmul(fk, t1.t());
   w[V] = at::matmul(t2, at::matmul(f.w[V], t1.t()).view({kv, d, hid})).reshape({kv * d, hid});
   w[G] = at::matmul(f.w[G], t1.t());
-  w[U] = at::matmul(f.w[U], t1.t());
+  w[U] = at::matmul(fu, t1.t());
   w[O] = at::matmul(at::matmul(t1, f.w[O]).view({hid, heads, d}), t2.t()).reshape({hid, heads * d});
-  w[D] = at::matmul(t1, f.w[D]);
+  w[D] = at::matmul(t1, fd);
   model::BlockWeights bw;
   bw.input_norm = at::ones({hid}, at::kFloat);
   bw.post_norm = at::ones({hid}, at::kFloat);
@@ -243,6 +264,48 @@ RotationTrainingOptions FloatOptions(const RotationTrainingOptions& o) {
 
 }  // namespace
 
+int64_t SmoothingSize(const LlamaConfig& c) {
+  return c.num_key_value_heads * (c.head_dim / 2) + c.intermediate_size;
+}
+
+std::vector<at::Tensor> SmoothingFactors(const LlamaConfig& c, const at::Tensor& a) {
+  const int64_t kv = c.num_key_value_heads, half = c.head_dim / 2;
+  const at::Tensor ak = a.narrow(0, 0, kv * half).view({kv, half});
+  const at::Tensor pairs = at::cat({ak, ak}, 1);  // [kv, head_dim]: pair (i, i + d/2)
+  const at::Tensor ad = a.narrow(0, kv * half, c.intermediate_size);
+  const at::Tensor q = pairs.unsqueeze(1).expand({kv, c.gqa_groups(), c.head_dim});
+  return {at::exp(q.reshape({c.q_dim()})), at::exp(-pairs.reshape({c.kv_dim()})), at::exp(-ad),
+          at::exp(ad)};
+}
+
+Status SmoothBlockWeights(const LlamaConfig& c, const at::Tensor& a, model::BlockWeights* w) {
+  if (a.dim() != 1 || a.size(0) != SmoothingSize(c) || c.head_dim % 2 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "smoothing scales: ", a.dim() == 1 ? a.size(0) : -1, " values, the block needs ",
+        SmoothingSize(c)));
+  }
+  const at::Tensor ad = a.to(at::kDouble);
+  if (!at::isfinite(ad).all().item<bool>() || ad.abs().max().item<double>() > 80) {
+    return absl::InvalidArgumentError("smoothing scales: a log-scale is non-finite or beyond ±80");
+  }
+  const std::vector<at::Tensor> s = SmoothingFactors(c, ad);
+  auto scale = [&](LinearKind k, const at::Tensor& factor, bool rows) {
+    const at::Tensor dense = w->linear(k).DenseWeight().to(at::kDouble);
+    const at::Tensor scaled = rows ? dense * factor.unsqueeze(1) : dense * factor;
+    w->linears[static_cast<int>(k)] =
+        std::make_unique<model::DenseLinear>(scaled.to(at::kFloat).contiguous());
+  };
+  try {
+    scale(LinearKind::kQ, s[0], true);
+    scale(LinearKind::kK, s[1], true);
+    scale(LinearKind::kUp, s[2], true);
+    scale(LinearKind::kDown, s[3], false);
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("smoothing scales: ", e.what()));
+  }
+  return Status();
+}
+
 double RotationLr(const RotationTrainingOptions& o, int64_t t) {
   return o.lr * 0.5 * (1 + std::cos(M_PI * static_cast<double>(t) / static_cast<double>(o.steps)));
 }
@@ -250,7 +313,8 @@ double RotationLr(const RotationTrainingOptions& o, int64_t t) {
 StatusOr<at::Tensor> RotatedQuantizedLoss(const model::LlamaModel& m, const RotationPlan& plan,
                                           const at::Tensor& t1d, const at::Tensor& t2d,
                                           const at::Tensor& tokens,
-                                          const RotationTrainingOptions& o) {
+                                          const RotationTrainingOptions& o,
+                                          const at::Tensor& smooth) {
   const LlamaConfig& c = m.config();
   if (tokens.dim() != 2 || tokens.size(1) < 2) {
     return absl::InvalidArgumentError("rotation training: tokens must be [b, s >= 2]");
@@ -268,9 +332,11 @@ StatusOr<at::Tensor> RotatedQuantizedLoss(const model::LlamaModel& m, const Rota
   const at::Tensor eye1 = at::eye(c.hidden_size, at::kFloat);
   const at::Tensor eye2 = at::eye(c.head_dim, at::kFloat);
   for (int64_t l = 0; l < m.num_blocks(); ++l) {
-    QCAL_ASSIGN_OR_RETURN(FusedWeights f, FuseBlock(m.block(l).weights(), t4.get()));
+    QCAL_ASSIGN_OR_RETURN(FusedWeights f,
+                          FuseBlock(m.block(l).weights(), t4.get(), smooth.defined()));
     try {
-      h = RotatedBlockForward(f, c, m.rope(), t1, t2[l], t4, r3, o, h);
+      h = RotatedBlockForward(f, c, m.rope(), t1, t2[l], t4, r3, o, h, nullptr,
+                              smooth.defined() ? smooth[l].to(at::kFloat) : at::Tensor());
       if (kl) {
         at::NoGradGuard no_grad;
         hf = RotatedBlockForward(f, c, m.rope(), eye1, eye2, t4, r3, fo, hf);
@@ -311,6 +377,10 @@ StatusOr<std::unique_ptr<RotationGradients>> RotationGradients::Create(
   g->plan_ = plan;
   g->options_ = options;
   g->cache_bytes_ = std::max<int64_t>(0, cache_bytes);
+  g->keep_down_ = options.smooth;
+  if (options.smooth && source->config().head_dim % 2 != 0) {
+    return absl::InvalidArgumentError("smoothing scales need an even head_dim (RoPE pairs)");
+  }
   QCAL_RETURN_IF_ERROR(OnlineParts(plan, &g->t4_, &g->r3_));
   QCAL_ASSIGN_OR_RETURN(g->final_norm_, source->FinalNorm());
   g->final_norm_ = g->final_norm_.to(at::kFloat);
@@ -324,7 +394,7 @@ StatusOr<std::shared_ptr<const RotationGradients::Fused>> RotationGradients::Blo
   auto fused = std::make_shared<Fused>();
   {
     at::NoGradGuard no_grad;
-    QCAL_ASSIGN_OR_RETURN(static_cast<FusedWeights&>(*fused), FuseBlock(w, t4_.get()));
+    QCAL_ASSIGN_OR_RETURN(static_cast<FusedWeights&>(*fused), FuseBlock(w, t4_.get(), keep_down_));
   }
   if (fused->bytes() <= cache_bytes_) {
     cache_bytes_ -= fused->bytes();
@@ -349,16 +419,20 @@ StatusOr<at::Tensor> RotationGradients::HeadChunk(int64_t begin, int64_t n) {
 }
 
 std::vector<at::Tensor>* RotationGradients::StepOffsets(const at::Tensor& r1, const at::Tensor& r2,
-                                                        int64_t layer) {
+                                                        const at::Tensor& smooth, int64_t layer) {
   // Keyed by the rotation tensors themselves (identity and version, O(1) where comparing values
   // would read hidden² doubles per block and sequence): new rotations, or these changed in place,
   // start afresh.
   if (!offsets_r1_.defined() || !offsets_r1_.is_same(r1) || !offsets_r2_.is_same(r2) ||
-      offsets_v1_ != r1._version() || offsets_v2_ != r2._version()) {
+      offsets_v1_ != r1._version() || offsets_v2_ != r2._version() ||
+      offsets_s_.defined() != smooth.defined() ||
+      (smooth.defined() && (!offsets_s_.is_same(smooth) || offsets_vs_ != smooth._version()))) {
     offsets_r1_ = r1;
     offsets_r2_ = r2;
+    offsets_s_ = smooth;
     offsets_v1_ = r1._version();
     offsets_v2_ = r2._version();
+    offsets_vs_ = smooth.defined() ? smooth._version() : 0;
     offsets_.assign(source_->config().num_hidden_layers, {});
   }
   return &offsets_[layer];
@@ -422,7 +496,8 @@ StatusOr<double> RotationGradients::HeadLoss(const at::Tensor& ud, const at::Ten
 StatusOr<std::vector<double>> RotationGradients::Losses(const at::Tensor& r1,
                                                         const at::Tensor& r2,
                                                         const at::Tensor& tokens,
-                                                        const RotationTrainingOptions& options) {
+                                                        const RotationTrainingOptions& options,
+                                                        const at::Tensor& smooth) {
   const LlamaConfig& c = source_->config();
   const int64_t layers = c.num_hidden_layers, hid = c.hidden_size;
   if (tokens.dim() != 2 || tokens.size(1) < 2) {
@@ -447,9 +522,10 @@ StatusOr<std::vector<double>> RotationGradients::Losses(const at::Tensor& r1,
     for (int64_t l = 0; l < layers; ++l) {
       QCAL_ASSIGN_OR_RETURN(auto f, Block(l));
       const at::Tensor t2 = r2[l].t().to(at::kFloat);
+      const at::Tensor sl = smooth.defined() ? smooth[l].to(at::kFloat) : at::Tensor();
       std::vector<at::Tensor> offsets;  // these options' weight offsets, once for the block
       for (int64_t i = 0; i < m; ++i) {
-        h[i] = RotatedBlockForward(*f, c, rope, t1, t2, t4_, r3_, options, h[i], &offsets);
+        h[i] = RotatedBlockForward(*f, c, rope, t1, t2, t4_, r3_, options, h[i], &offsets, sl);
         if (kl) hf[i] = RotatedBlockForward(*f, c, rope, eye1, eye2, t4_, r3_, fo, hf[i]);
       }
     }
@@ -471,7 +547,8 @@ StatusOr<std::vector<double>> RotationGradients::Losses(const at::Tensor& r1,
 
 StatusOr<RotationGradients::Result> RotationGradients::Sequence(const at::Tensor& r1,
                                                                 const at::Tensor& r2,
-                                                                const at::Tensor& tokens) {
+                                                                const at::Tensor& tokens,
+                                                                const at::Tensor& smooth) {
   const LlamaConfig& c = source_->config();
   const int64_t layers = c.num_hidden_layers, hid = c.hidden_size;
   if (tokens.dim() != 1 || tokens.size(0) < 2) {
@@ -497,8 +574,10 @@ StatusOr<RotationGradients::Result> RotationGradients::Sequence(const at::Tensor
       if (kl) hf = e;
       for (int64_t l = 0; l < layers; ++l) {
         QCAL_ASSIGN_OR_RETURN(auto f, Block(l));
-        hs[l + 1] = RotatedBlockForward(*f, c, rope, t1, r2[l].t().to(at::kFloat), t4_, r3_,
-                                        options_, hs[l], StepOffsets(r1, r2, l));
+        hs[l + 1] = RotatedBlockForward(
+            *f, c, rope, t1, r2[l].t().to(at::kFloat), t4_, r3_, options_, hs[l],
+            StepOffsets(r1, r2, smooth, l),
+            smooth.defined() ? smooth[l].to(at::kFloat) : at::Tensor());
         if (kl) hf = RotatedBlockForward(*f, c, rope, eye1, eye2, t4_, r3_, fo, hf);
       }
     }
@@ -527,16 +606,20 @@ StatusOr<RotationGradients::Result> RotationGradients::Sequence(const at::Tensor
     at::Tensor g = hl.grad();
     hs[layers] = at::Tensor();
     result.g2 = at::zeros({layers, c.head_dim, c.head_dim}, at::kDouble);
+    if (smooth.defined()) result.gs = at::zeros({layers, SmoothingSize(c)}, at::kDouble);
     for (int64_t l = layers - 1; l >= 0; --l) {
       QCAL_ASSIGN_OR_RETURN(auto f, Block(l));
       const at::Tensor x = hs[l].detach().requires_grad_(true);
       const at::Tensor p2 = r2[l].detach().clone().requires_grad_(true);
-      const at::Tensor out =
-          RotatedBlockForward(*f, c, rope, p1.t().to(at::kFloat), p2.t().to(at::kFloat), t4_, r3_,
-                              options_, x, StepOffsets(r1, r2, l));
+      at::Tensor ps;
+      if (smooth.defined()) ps = smooth[l].detach().clone().requires_grad_(true);
+      const at::Tensor out = RotatedBlockForward(
+          *f, c, rope, p1.t().to(at::kFloat), p2.t().to(at::kFloat), t4_, r3_, options_, x,
+          StepOffsets(r1, r2, smooth, l), ps.defined() ? ps.to(at::kFloat) : at::Tensor());
       out.backward(g);
       g = x.grad();
       result.g2[l].copy_(p2.grad());
+      if (ps.defined()) result.gs[l].copy_(ps.grad());
       hs[l] = at::Tensor();
     }
     at::matmul(e, p1.to(at::kFloat)).backward(g);  // h0 = E·T1ᵀ = E·R1

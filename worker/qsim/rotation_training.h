@@ -90,17 +90,47 @@ struct RotationTrainingOptions {
   // a rotated weight [out, in] float32 in, its dequantized rounding out); unset: per-channel
   // symmetric RTN at the channel's max, as the reference.
   std::function<StatusOr<at::Tensor>(const at::Tensor&)> weight_quantizer;
+  // Smoothing scales will be passed (SmoothingSize; AMD Quark's O = D·R for the fixed online
+  // rotations): RotationGradients then keeps each block's unfused down_proj beside the R4-fused
+  // one (the scales sit before R4). The loss depends only on the scales passed.
+  bool smooth = false;
+  // The scales' optimizer (methods/spinquant): Adam (β 0.9 / 0.999, ε 1e-8) at this learning
+  // rate with the rotations' cosine schedule, on unclipped gradients, as Quark trains them beside
+  // the Cayley SGD of the rotations.
+  double smooth_lr = 0.05;
 };
+
+// The smoothing scales of one block (AMD Quark's jointly trained SmoothQuant scales D, placed
+// where the rotations that follow stay fixed, O = D·R): log-scales a = [a_k, a_d], zeros = none,
+// function-preserving in float:
+//   * a_k [kv_heads · head_dim/2], before R3: RoPE pair (i, i + head_dim/2) of KV head g (entry
+//     g·head_dim/2 + i) divides K by e^a and multiplies the queries of g's heads by e^a (W_k
+//     rows ÷, W_q rows ×; RoPE turns the pair as a whole, so the scale commutes with it, and q·k
+//     is unchanged): QServe's SmoothAttention, learned; the K cache sees K·e^{−a};
+//   * a_d [intermediate], before R4: up_proj rows ÷ e^a, down_proj columns × e^a; the down_proj
+//     input (after the SiLU gate) is divided by e^a before R4 and its quantizer.
+int64_t SmoothingSize(const LlamaConfig& config);
+// The factors e^{±a} as per-row (Q, K, up) and per-column (down) vectors of the four weights:
+// {q_rows [q_dim], k_rows [kv_dim], up_rows [intermediate], down_cols [intermediate]}, in a's
+// dtype (differentiable in a [SmoothingSize]).
+std::vector<at::Tensor> SmoothingFactors(const LlamaConfig& config, const at::Tensor& a);
+// Fuses one block's log-scales a [SmoothingSize] (float64) into its float weights (Q, K, up and
+// down become float32 dense linears): what inference runs after training.
+Status SmoothBlockWeights(const LlamaConfig& config, const at::Tensor& a,
+                          model::BlockWeights* weights);
 
 // The cosine learning rate of step t of `steps` (SpinQuant's schedule: to 0, no warm-up).
 double RotationLr(const RotationTrainingOptions& options, int64_t t);
 
 // The mean next-token loss (options.loss) of `tokens` [b, s] under the rotated, fake-quantized
 // model with rotations t1 / t2 (differentiable in both). `model` is the float model as loaded.
+// smooth: the blocks' smoothing log-scales [layers, SmoothingSize] (differentiable; undefined:
+// none).
 StatusOr<at::Tensor> RotatedQuantizedLoss(const model::LlamaModel& model, const RotationPlan& plan,
                                           const at::Tensor& t1, const at::Tensor& t2,
                                           const at::Tensor& tokens,
-                                          const RotationTrainingOptions& options);
+                                          const RotationTrainingOptions& options,
+                                          const at::Tensor& smooth = at::Tensor());
 
 // Block-streamed loss and gradients of one sequence (see above). Not thread-safe (the source and
 // the cache); one per rank.
@@ -117,9 +147,12 @@ class RotationGradients {
     double loss = 0;  // the mean loss over the sequence's s-1 predicted tokens
     at::Tensor g1;    // d loss / d R1 [hidden, hidden] float64
     at::Tensor g2;    // d loss / d R2 [layers, head_dim, head_dim] float64
+    at::Tensor gs;    // d loss / d smooth [layers, SmoothingSize] float64 (with smooth)
   };
-  // tokens [s] int64 (s >= 2); r1 = T1ᵀ, r2 = T2ᵀ per layer, float64.
-  StatusOr<Result> Sequence(const at::Tensor& r1, const at::Tensor& r2, const at::Tensor& tokens);
+  // tokens [s] int64 (s >= 2); r1 = T1ᵀ, r2 = T2ᵀ per layer, float64; smooth: the smoothing
+  // log-scales [layers, SmoothingSize] float64 (undefined: none).
+  StatusOr<Result> Sequence(const at::Tensor& r1, const at::Tensor& r2, const at::Tensor& tokens,
+                            const at::Tensor& smooth = at::Tensor());
 
   // The loss of each sequence of tokens [m, s] (s >= 2; forward only) under `options`' quantizers
   // and loss (e.g. the weights at the bits they will be deployed with, where training keeps them
@@ -128,7 +161,8 @@ class RotationGradients {
   // bits whatever else is in `tokens`. options' weight offsets are computed once per block.
   StatusOr<std::vector<double>> Losses(const at::Tensor& r1, const at::Tensor& r2,
                                        const at::Tensor& tokens,
-                                       const RotationTrainingOptions& options);
+                                       const RotationTrainingOptions& options,
+                                       const at::Tensor& smooth = at::Tensor());
 
   ~RotationGradients();
 
@@ -144,7 +178,8 @@ class RotationGradients {
                             bool kl, at::Tensor* grad_u);
   // Block `layer`'s weight fake-quantization offsets q(W) − W for rotations (r1, r2): computed by
   // the first sequence of a step, reused by the others (and by the backward's recomputation).
-  std::vector<at::Tensor>* StepOffsets(const at::Tensor& r1, const at::Tensor& r2, int64_t layer);
+  std::vector<at::Tensor>* StepOffsets(const at::Tensor& r1, const at::Tensor& r2,
+                                       const at::Tensor& smooth, int64_t layer);
 
   model::ModelSource* source_ = nullptr;
   RotationPlan plan_;
@@ -155,8 +190,9 @@ class RotationGradients {
   at::Tensor final_norm_;
   std::vector<std::shared_ptr<const Fused>> cached_;
   at::Tensor head_;  // cached whole (rows·diag(norm)) when it fits
-  at::Tensor offsets_r1_, offsets_r2_;  // the rotations the offsets were computed for
-  int64_t offsets_v1_ = 0, offsets_v2_ = 0;
+  at::Tensor offsets_r1_, offsets_r2_, offsets_s_;  // what the offsets were computed for
+  int64_t offsets_v1_ = 0, offsets_v2_ = 0, offsets_vs_ = 0;
+  bool keep_down_ = false;  // the fused blocks keep the raw down_proj (smoothing before R4)
   std::vector<std::vector<at::Tensor>> offsets_;
 };
 
