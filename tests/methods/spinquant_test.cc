@@ -641,6 +641,19 @@ TEST(SpinquantTest, UnboundMethodRefusesToPrepareAndBindingChecksTheProducts) {
         << static_cast<int>(k);
   }
   ASSERT_TRUE((*bound)->PrepareBlock(0, &*block).ok());
+  // A recipe that trains no scales refuses a phase that brings some (other training settings).
+  auto plain_recipe = ParseRecipe(
+      "method: spinquant\nweights: gptq\nbits: 4\nactivations: {bits: 4}\nkv_cache: {bits: 4}\n",
+      "no-smoothing");
+  ASSERT_TRUE(plain_recipe.ok()) << plain_recipe.status();
+  auto plain_method = methods::MakeMethod(*plain_recipe, c);
+  ASSERT_TRUE(plain_method.ok()) << plain_method.status();
+  auto stray = (*plain_method)->BindPhaseProducts(phases);
+  EXPECT_TRUE(absl::IsFailedPrecondition(stray.status())) << stray.status();
+  EXPECT_NE(std::string(stray.status().message()).find("the recipe trains none"),
+            std::string::npos) << stray.status();
+  phases[sq::kRotationsPhase].erase("smooth");
+  EXPECT_TRUE((*plain_method)->BindPhaseProducts(phases).ok());
   // The bound embedding rows are E·T1ᵀ.
   const at::Tensor ids = at::arange(0, 4, at::kLong);
   auto e = (*source)->Embed(ids);
