@@ -266,7 +266,9 @@ void JobWatcher::Show(const v1::JobEvent& e) {
       bar_.reset();
       Line(e, absl::StrCat("phase ", e.phase()));
       if (e.phase() == "quantize") {
-        bar_ = std::make_unique<ProgressBar>(e.job_id() + " quantize", e.total());
+        // Block-done events print their own lines (with the ETA) off a terminal.
+        bar_ = std::make_unique<ProgressBar>(e.job_id() + " quantize", e.total(),
+                                             /*lines=*/false);
         bar_->Update(e.done(), e.total());
       }
       break;
@@ -274,7 +276,8 @@ void JobWatcher::Show(const v1::JobEvent& e) {
       if (e.total() > 0) {
         if (!bar_ || bar_phase_ != e.phase()) {
           if (bar_) bar_->Finish();
-          bar_ = std::make_unique<ProgressBar>(e.job_id() + " " + e.phase(), e.total());
+          bar_ = std::make_unique<ProgressBar>(e.job_id() + " " + e.phase(), e.total(),
+                                               /*lines=*/e.phase() != "quantize");
           bar_phase_ = e.phase();
         }
         bar_->Update(e.done(), e.total());

@@ -5,24 +5,58 @@
 #include <cstdio>
 
 namespace qcal::client {
+namespace {
 
-ProgressBar::ProgressBar(std::string label, int64_t total)
+// "95 s", "12 min 5 s", "2 h 10 min".
+std::string Duration(double s) {
+  char buf[64];
+  if (s < 120) {
+    std::snprintf(buf, sizeof(buf), "%.0f s", s);
+  } else if (s < 7200) {
+    std::snprintf(buf, sizeof(buf), "%d min %d s", static_cast<int>(s / 60),
+                  static_cast<int>(s) % 60);
+  } else {
+    std::snprintf(buf, sizeof(buf), "%d h %d min", static_cast<int>(s / 3600),
+                  static_cast<int>(s / 60) % 60);
+  }
+  return buf;
+}
+
+}  // namespace
+
+ProgressBar::ProgressBar(std::string label, int64_t total, bool lines)
     : label_(std::move(label)),
       total_(total),
-      enabled_(isatty(STDERR_FILENO) == 1),
+      tty_(isatty(STDERR_FILENO) == 1),
+      lines_(lines),
       start_(std::chrono::steady_clock::now()),
       last_draw_(start_) {}
 
 ProgressBar::~ProgressBar() { Finish(); }
 
 void ProgressBar::Update(int64_t done) {
-  if (!enabled_ || finished_) return;
+  if (finished_) return;
   const auto now = std::chrono::steady_clock::now();
-  if (done < total_ && now - last_draw_ < std::chrono::milliseconds(100)) return;
-  last_draw_ = now;
   const double frac = total_ > 0 ? static_cast<double>(done) / total_ : 1.0;
   const double elapsed = std::chrono::duration<double>(now - start_).count();
   const double eta = frac > 0 ? elapsed * (1 - frac) / frac : 0;
+  if (!tty_) {
+    if (!lines_) return;
+    // A log or a batch job's output: a plain line when a phase is done, and at most every
+    // kLineEvery while it runs, so a long phase is never silent.
+    const bool complete = total_ > 0 && done >= total_;
+    if (done == last_done_ || (!complete && now - last_draw_ < kLineEvery)) return;
+    last_draw_ = now;
+    last_done_ = done;
+    std::fprintf(stderr, "%s %lld/%lld, %s elapsed%s\n", label_.c_str(),
+                 static_cast<long long>(done), static_cast<long long>(total_),
+                 Duration(elapsed).c_str(),
+                 complete || frac <= 0 ? "" : (", ETA " + Duration(eta)).c_str());
+    std::fflush(stderr);
+    return;
+  }
+  if (done < total_ && now - last_draw_ < std::chrono::milliseconds(100)) return;
+  last_draw_ = now;
   constexpr int kWidth = 30;
   const int filled = static_cast<int>(frac * kWidth);
   std::string bar(filled, '#');
@@ -34,9 +68,9 @@ void ProgressBar::Update(int64_t done) {
 }
 
 void ProgressBar::Finish() {
-  if (!enabled_ || finished_) return;
+  if (finished_) return;
   finished_ = true;
-  std::fprintf(stderr, "\n");
+  if (tty_) std::fprintf(stderr, "\n");
 }
 
 }  // namespace qcal::client

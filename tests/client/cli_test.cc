@@ -94,6 +94,35 @@ TEST_F(CliTest, EvalJsonHasTheDocumentedKeys) {
   EXPECT_NEAR(std::exp(j["mean_nll"].get<double>()), j["perplexity"].get<double>(), 1e-6);
 }
 
+// Off a terminal (a log, a Slurm job's output) `qcal quantize` still says where it is: a plain
+// line per phase when it is done (and every 10 s while it runs), on stderr, never on stdout.
+TEST_F(CliTest, QuantizeShowsProgressOffATerminal) {
+  const std::string dir = testing::MakeTempDir("cli-quantize");
+  const std::string recipe = dir + "/gptq.yaml";
+  std::FILE* f = std::fopen(recipe.c_str(), "w");
+  ASSERT_NE(f, nullptr);
+  std::fputs("name: gptq4\nmethod: gptq\nbits: 4\ncalibration: {files: "
+             "[data/wikitext2/wiki.valid.tokens], num_sequences: 8, seq_len: 64}\n", f);
+  std::fclose(f);
+  const std::string args = "quantize --recipe " + recipe + " --model " + dir_ + " --out " + dir +
+                           "/q --data-root " + shared_;
+  Result r = RunQcal(args);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.out.find("calibrate 5/5, "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\nquantize 5/5, "), std::string::npos) << r.out;
+  // stdout alone has none of it: the --json result is all there is.
+  FILE* p = popen((testing::BuildDir() + "/client/qcal " + args + " --json 2>/dev/null").c_str(),
+                  "r");
+  ASSERT_NE(p, nullptr);
+  std::string out;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
+  ASSERT_EQ(pclose(p), 0) << out;
+  EXPECT_EQ(out.find("5/5"), std::string::npos) << out;
+  EXPECT_FALSE(nlohmann::json::parse(out, nullptr, false).is_discarded()) << out;
+}
+
 TEST_F(CliTest, HumanEvalOutputAndGenerate) {
   Result r = RunQcal("eval --model " + dir_ + " --data " + shared_ +
                  "/data/wikitext2/wiki.test.joined.txt --ctx 512 --max-tokens 3000");
