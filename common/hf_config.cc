@@ -263,6 +263,13 @@ StatusOr<LlamaConfig> ParseLlamaConfig(std::string_view json_text,
   QCAL_RETURN_IF_ERROR(fields.RequiredSize("hidden_size", &config.hidden_size));
   QCAL_RETURN_IF_ERROR(fields.RequiredSize("intermediate_size", &config.intermediate_size));
   QCAL_RETURN_IF_ERROR(fields.RequiredSize("num_hidden_layers", &config.num_hidden_layers));
+  // The deepest Llama (3.1 405B) has 126 blocks; a count far beyond any model is a damaged or
+  // wrong config, said as such rather than as a missing tensor later.
+  if (config.num_hidden_layers > kMaxHiddenLayers) {
+    return fields.Error(absl::StrCat("num_hidden_layers ", config.num_hidden_layers,
+                                     " is implausible (Llama models have at most 126 blocks; qcal "
+                                     "accepts up to ", kMaxHiddenLayers, ")"));
+  }
   QCAL_RETURN_IF_ERROR(fields.RequiredSize("num_attention_heads", &config.num_attention_heads));
   QCAL_RETURN_IF_ERROR(fields.RequiredSize("vocab_size", &config.vocab_size));
   QCAL_RETURN_IF_ERROR(fields.OptionalSize("num_key_value_heads", config.num_attention_heads,

@@ -25,6 +25,9 @@ struct RopeScaling {
   int64_t original_max_position_embeddings = 8192;
 };
 
+// The most decoder blocks a config may declare (Llama 3.1 405B has 126).
+inline constexpr int64_t kMaxHiddenLayers = 1024;
+
 struct LlamaConfig {
   std::string architecture = "LlamaForCausalLM";
   std::string model_type = "llama";

@@ -72,9 +72,8 @@ Status ErrnoError(int error, absl::string_view path, absl::string_view what) {
       room = absl::StrFormat(" (%.1f MiB free of %.1f MiB on the filesystem of %s)", free_mib,
                              total_mib, dir);
     }
-    return absl::FailedPreconditionError(
-        absl::StrCat(path, ": ", what, ": ", ErrnoText(error), room,
-                     "; free space and resubmit: finished work is kept"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        path, ": ", what, ": ", ErrnoText(error), room, "; ", kOutOfSpaceAdvice));
   }
   return Status(absl::ErrnoToStatusCode(error),
                 absl::StrCat(path, ": ", what, ": ", ErrnoText(error)));

@@ -23,7 +23,19 @@ std::string Printable(absl::string_view text, size_t max_len = 120);
 std::string ErrnoText(int error);
 
 // "<path>: <what>: <strerror>" with the code abseil maps errno to (ENOENT -> NotFound, ...).
+// A full disk or quota (ENOSPC, EDQUOT) is FailedPrecondition, with the space free on that
+// filesystem and kOutOfSpaceAdvice: every file a job writes fails with this one message.
 Status ErrnoError(int error, absl::string_view path, absl::string_view what);
+
+// What to do about a full disk; ends every out-of-space error (IsOutOfSpace finds it).
+inline constexpr char kOutOfSpaceAdvice[] =
+    "free space on that filesystem and run the job again: its finished blocks and calibration "
+    "products are kept in the job and output directories and are resumed (deleting them loses "
+    "that work)";
+// Whether `status` is an out-of-space error (ErrnoError's, passed on as text by any process).
+inline bool IsOutOfSpace(const Status& status) {
+  return !status.ok() && status.message().find(kOutOfSpaceAdvice) != absl::string_view::npos;
+}
 
 // The reason nlohmann's parser rejects `text` (its non-throwing parse only says "discarded"),
 // without the "[json.exception.parse_error.N] " prefix, printable and at most 300 characters.

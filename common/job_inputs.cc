@@ -6,8 +6,11 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <set>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/safetensors.h"
 
 namespace qcal {
 namespace {
@@ -108,10 +111,41 @@ bool JobCalibrates(const Recipe& recipe) {
   return needs.float_hessians || needs.float_activations || needs.end_to_end || needs.sequential;
 }
 
+Status CheckLayerTensors(const LlamaConfig& config, const std::string& model_dir) {
+  // Without a readable checkpoint there is nothing to compare; opening the model says why later.
+  auto ckpt = CheckpointReader::Open(model_dir);
+  if (!ckpt.ok()) return absl::OkStatus();
+  const std::string prefix = "model.layers.";
+  std::set<int64_t> layers;
+  for (const std::string& name : (*ckpt)->TensorNames()) {
+    if (name.compare(0, prefix.size(), prefix) != 0) continue;
+    const size_t dot = name.find('.', prefix.size());
+    int64_t layer = 0;
+    if (dot == std::string::npos ||
+        !absl::SimpleAtoi(name.substr(prefix.size(), dot - prefix.size()), &layer)) {
+      continue;
+    }
+    layers.insert(layer);
+  }
+  const int64_t n = config.num_hidden_layers;
+  for (int64_t l = 0; l < n; ++l) {
+    if (layers.count(l)) continue;
+    const std::string held =
+        layers.empty() ? "no block tensors at all"
+                       : absl::StrCat(layers.size(), " block(s), layers ", *layers.begin(), " to ",
+                                      *layers.rbegin());
+    return Invalid(absl::StrCat(model_dir, "/config.json: num_hidden_layers is ", n,
+                                " but the checkpoint has no tensors of layer ", l, " (it holds ",
+                                held, "): the config does not describe these weights"));
+  }
+  return absl::OkStatus();
+}
+
 StatusOr<LlamaConfig> CheckJobInputs(const Recipe& recipe, const JobInputs& in) {
   QCAL_RETURN_IF_ERROR(CheckReadableDirectory("model_dir", in.model_dir));
   QCAL_RETURN_IF_ERROR(CheckReadableFile("model config", in.model_dir + "/config.json"));
   QCAL_ASSIGN_OR_RETURN(LlamaConfig config, LoadLlamaConfig(in.model_dir + "/config.json"));
+  QCAL_RETURN_IF_ERROR(CheckLayerTensors(config, in.model_dir));
   QCAL_RETURN_IF_ERROR(CheckOutputDir("out_dir", in.out_dir, in.model_dir));
   QCAL_RETURN_IF_ERROR(CheckOutputDir("job_dir", in.job_dir, in.model_dir));
   if (JobCalibrates(recipe)) {

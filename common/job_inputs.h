@@ -29,6 +29,11 @@ bool JobCalibrates(const Recipe& recipe);
 // the path and the problem; the model's config on success.
 StatusOr<LlamaConfig> CheckJobInputs(const Recipe& recipe, const JobInputs& inputs);
 
+// Every block 0..num_hidden_layers-1 has tensors in the model's checkpoint (index or
+// model.safetensors; not checked when neither opens). InvalidArgument naming config.json, the
+// declared count and the first missing layer.
+Status CheckLayerTensors(const LlamaConfig& config, const std::string& model_dir);
+
 // `what` 'path' exists, is a regular file and is readable; InvalidArgument otherwise.
 Status CheckReadableFile(const std::string& what, const std::string& path);
 // `field` 'path' exists, is a directory and is readable.

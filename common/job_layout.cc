@@ -5,16 +5,22 @@
 #include <stdlib.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
+#include <set>
+#include <tuple>
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/atomic_file.h"
 #include "common/hash.h"
 #include "common/io_util.h"
@@ -38,10 +44,17 @@ bool Exists(const std::string& path) {
 // (a redone block invalidates the end-to-end stage).
 Status EvaluateJournal(const Recipe& recipe, const std::string& out_dir,
                        const std::vector<nlohmann::json>& entries, const std::string& journal_path,
-                       JobPlan* plan) {
+                       JobPlan* plan, bool report = true) {
   const int64_t blocks = plan->num_blocks;
   std::map<int64_t, nlohmann::json> done;
   nlohmann::json e2e_done;
+  // Finished work counts only under a job_start of the same inputs (model, data, recipe, format):
+  // a job directory reused for another model must not hand its blocks to this one.
+  bool same_inputs = false, same_out = true;
+  nlohmann::json other_inputs;
+  int64_t stale = 0, elsewhere = 0;
+  std::set<int64_t> other_out;  // layers whose last block_done was written into another output
+  const std::string out_real = RealPath(out_dir);
   for (const auto& e : entries) {
     const std::string event = e.value("event", "");
     if (event == "job_start" && e.value("recipe_hash", "") != plan->recipe_hash) {
@@ -49,11 +62,39 @@ Status EvaluateJournal(const Recipe& recipe, const std::string& out_dir,
           journal_path, " belongs to another recipe ('", e.value("recipe", std::string("?")),
           "'); use a fresh --job-dir or --out"));
     }
+    if (event == "job_start") {
+      same_inputs = e.value("inputs_key", "") == plan->inputs.key;
+      if (!same_inputs) other_inputs = e.contains("inputs") ? e["inputs"] : nlohmann::json();
+      // Older journals name no output directory: their blocks are checked against this one.
+      same_out = !e.contains("out") || e.value("out", "") == out_real;
+      continue;
+    }
+    if ((event == "block_done" || event == "e2e_done") && !same_inputs) {
+      stale += event == "block_done" ? 1 : 0;
+      continue;
+    }
     if (event == "block_done") {
-      done[e.value("layer", int64_t{-1})] = e;
+      // A block another run wrote into another output still counts when this output holds the
+      // same bytes (a moved output directory), but its absence here is no news.
+      const int64_t layer = e.value("layer", int64_t{-1});
+      if (same_out) {
+        other_out.erase(layer);
+      } else {
+        other_out.insert(layer);
+      }
+      done[layer] = e;
       e2e_done = nlohmann::json();
     }
     if (event == "e2e_done") e2e_done = e;
+  }
+  plan->stale_blocks = stale;
+  if (stale > 0 && report) {
+    std::string note = absl::StrCat(
+        journal_path, ": ", stale, " finished block(s) were computed from other inputs (",
+        DescribeInputsChange(other_inputs, plan->inputs),
+        "); they are redone, and calibration products of those inputs are recomputed");
+    QCAL_LOG_WARN("{}", note);
+    plan->notes.push_back(std::move(note));
   }
   plan->e2e_enabled = recipe.finetune.end_to_end.enabled;
   plan->e2e_finished = false;
@@ -86,10 +127,16 @@ Status EvaluateJournal(const Recipe& recipe, const std::string& out_dir,
     plan->block_finished[layer] = CheckBlockDoneEntry(e, out_dir, blocks).ok();
     if (plan->block_finished[layer]) {
       plan->block_done[layer] = e;
+    } else if (other_out.count(layer)) {
+      ++elsewhere;
     } else {
       QCAL_LOG_WARN("block {}: journal says done but its shard is missing or changed; redoing",
                     layer);
     }
+  }
+  if (elsewhere > 0 && report) {
+    QCAL_LOG_INFO("{}: {} block(s) were journaled by a run into another output directory and "
+                  "are not in {}; they are done here too", journal_path, elsewhere, out_dir);
   }
   if (recipe.needs().sequential) {
     // Block l was calibrated on the outputs of blocks < l as quantized: a block redone
@@ -118,6 +165,85 @@ std::string ShardName(int64_t shard, int64_t num_blocks) {
 }
 
 // ---- Staged output files
+
+std::string JobDirLockPath(const std::string& job_dir) { return job_dir + "/lock"; }
+
+StatusOr<JobDirLock> JobDirLock::Acquire(const std::string& job_dir, const std::string& holder) {
+  QCAL_RETURN_IF_ERROR(MakeDirs(job_dir));
+  const std::string path = JobDirLockPath(job_dir);
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) return io::ErrnoError(errno, path, "open the job directory's lock");
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    std::string who;
+    char buf[1024];
+    const ssize_t n = ::pread(fd, buf, sizeof(buf) - 1, 0);
+    if (n > 0) who = io::Printable(absl::string_view(buf, static_cast<size_t>(n)), 400);
+    while (!who.empty() && (who.back() == '?' || who.back() == ' ')) who.pop_back();
+    ::close(fd);
+    if (err == EWOULDBLOCK) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          job_dir, ": the job directory is in use by ", who.empty() ? "another qcal process" : who,
+          "; wait for it to end, or choose another --job-dir (two runs never share one)"));
+    }
+    return io::ErrnoError(err, path, "lock the job directory");
+  }
+  char host[256] = "?";
+  ::gethostname(host, sizeof(host) - 1);
+  const std::time_t now = std::time(nullptr);
+  char when[64];
+  std::strftime(when, sizeof(when), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  const std::string text =
+      absl::StrCat(holder, " (pid ", ::getpid(), " on ", host, ", since ", when, ")\n");
+  // Who holds it, for the message a second driver gets; the lock itself is the flock.
+  if (::ftruncate(fd, 0) != 0 ||
+      ::pwrite(fd, text.data(), text.size(), 0) != static_cast<ssize_t>(text.size())) {
+    const int err = errno;
+    ::close(fd);
+    return io::ErrnoError(err, path, "write the job directory's lock holder");
+  }
+  return JobDirLock(fd);
+}
+
+JobDirLock& JobDirLock::operator=(JobDirLock&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) {
+      (void)::ftruncate(fd_, 0);
+      ::close(fd_);
+    }
+    fd_ = other.fd_;
+    other.fd_ = -1;
+  }
+  return *this;
+}
+
+JobDirLock::~JobDirLock() {
+  if (fd_ >= 0) {
+    (void)::ftruncate(fd_, 0);  // still held: nobody else is writing it
+    ::close(fd_);
+  }
+}
+
+bool HoldsFinishedWork(const std::string& job_dir, const std::string& out_dir) {
+  namespace fs = std::filesystem;
+  auto any_file = [](const std::string& dir, const std::set<std::string>& ignored_top) {
+    std::error_code ec;
+    if (!fs::is_directory(dir, ec)) return false;
+    for (auto it = fs::recursive_directory_iterator(dir, ec);
+         !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
+      const fs::path rel = it->path().lexically_relative(dir);
+      const std::string top = rel.begin() == rel.end() ? "" : rel.begin()->string();
+      if (ignored_top.count(top)) {
+        if (it->is_directory(ec)) it.disable_recursion_pending();
+        continue;
+      }
+      if (!it->is_directory(ec)) return true;
+    }
+    return static_cast<bool>(ec);  // unreadable: keep it
+  };
+  return any_file(job_dir, {"journal.jsonl", "lock", "inputs.json"}) ||
+         any_file(out_dir, {".staging"});
+}
 
 StatusOr<OutputDirLock> OutputDirLock::Acquire(const std::string& out_dir) {
   const int fd = ::open(out_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -351,7 +477,8 @@ std::string JournalEntryProblem(const nlohmann::json& e) {
   using json = nlohmann::json;
   if (!e.is_object()) return "not a JSON object";
   if (!e.contains("event") || !e["event"].is_string()) return "no string 'event'";
-  for (const char* key : {"recipe", "recipe_hash", "model", "shard", "checksum"}) {
+  for (const char* key :
+       {"recipe", "recipe_hash", "model", "out", "shard", "checksum", "inputs_key"}) {
     if (e.contains(key) && !e[key].is_string()) return absl::StrCat("'", key, "' is not a string");
   }
   if (e.contains("layer") && !e["layer"].is_number_integer()) return "'layer' is not an integer";
@@ -368,7 +495,7 @@ std::string JournalEntryProblem(const nlohmann::json& e) {
       return absl::StrCat("'", key, "' is not a number or null");
     }
   }
-  for (const char* key : {"also_wrote", "checksums"}) {
+  for (const char* key : {"also_wrote", "checksums", "inputs"}) {
     if (!e.contains(key)) continue;
     if (!e[key].is_object()) return absl::StrCat("'", key, "' is not an object");
     for (const auto& [name, sum] : e[key].items()) {
@@ -425,11 +552,18 @@ StatusOr<Journal> Journal::Open(const std::string& path) {
 Status Journal::Append(const nlohmann::json& entry) {
   const std::string line = entry.dump() + "\n";
   const int fd = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-  if (fd < 0) return absl::InternalError(absl::StrCat(path_, ": cannot open for append"));
-  const bool ok = ::write(fd, line.data(), line.size()) == static_cast<ssize_t>(line.size()) &&
-                  ::fsync(fd) == 0;
+  if (fd < 0) return io::ErrnoError(errno, path_, "cannot open for append");
+  struct stat st;
+  const off_t before = ::fstat(fd, &st) == 0 ? st.st_size : -1;
+  const ssize_t n = ::write(fd, line.data(), line.size());
+  const int error = n < 0 ? errno : (n != static_cast<ssize_t>(line.size()) ? ENOSPC : 0);
+  const bool ok = error == 0 && ::fsync(fd) == 0;
+  const int sync_error = ok || error != 0 ? error : errno;
+  // A short append (full disk) leaves a torn line that the next Append would bury mid-file:
+  // cut it off again, so the journal stays a sequence of whole entries.
+  if (!ok && before >= 0) (void)::ftruncate(fd, before);
   ::close(fd);
-  if (!ok) return absl::InternalError(absl::StrCat(path_, ": write failed"));
+  if (!ok) return io::ErrnoError(sync_error, path_, "cannot append to the journal");
   entries_.push_back(entry);
   return absl::OkStatus();
 }
@@ -459,8 +593,66 @@ bool JobPlan::needs_calibration(const Recipe& recipe) const {
          (e2e_enabled && !e2e_finished);
 }
 
+namespace {
+
+std::string Size(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (bytes >= 1024 && u < 4) {
+    bytes /= 1024;
+    ++u;
+  }
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), u == 0 ? "%.0f %s" : "%.1f %s", bytes, units[u]);
+  return buf;
+}
+
+// Bytes free to this process on the filesystem holding `dir`; -1 when unknown.
+int64_t FreeBytes(const std::string& dir) {
+  struct statvfs vfs;
+  if (::statvfs(dir.c_str(), &vfs) != 0) return -1;
+  return static_cast<int64_t>(vfs.f_bavail) * static_cast<int64_t>(vfs.f_frsize);
+}
+
+}  // namespace
+
+DiskNeed EstimateDiskNeed(const Recipe& recipe, const LlamaConfig& c) {
+  const MethodNeeds needs = recipe.needs();
+  const int64_t blocks = c.num_hidden_layers, h = c.hidden_size, ff = c.intermediate_size;
+  const int64_t tokens = recipe.calibration.num_sequences *
+                         std::min(recipe.calibration.seq_len, c.max_position_embeddings);
+  DiskNeed d;
+  std::vector<std::string> parts;
+  if (needs.float_hessians) {
+    // Per input: the exact int128 sums, 16 bytes per entry of the triangle (hessian_format 3).
+    int64_t per_block = 0;
+    for (int64_t n : {h, c.q_dim(), h, ff}) per_block += 8 * n * (n + 1);
+    d.job_bytes += per_block * blocks;
+    parts.push_back(absl::StrCat("Hessians ", Size(static_cast<double>(per_block)), " a block"));
+  }
+  const int64_t boundary = 4 * tokens * h;
+  if (needs.float_activations) {
+    d.job_bytes += boundary * (blocks + 1);
+    parts.push_back(absl::StrCat("activations ", Size(static_cast<double>(boundary)),
+                                 " a block boundary"));
+  }
+  if (needs.sequential) {
+    d.job_bytes += boundary * 2 * (needs.sequential_float ? 2 : 1);
+    parts.push_back(absl::StrCat("sequential inputs ", Size(static_cast<double>(boundary)),
+                                 " a block"));
+  }
+  d.job_detail = parts.empty() ? "no calibration products" : absl::StrJoin(parts, ", ");
+  const int64_t linear = h * c.q_dim() + 2 * h * c.kv_dim() + c.q_dim() * h + 3 * h * ff;
+  const int64_t table = c.torch_dtype == "float32" ? 4 : 2;
+  // Codes at the recipe's bits plus about a quarter bit of scales and norms; tables as stored.
+  d.out_bytes = linear * blocks * (std::max(recipe.bits(), 1) * 4 + 1) / 32 +
+                c.vocab_size * h * table * (c.tie_word_embeddings ? 1 : 2);
+  return d;
+}
+
 StatusOr<JobPlan> PlanJob(const Recipe& recipe, const std::string& model_dir,
-                          const std::string& out_dir, const std::string& job_dir) {
+                          const std::string& out_dir, const std::string& job_dir,
+                          const std::string& data_root) {
   JobPlan plan;
   QCAL_ASSIGN_OR_RETURN(plan.config, LoadLlamaConfig(model_dir));
   const std::string model_real = RealPath(model_dir);
@@ -475,19 +667,48 @@ StatusOr<JobPlan> PlanJob(const Recipe& recipe, const std::string& model_dir,
   QCAL_RETURN_IF_ERROR(MakeDirs(plan.job_dir));
   QCAL_RETURN_IF_ERROR(MakeDirs(StagingDir(out_dir)));
   plan.num_blocks = plan.config.num_hidden_layers;
-  plan.recipe_hash = Fnv1aHex(recipe.ToJson().dump());
+  plan.recipe_hash = RecipeHash(recipe);
+  QCAL_ASSIGN_OR_RETURN(plan.inputs, FingerprintInputs(recipe, model_dir, data_root,
+                                                       plan.job_dir + "/inputs.json"));
   const std::string journal_path = plan.job_dir + "/journal.jsonl";
   QCAL_ASSIGN_OR_RETURN(Journal journal, Journal::Open(journal_path));
   QCAL_RETURN_IF_ERROR(EvaluateJournal(recipe, out_dir, journal.entries(), journal_path, &plan));
+  // A 70B job's Hessians alone are over a terabyte: say so before the disk fills mid-job.
+  plan.disk = EstimateDiskNeed(recipe, plan.config);
+  QCAL_LOG_INFO("disk: about {} to {} ({}), {} to {} (the quantized checkpoint)",
+                Size(static_cast<double>(plan.disk.job_bytes)), plan.job_dir,
+                plan.disk.job_detail, Size(static_cast<double>(plan.disk.out_bytes)), out_dir);
+  std::vector<std::tuple<std::string, int64_t, std::string>> checks = {
+      {plan.job_dir, plan.disk.job_bytes, plan.disk.job_detail},
+      {out_dir, plan.disk.out_bytes, "the quantized checkpoint"}};
+  struct stat job_st, out_st;
+  if (::stat(plan.job_dir.c_str(), &job_st) == 0 && ::stat(out_dir.c_str(), &out_st) == 0 &&
+      job_st.st_dev == out_st.st_dev) {
+    checks = {{plan.job_dir, plan.disk.job_bytes + plan.disk.out_bytes,
+               plan.disk.job_detail + ", and the quantized checkpoint in " + out_dir}};
+  }
+  for (const auto& [dir, need, what] : checks) {
+    const int64_t free = FreeBytes(dir);
+    if (free < 0 || need <= free) continue;
+    std::string note = absl::StrCat(
+        dir, ": this job writes about ", Size(static_cast<double>(need)), " here (", what,
+        ") but ", Size(static_cast<double>(free)), " are free on its filesystem; it will stop "
+        "when the disk is full (finished work is kept, and a rerun after freeing space resumes)");
+    QCAL_LOG_WARN("{}", note);
+    plan.notes.push_back(std::move(note));
+  }
   return plan;
 }
 
-nlohmann::json JobStartEntry(const Recipe& recipe, const std::string& recipe_hash,
-                             const std::string& model_dir) {
+nlohmann::json JobStartEntry(const Recipe& recipe, const JobPlan& plan,
+                             const std::string& model_dir, const std::string& out_dir) {
   return {{"event", "job_start"},
           {"recipe", recipe.name},
-          {"recipe_hash", recipe_hash},
-          {"model", RealPath(model_dir)}};
+          {"recipe_hash", plan.recipe_hash},
+          {"model", RealPath(model_dir)},
+          {"out", RealPath(out_dir)},
+          {"inputs_key", plan.inputs.key},
+          {"inputs", plan.inputs.FilesJson()}};
 }
 
 // ---- Checkpoint files
@@ -661,9 +882,14 @@ StatusOr<nlohmann::json> FinalizeJob(const Recipe& recipe, const std::string& mo
   JobPlan plan;
   QCAL_ASSIGN_OR_RETURN(plan.config, LoadLlamaConfig(model_dir));
   plan.num_blocks = plan.config.num_hidden_layers;
-  plan.recipe_hash = Fnv1aHex(recipe.ToJson().dump());
+  plan.recipe_hash = RecipeHash(recipe);
+  // The finishing driver journaled the last job_start: its blocks are the ones of these inputs.
+  for (const nlohmann::json& e : journal->entries()) {
+    if (e.value("event", "") == "job_start") plan.inputs.key = e.value("inputs_key", "");
+  }
   QCAL_RETURN_IF_ERROR(
-      EvaluateJournal(recipe, out_dir, journal->entries(), journal->path(), &plan));
+      EvaluateJournal(recipe, out_dir, journal->entries(), journal->path(), &plan,
+                      /*report=*/false));
   const std::vector<int64_t> pending = plan.pending_blocks();
   if (!pending.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(

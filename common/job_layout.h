@@ -12,7 +12,9 @@
 //                                        removed by finalize
 //   JOB/journal.jsonl                    append-only, fsynced: job_start, block_done, e2e_done,
 //                                        job_done (docs/formats.md)
-//   JOB/hessians/, JOB/activations/      calibration products (worker side)
+//   JOB/hessians/, JOB/activations/      calibration products (worker side), keyed by the inputs
+//   JOB/lock                             the driver's lock (JobDirLock): who drives the job
+//   JOB/inputs.json                      content hashes of the inputs (common/input_fingerprint.h)
 #pragma once
 
 #include <cstdint>
@@ -23,6 +25,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/hf_config.h"
+#include "common/input_fingerprint.h"
 #include "common/recipe.h"
 #include "common/safetensors.h"
 #include "common/status.h"
@@ -54,6 +57,38 @@ class OutputDirLock {
   explicit OutputDirLock(int fd) : fd_(fd) {}
   int fd_ = -1;
 };
+
+// One driver per job directory: an exclusive advisory lock (flock) on JOB/lock, held for the
+// life of a job by the process that drives it (`qcal quantize`, or the coordinator for a service
+// job), so two runs never interleave their journals and caches in one job directory. The file
+// names the holder (what, pid, host, since when); a second driver is refused naming it. The
+// workers of a service job write calibration products there without the lock: their driver holds
+// it. Move-only; released by the destructor (and by the holder's death).
+class JobDirLock {
+ public:
+  // Creates job_dir if missing. FailedPrecondition naming the directory and the holder when
+  // another process holds it. `holder`: what this process is ("qcal quantize --out /x").
+  static StatusOr<JobDirLock> Acquire(const std::string& job_dir, const std::string& holder);
+  JobDirLock() = default;
+  JobDirLock(JobDirLock&& other) noexcept : fd_(other.fd_) { other.fd_ = -1; }
+  JobDirLock& operator=(JobDirLock&& other) noexcept;
+  JobDirLock(const JobDirLock&) = delete;
+  JobDirLock& operator=(const JobDirLock&) = delete;
+  ~JobDirLock();
+
+ private:
+  explicit JobDirLock(int fd) : fd_(fd) {}
+  int fd_ = -1;
+};
+
+// JOB/lock.
+std::string JobDirLockPath(const std::string& job_dir);
+
+// Whether a failed job left anything worth keeping for a resume: a calibration product or
+// other file in job_dir besides its journal, lock and input hashes, or any file in out_dir
+// outside .staging. A run that fails before it produced anything removes the directories it
+// created; one that produced something (a finished Hessian, a shard) keeps them whatever failed.
+bool HoldsFinishedWork(const std::string& job_dir, const std::string& out_dir);
 
 // ---- Staged output files (fencing: only an accepted attempt changes the output directory)
 
@@ -104,11 +139,28 @@ class Journal {
   std::vector<nlohmann::json> entries_;
 };
 
+// What a job writes, roughly (bytes): calibration products into the job directory (exact for
+// Hessian files: 16 bytes per entry of an input's n(n+1)/2 triangle, 4 inputs a block (8.2 GB a
+// block, 655 GB in all at a Llama-3-70B shape); float activations and
+// sequential inputs: 4 bytes per calibration token and feature per boundary kept) and the
+// checkpoint into the output directory (codes at the recipe's bits, the float tables as stored).
+struct DiskNeed {
+  int64_t job_bytes = 0, out_bytes = 0;
+  std::string job_detail;  // "Hessians 16.4 GiB a block, activations ..."
+};
+DiskNeed EstimateDiskNeed(const Recipe& recipe, const LlamaConfig& config);
+
 // What is left to do for a job, from its journal and the shards on disk.
 struct JobPlan {
   LlamaConfig config;
   int64_t num_blocks = 0;
   std::string recipe_hash;            // Fnv1aHex(recipe.ToJson().dump())
+  // What this run's products are computed from; journal entries of runs with another key (another
+  // model, edited weights, other calibration text) are not reused.
+  InputsFingerprint inputs;
+  int64_t stale_blocks = 0;           // block_done entries of other inputs, ignored
+  std::vector<std::string> notes;     // what the plan decided that the user should hear
+  DiskNeed disk;                      // what the job will write (a note when it does not fit)
   std::string job_dir;                // resolved (default out_dir + ".job")
   std::vector<bool> block_finished;   // shard present and its checksum matches block_done
   std::map<int64_t, nlohmann::json> block_done;  // layer -> its journal entry (finished ones)
@@ -121,15 +173,22 @@ struct JobPlan {
   bool needs_calibration(const Recipe& recipe) const;
 };
 
-// Validates inputs (model config readable, output directory not inside the model directory,
-// recipe consistent with any existing journal) and reads the journal. Creates out_dir and
-// job_dir. Errors name the file and the problem. Appends nothing.
-StatusOr<JobPlan> PlanJob(const Recipe& recipe, const std::string& model_dir,
-                          const std::string& out_dir, const std::string& job_dir);
 
-// The journal's "job_start" entry for this recipe / model.
-nlohmann::json JobStartEntry(const Recipe& recipe, const std::string& recipe_hash,
-                             const std::string& model_dir);
+// Validates inputs (model config readable, output directory not inside the model directory,
+// recipe consistent with any existing journal), fingerprints the inputs (FingerprintInputs,
+// hashes cached in JOB/inputs.json) and reads the journal: a block_done or e2e_done counts only
+// under a job_start with this run's inputs key (else it is named in `notes` and redone). Creates
+// out_dir and job_dir. Errors name the file and the problem. Appends nothing. The caller holds
+// the job directory's lock (JobDirLock).
+StatusOr<JobPlan> PlanJob(const Recipe& recipe, const std::string& model_dir,
+                          const std::string& out_dir, const std::string& job_dir,
+                          const std::string& data_root);
+
+// The journal's "job_start" entry for this recipe / model / output / inputs (inputs_key and the
+// files' hashes). Finished blocks count for a later plan only under a job_start of the same
+// inputs and output directory.
+nlohmann::json JobStartEntry(const Recipe& recipe, const JobPlan& plan,
+                             const std::string& model_dir, const std::string& out_dir);
 
 // Copies the embeddings, final norm and (untied) head from the float checkpoint as stored (their
 // dtype and bytes), streamed: no table is held in memory.

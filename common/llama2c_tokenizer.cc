@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
+#include "common/utf8.h"
 #include "common/atomic_file.h"
 #include "common/tokenizer.h"
 #include "common/tokenizer_bpe.h"
@@ -139,6 +140,14 @@ StatusOr<std::unique_ptr<Tokenizer>> LoadLlama2cTokenizer(const std::string& pat
     return error(absl::StrFormat(
         "%d tokens: too few for <unk>, <s>, </s> and the 256 byte pieces (need at least %d)", n,
         kFirstByteId + 256));
+  }
+  // A piece is text (bytes have their own <0xXX> pieces): one that is not UTF-8 is damage, such
+  // as a flipped byte, that would otherwise tokenize silently differently.
+  for (int id = kFirstByteId + 256; id < n; ++id) {
+    if (!IsValidUtf8(opts.pieces[id])) {
+      return error(absl::StrFormat("token %d is not valid UTF-8 (%s): the file is damaged", id,
+                                   DescribeInvalidUtf8(opts.pieces[id])));
+    }
   }
   // run.c looks up every piece, special ones included.
   opts.mergeable.assign(n, true);

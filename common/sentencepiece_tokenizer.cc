@@ -188,6 +188,11 @@ StatusOr<std::unique_ptr<Tokenizer>> BuildSentencePieceTokenizer(const sp::Model
     if (!seen.insert(p.piece()).second) {
       return error(absl::StrFormat("piece %d '%s' is repeated", id, p.piece()));
     }
+    // Pieces are UTF-8 text (raw bytes have BYTE pieces <0xXX>): anything else is a damaged file.
+    if (!IsValidUtf8(p.piece())) {
+      return error(absl::StrFormat("piece %d is not valid UTF-8 (%s): the file is damaged", id,
+                                   DescribeInvalidUtf8(p.piece())));
+    }
     switch (type) {
       case sp::ModelProto::SentencePiece::NORMAL:
       case sp::ModelProto::SentencePiece::USER_DEFINED:

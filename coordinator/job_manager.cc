@@ -351,6 +351,8 @@ void JobManager::DriveUnsafe(const std::shared_ptr<JobRuntime>& rt) {
     FailLocked(*rt, std::string(plan.status().message()));
     return;
   }
+  rt->inputs_key = plan->inputs.key;
+  for (const std::string& note : plan->notes) EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG, note);
   const TaskPlan tasks = MakeTaskPlan(recipe, *plan, EvalsOf(spec));
   rt->job.set_blocks_total(tasks.num_blocks);
   rt->job.set_blocks_done(static_cast<int64_t>(tasks.resumed.size()));
@@ -564,6 +566,7 @@ StatusOr<v1::RegisterWorkerResponse> JobManager::RegisterWorker(
   response.set_worker_id(w.worker_id);
   response.set_heartbeat_interval_ms(options_.heartbeat_interval_ms);
   *response.mutable_spec() = rt->job.spec();
+  response.set_inputs_key(rt->inputs_key);
   return response;
 }
 

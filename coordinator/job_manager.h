@@ -135,6 +135,7 @@ class JobManager {
     double quantize_started_at = -1;
     int64_t blocks_done_this_run = 0;
     std::map<int64_t, v1::BlockResult> finished;  // journaled blocks (FINETUNE_E2E needs them)
+    std::string inputs_key;                        // the plan's (handed to registering workers)
     std::vector<v1::EvalParams> evals;             // the evaluation phase's tasks
     std::vector<v1::EvalResult> eval_results;      // by task index (params unset: not done)
   };

@@ -1,11 +1,16 @@
 #include "coordinator/service.h"
 
 #include <dlfcn.h>
+#include <google/protobuf/unknown_field_set.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/support/byte_buffer.h>
+
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
 #include "common/log.h"
+#include "common/utf8.h"
 #include "rpc/auth.h"
 #include "rpc/grpc_status.h"
 #include "proto/qcal.grpc.pb.h"
@@ -32,7 +37,7 @@ Status LoadReflection() {
 
 }  // namespace
 
-grpc::Status Authorize(const grpc::ServerContext& context, const std::string& token) {
+grpc::Status Authorize(const grpc::ServerContextBase& context, const std::string& token) {
   const auto& metadata = context.client_metadata();
   auto it = metadata.find("authorization");
   if (it == metadata.end()) {
@@ -55,7 +60,7 @@ namespace {
 
 // Runs `body` (returning absl::Status) after the auth check; exceptions become INTERNAL.
 template <typename Body>
-grpc::Status Guarded(const grpc::ServerContext* context, const std::string& token,
+grpc::Status Guarded(const grpc::ServerContextBase* context, const std::string& token,
                      const char* method, Body&& body) {
   grpc::Status auth = Authorize(*context, token);
   if (!auth.ok()) {
@@ -72,17 +77,83 @@ grpc::Status Guarded(const grpc::ServerContext* context, const std::string& toke
 
 }  // namespace
 
-class CoordinatorServer::JobServiceImpl final : public v1::JobService::Service {
+namespace {
+
+std::string ByteBufferToString(const grpc::ByteBuffer& buffer) {
+  std::vector<grpc::Slice> slices;
+  std::string out;
+  if (!buffer.Dump(&slices).ok()) return out;
+  for (const grpc::Slice& slice : slices) {
+    out.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+  }
+  return out;
+}
+
+std::string FindNonUtf8In(const google::protobuf::UnknownFieldSet& fields,
+                          const google::protobuf::Descriptor* descriptor, const std::string& path,
+                          int depth) {
+  using google::protobuf::FieldDescriptor;
+  using google::protobuf::UnknownField;
+  if (depth > 32) return "";
+  for (int i = 0; i < fields.field_count(); ++i) {
+    const UnknownField& f = fields.field(i);
+    const FieldDescriptor* fd = descriptor->FindFieldByNumber(f.number());
+    if (fd == nullptr || f.type() != UnknownField::TYPE_LENGTH_DELIMITED) continue;
+    const std::string name = path.empty() ? fd->name() : path + "." + fd->name();
+    if (fd->type() == FieldDescriptor::TYPE_STRING) {
+      const std::string where = DescribeInvalidUtf8(f.length_delimited());
+      if (!where.empty()) return absl::StrCat(name, " (", where, ")");
+    } else if (fd->type() == FieldDescriptor::TYPE_MESSAGE) {
+      google::protobuf::UnknownFieldSet inner;
+      if (!inner.ParseFromString(f.length_delimited())) continue;
+      std::string found = FindNonUtf8In(inner, fd->message_type(), name, depth + 1);
+      if (!found.empty()) return found;
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
+std::string FindNonUtf8Field(const std::string& bytes,
+                             const google::protobuf::Descriptor* descriptor) {
+  google::protobuf::UnknownFieldSet fields;
+  if (!fields.ParseFromString(bytes)) return "";
+  return FindNonUtf8In(fields, descriptor, "", 0);
+}
+
+// SubmitJob takes the request's raw bytes and parses them itself, so a request protobuf refuses
+// (a string field that is not UTF-8) gets INVALID_ARGUMENT naming the field after the auth check,
+// not gRPC's INTERNAL with an empty message before it. The other methods are synchronous.
+class CoordinatorServer::JobServiceImpl final
+    : public v1::JobService::WithRawCallbackMethod_SubmitJob<v1::JobService::Service> {
  public:
   JobServiceImpl(JobManager* m, std::string token) : m_(m), token_(std::move(token)) {}
 
-  grpc::Status SubmitJob(grpc::ServerContext* ctx, const v1::SubmitJobRequest* req,
-                         v1::SubmitJobResponse* resp) override {
-    return Guarded(ctx, token_, "SubmitJob", [&]() -> Status {
-      QCAL_ASSIGN_OR_RETURN(std::string id, m_->Submit(req->spec()));
-      resp->set_job_id(id);
+  grpc::ServerUnaryReactor* SubmitJob(grpc::CallbackServerContext* ctx,
+                                      const grpc::ByteBuffer* request,
+                                      grpc::ByteBuffer* response) override {
+    grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+    reactor->Finish(Guarded(ctx, token_, "SubmitJob", [&]() -> Status {
+      const std::string bytes = ByteBufferToString(*request);
+      v1::SubmitJobRequest req;
+      if (!req.ParseFromString(bytes)) {
+        const std::string field = FindNonUtf8Field(bytes, v1::SubmitJobRequest::descriptor());
+        return absl::InvalidArgumentError(
+            field.empty() ? "SubmitJob: the request is not a well-formed SubmitJobRequest"
+                          : absl::StrCat("SubmitJob: ", field, " is not valid UTF-8; every "
+                                         "string of a job spec must be"));
+      }
+      QCAL_ASSIGN_OR_RETURN(std::string id, m_->Submit(req.spec()));
+      v1::SubmitJobResponse resp;
+      resp.set_job_id(id);
+      std::string out;
+      if (!resp.SerializeToString(&out)) return absl::InternalError("SubmitJob: cannot encode");
+      grpc::Slice slice(out);
+      *response = grpc::ByteBuffer(&slice, 1);
       return absl::OkStatus();
-    });
+    }));
+    return reactor;
   }
   grpc::Status GetJob(grpc::ServerContext* ctx, const v1::GetJobRequest* req,
                       v1::Job* resp) override {

@@ -9,6 +9,7 @@
 #include <memory>
 #include <string>
 
+#include <google/protobuf/descriptor.h>
 #include <grpcpp/grpcpp.h>
 
 #include "common/status.h"
@@ -38,7 +39,14 @@ inline constexpr int kMaxStreamsPerConnection = 64;
 inline constexpr size_t kMaxTransportMemoryBytes = size_t{16} << 20;
 
 // UNAUTHENTICATED unless the call carries "authorization: Bearer <token>".
-grpc::Status Authorize(const grpc::ServerContext& context, const std::string& token);
+grpc::Status Authorize(const grpc::ServerContextBase& context, const std::string& token);
+
+// For a request that does not parse as `descriptor`'s message: the first string field (at any
+// depth) whose bytes are not UTF-8, as "spec.model_dir (byte 3 (0xff))"; empty when none is
+// (the bytes are malformed otherwise). Protobuf refuses such strings while parsing, before any
+// handler runs, and gRPC would answer INTERNAL with no message.
+std::string FindNonUtf8Field(const std::string& bytes,
+                             const google::protobuf::Descriptor* descriptor);
 
 class CoordinatorServer {
  public:

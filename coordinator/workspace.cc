@@ -2,21 +2,25 @@
 
 #include <optional>
 
+#include "absl/strings/str_cat.h"
+
 namespace qcal::coordinator {
 namespace {
 
 class DiskWorkspace : public JobWorkspace {
  public:
   StatusOr<JobPlan> Open(const Recipe& recipe, const v1::JobSpec& spec) override {
-    QCAL_ASSIGN_OR_RETURN(JobPlan plan,
-                          PlanJob(recipe, spec.model_dir(), spec.out_dir(), spec.job_dir()));
+    QCAL_ASSIGN_OR_RETURN(
+        job_lock_, JobDirLock::Acquire(JobDirOf(spec), absl::StrCat("qcal-coordinator, job for ",
+                                                                     spec.out_dir())));
+    QCAL_ASSIGN_OR_RETURN(JobPlan plan, PlanJob(recipe, spec.model_dir(), spec.out_dir(),
+                                                spec.job_dir(), spec.data_root()));
     QCAL_ASSIGN_OR_RETURN(lock_, OutputDirLock::Acquire(spec.out_dir()));
     QCAL_ASSIGN_OR_RETURN(Journal journal, Journal::Open(plan.job_dir + "/journal.jsonl"));
     journal_.emplace(std::move(journal));
     out_dir_ = spec.out_dir();
     num_blocks_ = plan.num_blocks;
-    QCAL_RETURN_IF_ERROR(
-        journal_->Append(JobStartEntry(recipe, plan.recipe_hash, spec.model_dir())));
+    QCAL_RETURN_IF_ERROR(journal_->Append(JobStartEntry(recipe, plan, spec.model_dir(), spec.out_dir())));
     return plan;
   }
 
@@ -37,7 +41,10 @@ class DiskWorkspace : public JobWorkspace {
     return journal_->Append(entry);
   }
 
-  void Close() override { lock_ = OutputDirLock(); }
+  void Close() override {
+    lock_ = OutputDirLock();
+    job_lock_ = JobDirLock();
+  }
 
   StatusOr<nlohmann::json> Finalize(const Recipe& recipe, const v1::JobSpec& spec) override {
     if (!journal_) return absl::FailedPreconditionError("the job's journal is not open");
@@ -47,6 +54,7 @@ class DiskWorkspace : public JobWorkspace {
  private:
   std::optional<Journal> journal_;
   OutputDirLock lock_;
+  JobDirLock job_lock_;
   std::string out_dir_;     // set by Open, read-only afterwards
   int64_t num_blocks_ = 0;
 };

@@ -25,12 +25,13 @@ namespace qcal::coordinator {
 class JobWorkspace {
  public:
   virtual ~JobWorkspace() = default;
-  // Validates the model and any existing journal against the recipe (PlanJob), creates the
-  // output and job directories, locks the output directory for the job's life (OutputDirLock:
-  // a `qcal quantize` or another coordinator's job on it is refused, FailedPrecondition), opens
+  // Locks the job directory for the job's life (JobDirLock: a `qcal quantize` or another
+  // coordinator's job on it is refused, naming the holder), validates the model and any existing
+  // journal against the recipe and fingerprints the inputs (PlanJob), creates the output and job
+  // directories, locks the output directory for the job's life (OutputDirLock), opens
   // JOB/journal.jsonl and appends job_start.
   virtual StatusOr<JobPlan> Open(const Recipe& recipe, const v1::JobSpec& spec) = 0;
-  // The job reached a final state: releases the output directory's lock.
+  // The job reached a final state: releases the output and job directories' locks.
   virtual void Close() {}
   // Checks a worker's block result before it is accepted: the block's shard name, staged files
   // present with the sizes claimed (nothing is read: the checksum was computed as the worker

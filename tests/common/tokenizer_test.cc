@@ -19,6 +19,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "common/atomic_file.h"
 #include "common/text.h"
 #include "common/tokenizer_bpe.h"
 #include "common/utf8.h"
@@ -708,6 +709,25 @@ std::unique_ptr<Tokenizer> LoadProto(const sp::ModelProto& m) {
   return tok.ok() ? *std::move(tok) : nullptr;
 }
 
+// A byte flipped inside a piece of the real stories260K tokenizer is refused, naming the token,
+// rather than tokenizing differently without a word.
+TEST(Llama2cTokenizerTest, FlippedByteInAPieceIsRefused) {
+  if (!FileExists(TokPath("stories260K"))) {
+    GTEST_SKIP() << "shared data not found under " << SharedDir();
+  }
+  auto bytes = ReadFile(TokPath("stories260K"));
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  ASSERT_TRUE(LoadLlama2cTokenizer(TokPath("stories260K"), 512).ok());
+  std::string damaged = *bytes;
+  damaged.back() = static_cast<char>(0xff);  // inside the last piece (token 511)
+  const std::string path = MakeTempDir("tok") + "/flipped.bin";
+  WriteAll(path, damaged);
+  const Status st = LoadLlama2cTokenizer(path, 512).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+  EXPECT_NE(st.message().find(path), std::string_view::npos) << st;
+  EXPECT_NE(st.message().find("token 511 is not valid UTF-8"), std::string_view::npos) << st;
+}
+
 TEST(SentencePieceTokenizerTest, HandWrittenModel) {
   sp::ModelProto m = TinyModel();
   auto tok = LoadProto(m);
@@ -790,6 +810,14 @@ TEST(SentencePieceTokenizerTest, MalformedModelsGiveClearErrors) {
     m.mutable_pieces(261)->set_piece("a");
     ExpectError(load("dup.model", m), absl::StatusCode::kInvalidArgument, dir + "/dup.model",
                 "piece 261 'a' is repeated");
+  }
+  {
+    // A byte flipped inside a piece: protobuf (proto2 strings) takes it, the loader must not.
+    sp::ModelProto m = TinyModel();
+    const std::string flipped = m.pieces(261).piece() + "\xff";
+    m.mutable_pieces(261)->set_piece(flipped);
+    ExpectError(load("flipped.model", m), absl::StatusCode::kInvalidArgument,
+                dir + "/flipped.model", "piece 261 is not valid UTF-8 (line 1, byte 2 (0xff))");
   }
   {
     sp::ModelProto m = TinyModel();

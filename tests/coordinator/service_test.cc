@@ -266,6 +266,47 @@ TEST_F(ServiceTest, SubmitWatchAndCancelOverTheWire) {
   EXPECT_EQ(events.back().state(), v1::JOB_STATE_CANCELLED);
 }
 
+// A string protobuf refuses to parse (not UTF-8) is INVALID_ARGUMENT naming the field, after
+// the token check, not gRPC's INTERNAL with an empty message; a good submit still works.
+TEST_F(ServiceTest, SubmitJobWithNonUtf8StringsNamesTheField) {
+  v1::SubmitJobRequest req;
+  *req.mutable_spec() = env_.Spec(1);
+  req.mutable_spec()->set_name(std::string("job \xff\xfe", 6));
+  {
+    grpc::ClientContext ctx;  // no token: refused first, revealing nothing about the request
+    v1::SubmitJobResponse resp;
+    EXPECT_EQ(jobs_->SubmitJob(&ctx, req, &resp).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  }
+  for (const char* field : {"name", "model_dir", "recipe_yaml"}) {
+    v1::SubmitJobRequest bad;
+    *bad.mutable_spec() = env_.Spec(1);
+    const std::string broken = std::string("x\xc3(", 3);
+    if (std::string(field) == "name") bad.mutable_spec()->set_name(broken);
+    if (std::string(field) == "model_dir") bad.mutable_spec()->set_model_dir(broken);
+    if (std::string(field) == "recipe_yaml") bad.mutable_spec()->set_recipe_yaml(broken);
+    grpc::ClientContext ctx;
+    AddBearerToken(&ctx, kToken);
+    v1::SubmitJobResponse resp;
+    const grpc::Status s = jobs_->SubmitJob(&ctx, bad, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << field << ": "
+                                                                  << s.error_message();
+    EXPECT_NE(s.error_message().find(std::string("spec.") + field + " (line 1, byte 2 (0xc3))"),
+              std::string::npos)
+        << s.error_message();
+    EXPECT_NE(s.error_message().find("is not valid UTF-8"), std::string::npos)
+        << s.error_message();
+  }
+  EXPECT_EQ(FindNonUtf8Field("\x0a\x02\x08\x01", v1::SubmitJobRequest::descriptor()), "");
+  grpc::ClientContext ctx;
+  AddBearerToken(&ctx, kToken);
+  v1::SubmitJobRequest good;
+  *good.mutable_spec() = env_.Spec(1);
+  v1::SubmitJobResponse resp;
+  const grpc::Status ok = jobs_->SubmitJob(&ctx, good, &resp);
+  EXPECT_TRUE(ok.ok()) << ok.error_message();
+  EXPECT_FALSE(resp.job_id().empty());
+}
+
 TEST_F(ServiceTest, ShutdownDoesNotWaitForeverOnOpenWatchStreams) {
   grpc::ClientContext ctx;
   AddBearerToken(&ctx, kToken);

@@ -1,11 +1,15 @@
-// A small on-disk world for coordinator tests: a model directory holding a valid config.json
-// (no weights: the fakes never read them), calibration text under a data root, and a recipe.
+// A small on-disk world for coordinator tests: a model directory holding a valid config.json and a
+// model.safetensors with one small tensor per block (the fakes never read weights; the job's
+// planning hashes the file and checks every block has tensors), calibration text under a data
+// root, and a recipe.
 #pragma once
 
 #include <filesystem>
 #include <string>
+#include <vector>
 
 #include "common/atomic_file.h"
+#include "common/safetensors.h"
 #include "proto/qcal.pb.h"
 #include "tests/test_util.h"
 
@@ -40,6 +44,15 @@ struct TestEnv {
     EXPECT_TRUE(MakeDirs(e.model_dir).ok());
     EXPECT_TRUE(MakeDirs(e.data_root + "/data").ok());
     EXPECT_TRUE(WriteFileAtomic(e.model_dir + "/config.json", kTinyConfig).ok());
+    SafetensorsWriter weights;
+    static const std::vector<float> norm(64, 1.0f);
+    for (int l = 0; l < 4; ++l) {
+      EXPECT_TRUE(weights
+                      .AddF32("model.layers." + std::to_string(l) + ".input_layernorm.weight",
+                              {64}, norm.data())
+                      .ok());
+    }
+    EXPECT_TRUE(weights.Write(e.model_dir + "/model.safetensors").ok());
     EXPECT_TRUE(WriteFileAtomic(e.data_root + "/data/calib.txt", "Once upon a time.\n").ok());
     return e;
   }

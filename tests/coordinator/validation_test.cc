@@ -159,9 +159,34 @@ TEST(WorkspaceTest, TheOutputDirectoryIsLockedForTheJobsLife) {
   std::unique_ptr<JobWorkspace> ws = MakeDiskWorkspace();
   StatusOr<JobPlan> plan = ws->Open(*recipe, spec);
   ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_FALSE(plan->inputs.key.empty());
   EXPECT_FALSE(OutputDirLock::Acquire(env.out_dir).ok()) << "locked while the job runs";
+  EXPECT_FALSE(JobDirLock::Acquire(JobDirOf(spec), "test").ok()) << "the job dir too";
   ws->Close();
   EXPECT_TRUE(OutputDirLock::Acquire(env.out_dir).ok()) << "released when the job ended";
+  EXPECT_TRUE(JobDirLock::Acquire(JobDirOf(spec), "test").ok()) << "the job dir too";
+}
+
+// Issue 36: one driver per job directory, across processes: a `qcal quantize` holding the job
+// directory (another output) makes the coordinator's job fail at planning, naming the holder,
+// before it writes anything there.
+TEST(WorkspaceTest, TheJobDirectoryHasOneDriver) {
+  const testing::TestEnv env = testing::TestEnv::Make("workspace-jobdir");
+  v1::JobSpec spec = env.Spec();
+  StatusOr<Recipe> recipe = ValidateJobSpec(&spec);
+  ASSERT_TRUE(recipe.ok()) << recipe.status();
+  StatusOr<JobDirLock> held =
+      JobDirLock::Acquire(JobDirOf(spec), "qcal quantize --out " + env.root + "/other");
+  ASSERT_TRUE(held.ok()) << held.status();
+  std::unique_ptr<JobWorkspace> ws = MakeDiskWorkspace();
+  StatusOr<JobPlan> plan = ws->Open(*recipe, spec);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_TRUE(absl::IsFailedPrecondition(plan.status())) << plan.status();
+  EXPECT_NE(plan.status().message().find(JobDirOf(spec) + ": the job directory is in use by "
+                                         "qcal quantize --out " + env.root + "/other (pid "),
+            std::string::npos)
+      << plan.status();
+  EXPECT_FALSE(std::filesystem::exists(JobDirOf(spec) + "/journal.jsonl"));
 }
 
 }  // namespace

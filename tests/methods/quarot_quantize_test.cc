@@ -454,7 +454,7 @@ TEST_F(QuarotQuantizeTest, BlocksAlternatingBetweenProcessesMatchOneProcess) {
 
   job::QuantizeJobOptions split = opt;
   split.out_dir = dir + "/split";
-  ASSERT_TRUE(PlanJob(recipe, split.model_dir, split.out_dir, split.out_dir + ".job").ok());
+  ASSERT_TRUE(PlanJob(recipe, split.model_dir, split.out_dir, split.out_dir + ".job", split.data_root).ok());
   auto a = job::OpenJob(recipe, split);
   auto b = job::OpenJob(recipe, split);
   ASSERT_TRUE(a.ok()) << a.status();

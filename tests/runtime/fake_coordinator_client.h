@@ -34,7 +34,7 @@ class FakeCoordinator final : public runtime::CoordinatorClient {
       : spec_(std::move(spec)), recipe_(recipe), world_size_(world_size) {
     const std::string job_dir =
         spec_.job_dir().empty() ? spec_.out_dir() + ".job" : spec_.job_dir();
-    auto plan = PlanJob(recipe_, spec_.model_dir(), spec_.out_dir(), job_dir);
+    auto plan = PlanJob(recipe_, spec_.model_dir(), spec_.out_dir(), job_dir, spec_.data_root());
     if (!plan.ok()) {
       error_ = std::string(plan.status().message());
       return;
@@ -46,7 +46,7 @@ class FakeCoordinator final : public runtime::CoordinatorClient {
       return;
     }
     journal_.emplace(std::move(*journal));
-    (void)journal_->Append(JobStartEntry(recipe_, plan_.recipe_hash, spec_.model_dir()));
+    (void)journal_->Append(JobStartEntry(recipe_, plan_, spec_.model_dir(), spec_.out_dir()));
     calibrate_ = plan_.needs_calibration(recipe_);
     calibrate_params_ = job::CalibrateParamsFor(recipe_, plan_.all_blocks_finished());
     for (const auto& [layer, entry] : plan_.block_done) finished_[layer] = BlockResultFromEntry(entry);
@@ -107,6 +107,7 @@ class FakeCoordinator final : public runtime::CoordinatorClient {
     rank_of_[r.worker_id()] = request.rank();
     r.set_heartbeat_interval_ms(heartbeat_ms_);
     *r.mutable_spec() = spec_;
+    r.set_inputs_key(plan_.inputs.key);
     return r;
   }
 

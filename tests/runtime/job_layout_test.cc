@@ -5,6 +5,10 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <fcntl.h>
+
+#include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -14,7 +18,7 @@
 #include "common/hash.h"
 #include "common/safetensors.h"
 #include <sys/stat.h>
-#include "common/hash.h"
+#include "common/io_util.h"
 #include "methods/registry.h"
 #include "tests/test_util.h"
 
@@ -144,7 +148,7 @@ TEST(JobLayoutTest, PlanResumesIntactBlocksAndRefusesAnotherRecipe) {
   const std::string out = root + "/out";
   const Recipe recipe = TinyRecipe();
 
-  auto plan = PlanJob(recipe, model, out, "");
+  auto plan = PlanJob(recipe, model, out, "", "");
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->job_dir, out + ".job");
   EXPECT_EQ(plan->num_blocks, 2);
@@ -154,21 +158,21 @@ TEST(JobLayoutTest, PlanResumesIntactBlocksAndRefusesAnotherRecipe) {
 
   auto journal = Journal::Open(plan->job_dir + "/journal.jsonl");
   ASSERT_TRUE(journal.ok());
-  ASSERT_TRUE(journal->Append(JobStartEntry(recipe, plan->recipe_hash, model)).ok());
+  ASSERT_TRUE(journal->Append(JobStartEntry(recipe, *plan, model, out)).ok());
   const nlohmann::json b0 = WriteBlock(out, 0, 1.0f, 4.0);
   const nlohmann::json b1 = WriteBlock(out, 1, 2.0f, 4.0);
   ASSERT_TRUE(CheckBlockDoneEntry(b0, out, 2).ok());
   ASSERT_TRUE(journal->Append(b0).ok());
   ASSERT_TRUE(journal->Append(b1).ok());
 
-  plan = PlanJob(recipe, model, out, "");
+  plan = PlanJob(recipe, model, out, "", "");
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_TRUE(plan->all_blocks_finished());
   EXPECT_EQ(plan->block_done.size(), 2u);
 
   // Block 1's shard changes behind the journal's back: it is pending again.
   WriteBlock(out, 1, 3.0f, 4.0);
-  plan = PlanJob(recipe, model, out, "");
+  plan = PlanJob(recipe, model, out, "", "");
   ASSERT_TRUE(plan.ok());
   EXPECT_EQ(plan->pending_blocks(), (std::vector<int64_t>{1}));
   auto mismatch = CheckBlockDoneEntry(b1, out, 2);
@@ -178,13 +182,13 @@ TEST(JobLayoutTest, PlanResumesIntactBlocksAndRefusesAnotherRecipe) {
   wrong["layer"] = 5;
   EXPECT_EQ(CheckBlockDoneEntry(wrong, out, 2).code(), absl::StatusCode::kInvalidArgument);
 
-  auto refused = PlanJob(TinyRecipe("rtn", 3), model, out, "");
+  auto refused = PlanJob(TinyRecipe("rtn", 3), model, out, "", "");
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.status().message().find("journal.jsonl belongs to another recipe"),
             std::string::npos)
       << refused.status();
 
-  auto inside = PlanJob(recipe, model, model + "/q", "");
+  auto inside = PlanJob(recipe, model, model + "/q", "", "");
   ASSERT_FALSE(inside.ok());
   EXPECT_NE(inside.status().message().find("inside the input model directory"), std::string::npos);
 }
@@ -209,11 +213,11 @@ TEST(JobLayoutTest, FinalizeJobWritesTheCheckpointAndRefusesMissingBlocks) {
   const std::string model = MakeFloatModel(root);
   const std::string out = root + "/out";
   const Recipe recipe = TinyRecipe();
-  auto plan = PlanJob(recipe, model, out, "");
+  auto plan = PlanJob(recipe, model, out, "", "");
   ASSERT_TRUE(plan.ok()) << plan.status();
   auto journal = Journal::Open(plan->job_dir + "/journal.jsonl");
   ASSERT_TRUE(journal.ok());
-  ASSERT_TRUE(journal->Append(JobStartEntry(recipe, plan->recipe_hash, model)).ok());
+  ASSERT_TRUE(journal->Append(JobStartEntry(recipe, *plan, model, out)).ok());
   ASSERT_TRUE(journal->Append(WriteBlock(out, 0, 1.0f, 4.0)).ok());
 
   auto early = FinalizeJob(recipe, model, out, &*journal);
@@ -269,7 +273,7 @@ TEST(JobLayoutTest, StagedFilesEnterTheOutputOnlyWhenCommitted) {
   const std::string model = MakeFloatModel(root);
   const std::string out = root + "/out";
   const Recipe recipe = TinyRecipe();
-  ASSERT_TRUE(PlanJob(recipe, model, out, "").ok());
+  ASSERT_TRUE(PlanJob(recipe, model, out, "", "").ok());
   SafetensorsWriter w;
   std::vector<float> norm(8, 1.5f);
   ASSERT_TRUE(w.AddF32("model.layers.0.input_layernorm.weight", {8}, norm.data()).ok());
@@ -312,6 +316,198 @@ TEST(JobLayoutTest, StagedFilesEnterTheOutputOnlyWhenCommitted) {
   auto stale = WriteStagedFile(out, name, "block-0.a3", w);
   EXPECT_EQ(stale.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(::stat(StagingDir(out).c_str(), &st), 0);
+}
+
+}  // namespace
+}  // namespace qcal
+
+namespace qcal {
+namespace {
+
+// ContentHash fed in any pieces equals the one-shot hash; it sees every byte and the length.
+TEST(InputFingerprintTest, ContentHashIsPieceInvariantAndSensitive) {
+  std::string data(100003, '\0');
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>((i * 131 + 7) % 251);
+  ContentHash whole;
+  whole.Update(data.data(), data.size());
+  for (size_t piece : {1, 7, 31, 32, 33, 4096}) {
+    ContentHash parts;
+    for (size_t at = 0; at < data.size(); at += piece) {
+      parts.Update(data.data() + at, std::min(piece, data.size() - at));
+    }
+    EXPECT_EQ(parts.Finish(), whole.Finish()) << "piece " << piece;
+  }
+  for (size_t at : {size_t{0}, size_t{31}, size_t{50000}, data.size() - 1}) {
+    std::string changed = data;
+    changed[at] ^= 1;
+    ContentHash h;
+    h.Update(changed.data(), changed.size());
+    EXPECT_NE(h.Finish(), whole.Finish()) << "byte " << at;
+  }
+  ContentHash shorter;
+  shorter.Update(data.data(), data.size() - 1);
+  EXPECT_NE(shorter.Finish(), whole.Finish());
+  ContentHash zeros1, zeros2;
+  zeros1.Update(std::string(64, '\0').data(), 64);
+  zeros2.Update(std::string(65, '\0').data(), 65);
+  EXPECT_NE(zeros1.Finish(), zeros2.Finish());
+}
+
+// The inputs key follows the content of the model's files, not their names or sizes: an edit
+// in place that keeps the size (and even the modification time) changes it, and the journal's
+// finished blocks of the old inputs are not resumed.
+TEST(InputFingerprintTest, KeyFollowsContentAndTheJournalOnlyResumesSameInputs) {
+  const std::string root = testing::MakeTempDir("fingerprint");
+  const std::string model = MakeFloatModel(root);
+  const std::string out = root + "/out";
+  const Recipe recipe = TinyRecipe();
+  auto plan = PlanJob(recipe, model, out, "", "");
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->inputs.files.count("model/config.json"), 1u);
+  EXPECT_EQ(plan->inputs.files.count("model/model.safetensors"), 1u);
+  EXPECT_EQ(plan->inputs.files.count("model/tokenizer_config.json"), 1u);
+  EXPECT_TRUE(ReadFile(plan->job_dir + "/inputs.json").ok()) << "the hashes are cached";
+  const std::string key = plan->inputs.key;
+  {
+    auto journal = Journal::Open(plan->job_dir + "/journal.jsonl");
+    ASSERT_TRUE(journal.ok());
+    ASSERT_TRUE(journal->Append(JobStartEntry(recipe, *plan, model, out)).ok());
+    ASSERT_TRUE(journal->Append(WriteBlock(out, 0, 1.0f, 4.0)).ok());
+    ASSERT_TRUE(journal->Append(WriteBlock(out, 1, 2.0f, 4.0)).ok());
+  }
+  plan = PlanJob(recipe, model, out, "", "");
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->inputs.key, key);
+  EXPECT_TRUE(plan->all_blocks_finished());
+  EXPECT_TRUE(plan->notes.empty());
+
+  // Same size, same modification time, other bytes: the change time gives it away.
+  const std::string weights = model + "/model.safetensors";
+  struct stat before;
+  ASSERT_EQ(::stat(weights.c_str(), &before), 0);
+  auto bytes = ReadFile(weights);
+  ASSERT_TRUE(bytes.ok());
+  (*bytes)[bytes->size() - 2] ^= 0x40;  // inside the last tensor's data
+  {
+    std::fstream f(weights, std::ios::in | std::ios::out | std::ios::binary);
+    f.write(bytes->data(), static_cast<std::streamsize>(bytes->size()));
+  }
+  struct timespec times[2] = {before.st_atim, before.st_mtim};
+  ASSERT_EQ(::utimensat(AT_FDCWD, weights.c_str(), times, 0), 0);
+  plan = PlanJob(recipe, model, out, "", "");
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_NE(plan->inputs.key, key);
+  EXPECT_EQ(plan->pending_blocks(), (std::vector<int64_t>{0, 1}));
+  EXPECT_EQ(plan->stale_blocks, 2);
+  ASSERT_EQ(plan->notes.size(), 1u);
+  EXPECT_NE(plan->notes[0].find("2 finished block(s) were computed from other inputs "
+                                "(model/model.safetensors changed)"),
+            std::string::npos)
+      << plan->notes[0];
+
+  // A job_start of the new inputs: blocks journaled after it count again.
+  {
+    auto journal = Journal::Open(plan->job_dir + "/journal.jsonl");
+    ASSERT_TRUE(journal.ok());
+    ASSERT_TRUE(journal->Append(JobStartEntry(recipe, *plan, model, out)).ok());
+    ASSERT_TRUE(journal->Append(WriteBlock(out, 0, 5.0f, 4.0)).ok());
+  }
+  plan = PlanJob(recipe, model, out, "", "");
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->pending_blocks(), (std::vector<int64_t>{1}));
+
+  // Changing the bytes back restores the first key (content, not history).
+  (*bytes)[bytes->size() - 2] ^= 0x40;
+  ASSERT_TRUE(WriteFileAtomic(weights, *bytes).ok());
+  auto again = FingerprintInputs(recipe, model, "", plan->job_dir + "/inputs.json");
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->key, key);
+  // A damaged hash cache is only a cache: it is rebuilt.
+  ASSERT_TRUE(WriteFileAtomic(plan->job_dir + "/inputs.json", "{not json").ok());
+  again = FingerprintInputs(recipe, model, "", plan->job_dir + "/inputs.json");
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->key, key);
+  // Another recipe's key differs even for the same files.
+  auto other = FingerprintInputs(TinyRecipe("rtn", 3), model, "", "");
+  ASSERT_TRUE(other.ok());
+  EXPECT_NE(other->key, key);
+}
+
+// One driver per job directory: the second is refused naming the first; the lock goes with its
+// holder.
+TEST(JobDirLockTest, SecondDriverIsRefusedNamingTheHolder) {
+  const std::string dir = testing::MakeTempDir("jobdirlock") + "/job";
+  auto first = JobDirLock::Acquire(dir, "qcal quantize --out /somewhere");
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto second = JobDirLock::Acquire(dir, "qcal-coordinator, job for /elsewhere");
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition);
+  const std::string message(second.status().message());
+  EXPECT_NE(message.find(dir + ": the job directory is in use by qcal quantize --out /somewhere "
+                               "(pid " + std::to_string(::getpid()) + " on "),
+            std::string::npos)
+      << message;
+  *first = JobDirLock();  // released
+  auto third = JobDirLock::Acquire(dir, "qcal-coordinator, job for /elsewhere");
+  EXPECT_TRUE(third.ok()) << third.status();
+  auto holder = ReadFile(JobDirLockPath(dir));
+  ASSERT_TRUE(holder.ok());
+  EXPECT_EQ(holder->rfind("qcal-coordinator, job for /elsewhere (pid ", 0), 0u) << *holder;
+}
+
+TEST(JobDirLockTest, OnlyProductsCountAsFinishedWork) {
+  const std::string root = testing::MakeTempDir("finished");
+  const std::string job = root + "/job", out = root + "/out";
+  ASSERT_TRUE(MakeDirs(job + "/hessians").ok());
+  ASSERT_TRUE(MakeDirs(out + "/.staging").ok());
+  ASSERT_TRUE(WriteFileAtomic(job + "/journal.jsonl", "{}\n").ok());
+  ASSERT_TRUE(WriteFileAtomic(job + "/inputs.json", "{}").ok());
+  ASSERT_TRUE(WriteFileAtomic(job + "/lock", "x").ok());
+  ASSERT_TRUE(WriteFileAtomic(out + "/.staging/model-00001-of-00002.safetensors.a1", "x").ok());
+  EXPECT_FALSE(HoldsFinishedWork(job, out));
+  ASSERT_TRUE(WriteFileAtomic(job + "/hessians/block_0.safetensors", "x").ok());
+  EXPECT_TRUE(HoldsFinishedWork(job, out));
+  ASSERT_EQ(std::remove((job + "/hessians/block_0.safetensors").c_str()), 0);
+  ASSERT_TRUE(WriteFileAtomic(out + "/model-00001-of-00002.safetensors", "x").ok());
+  EXPECT_TRUE(HoldsFinishedWork(job, out));
+}
+
+// What a Llama-3-70B-shaped GPTQ job writes: 80 blocks of exact Hessian sums, 16 bytes per
+// triangle entry of each of the four inputs (8192, 8192, 8192, 28672 features).
+TEST(JobDirLockTest, DiskNeedAtA70BShape) {
+  LlamaConfig c;
+  c.hidden_size = 8192;
+  c.intermediate_size = 28672;
+  c.num_hidden_layers = 80;
+  c.num_attention_heads = 64;
+  c.num_key_value_heads = 8;
+  c.head_dim = 128;
+  c.vocab_size = 128256;
+  c.max_position_embeddings = 8192;
+  c.torch_dtype = "bfloat16";
+  const DiskNeed need = EstimateDiskNeed(TinyRecipe("gptq"), c);
+  int64_t per_block = 0;
+  for (int64_t n : {8192, 8192, 8192, 28672}) per_block += 16 * (n * (n + 1) / 2);
+  EXPECT_EQ(need.job_bytes, 80 * per_block);
+  EXPECT_EQ(need.job_bytes, int64_t{655016591360});
+  EXPECT_EQ(need.job_detail, "Hessians 7.6 GiB a block");
+  // 4-bit codes (+ scales) of 68.5e9 linear weights and two bf16 tables of 128256 x 8192.
+  EXPECT_GT(need.out_bytes, int64_t{35} * 1000000000);
+  EXPECT_LT(need.out_bytes, int64_t{45} * 1000000000);
+  EXPECT_EQ(EstimateDiskNeed(TinyRecipe("rtn"), c).job_bytes, 0);
+}
+
+// A full disk says how much is free and what to do, in one message for every file.
+TEST(JobDirLockTest, OutOfSpaceMessageNamesTheRoomAndTheRemedy) {
+  const Status s = io::ErrnoError(ENOSPC, "/tmp/x.safetensors", "write failed");
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(io::IsOutOfSpace(s));
+  EXPECT_NE(s.message().find("MiB free of"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("on the filesystem of /tmp"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("finished blocks and calibration products are kept"),
+            std::string::npos)
+      << s;
+  EXPECT_FALSE(io::IsOutOfSpace(io::ErrnoError(ENOENT, "/tmp/x", "open")));
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstdio>
 #include <set>
 #include <thread>
 
@@ -198,14 +199,18 @@ TEST_F(TaskLoopTest, CancellationStopsEveryRank) {
   EXPECT_FALSE(fake.finalized());
 }
 
+// The calibration text was there when the job was planned (the coordinator fingerprints it) but
+// is missing where the workers run: the calibration task fails, naming the file.
 TEST_F(TaskLoopTest, MissingCalibrationDataFailsTheTaskNamingTheFile) {
+  const std::string missing = ::qcal::testing::MakeTempDir("calib") + "/missing.txt";
   std::string yaml = kRecipe;
   yaml.replace(yaml.find("data/tinystories/TinyStories-valid.sample30k.txt"),
-               std::string("data/tinystories/TinyStories-valid.sample30k.txt").size(),
-               "data/nope/missing.txt");
+               std::string("data/tinystories/TinyStories-valid.sample30k.txt").size(), missing);
   auto recipe = ParseRecipe(yaml, "test.yaml");
   ASSERT_TRUE(recipe.ok());
+  ASSERT_TRUE(WriteFileAtomic(missing, "Once upon a time there was a text.\n").ok());
   testing::FakeCoordinator fake(Spec(yaml, "missing"), *recipe, 2);
+  ASSERT_EQ(std::remove(missing.c_str()), 0);
   auto results = RunRanks(fake, 2);
   for (int r = 0; r < 2; ++r) {
     ASSERT_TRUE(results[r].ok()) << results[r].status();

@@ -88,16 +88,10 @@ StatusOr<at::Tensor> SampleCalibrationTokens(const Tokenizer& tokenizer,
   return tokens;
 }
 
-std::string CalibrationKey(const std::string& model_dir, const LlamaConfig& config,
-                           const CalibrationSpec& spec, const std::string& data_root,
-                           int64_t seq_len) {
-  std::string canon = LlamaConfigToJson(config).dump();
-  for (const char* f : {"model.safetensors", "model.safetensors.index.json"}) {
-    absl::StrAppend(&canon, "|", f, "=", FileSize(model_dir + "/" + f));
-  }
-  for (const std::string& f : spec.files) {
-    absl::StrAppend(&canon, "|data:", f, "=", FileSize(Resolve(data_root, f)));
-  }
+std::string CalibrationKey(const std::string& inputs_key, const LlamaConfig& config,
+                           const CalibrationSpec& spec, int64_t seq_len) {
+  std::string canon = absl::StrCat("inputs=", inputs_key, "|", LlamaConfigToJson(config).dump());
+  for (const std::string& f : spec.files) absl::StrAppend(&canon, "|data:", f);
   absl::StrAppend(&canon, "|n=", spec.num_sequences, "|len=", seq_len, "|seed=", spec.seed);
   return Fnv1aHex(canon);
 }
@@ -454,8 +448,9 @@ class SharedSafetensorsFile {
 
  private:
   SharedSafetensorsFile() = default;
+  // The errno of the failed call, with the free space when the disk is full (io::ErrnoError).
   static Status Errno(const std::string& path, const char* what) {
-    return absl::InternalError(absl::StrCat(path, ": ", what, ": ", std::strerror(errno)));
+    return io::ErrnoError(errno, path, what);
   }
   std::string path_, partial_;
   SafetensorsWriter layout_;

@@ -50,11 +50,11 @@ StatusOr<at::Tensor> SampleCalibrationTokens(const Tokenizer& tokenizer,
                                              const std::string& data_root, int64_t seq_len,
                                              int32_t bos_id);
 
-// A stable key for cached calibration products: model directory identity (config + weight file
-// sizes), the data files' sizes, and the sampling settings.
-std::string CalibrationKey(const std::string& model_dir, const LlamaConfig& config,
-                           const CalibrationSpec& spec, const std::string& data_root,
-                           int64_t seq_len);
+// A stable key for cached calibration products: the job's inputs key (common/input_fingerprint.h:
+// the model's and the data's content, the recipe, the job format), the config and the sampling
+// settings. Products with another key are recomputed, never reused.
+std::string CalibrationKey(const std::string& inputs_key, const LlamaConfig& config,
+                           const CalibrationSpec& spec, int64_t seq_len);
 
 std::string HessianPath(const std::string& job_dir, int64_t block);
 // Every cache file (Hessians, activations) has a checksum beside it, "<file>.fnv1a64" (the hex

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
+#include "common/input_fingerprint.h"
 #include "common/job_layout.h"
 #include "common/log.h"
 #include "common/text.h"
@@ -285,10 +286,30 @@ StatusOr<std::unique_ptr<JobContext>> OpenJob(const Recipe& recipe,
   QCAL_ASSIGN_OR_RETURN(ctx->method, methods::MakeMethod(recipe, ctx->config));
   model::SetComputeThreads(options.threads > 0 ? options.threads
                                                : model::AutoComputeThreads(ctx->config));
-  ctx->seq_len = std::min(recipe.calibration.seq_len, ctx->config.max_position_embeddings);
-  ctx->calib_key = calib::CalibrationKey(options.model_dir, ctx->config, recipe.calibration,
-                                         ctx->options.data_root, ctx->seq_len);
+  std::string capped;
+  ctx->seq_len = CalibrationSeqLen(recipe, ctx->config, &capped);
+  if (!capped.empty()) QCAL_LOG_WARN("{}", capped);
+  if (ctx->options.inputs_key.empty()) {
+    QCAL_ASSIGN_OR_RETURN(InputsFingerprint inputs,
+                          FingerprintInputs(recipe, options.model_dir, ctx->options.data_root,
+                                            ctx->options.job_dir + "/inputs.json"));
+    ctx->options.inputs_key = inputs.key;
+  }
+  ctx->calib_key = calib::CalibrationKey(ctx->options.inputs_key, ctx->config,
+                                         recipe.calibration, ctx->seq_len);
   return ctx;
+}
+
+int64_t CalibrationSeqLen(const Recipe& recipe, const LlamaConfig& config, std::string* note) {
+  const int64_t asked = recipe.calibration.seq_len;
+  const int64_t context = config.max_position_embeddings;
+  if (asked <= context) return asked;
+  if (note) {
+    *note = absl::StrCat("calibration.seq_len ", asked, " is longer than the model's context (",
+                         "max_position_embeddings ", context, "): calibrating on sequences of ",
+                         context, " tokens");
+  }
+  return context;
 }
 
 Status EnsureCalibrationTokens(JobContext* ctx) {

@@ -53,6 +53,10 @@ struct QuantizeJobOptions {
   // GPU ranks: the NCCL all-reduce of device buffers (calib::CalibrationOptions::device_sum);
   // empty on CPU ranks and in single-process jobs.
   kernels::DeviceInt64Sum device_sum;
+  // The job's inputs key (common/input_fingerprint.h), as the job's driver planned it (`qcal
+  // quantize`'s plan, or the coordinator's, handed to the workers at registration); empty: OpenJob
+  // fingerprints the inputs itself (hashes cached in JOB/inputs.json).
+  std::string inputs_key;
 };
 
 struct JobEvent {
@@ -79,10 +83,15 @@ struct JobContext {
 };
 
 // Resolves the options (job_dir default out_dir + ".job", data_root default "../shared",
-// max_memory), opens the float model as a streamed source, makes the recipe's method and sets
-// the compute threads (options.threads, else AutoComputeThreads).
+// max_memory, inputs_key), opens the float model as a streamed source, makes the recipe's method
+// and sets the compute threads (options.threads, else AutoComputeThreads). A calibration
+// seq_len above the model's context is capped to it, with a warning (CalibrationSeqLen).
 StatusOr<std::unique_ptr<JobContext>> OpenJob(const Recipe& recipe,
                                               const QuantizeJobOptions& options);
+
+// The calibration sequence length: the recipe's, capped at the model's context
+// (max_position_embeddings). When capped, *note (if given) says so and why.
+int64_t CalibrationSeqLen(const Recipe& recipe, const LlamaConfig& config, std::string* note);
 
 // Samples the calibration tokens into ctx->tokens (once).
 Status EnsureCalibrationTokens(JobContext* ctx);

@@ -36,20 +36,19 @@ std::vector<quant::LinearMetrics> MetricsOf(const v1::BlockResult& r) {
   return out;
 }
 
-// The job, once its inputs are checked and its output directory is locked. Sets *kept_work when
-// something worth keeping exists in the directories (a finished block, calibration products).
+// The job, once its inputs are checked and its job and output directories are locked.
 StatusOr<QuantizeJobResult> RunLockedJob(const Recipe& recipe, const QuantizeJobOptions& opt,
-                                         JobPlan plan, const JobEventFn& on_event,
-                                         bool* kept_work) {
+                                         JobPlan plan, const JobEventFn& on_event) {
   const auto t0 = Clock::now();
   auto emit = [&](const std::string& phase, int64_t done, int64_t total, std::string msg = "") {
     if (on_event) on_event(JobEvent{phase, done, total, std::move(msg)});
   };
-  *kept_work = !plan.block_done.empty();
-  QCAL_ASSIGN_OR_RETURN(std::unique_ptr<JobContext> ctx, OpenJob(recipe, opt));
+  QuantizeJobOptions with_key = opt;
+  with_key.inputs_key = plan.inputs.key;  // the steps key their caches by it
+  QCAL_ASSIGN_OR_RETURN(std::unique_ptr<JobContext> ctx, OpenJob(recipe, with_key));
   const int64_t blocks = plan.num_blocks;
   QCAL_ASSIGN_OR_RETURN(Journal journal, Journal::Open(opt.job_dir + "/journal.jsonl"));
-  QCAL_RETURN_IF_ERROR(journal.Append(JobStartEntry(recipe, plan.recipe_hash, opt.model_dir)));
+  QCAL_RETURN_IF_ERROR(journal.Append(JobStartEntry(recipe, plan, opt.model_dir, opt.out_dir)));
   QuantizeJobResult result;
   result.out_dir = opt.out_dir;
   std::map<int64_t, nlohmann::json>& done = plan.block_done;  // finished layers' entries
@@ -61,7 +60,6 @@ StatusOr<QuantizeJobResult> RunLockedJob(const Recipe& recipe, const QuantizeJob
     auto self = runtime::MakeSelfComm();
     QCAL_ASSIGN_OR_RETURN(v1::CalibrateResult calib,
                           CalibrateStep(*self, ctx.get(), params, on_event));
-    *kept_work = true;  // the calibration products are cached in the job directory
     result.calib_tokens = calib.tokens();
     result.calib_seconds = calib.seconds();
     result.hessians_from_cache = params.hessians() && calib.hessians_from_cache();
@@ -79,7 +77,6 @@ StatusOr<QuantizeJobResult> RunLockedJob(const Recipe& recipe, const QuantizeJob
       QCAL_ASSIGN_OR_RETURN(v1::BlockResult block,
                             QuantizeBlockStep(ctx.get(), l, absl::StrCat("block-", l)));
       QCAL_RETURN_IF_ERROR(CommitFiles(opt.out_dir, FilesOf(block)));
-      *kept_work = true;
       nlohmann::json entry = BlockDoneEntry(block);
       QCAL_RETURN_IF_ERROR(journal.Append(entry));
       done[l] = std::move(entry);
@@ -140,19 +137,26 @@ StatusOr<QuantizeJobResult> RunQuantizeJob(const Recipe& recipe, const QuantizeJ
   inputs.recipe_source = opt.recipe_source;
   QCAL_RETURN_IF_ERROR(CheckJobInputs(recipe, inputs).status());
 
-  // ---- Plan (creates the directories), then hold the output directory for the whole job.
+  // ---- Hold the job directory (one driver: a second run on it is refused, naming this one),
+  // plan (creates the directories; fingerprints the inputs), then hold the output directory.
   std::error_code ec;
   const bool out_existed = std::filesystem::exists(opt.out_dir, ec);
   const bool job_existed = std::filesystem::exists(opt.job_dir, ec);
-  bool kept_work = false;
+  bool locked = false;
   StatusOr<QuantizeJobResult> result = [&]() -> StatusOr<QuantizeJobResult> {
-    QCAL_ASSIGN_OR_RETURN(JobPlan plan, PlanJob(recipe, opt.model_dir, opt.out_dir, opt.job_dir));
+    QCAL_ASSIGN_OR_RETURN(
+        JobDirLock job_lock,
+        JobDirLock::Acquire(opt.job_dir, absl::StrCat("qcal quantize --out ", opt.out_dir)));
+    locked = true;
+    QCAL_ASSIGN_OR_RETURN(JobPlan plan, PlanJob(recipe, opt.model_dir, opt.out_dir, opt.job_dir,
+                                                opt.data_root));
     QCAL_ASSIGN_OR_RETURN(OutputDirLock lock, OutputDirLock::Acquire(opt.out_dir));
-    return RunLockedJob(recipe, opt, std::move(plan), on_event, &kept_work);
+    return RunLockedJob(recipe, opt, std::move(plan), on_event);
   }();
   // A job refused before it produced anything leaves nothing behind: the directories it created
-  // are removed. Finished work (blocks, cached calibration) is always kept for a resume.
-  if (!result.ok() && !kept_work) {
+  // are removed. Anything produced (a shard, a cached Hessian) is kept for a resume, whatever
+  // failed (a full disk included). A job refused for another holder's lock touches nothing.
+  if (!result.ok() && locked && !HoldsFinishedWork(opt.job_dir, opt.out_dir)) {
     if (!job_existed) std::filesystem::remove_all(opt.job_dir, ec);
     if (!out_existed) std::filesystem::remove_all(opt.out_dir, ec);
   }

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/io_util.h"
 
 namespace qcal::model {
 namespace {
@@ -21,8 +22,10 @@ int64_t Numel(const std::vector<int64_t>& shape) {
   return n;
 }
 
+// The errno of the failed call, with the free space when the disk is full (io::ErrnoError: the
+// one message every file a job writes gives).
 Status IoError(const std::string& path, const char* what) {
-  return absl::InternalError(absl::StrCat(path, ": ", what, ": ", std::strerror(errno)));
+  return io::ErrnoError(errno, path, what);
 }
 
 int64_t EnvInt(const char* name) {

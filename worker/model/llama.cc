@@ -281,6 +281,23 @@ StatusOr<at::Tensor> LoadTensorF32(CheckpointReader& ckpt, const std::string& na
   at::Tensor t = at::empty(expected_shape, at::kFloat);
   QCAL_RETURN_IF_ERROR(found.first->ReadF32Into(name, t.data_ptr<float>(),
                                                 static_cast<size_t>(t.numel())));
+  // A NaN or infinite weight poisons every Hessian and output downstream, where the message
+  // could no longer say where it came from: name the file and the tensor here.
+  const float* p = t.data_ptr<float>();
+  const int64_t n = t.numel();
+  int64_t bad = 0, first = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(p[i])) {
+      if (first < 0) first = i;
+      ++bad;
+    }
+  }
+  if (bad > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        found.first->path(), ": tensor '", name, "' has ", bad, " non-finite value(s) of ", n,
+        " (the first, element ", first, ", is ", std::isnan(p[first]) ? "NaN" : "infinite",
+        "): the checkpoint is damaged or was saved from a diverged model"));
+  }
   return t;
 }
 

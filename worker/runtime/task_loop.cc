@@ -111,6 +111,7 @@ class Worker {
     QCAL_ASSIGN_OR_RETURN(v1::RegisterWorkerResponse registered, client_.RegisterWorker(reg));
     result_.worker_id = registered.worker_id();
     spec_ = registered.spec();
+    inputs_key_ = registered.inputs_key();
     QCAL_LOG_INFO("rank {}/{}: registered as worker {} for job {}", comm_.rank(), comm_.size(),
                   result_.worker_id, options_.job_id);
     const int64_t interval_ms = registered.heartbeat_interval_ms() > 0
@@ -184,6 +185,7 @@ class Worker {
     opt.threads = options_.threads > 0 ? options_.threads : spec_.threads_per_worker();
     opt.max_memory = spec_.max_memory_bytes();
     opt.device_sum = options_.device_sum;
+    opt.inputs_key = inputs_key_;
     QCAL_ASSIGN_OR_RETURN(ctx_, job::OpenJob(recipe, opt));
     return absl::OkStatus();
   }
@@ -283,6 +285,7 @@ class Worker {
   Comm& comm_;
   const TaskLoopOptions options_;
   v1::JobSpec spec_;
+  std::string inputs_key_;  // the coordinator's plan's (RegisterWorkerResponse.inputs_key)
   std::unique_ptr<job::JobContext> ctx_;
   TaskLoopResult result_;
   std::atomic<bool> cancelled_{false};
