@@ -15,8 +15,8 @@
 
 #include "common/cpu.h"
 #include "kernels/blas_threads.h"
-#include "worker/calib/hessian.h"
-#include "worker/model/llama.h"
+#include "engine/calib/hessian.h"
+#include "engine/model/llama.h"
 
 namespace {
 

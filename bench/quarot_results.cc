@@ -1,19 +1,23 @@
-// quarot_results: QuaRot quantization in process + perplexity, one JSON line per recipe (used for
-// the QuaRot rows of docs/results.md; see scripts/quarot-results.sh). Not a test.
+// quarot_results: QuaRot quantization (a job, as `qcal quantize` runs it) + perplexity, one JSON
+// line per recipe (used for the QuaRot rows of docs/results.md; see scripts/quarot-results.sh).
+// Not a test.
 //
 //   quarot_results --model DIR --data-root ../shared --eval FILE [--eval FILE...] --ctx N
 //                  [--max-tokens N] [--save-dir DIR] [--kl] RECIPE.yaml...
 //
-// For each recipe: loads the float model, samples the recipe's calibration tokens (when
-// NeedsCalibration), runs methods::quarot::QuantizeModel, and evaluates perplexity (--bos-per-window
-// windows of ctx tokens, every text token scored) on each --eval file. With --save-dir the
-// quantized model is also written as a checkpoint (DIR/<recipe name>) that `qcal eval` loads.
+// For each recipe: runs the job (runner/quantize_job.h: the recipe's calibration, every block,
+// finalize) into DIR/<recipe name> (--save-dir; else a temporary directory, removed after), reads
+// the checkpoint back through its method and evaluates perplexity (--bos-per-window windows of
+// ctx tokens, every text token scored) on each --eval file. code_bits / stored_bits are the job's
+// (quantization_config's: per weight over all linears).
 // "float" as a recipe evaluates the float model. With --kl each evaluation also reports "kl", the
 // mean KL(float ‖ quantized) of the next-token distributions in nats per scored token
 // (tools::CompareToReference; the float model runs alongside).
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -25,12 +29,14 @@
 #include "common/recipe.h"
 #include "common/text.h"
 #include "common/tokenizer.h"
-#include "worker/calib/calibration.h"
-#include "worker/eval/perplexity.h"
-#include "methods/quarot/checkpoint.h"
-#include "methods/quarot/quarot_model.h"
+#include "common/atomic_file.h"
+#include "engine/eval/perplexity.h"
+#include "engine/qsim/rotate.h"
+#include "methods/method_factory.h"
+#include "methods/quarot/quarot_spec.h"
 #include "methods/registry.h"
-#include "worker/tools/model_compare.h"
+#include "runner/quantize_job.h"
+#include "tools/model_compare.h"
 
 namespace {
 
@@ -85,48 +91,50 @@ int main(int argc, char** argv) {
   }
   for (const std::string& path : recipes) {
     nlohmann::json out = {{"model", model_dir}};
-    auto m = model::LlamaModel::Load(model_dir);
-    if (!m.ok()) return Fail(m.status().ToString());
+    std::unique_ptr<model::LlamaModel> m;
+    std::string temp_dir;  // the job's output when --save-dir is not given
     const auto t0 = Clock::now();
     if (path == "float") {
       out["recipe"] = "float";
+      auto loaded = model::LlamaModel::Load(model_dir);
+      if (!loaded.ok()) return Fail(loaded.status().ToString());
+      m = std::move(*loaded);
     } else {
       auto recipe = qcal::LoadRecipe(path);
       if (!recipe.ok()) return Fail(recipe.status().ToString());
       out["recipe"] = recipe->name;
-      at::Tensor calib;
-      if (methods::quarot::NeedsCalibration(*recipe)) {
-        const int64_t seq_len = std::min(recipe->calibration.seq_len,
-                                         probe.max_position_embeddings);
-        auto c = calib::SampleCalibrationTokens(**tokenizer, recipe->calibration, data_root,
-                                                seq_len, (*tokenizer)->bos_id());
-        if (!c.ok()) return Fail(c.status().ToString());
-        calib = *c;
+      if (recipe->method != "quarot") return Fail(path + ": not a quarot recipe");
+      auto plan = qsim::PlanRotations(
+          recipe->method_config<methods::quarot::QuarotConfig>().rotation, probe);
+      if (!plan.ok()) return Fail(path + ": " + plan.status().ToString());
+      out["rotations"] = plan->Describe();
+      job::QuantizeJobOptions opt;
+      opt.model_dir = model_dir;
+      opt.data_root = data_root;
+      opt.calib_batch = 8;
+      if (save_dir.empty()) {
+        char tmpl[] = "/tmp/quarot_results.XXXXXX";
+        if (::mkdtemp(tmpl) == nullptr) return Fail("cannot make a temporary directory");
+        temp_dir = tmpl;
+        opt.out_dir = temp_dir + "/out";
+      } else {
+        opt.out_dir = save_dir + "/" + recipe->name;
+        opt.job_dir = save_dir + "/" + recipe->name + ".job";
       }
-      auto report = methods::quarot::QuantizeModel(**m, *recipe, calib, 8);
-      if (!report.ok()) return Fail(path + ": " + report.status().ToString());
-      out["rotations"] = report->plan.Describe();
-      double code = 0, stored = 0, n = 0;
-      for (const auto& b : report->blocks) {
+      auto result = job::RunQuantizeJob(*recipe, opt);
+      if (!result.ok()) return Fail(path + ": " + result.status().ToString());
+      for (const job::BlockSummary& b : result->blocks) {
         nlohmann::json rel;
         for (const auto& l : b.linears) rel[l.name] = l.relative;
         out["relative_proxy_loss"].push_back(rel);
-        for (const auto& l : b.linears) {
-          code += l.code_bits;
-          stored += l.stored_bits;
-          n += 1;
-        }
       }
-      out["code_bits"] = n > 0 ? code / n : 32.0;
-      out["stored_bits"] = n > 0 ? stored / n : 32.0;
+      out["code_bits"] = result->code_bits;
+      out["stored_bits"] = result->stored_bits;
       out["quantize_s"] = Since(t0);
-      if (!save_dir.empty()) {
-        const Status s = methods::quarot::SaveQuarotCheckpoint(**m, *recipe, model_dir,
-                                                      save_dir + "/" + recipe->name,
-                                                      out["code_bits"], out["stored_bits"]);
-        if (!s.ok()) return Fail(s.ToString());
-        out["saved"] = save_dir + "/" + recipe->name;
-      }
+      if (!save_dir.empty()) out["saved"] = opt.out_dir;
+      auto loaded = methods::LoadModel(opt.out_dir);
+      if (!loaded.ok()) return Fail(loaded.status().ToString());
+      m = std::move(*loaded);
     }
     for (size_t i = 0; i < evals.size(); ++i) {
       eval::PerplexityOptions opt;
@@ -136,7 +144,7 @@ int main(int argc, char** argv) {
       opt.bos_id = (*tokenizer)->bos_id();
       const auto t1 = Clock::now();
       if (kl) {
-        auto c = tools::CompareToReference(*reference, **m, eval_tokens[i], opt);
+        auto c = tools::CompareToReference(*reference, *m, eval_tokens[i], opt);
         if (!c.ok()) return Fail(c.status().ToString());
         out["eval"].push_back({{"data", evals[i]},
                                {"perplexity", c->ppl_model},
@@ -145,7 +153,7 @@ int main(int argc, char** argv) {
                                {"seconds", Since(t1)}});
         continue;
       }
-      auto r = eval::EvaluatePerplexity(**m, eval_tokens[i], opt);
+      auto r = eval::EvaluatePerplexity(*m, eval_tokens[i], opt);
       if (!r.ok()) return Fail(r.status().ToString());
       out["eval"].push_back({{"data", evals[i]},
                              {"perplexity", r->perplexity},
@@ -154,6 +162,10 @@ int main(int argc, char** argv) {
     }
     std::printf("%s\n", out.dump().c_str());
     std::fflush(stdout);
+    if (!temp_dir.empty()) {
+      std::error_code ec;
+      std::filesystem::remove_all(temp_dir, ec);
+    }
   }
   return 0;
 }

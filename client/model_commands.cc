@@ -13,12 +13,12 @@
 #include "common/log.h"
 #include "common/text.h"
 #include "common/tokenizer.h"
-#include "worker/eval/perplexity.h"
-#include "worker/export/export.h"
-#include "worker/model/llama.h"
+#include "engine/eval/perplexity.h"
+#include "export/export.h"
+#include "engine/model/llama.h"
 #include "common/cli.h"
-#include "methods/worker_registry.h"
-#include "worker/tools/model_compare.h"
+#include "methods/method_factory.h"
+#include "tools/model_compare.h"
 
 namespace qcal::client {
 namespace {

@@ -12,7 +12,7 @@
 #include "common/log.h"
 #include "kernels/device_select.h"
 #include "methods/registry.h"
-#include "worker/job/quantize_job.h"
+#include "runner/quantize_job.h"
 
 namespace qcal::client {
 namespace {

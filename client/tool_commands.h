@@ -1,10 +1,10 @@
 // `qcal tool ...`: developer tools that work on a model directory in this process.
 //   plant-outliers  function-preserving variant with planted activation outliers
-//                   (worker/tools/plant_outliers.h)
+//                   (tools/plant_outliers.h)
 //   outlier-stats   max/median channel ratios of the down_proj input, o_proj input and K
-//                   (worker/tools/outlier_stats.h)
+//                   (tools/outlier_stats.h)
 //   kv-eval         perplexity with a BFP K cache (BFP12 keys, BFP16 queries), with or without
-//                   K-sort (worker/qsim/bfp_kv.h, ksort.h)
+//                   K-sort (engine/qsim/bfp_kv.h, ksort.h)
 // Each Run* returns the process exit code.
 #pragma once
 

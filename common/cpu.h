@@ -13,7 +13,7 @@ namespace qcal {
 // Number of CPUs in this process's affinity mask (what mpirun's or Slurm's binding leaves it),
 // at least 1; std::thread::hardware_concurrency() counts every online CPU instead, so a rank
 // bound to one core would start as many threads as the machine has. Used only to size thread
-// pools: no numeric result depends on it (docs/architecture.md, "Determinism").
+// pools: no numeric result depends on it (docs/algorithms.md, "Determinism").
 int AvailableCpus();
 
 // OpenBLAS (a DYNAMIC_ARCH build, as Debian's) picks its kernels by the CPU when it loads. A CPU

@@ -1,5 +1,5 @@
 // The job directory and the quantized checkpoint layout, free of LibTorch so that both the
-// single-process `qcal quantize` (worker/quant/quantize_job) and the coordinator (which plans,
+// single-process `qcal quantize` (engine/quant/quantize_job) and the coordinator (which plans,
 // journals and finalizes service jobs) share one implementation — the service writes exactly
 // the files the single-process path writes.
 //

@@ -7,7 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/log.h"
-#include "coordinator/planner.h"
+#include "common/task_plan.h"
 #include "coordinator/validation.h"
 #include "rpc/job_state.h"
 
@@ -40,7 +40,7 @@ JobManager::JobManager(ManagerOptions options, const Clock* clock, Launcher* lau
       launcher_(launcher),
       workspaces_(std::move(workspaces)),
       store_(std::move(store)),
-      registry_(clock, options_.heartbeat_timeout_s) {}
+      workers_(clock, options_.heartbeat_timeout_s) {}
 
 JobManager::~JobManager() { Shutdown(); }
 
@@ -207,7 +207,11 @@ void JobManager::SetStateLocked(JobRuntime& rt, v1::JobState state, const std::s
   rt.job.set_state(state);
   if (!error.empty()) rt.job.set_error(error);
   if (IsFinalState(state)) {
-    if (rt.workspace) rt.workspace->Close();  // the output directory is free for the next job
+    if (rt.workspace) {
+      // The output directory is free for the next job, once a commit in flight has finished.
+      std::lock_guard<std::mutex> file_lock(rt.files_mu);
+      rt.workspace->Close();
+    }
     rt.ended_at = clock_->MonotonicSeconds();
     rt.job.set_eta_seconds(state == v1::JOB_STATE_SUCCEEDED ? 0 : -1);
     QCAL_LOG_INFO("job {}: {}{}{}", rt.job.id(), JobStateName(state), error.empty() ? "" : ": ",
@@ -262,10 +266,10 @@ v1::Task JobManager::ShutdownTask(const JobRuntime& rt) const {
 
 StatusOr<std::pair<WorkerInfo, std::shared_ptr<JobManager::JobRuntime>>>
 JobManager::WorkerAndJobLocked(const std::string& worker_id) {
-  QCAL_ASSIGN_OR_RETURN(WorkerInfo w, registry_.Touch(worker_id));
+  QCAL_ASSIGN_OR_RETURN(WorkerInfo w, workers_.Touch(worker_id));
   std::shared_ptr<JobRuntime> rt = FindLocked(w.job_id);
   if (!rt) return absl::NotFoundError(absl::StrCat("unknown job '", w.job_id, "'"));
-  rt->job.set_workers_alive(registry_.AliveCount(w.job_id));
+  rt->job.set_workers_alive(workers_.AliveCount(w.job_id));
   return std::make_pair(w, rt);
 }
 
@@ -293,7 +297,7 @@ void JobManager::GroupDiedLocked(JobRuntime& rt, const std::string& how) {
       absl::StrCat("the worker processes exited before the job finished (", rt.group->Describe(),
                    ": ", how, ")");
   const std::string tail = rt.group->LogTail(20);
-  registry_.RemoveJob(rt.job.id());
+  workers_.RemoveJob(rt.job.id());
   rt.job.set_workers_alive(0);
   if (shutting_down_) {  // the group was stopped with the coordinator: the job stays resumable
     rt.group.reset();
@@ -557,8 +561,8 @@ StatusOr<v1::RegisterWorkerResponse> JobManager::RegisterWorker(
         "job ", request.job_id(), " runs ", rt->job.spec().workers(),
         " rank(s) but this worker is in a world of ", request.world_size()));
   }
-  QCAL_ASSIGN_OR_RETURN(WorkerInfo w, registry_.Register(request));
-  rt->job.set_workers_alive(registry_.AliveCount(w.job_id));
+  QCAL_ASSIGN_OR_RETURN(WorkerInfo w, workers_.Register(request));
+  rt->job.set_workers_alive(workers_.AliveCount(w.job_id));
   EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG,
              absl::StrCat("rank ", w.rank, " registered: ", w.worker_id, ", pid ", w.pid, " on ",
                           w.hostname, w.device.empty() ? "" : ", " + w.device));
@@ -624,74 +628,137 @@ StatusOr<bool> JobManager::ReportProgress(const v1::ReportProgressRequest& reque
   return stop;
 }
 
-Status JobManager::CompleteTask(const v1::CompleteTaskRequest& request) {
-  Lock lock(mu_);
-  QCAL_ASSIGN_OR_RETURN(auto wj, WorkerAndJobLocked(request.worker_id()));
-  const WorkerInfo w = wj.first;
-  const std::shared_ptr<JobRuntime> rt = wj.second;
-  if (IsFinalState(rt->job.state()) || !rt->scheduler) return absl::OkStatus();  // nothing to record
+namespace {
 
-  const std::string& task_id = request.task_id();
-  const StatusOr<JobScheduler::TaskInfo> info = rt->scheduler->Lookup(task_id);
-  if (!info.ok()) return info.status();
-  // A superseded attempt whose work another attempt finished: its files are never committed.
-  if (info->done) {
-    QCAL_RETURN_IF_ERROR(rt->scheduler->Complete(w.worker_id, w.rank, task_id).status());
-    EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG,
-               absl::StrCat("rank ", w.rank, " also completed ", task_id, " (ignored)"));
-    return absl::OkStatus();
-  }
-  // Check the typed result against the task before accepting it; a bad result counts as a
-  // failed attempt (the work returns to the queue).
-  Status valid = absl::OkStatus();
-  std::vector<v1::WrittenFile> files;
-  switch (info->kind) {
+// The work a task stands for, whatever its attempt: two attempts of one block share it.
+std::string WorkKey(const JobScheduler::TaskInfo& info) {
+  return absl::StrCat(static_cast<int>(info.kind), ":", info.index);
+}
+
+// A worker's result checked against its task's kind and index (no I/O); the staged files it
+// names, when it has any.
+Status CheckResultShape(const v1::CompleteTaskRequest& request, const JobScheduler::TaskInfo& info,
+                        std::vector<v1::WrittenFile>* files) {
+  switch (info.kind) {
     case v1::TASK_KIND_CALIBRATE:
-      if (!request.has_calibrate()) valid = absl::InvalidArgumentError("no calibration result");
-      break;
+      if (!request.has_calibrate()) return absl::InvalidArgumentError("no calibration result");
+      return absl::OkStatus();
     case v1::TASK_KIND_QUANTIZE_BLOCK:
-      if (!request.has_block()) {
-        valid = absl::InvalidArgumentError("no block result");
-      } else if (request.block().layer() != info->index) {
-        valid = absl::InvalidArgumentError(absl::StrCat(
-            "the result is for block ", request.block().layer(), ", not ", info->index));
-      } else {
-        valid = rt->workspace->CheckBlock(request.block());
-        files = FilesOf(request.block());
+      if (!request.has_block()) return absl::InvalidArgumentError("no block result");
+      if (request.block().layer() != info.index) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "the result is for block ", request.block().layer(), ", not ", info.index));
       }
-      break;
+      *files = FilesOf(request.block());
+      return absl::OkStatus();
     case v1::TASK_KIND_FINETUNE_E2E:
-      if (!request.has_finetune()) {
-        valid = absl::InvalidArgumentError("no fine-tuning result");
-      } else {
-        files.assign(request.finetune().shards().begin(), request.finetune().shards().end());
-        valid = rt->workspace->CheckFiles(files);
-      }
-      break;
+      if (!request.has_finetune()) return absl::InvalidArgumentError("no fine-tuning result");
+      files->assign(request.finetune().shards().begin(), request.finetune().shards().end());
+      return absl::OkStatus();
     case v1::TASK_KIND_EVALUATE:
-      if (!request.has_eval()) valid = absl::InvalidArgumentError("no evaluation result");
-      break;
+      if (!request.has_eval()) return absl::InvalidArgumentError("no evaluation result");
+      return absl::OkStatus();
     default:
-      valid = absl::InvalidArgumentError("unknown task kind");
+      return absl::InvalidArgumentError("unknown task kind");
   }
-  if (!valid.ok()) {
-    const std::string msg = absl::StrCat("invalid result for ", task_id, ": ", valid.message());
-    StatusOr<std::vector<JobScheduler::Requeue>> requeues =
-        rt->scheduler->Fail(w.worker_id, w.rank, task_id, msg, /*retryable=*/true);
-    if (requeues.ok()) {
-      WarnRequeuesLocked(*rt, *requeues, absl::StrCat("rank ", w.rank, " returned an ", msg));
+}
+
+}  // namespace
+
+Status JobManager::RejectResultLocked(JobRuntime& rt, const WorkerInfo& w,
+                                      const std::string& task_id, const Status& why) {
+  const std::string msg = absl::StrCat("invalid result for ", task_id, ": ", why.message());
+  StatusOr<std::vector<JobScheduler::Requeue>> requeues =
+      rt.scheduler->Fail(w.worker_id, w.rank, task_id, msg, /*retryable=*/true);
+  if (requeues.ok()) {
+    WarnRequeuesLocked(rt, *requeues, absl::StrCat("rank ", w.rank, " returned an ", msg));
+  }
+  ApplySchedulerErrorLocked(rt);
+  return absl::InvalidArgumentError(msg);
+}
+
+// In three steps, so that no file work happens under the manager's lock:
+//   1. (locked) the worker, the task and the result's shape; the one attempt that may commit
+//      this work is chosen (JobRuntime::committing);
+//   2. (unlocked; the job's files_mu) its staged files checked, renamed into the output and
+//      journaled (block_done / e2e_done), fsynced;
+//   3. (locked) the scheduler and the job's record updated.
+// A shard is in place and journaled before the scheduler counts it, so the driver, which
+// finalizes once the scheduler has every block, never sees a block it cannot read.
+Status JobManager::CompleteTask(const v1::CompleteTaskRequest& request) {
+  const std::string& task_id = request.task_id();
+  WorkerInfo w;
+  std::shared_ptr<JobRuntime> rt;
+  std::vector<v1::WrittenFile> files;
+  std::string work;
+  {
+    Lock lock(mu_);
+    QCAL_ASSIGN_OR_RETURN(auto wj, WorkerAndJobLocked(request.worker_id()));
+    w = wj.first;
+    rt = wj.second;
+    if (IsFinalState(rt->job.state()) || !rt->scheduler) return absl::OkStatus();  // nothing to record
+
+    const StatusOr<JobScheduler::TaskInfo> info = rt->scheduler->Lookup(task_id);
+    if (!info.ok()) return info.status();
+    // A superseded attempt whose work another attempt finished: its files are never committed.
+    if (info->done) {
+      QCAL_RETURN_IF_ERROR(rt->scheduler->Complete(w.worker_id, w.rank, task_id).status());
+      EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG,
+                 absl::StrCat("rank ", w.rank, " also completed ", task_id, " (ignored)"));
+      return absl::OkStatus();
     }
-    ApplySchedulerErrorLocked(*rt);
-    return absl::InvalidArgumentError(msg);
+    // Check the typed result against the task before accepting it; a bad result counts as a
+    // failed attempt (the work returns to the queue).
+    const Status shape = CheckResultShape(request, *info, &files);
+    if (!shape.ok()) return RejectResultLocked(*rt, w, task_id, shape);
+    // A result without files (calibration, evaluation) is recorded at once.
+    if (files.empty()) return RecordCompletionLocked(rt.get(), w, request);
+    work = WorkKey(*info);
+    if (!rt->committing.insert(work).second) {
+      // Another attempt of the same work is committing its (identical) files; its completion
+      // retires this attempt too.
+      EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG,
+                 absl::StrCat("rank ", w.rank, " also completed ", task_id,
+                              " (ignored: another attempt is being committed)"));
+      return absl::OkStatus();
+    }
   }
+
   // Accept the attempt: its staged files become the output, then the journal records them.
-  if (!files.empty()) {
-    Status committed = rt->workspace->Commit(files);
-    if (!committed.ok()) {
-      FailLocked(*rt, absl::StrCat("committing ", task_id, ": ", committed.message()));
-      return committed;
+  Status valid, committed, appended;
+  {
+    std::lock_guard<std::mutex> file_lock(rt->files_mu);
+    valid = request.has_block() ? rt->workspace->CheckBlock(request.block())
+                                : rt->workspace->CheckFiles(files);
+    if (valid.ok()) committed = rt->workspace->Commit(files);
+    if (valid.ok() && committed.ok()) {
+      appended = rt->workspace->Append(request.has_block() ? BlockDoneEntry(request.block())
+                                                           : E2eDoneEntry(request.finetune()));
     }
   }
+  Lock lock(mu_);
+  if (!valid.ok()) {
+    rt->committing.erase(work);
+    if (IsFinalState(rt->job.state())) return absl::OkStatus();
+    return RejectResultLocked(*rt, w, task_id, valid);
+  }
+  if (!committed.ok()) {
+    FailLocked(*rt, absl::StrCat("committing ", task_id, ": ", committed.message()));
+    return committed;
+  }
+  if (!appended.ok()) {
+    FailLocked(*rt, absl::StrCat("journal: ", appended.message()));
+    return appended;
+  }
+  return RecordCompletionLocked(rt.get(), w, request);
+}
+
+Status JobManager::RecordCompletionLocked(JobRuntime* rt, const WorkerInfo& w,
+                                          const v1::CompleteTaskRequest& request) {
+  const std::string& task_id = request.task_id();
+  // The job may have ended while the files were committed: they and their journal entry are
+  // kept (a resume counts them); there is nothing more to record.
+  if (IsFinalState(rt->job.state())) return absl::OkStatus();
   QCAL_ASSIGN_OR_RETURN(JobScheduler::Completion c,
                         rt->scheduler->Complete(w.worker_id, w.rank, task_id));
   if (c.kind == v1::TASK_KIND_CALIBRATE) {
@@ -700,11 +767,6 @@ Status JobManager::CompleteTask(const v1::CompleteTaskRequest& request) {
                             rt->scheduler->calibrate_ranks_done(), " of ",
                             rt->job.spec().workers(), ")"));
   } else if (c.kind == v1::TASK_KIND_QUANTIZE_BLOCK) {
-    Status appended = rt->workspace->Append(BlockDoneEntry(request.block()));
-    if (!appended.ok()) {
-      FailLocked(*rt, absl::StrCat("journal: ", appended.message()));
-      return appended;
-    }
     rt->finished[c.block] = request.block();
     v1::BlockMetrics* b = rt->job.add_blocks();
     b->set_block(c.block);
@@ -720,11 +782,6 @@ Status JobManager::CompleteTask(const v1::CompleteTaskRequest& request) {
     *e.mutable_block() = *b;
     SaveLocked(*rt);
   } else if (c.kind == v1::TASK_KIND_FINETUNE_E2E) {
-    Status appended = rt->workspace->Append(E2eDoneEntry(request.finetune()));
-    if (!appended.ok()) {
-      FailLocked(*rt, absl::StrCat("journal: ", appended.message()));
-      return appended;
-    }
     EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG,
                absl::StrCat("end-to-end fine-tuning done by rank ", w.rank));
   } else if (c.kind == v1::TASK_KIND_EVALUATE) {
@@ -778,15 +835,15 @@ StatusOr<bool> JobManager::Heartbeat(const std::string& worker_id) {
 
 void JobManager::Tick() {
   Lock lock(mu_);
-  for (const WorkerInfo& dead : registry_.Expire()) {
+  for (const WorkerInfo& dead : workers_.Expire()) {
     std::shared_ptr<JobRuntime> rt = FindLocked(dead.job_id);
     if (!rt) continue;
-    rt->job.set_workers_alive(registry_.AliveCount(dead.job_id));
+    rt->job.set_workers_alive(workers_.AliveCount(dead.job_id));
     if (IsFinalState(rt->job.state()) || !rt->scheduler) continue;
     const std::string why =
         absl::StrCat("rank ", dead.rank, " (worker ", dead.worker_id, ", pid ", dead.pid, " on ",
                      dead.hostname, ") sent no heartbeat for ",
-                     absl::SixDigits(registry_.timeout_s()), " s");
+                     absl::SixDigits(workers_.timeout_s()), " s");
     QCAL_LOG_WARN("job {}: {}", rt->job.id(), why);
     EmitLocked(*rt, v1::JOB_EVENT_KIND_WARNING, why);
     WarnRequeuesLocked(*rt, rt->scheduler->WorkerLost(dead.worker_id, dead.rank), why);
@@ -817,7 +874,7 @@ void JobManager::Tick() {
       }
       EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG, absl::StrCat("worker processes exited: ", *exit));
       rt->group.reset();
-      registry_.RemoveJob(id);
+      workers_.RemoveJob(id);
       rt->job.set_workers_alive(0);
       continue;
     }
@@ -854,7 +911,7 @@ void JobManager::WaitForDrivers() {
 
 std::vector<WorkerInfo> JobManager::WorkersOf(const std::string& job_id) {
   Lock lock(mu_);
-  return registry_.OfJob(job_id);
+  return workers_.OfJob(job_id);
 }
 
 }  // namespace qcal::coordinator

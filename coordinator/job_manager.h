@@ -33,6 +33,7 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <set>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -45,7 +46,7 @@
 #include "coordinator/job_store.h"
 #include "coordinator/launcher.h"
 #include "coordinator/scheduler.h"
-#include "coordinator/worker_registry.h"
+#include "coordinator/worker_pool.h"
 #include "coordinator/workspace.h"
 #include "proto/qcal.pb.h"
 #include "rpc/job_state.h"
@@ -138,6 +139,12 @@ class JobManager {
     std::string inputs_key;                        // the plan's (handed to registering workers)
     std::vector<v1::EvalParams> evals;             // the evaluation phase's tasks
     std::vector<v1::EvalResult> eval_results;      // by task index (params unset: not done)
+    // Work (kind:index) whose result an attempt is committing or has committed: one attempt
+    // commits each block (CompleteTask).
+    std::set<std::string> committing;
+    // Held (never with mu_ held after it: lock order mu_, then files_mu) while a result's staged
+    // files are checked, committed and journaled, and while the workspace is closed.
+    std::mutex files_mu;
   };
   using Lock = std::unique_lock<std::mutex>;
 
@@ -156,6 +163,14 @@ class JobManager {
   void WarnRequeuesLocked(JobRuntime& rt, const std::vector<JobScheduler::Requeue>& requeues,
                           const std::string& why);
   void UpdateEtaLocked(JobRuntime& rt);
+  // A worker's result that does not fit its task, or whose staged files are not there: a failed
+  // attempt (the work returns to the queue); InvalidArgument for the worker.
+  Status RejectResultLocked(JobRuntime& rt, const WorkerInfo& w, const std::string& task_id,
+                            const Status& why);
+  // The scheduler and the job's record after an accepted result (its files committed and
+  // journaled).
+  Status RecordCompletionLocked(JobRuntime* rt, const WorkerInfo& w,
+                                const v1::CompleteTaskRequest& request);
   v1::Task ShutdownTask(const JobRuntime& rt) const;
   // Stops what a previous group of the job left behind and launches rt.launch.
   Status LaunchGroupLocked(JobRuntime& rt);
@@ -170,7 +185,7 @@ class JobManager {
 
   std::mutex mu_;
   std::unique_ptr<JobStore> store_;  // guarded by mu_
-  WorkerRegistry registry_;          // guarded by mu_
+  WorkerPool workers_;          // guarded by mu_
   std::map<std::string, std::shared_ptr<JobRuntime>> jobs_;  // guarded by mu_
   std::string worker_address_;       // guarded by mu_
   bool started_ = false;             // guarded by mu_

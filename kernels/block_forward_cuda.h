@@ -1,5 +1,5 @@
 // The calibration forward of one Llama decoder block on a CUDA device (the GPU counterpart of
-// worker/model/llama.h's DecoderBlock::Forward without hooks), with each linear's input summed
+// engine/model/llama.h's DecoderBlock::Forward without hooks), with each linear's input summed
 // into exact device Hessians (kernels/hessian_cuda.h) where it is produced, so calibration
 // activations stay on the device between the block's input and its output.
 //
@@ -46,7 +46,7 @@ class BlockForwardCuda {
   BlockForwardCuda& operator=(const BlockForwardCuda&) = delete;
 
   // x, out: host fp32 [seqs, t, hidden]; cos, sin: host fp32 [t, head_dim], the RoPE tables of
-  // positions 0..t-1 (worker/model/llama.h Rope). hessians[k] (HessianKind order qkv, o, gate_up,
+  // positions 0..t-1 (engine/model/llama.h Rope). hessians[k] (HessianKind order qkv, o, gate_up,
   // down; each may be null), of dims hidden, heads·head_dim, hidden and intermediate, receive the
   // block's linear inputs. Synchronizes before returning.
   Status Forward(const float* x, int64_t seqs, int64_t t, const float* cos, const float* sin,

@@ -1,8 +1,8 @@
 // The exact fixed-point Hessian sums, defined once for host and device code.
 //
 // qcal sums Hessians H = Σ xᵀx as 128-bit integers so that the sum is independent of how the
-// sequences are split across ranks, threads or GPUs (worker/calib/hessian.h has the whole
-// contract). This header holds the pieces both the CPU path (worker/calib) and the CUDA path
+// sequences are split across ranks, threads or GPUs (engine/calib/hessian.h has the whole
+// contract). This header holds the pieces both the CPU path (engine/calib) and the CUDA path
 // (kernels/hessian_cuda.cu) must agree on bit for bit:
 //
 //  * q(p) = round(p · 2^F), F = kHessianFracBits = 50, to nearest with ties to even, for one
@@ -23,6 +23,15 @@
 #define QCAL_FIXED_HD inline
 #endif
 
+// Host code compiled by the C++ compiler on x86-64 rounds with one instruction (cvtsd2si, which
+// rounds to nearest even under the default MXCSR): the same integers as the portable steps.
+#if defined(__x86_64__) && !defined(__CUDACC__)
+#define QCAL_FIXED_X86 1
+#include <immintrin.h>
+#else
+#define QCAL_FIXED_X86 0
+#endif
+
 namespace qcal::kernels {
 
 inline constexpr int kHessianFracBits = 50;
@@ -35,9 +44,9 @@ QCAL_FIXED_HD int64_t HessianPackedSize(int64_t n) { return n * (n + 1) / 2; }
 
 // round(v · 2^50) into *out (ties to even); false when |v · 2^50| ≥ 2^123 or v is not finite.
 // Multiplying by a power of two is exact, so the only rounding is the final one; every step
-// below is exact in IEEE double, so host and device give the same integer (the CPU hot path's
-// cvtsd2si gives it too: round to nearest even of the same exact value).
-QCAL_FIXED_HD bool ToFixed128(double v, Fixed128* out) {
+// below is exact in IEEE double, so host and device give the same integer. What the device runs
+// (and host code without the x86 instruction); ToFixed128 below is the one to call.
+QCAL_FIXED_HD bool ToFixed128Portable(double v, Fixed128* out) {
   const double d = v * 0x1p50;
   const double ad = d < 0 ? -d : d;
   if (!(ad < 0x1p123)) return false;  // also NaN
@@ -65,14 +74,36 @@ QCAL_FIXED_HD bool ToFixed128(double v, Fixed128* out) {
   return true;
 }
 
+// q(v) = round(v · 2^50), ties to even: the one rounding of every Hessian entry, on the host
+// (CPU paths) and on the device. Same contract and integers as ToFixed128Portable (tested).
+QCAL_FIXED_HD bool ToFixed128(double v, Fixed128* out) {
+#if QCAL_FIXED_X86
+  const double d = v * 0x1p50;
+  const double ad = d < 0 ? -d : d;
+  if (ad < 0x1p62) {
+    *out = _mm_cvtsd_si64(_mm_set_sd(d));
+    return true;
+  }
+  if (!(ad < 0x1p123)) return false;  // also NaN
+  *out = static_cast<Fixed128>(d);    // |d| ≥ 2^62 > 2^53: already an integer, converted exactly
+  return true;
+#else
+  return ToFixed128Portable(v, out);
+#endif
+}
+
 // *acc += v; false on signed 128-bit overflow (then *acc is unspecified).
 QCAL_FIXED_HD bool AddFixed128(Fixed128* acc, Fixed128 v) {
+#if !defined(__CUDA_ARCH__)
+  return !__builtin_add_overflow(*acc, v, acc);
+#else
   const unsigned __int128 r =
       static_cast<unsigned __int128>(*acc) + static_cast<unsigned __int128>(v);
   const Fixed128 s = static_cast<Fixed128>(r);
   const bool overflow = ((*acc < 0) == (v < 0)) && ((s < 0) != (v < 0));
   *acc = s;
   return !overflow;
+#endif
 }
 
 // One value's 4 reduction digits (see the header comment).

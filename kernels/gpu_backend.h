@@ -76,7 +76,7 @@ class DeviceBlock {
  public:
   virtual ~DeviceBlock() = default;
   // x, out: host fp32 [seqs, t, hidden]; cos, sin: host fp32 [t, head_dim], the RoPE tables of
-  // positions 0..t-1. hessians[k] (worker/calib's HessianKind order: qkv, o, gate_up, down; null:
+  // positions 0..t-1. hessians[k] (engine/calib's HessianKind order: qkv, o, gate_up, down; null:
   // not collected) receive the linears' inputs, which stay on the device.
   virtual Status Forward(const float* x, int64_t seqs, int64_t t, const float* cos,
                          const float* sin, DeviceHessian* const hessians[4], float* out) = 0;

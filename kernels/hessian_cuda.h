@@ -1,5 +1,5 @@
 // Exact fixed-point Hessian accumulation on a CUDA device (the GPU counterpart of
-// worker/calib/hessian.h; the shared integer format is kernels/fixed_point.h).
+// engine/calib/hessian.h; the shared integer format is kernels/fixed_point.h).
 //
 // For each sequence X_s [t, n] on the device, P = X_sᵀ X_s is computed by cuBLAS on tensor cores
 // (bf16 inputs: every product of two bf16 values is exact in fp32, sums in fp32) or in fp32

@@ -6,8 +6,8 @@
 #include <ATen/ATen.h>
 
 #include "absl/strings/str_cat.h"
-#include "worker/model/tensor_io.h"
-#include "worker/quant/scalar_linear.h"
+#include "engine/model/tensor_io.h"
+#include "engine/quant/scalar_linear.h"
 
 namespace qcal::methods {
 

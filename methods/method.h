@@ -1,9 +1,9 @@
 // The worker side of a quantization method (LibTorch): what the job's block tasks, the
 // checkpoint readers and evaluation call, so that none of them names a method. Each method
-// implements it in methods/<name>/<name>_method.h; methods/worker_registry.h makes one from a
+// implements it in methods/<name>/<name>_method.h; methods/method_factory.h makes one from a
 // recipe.
 //
-// A job runs a method like this (worker/job/job_steps.h):
+// A job runs a method like this (runner/job_steps.h):
 //   * every float block, as it streams in from the source checkpoint, goes through
 //     PrepareBlock (the method's function-preserving transforms: QuaRot's norm fusion and
 //     rotations, K-sort); the non-block weights, in row chunks (a 128k-row table is never
@@ -30,13 +30,13 @@
 #include "common/recipe.h"
 #include "common/safetensors.h"
 #include "common/status.h"
-#include "worker/calib/hessian.h"
-#include "worker/comm/comm.h"
-#include "worker/model/llama.h"
-#include "worker/model/model_source.h"
-#include "worker/quant/block_task.h"
-#include "worker/quant/finetune.h"
-#include "worker/quant/scalar_quantize.h"
+#include "engine/calib/hessian.h"
+#include "engine/comm/comm.h"
+#include "engine/model/llama.h"
+#include "engine/model/model_source.h"
+#include "engine/quant/block_task.h"
+#include "engine/quant/finetune.h"
+#include "engine/quant/scalar_quantize.h"
 
 namespace qcal::methods {
 
@@ -47,7 +47,7 @@ using PhaseProducts = std::map<std::string, at::Tensor>;
 // What a global phase gets. Collective: every rank of `comm` runs the phase with the same
 // inputs and must return the same products.
 struct GlobalPhaseInputs {
-  runtime::Comm* comm = nullptr;
+  comm::Comm* comm = nullptr;
   model::ModelSource* source = nullptr;  // the float model, streamed (not prepared)
   const at::Tensor* tokens = nullptr;    // the calibration tokens [N, S] int64, BOS first
   int64_t batch = 8;                     // sequences per forward pass (the canonical chunks)
@@ -145,7 +145,7 @@ class Method {
   virtual Status InstallInference(model::DecoderBlock* block, int64_t layer) const;
   // Whether a checkpoint of this recipe computes exactly what its stored linears compute in a
   // plain Llama forward pass (float activations and KV cache, no online transforms), so that its
-  // weights can be exported to formats inference engines load (worker/export). FailedPrecondition
+  // weights can be exported to formats inference engines load (export). FailedPrecondition
   // saying what such a forward cannot express otherwise. OK by default.
   virtual Status CheckPlainForward() const;
   // Sequential methods: the outputs of finished block `layer` (as LoadBlock reads it) on its

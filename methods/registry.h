@@ -1,7 +1,7 @@
 // The registry of quantization methods, torch-free: every method's recipe description
 // (MethodSpec), and the recipe parser that knows them all. Used by the coordinator (validation,
 // planning, finalize), the CLI and the workers. The worker side of each method (LibTorch) is
-// listed by methods/worker_registry.h.
+// listed by methods/method_factory.h.
 //
 // The list of methods is one line in methods/CMakeLists.txt (QCAL_METHODS); the build
 // generates methods/method_list.inc from it. A method named there has a folder

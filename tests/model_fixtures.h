@@ -17,7 +17,7 @@
 #include "common/text.h"
 #include "common/tokenizer.h"
 #include "tests/test_util.h"
-#include "worker/model/llama.h"
+#include "engine/model/llama.h"
 
 namespace qcal::testing {
 

@@ -1,5 +1,5 @@
 // GPTQ (method gptq), worker side: every linear of a block rounded on its own, GPTQ on the recipe's scalar grid with the float model's Hessians (act_order: columns by descending diag H), as a
-// quant::ScalarQuantLinear (the "scalar" layer format: worker/quant/scalar_linear.h); QuIP#'s
+// quant::ScalarQuantLinear (the "scalar" layer format: engine/quant/scalar_linear.h); QuIP#'s
 // within-block fine-tuning when the recipe enables it.
 #pragma once
 

@@ -10,7 +10,7 @@
 
 #include "common/status.h"
 #include "methods/prefixquant/prefixquant_spec.h"
-#include "worker/model/llama.h"
+#include "engine/model/llama.h"
 
 namespace qcal::methods::prefixquant {
 

@@ -9,7 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "common/log.h"
 #include "methods/prefixquant/static_quant.h"
-#include "worker/qsim/outlier_tokens.h"
+#include "engine/qsim/token_outliers.h"
 
 namespace qcal::methods::prefixquant {
 namespace {
@@ -42,7 +42,7 @@ StatusOr<PhaseProducts> RunPrefixSearch(const Method& method, const PrefixquantC
   const int64_t n = tokens.size(0), s = tokens.size(1);
   const int64_t batch = std::max<int64_t>(1, in.batch);
   const int64_t chunks = (n + batch - 1) / batch;
-  const runtime::Range mine = runtime::SliceForRank(chunks, in.comm->rank(), in.comm->size());
+  const comm::Range mine = comm::SliceForRank(chunks, in.comm->rank(), in.comm->size());
   const int64_t first = std::min(n, mine.begin * batch), last = std::min(n, mine.end * batch);
   at::NoGradGuard no_grad;
   qsim::TokenOutlierReport report = qsim::NewTokenOutlierReport(layers, q.threshold);

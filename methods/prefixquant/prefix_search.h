@@ -3,7 +3,7 @@
 // prepares it (rotated), streamed one block at a time.
 //
 //   1. Data-parallel: each rank takes its canonical chunks of the calibration sequences
-//      (runtime::SliceForRank over chunks of `batch`), runs them through the prepared float blocks
+//      (comm::SliceForRank over chunks of `batch`), runs them through the prepared float blocks
 //      and measures, per layer, the token max|x| of the down_proj input before R4
 //      (qsim::AddTokenOutliers). The integer counts (outliers per layer, outlier ids) are summed
 //      over the ranks exactly, so every rank derives the same o and the same prefix
@@ -17,7 +17,7 @@
 #include "common/status.h"
 #include "methods/method.h"
 #include "methods/prefixquant/prefixquant_spec.h"
-#include "worker/qsim/rotate.h"
+#include "engine/qsim/rotate.h"
 
 namespace qcal::methods::prefixquant {
 

@@ -12,8 +12,8 @@
 #include "common/log.h"
 #include "methods/prefixquant/block_ft.h"
 #include "methods/prefixquant/static_quant.h"
-#include "worker/calib/hessian.h"
-#include "worker/model/tensor_io.h"
+#include "engine/calib/hessian.h"
+#include "engine/model/tensor_io.h"
 
 namespace qcal::methods::prefixquant {
 namespace {

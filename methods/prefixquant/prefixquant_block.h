@@ -35,9 +35,9 @@
 #include "common/safetensors.h"
 #include "common/status.h"
 #include "methods/prefixquant/prefixquant_spec.h"
-#include "worker/model/llama.h"
-#include "worker/qsim/rotate.h"
-#include "worker/quant/block_task.h"
+#include "engine/model/llama.h"
+#include "engine/qsim/rotate.h"
+#include "engine/quant/block_task.h"
 
 namespace qcal::methods::prefixquant {
 

@@ -8,8 +8,8 @@
 #include "methods/prefixquant/prefixquant_block.h"
 #include "methods/prefixquant/prefixquant_spec.h"
 #include "methods/prefixquant/static_quant.h"
-#include "worker/model/tensor_io.h"
-#include "worker/qsim/rotate.h"
+#include "engine/model/tensor_io.h"
+#include "engine/qsim/rotate.h"
 
 namespace qcal::methods::prefixquant {
 namespace {

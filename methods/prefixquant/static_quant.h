@@ -20,9 +20,9 @@
 #include <ATen/core/Tensor.h>
 
 #include "common/status.h"
-#include "worker/model/llama.h"
-#include "worker/qsim/act_quant.h"
-#include "worker/quant/scalar_linear.h"
+#include "engine/model/llama.h"
+#include "engine/qsim/act_quant.h"
+#include "engine/quant/scalar_linear.h"
 
 namespace qcal::methods::prefixquant {
 

@@ -8,10 +8,10 @@
 #include "common/atomic_file.h"
 #include "common/job_layout.h"
 #include "methods/quarot/quarot_model.h"
-#include "worker/model/tensor_io.h"
-#include "worker/qsim/act_quant.h"
-#include "worker/qsim/rotate.h"
-#include "worker/quant/scalar_linear.h"
+#include "engine/model/tensor_io.h"
+#include "engine/qsim/act_quant.h"
+#include "engine/qsim/rotate.h"
+#include "engine/quant/scalar_linear.h"
 
 namespace qcal::methods::quarot {
 namespace {
@@ -149,36 +149,6 @@ Status LoadQuarotBlockExtras(CheckpointReader& ckpt, int64_t layer, model::Block
     weights->rope_perm = t.to(at::kLong);
   }
   return Status();
-}
-
-StatusOr<std::vector<std::string>> WriteQuarotNonBlockShard(const std::string& path,
-                                                            const model::LlamaModel& model) {
-  SafetensorsWriter writer;
-  writer.SetMetadata("format", "pt");
-  QCAL_RETURN_IF_ERROR(AddF32Tensor(&writer, "model.embed_tokens.weight", model.embed_weight()));
-  QCAL_RETURN_IF_ERROR(AddF32Tensor(&writer, "model.norm.weight", model.final_norm()));
-  QCAL_RETURN_IF_ERROR(AddF32Tensor(&writer, "lm_head.weight", model.head().DenseWeight()));
-  QCAL_RETURN_IF_ERROR(writer.Write(path));
-  return std::vector<std::string>{"model.embed_tokens.weight", "model.norm.weight",
-                                  "lm_head.weight"};
-}
-
-Status SaveQuarotCheckpoint(const model::LlamaModel& model, const Recipe& recipe,
-                            const std::string& model_dir, const std::string& out_dir,
-                            double code_bits, double stored_bits) {
-  QCAL_RETURN_IF_ERROR(QuarotSettings(recipe).status());
-  QCAL_RETURN_IF_ERROR(MakeDirs(out_dir));
-  const int64_t n = model.num_blocks();
-  QCAL_RETURN_IF_ERROR(WriteQuarotNonBlockShard(out_dir + "/" + ShardName(0, n), model).status());
-  for (int64_t l = 0; l < n; ++l) {
-    QCAL_RETURN_IF_ERROR(WriteQuarotBlockShard(out_dir + "/" + ShardName(l + 1, n), l,
-                                               model.block(l).weights())
-                             .status());
-  }
-  LlamaConfig config = model.config();
-  config.tie_word_embeddings = false;  // the rotated head is stored as lm_head
-  return FinalizeCheckpoint(out_dir, model_dir, config,
-                            MakeQuantizationConfig(recipe, code_bits, stored_bits));
 }
 
 Status CheckQuarotBlock(const std::string& where, int64_t layer, const model::BlockWeights& w,

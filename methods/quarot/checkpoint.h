@@ -10,8 +10,10 @@
 //   * config.json: tie_word_embeddings false, quantization_config with method "quarot",
 //     format "scalar" and the recipe (its rotation / activations / kv_cache sections), from which
 //     a loader rebuilds the online transforms and quantizers.
-// Loading (methods/worker_registry.h LoadModel, through the method) runs the same simulated
-// W·A·KV inference as the in-memory model that was saved (bit-identical logits; tested).
+// Shard 0 is written by the job (runner/: the method's row functions over the float tables), the
+// blocks by the method's AppendBlockTensors. Loading (methods/method_factory.h LoadModel, through
+// the method) runs the same simulated W·A·KV inference as the block task's quantized block
+// (bit-identical; tested).
 #pragma once
 
 #include <memory>
@@ -22,8 +24,8 @@
 #include "common/recipe.h"
 #include "common/safetensors.h"
 #include "common/status.h"
-#include "worker/model/llama.h"
-#include "worker/qsim/rotate.h"
+#include "engine/model/llama.h"
+#include "engine/qsim/rotate.h"
 
 namespace qcal::methods::quarot {
 
@@ -37,8 +39,7 @@ Status AppendQuarotBlockTensors(int64_t layer, const model::BlockWeights& weight
                                 SafetensorsWriter* writer);
 
 // Reads block `layer` of a quarot checkpoint as stored: norms, rounded (or dense) linears without
-// any online transform, extras. Used to resume a job (SequentialCallbacks::load_finished) and by
-// the method's LoadBlock.
+// any online transform, extras. The method's LoadBlock.
 StatusOr<model::BlockWeights> LoadQuarotBlockWeights(CheckpointReader& ckpt,
                                                      const LlamaConfig& config, int64_t layer);
 
@@ -46,17 +47,6 @@ StatusOr<model::BlockWeights> LoadQuarotBlockWeights(CheckpointReader& ckpt,
 // permutation into weights->rope_perm (InvalidArgument naming the file unless every row is a
 // permutation of [0, head_dim)).
 Status LoadQuarotBlockExtras(CheckpointReader& ckpt, int64_t layer, model::BlockWeights* weights);
-
-// Shard 0 of the rotated model: embedding, final norm, lm_head (F32).
-StatusOr<std::vector<std::string>> WriteQuarotNonBlockShard(const std::string& path,
-                                                            const model::LlamaModel& model);
-
-// Saves a model produced by QuantizeModel (with the same recipe) as a checkpoint in
-// out_dir: every shard, the index, config.json and the tokenizer files of model_dir.
-// `code_bits` / `stored_bits`: the average bits per weight recorded in quantization_config.
-Status SaveQuarotCheckpoint(const model::LlamaModel& model, const Recipe& recipe,
-                            const std::string& model_dir, const std::string& out_dir,
-                            double code_bits, double stored_bits);
 
 // Checks that a block read back was made by this recipe: the rotations it records
 // (kRotationsKey) are the plan's, and it has a K-sort permutation exactly when the recipe

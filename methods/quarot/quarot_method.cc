@@ -9,7 +9,7 @@
 #include "methods/quarot/checkpoint.h"
 #include "methods/quarot/quarot_model.h"
 #include "methods/quarot/quarot_spec.h"
-#include "worker/qsim/rotate.h"
+#include "engine/qsim/rotate.h"
 
 namespace qcal::methods::quarot {
 

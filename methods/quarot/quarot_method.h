@@ -13,7 +13,7 @@
 
 #include "common/status.h"
 #include "methods/method.h"
-#include "worker/qsim/rotate.h"
+#include "engine/qsim/rotate.h"
 
 namespace qcal::methods::quarot {
 

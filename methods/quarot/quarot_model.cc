@@ -8,12 +8,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
-#include "worker/calib/hessian.h"
-#include "worker/qsim/act_quant.h"
-#include "worker/qsim/bfp_kv.h"
-#include "worker/qsim/ksort.h"
-#include "worker/qsim/kv_quantizer.h"
-#include "worker/quant/scalar_quantize.h"
+#include "engine/calib/hessian.h"
+#include "engine/qsim/act_quant.h"
+#include "engine/qsim/bfp_kv.h"
+#include "engine/qsim/ksort.h"
+#include "engine/qsim/kv_quantizer.h"
+#include "engine/quant/scalar_quantize.h"
 
 namespace qcal::methods::quarot {
 namespace {
@@ -179,11 +179,6 @@ StatusOr<const QuarotConfig*> QuarotSettings(const Recipe& recipe) {
   return q;
 }
 
-bool NeedsCalibration(const Recipe& recipe) {
-  const auto* q = dynamic_cast<const QuarotConfig*>(recipe.config.get());
-  return q != nullptr && q->sequential();
-}
-
 Status PrepareBlockWeights(model::BlockWeights& weights, const LlamaConfig& config,
                            const Recipe& recipe, const RotationPlan& plan, int64_t layer) {
   QCAL_ASSIGN_OR_RETURN(const QuarotConfig* q, QuarotSettings(recipe));
@@ -338,76 +333,6 @@ StatusOr<at::Tensor> PropagateFinishedBlock(model::DecoderBlock& block, const mo
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat("block ", layer, " forward: ", e.what()));
   }
-}
-
-StatusOr<at::Tensor> EmbedCalibrationTokens(const model::LlamaModel& model, const Recipe& recipe,
-                                            const at::Tensor& calib_tokens) {
-  if (!calib_tokens.defined() || calib_tokens.dim() != 2 || calib_tokens.size(0) < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("recipe '", recipe.name, "' needs calibration tokens [N, S]"));
-  }
-  at::NoGradGuard no_grad;
-  return model.Embed(calib_tokens);
-}
-
-StatusOr<QuarotReport> QuantizeModel(model::LlamaModel& model, const Recipe& recipe,
-                                     const at::Tensor& calib_tokens, int64_t batch,
-                                     const SequentialCallbacks& callbacks) {
-  const auto t0 = Clock::now();
-  QCAL_ASSIGN_OR_RETURN(const QuarotConfig* q, QuarotSettings(recipe));
-  if (batch < 1) return absl::InvalidArgumentError("batch must be >= 1");
-  const LlamaConfig& config = model.config();
-  QuarotReport report;
-  QCAL_ASSIGN_OR_RETURN(report.plan, PlanRotations(q->rotation, config));
-  const RotationPlan& plan = report.plan;
-  QCAL_LOG_INFO("QuaRot '{}': rotations {}{}", recipe.name, plan.Describe(),
-                q->kv_cache.k_sort ? ", K-sort" : "");
-  QCAL_RETURN_IF_ERROR(PrepareModel(model, recipe, plan));
-
-  const bool calibrate = q->sequential();
-  at::Tensor x;
-  if (calibrate) {
-    QCAL_ASSIGN_OR_RETURN(x, EmbedCalibrationTokens(model, recipe, calib_tokens));
-    report.calib_tokens = calib_tokens.numel();
-  }
-  const int64_t n = model.num_blocks();
-  for (int64_t l = 0; l < n; ++l) {
-    model::DecoderBlock& block = model.mutable_block(l);
-    std::optional<model::BlockWeights> finished;
-    if (callbacks.load_finished) {
-      QCAL_ASSIGN_OR_RETURN(finished, callbacks.load_finished(l));
-    }
-    quant::BlockTaskResult result;
-    result.layer = l;
-    const bool resumed = finished.has_value();
-    if (resumed) {
-      block.mutable_weights() = std::move(*finished);
-      if (calibrate && l + 1 < n) {
-        QCAL_ASSIGN_OR_RETURN(x, PropagateFinishedBlock(block, model.rope(), plan, l, x, batch));
-      } else {
-        QCAL_RETURN_IF_ERROR(InstallFloatOnline(block, plan, nullptr, nullptr));
-      }
-    } else {
-      QCAL_ASSIGN_OR_RETURN(result, QuantizeRotatedBlock(block, model.rope(), recipe, plan, l,
-                                                         calibrate ? &x : nullptr, batch,
-                                                         l + 1 < n));
-    }
-    if (!resumed && callbacks.on_block_done) {
-      result.weights = std::move(block.mutable_weights());
-      const Status s = callbacks.on_block_done(result);
-      block.mutable_weights() = std::move(result.weights);
-      QCAL_RETURN_IF_ERROR(s);
-    }
-    report.blocks.push_back(std::move(result));
-    report.resumed.push_back(resumed);
-    if (callbacks.progress) callbacks.progress(l + 1, n);
-  }
-  for (int64_t l = 0; l < n; ++l) {
-    QCAL_RETURN_IF_ERROR(
-        InstallQuantizedInference(model.mutable_block(l), config, l, recipe, plan));
-  }
-  report.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-  return report;
 }
 
 }  // namespace qcal::methods::quarot

@@ -1,5 +1,5 @@
 // QuaRot (QuaRot §4; method quarot recipes, jobs/README.md), block by block: rotate (stage 1,
-// worker/qsim/rotate.h), quantize the weights with RTN or GPTQ (stage 2a) — GPTQ calibrated
+// engine/qsim/rotate.h), quantize the weights with RTN or GPTQ (stage 2a) — GPTQ calibrated
 // sequentially: block l's Hessians are collected on the outputs of blocks 0..l-1 *already
 // quantized* (QuaRot's gptq_fwrd), with float activations as QuaRot calibrates —, calibrate
 // static activation / KV ranges when the recipe asks for them (same pass), and install the
@@ -8,9 +8,9 @@
 // final norm and head stay float (QuaRot keeps lm_head in FP16).
 //
 // The block functions are what the method (methods/quarot/quarot_method.h) runs in a job's block
-// tasks, one block in memory at a time; QuantizeModel runs the same functions over a whole
-// in-memory model (tests, tools), with callbacks so that a caller can persist every finished
-// block and resume (a resumed block is read back and only propagated through).
+// tasks, one block in memory at a time. A whole model is quantized by a job (runner/), as every
+// method's is; PrepareModel applies the function-preserving transforms to an in-memory model
+// (tests, references).
 //
 // Every function takes a quarot recipe (InvalidArgument otherwise). Thread-safety: the
 // functions mutate the block / model passed in; single-threaded apart from LibTorch's intra-op
@@ -28,17 +28,14 @@
 #include "common/recipe.h"
 #include "common/status.h"
 #include "methods/quarot/quarot_spec.h"
-#include "worker/model/llama.h"
-#include "worker/qsim/rotate.h"
-#include "worker/quant/block_task.h"
+#include "engine/model/llama.h"
+#include "engine/qsim/rotate.h"
+#include "engine/quant/block_task.h"
 
 namespace qcal::methods::quarot {
 
 // The recipe's QuaRot settings; InvalidArgument naming the recipe when it is another method's.
 StatusOr<const QuarotConfig*> QuarotSettings(const Recipe& recipe);
-
-// Whether the recipe needs calibration data at all (GPTQ weights or static ranges).
-bool NeedsCalibration(const Recipe& recipe);
 
 // The float transforms of one block, before it is quantized: norm fusion and R1/R2/R4's fused
 // halves (qsim::RotateBlockWeights), then, for `kv_cache.k_sort`, K-sort (Algorithm 1: W_k/W_q
@@ -69,7 +66,7 @@ Status InstallQuantizedInference(model::DecoderBlock& block, const LlamaConfig& 
 // behind an online transform T), leaves the quantized weights in the block (with the static
 // ranges in extra when the recipe is static), and, when `propagate`, replaces *x by the quantized
 // block's outputs (float activations, as QuaRot calibrates). x may be null when
-// NeedsCalibration(recipe) is false. The result's metrics are filled; its weights are empty
+// the recipe needs no calibration (QuarotConfig::sequential() false: no GPTQ, no static ranges). The result's metrics are filled; its weights are empty
 // (they are in the block).
 StatusOr<quant::BlockTaskResult> QuantizeRotatedBlock(model::DecoderBlock& block,
                                                       const model::Rope& rope,
@@ -83,36 +80,5 @@ StatusOr<quant::BlockTaskResult> QuantizeRotatedBlock(model::DecoderBlock& block
 StatusOr<at::Tensor> PropagateFinishedBlock(model::DecoderBlock& block, const model::Rope& rope,
                                             const qsim::RotationPlan& plan, int64_t layer,
                                             const at::Tensor& x, int64_t batch);
-
-// The first block's calibration inputs: the embedding of `calib_tokens` [N, S] int64 (BOS
-// first) by a prepared model. InvalidArgument for missing or malformed tokens.
-StatusOr<at::Tensor> EmbedCalibrationTokens(const model::LlamaModel& model, const Recipe& recipe,
-                                            const at::Tensor& calib_tokens);
-
-struct SequentialCallbacks {
-  // Block `layer` as a previous run finished it (read back from its shard: rounded weights,
-  // norms, extras; down_proj without its R4 wrapper is fine), or std::nullopt to quantize it.
-  std::function<StatusOr<std::optional<model::BlockWeights>>(int64_t layer)> load_finished;
-  // After block `layer` is quantized (and its static ranges are in weights.extra): persist it.
-  // `weights` holds the rounded linears (down_proj wrapped in its R4 ActQuantLinear when R4 is
-  // on; qsim::WeightCarrier gives the rounded layer).
-  std::function<Status(const quant::BlockTaskResult& result)> on_block_done;
-  std::function<void(int64_t done, int64_t total)> progress;
-};
-
-struct QuarotReport {
-  qsim::RotationPlan plan;
-  std::vector<quant::BlockTaskResult> blocks;  // metrics only (weights moved into the model)
-  std::vector<bool> resumed;
-  int64_t calib_tokens = 0;
-  double seconds = 0;
-};
-
-// The whole pipeline on `model` (loaded float, unmodified): rotate per the recipe, quantize every
-// block, calibrate, install. `calib_tokens` [N, S] int64 (BOS first) may be undefined when
-// NeedsCalibration(recipe) is false. `batch`: sequences per forward during calibration.
-StatusOr<QuarotReport> QuantizeModel(model::LlamaModel& model, const Recipe& recipe,
-                                     const at::Tensor& calib_tokens, int64_t batch,
-                                     const SequentialCallbacks& callbacks = {});
 
 }  // namespace qcal::methods::quarot

@@ -11,8 +11,8 @@
 #include "absl/strings/str_join.h"
 #include "common/dtype.h"
 #include "methods/quip/transforms_torch.h"
-#include "worker/model/llama.h"
-#include "worker/model/tensor_io.h"
+#include "engine/model/llama.h"
+#include "engine/model/tensor_io.h"
 
 namespace qcal::methods::quip {
 namespace {

@@ -35,7 +35,7 @@
 #include "kernels/codebook.h"
 #include "kernels/incoherence.h"
 #include "methods/quip/quip_linear_data.h"
-#include "worker/model/llama.h"
+#include "engine/model/llama.h"
 
 namespace qcal::methods::quip {
 

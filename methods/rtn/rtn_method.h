@@ -1,5 +1,5 @@
 // RTN (method rtn), worker side: every linear of a block rounded on its own, round to nearest on the recipe's scalar grid (no Hessian), as a
-// quant::ScalarQuantLinear (the "scalar" layer format: worker/quant/scalar_linear.h); QuIP#'s
+// quant::ScalarQuantLinear (the "scalar" layer format: engine/quant/scalar_linear.h); QuIP#'s
 // within-block fine-tuning when the recipe enables it.
 #pragma once
 

@@ -12,9 +12,9 @@
 #include "common/recipe_section.h"
 #include "common/log.h"
 #include "common/safetensors.h"
-#include "worker/calib/calibration.h"
-#include "worker/calib/hessian.h"
-#include "worker/model/tensor_io.h"
+#include "engine/calib/calibration.h"
+#include "engine/calib/hessian.h"
+#include "engine/model/tensor_io.h"
 
 namespace qcal::methods::spinquant {
 namespace {
@@ -63,7 +63,7 @@ Status AccumulateFixed(const at::Tensor& x, Fixed128* acc, const char* what) {
 }
 
 // Sums acc over the ranks in place (exact), in chunks of 2^20 values.
-Status AllReduceFixed(runtime::Comm& comm, std::vector<Fixed128>* acc) {
+Status AllReduceFixed(comm::Comm& comm, std::vector<Fixed128>* acc) {
   constexpr size_t kChunk = size_t{1} << 20;
   std::vector<int64_t> limbs;
   for (size_t b = 0; b < acc->size(); b += kChunk) {
@@ -205,12 +205,12 @@ StatusOr<State> LoadState(const std::string& path, const std::string& key, int64
 // The mean loss of rotations (r1, r2) on the sequences `tokens` [m, s] under `options`
 // (RotationGradients::Losses), sliced over the ranks and summed exactly (as a step's loss): the
 // same value on every rank, for any rank count.
-StatusOr<double> HeldOutLoss(runtime::Comm& comm, qsim::RotationGradients& grads,
+StatusOr<double> HeldOutLoss(comm::Comm& comm, qsim::RotationGradients& grads,
                              const at::Tensor& r1, const at::Tensor& r2, const at::Tensor& smooth,
                              const at::Tensor& tokens,
                              const qsim::RotationTrainingOptions& options, const char* what) {
   const int64_t m = tokens.size(0);
-  const runtime::Range mine = runtime::SliceForRank(m, comm.rank(), comm.size());
+  const comm::Range mine = comm::SliceForRank(m, comm.rank(), comm.size());
   std::vector<Fixed128> acc(1, 0);
   Status local;
   if (mine.end > mine.begin) {
@@ -239,7 +239,7 @@ double ScoreAt(const std::vector<std::pair<int64_t, double>>& scores, int64_t st
   return std::numeric_limits<double>::infinity();
 }
 
-Status BroadcastTensor(runtime::Comm& comm, at::Tensor* t) {
+Status BroadcastTensor(comm::Comm& comm, at::Tensor* t) {
   *t = t->contiguous();
   return comm.Broadcast(t->data_ptr<double>(), t->numel() * sizeof(double), 0);
 }
@@ -255,7 +255,7 @@ at::Tensor ScoresTensor(const std::vector<std::pair<int64_t, double>>& v) {
   return t;
 }
 
-StatusOr<RotationPhaseResult> TrainRotationsDataParallel(runtime::Comm& comm,
+StatusOr<RotationPhaseResult> TrainRotationsDataParallel(comm::Comm& comm,
                                                         model::ModelSource* source,
                                                         const qsim::RotationPlan& plan,
                                                         const at::Tensor& tokens,
@@ -397,7 +397,7 @@ StatusOr<RotationPhaseResult> TrainRotationsDataParallel(runtime::Comm& comm,
 
   const int64_t n1 = hid * hid, n2 = layers * d * d, n3 = layers * ns;
   const int64_t total = 1 + n1 + n2 + n3;
-  const runtime::Range mine = runtime::SliceForRank(t.batch, comm.rank(), comm.size());
+  const comm::Range mine = comm::SliceForRank(t.batch, comm.rank(), comm.size());
   std::vector<Fixed128> acc;
   int64_t taken = 0;
   try {

@@ -2,7 +2,7 @@
 // (qsim/rotation_training.h), data-parallel over the ranks of a Comm and resumable.
 //
 //   * Step t takes the `batch` calibration sequences (t·batch + i) mod N, i < batch; rank r of
-//     size P takes the contiguous slice runtime::SliceForRank(batch, r, P) of them.
+//     size P takes the contiguous slice comm::SliceForRank(batch, r, P) of them.
 //   * Each sequence's loss and gradients (block-streamed, qsim::RotationGradients) are rounded
 //     once to fixed point (2^-52) and summed as 128-bit integers, on the rank and then across
 //     ranks (Comm::AllReduceSum on 32-bit digit limbs): the step's gradient is exact and
@@ -37,10 +37,10 @@
 #include <ATen/core/Tensor.h>
 
 #include "common/status.h"
-#include "worker/comm/comm.h"
-#include "worker/model/model_source.h"
-#include "worker/qsim/rotate.h"
-#include "worker/qsim/rotation_training.h"
+#include "engine/comm/comm.h"
+#include "engine/model/model_source.h"
+#include "engine/qsim/rotate.h"
+#include "engine/qsim/rotation_training.h"
 
 namespace qcal::methods::spinquant {
 
@@ -92,7 +92,7 @@ struct RotationPhaseResult {
 at::Tensor ScoresTensor(const std::vector<std::pair<int64_t, double>>& scores);
 
 // Collective over `comm`: every rank passes the same tokens [N, S] and options.
-StatusOr<RotationPhaseResult> TrainRotationsDataParallel(runtime::Comm& comm,
+StatusOr<RotationPhaseResult> TrainRotationsDataParallel(comm::Comm& comm,
                                                         model::ModelSource* source,
                                                         const qsim::RotationPlan& plan,
                                                         const at::Tensor& tokens,

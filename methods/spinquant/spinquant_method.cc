@@ -8,9 +8,9 @@
 #include "methods/quarot/quarot_method.h"
 #include "methods/spinquant/rotation_phase.h"
 #include "methods/spinquant/spinquant_spec.h"
-#include "worker/qsim/act_quant.h"
-#include "worker/quant/scalar_quantize.h"
-#include "worker/qsim/kv_quantizer.h"
+#include "engine/qsim/act_quant.h"
+#include "engine/quant/scalar_quantize.h"
+#include "engine/qsim/kv_quantizer.h"
 
 namespace qcal::methods::spinquant {
 namespace {

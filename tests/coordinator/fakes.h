@@ -3,6 +3,7 @@
 #pragma once
 
 #include <atomic>
+#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -159,6 +160,9 @@ struct FakeWorkspaceState {
   Status finalize_error = absl::OkStatus();
   Status check_error = absl::OkStatus();  // CheckBlock's / CheckFiles' answer
   std::vector<std::string> committed;       // the files Commit renamed, in order
+  // When set, Commit waits for it before renaming (a slow filesystem), outside `mu`.
+  std::shared_future<void> commit_gate;
+  std::atomic<int> commits_waiting{0};
   std::vector<nlohmann::json> journal;
   int finalized = 0;
 };
@@ -190,6 +194,16 @@ class FakeWorkspace : public JobWorkspace {
     return s_->check_error;
   }
   Status Commit(const std::vector<v1::WrittenFile>& files) override {
+    std::shared_future<void> gate;
+    {
+      std::lock_guard<std::mutex> l(s_->mu);
+      gate = s_->commit_gate;
+    }
+    if (gate.valid()) {
+      ++s_->commits_waiting;
+      gate.wait();
+      --s_->commits_waiting;
+    }
     std::lock_guard<std::mutex> l(s_->mu);
     for (const v1::WrittenFile& f : files) s_->committed.push_back(f.name());
     return absl::OkStatus();

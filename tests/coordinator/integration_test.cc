@@ -476,6 +476,23 @@ TEST_F(CoordinatorIntegrationTest, ThreeRanksMatchSingleProcessBitForBit) {
   ExpectBitIdenticalWithRanks(3);
 }
 
+// The scalar-grid methods (rtn: no calibration at all; gptq: the float model's Hessians) through
+// the service: the checkpoint is the single process's, byte for byte. With the quip, quarot,
+// prefixquant and spinquant cases here and in the tests above, every method family's
+// `qcal run` output equals its `qcal quantize` output: both execute the same task plan
+// (common/task_plan.h) through the same steps.
+TEST_F(CoordinatorIntegrationTest, RtnOnTwoRanksMatchesSingleProcess) {
+  recipe_ = WriteRecipe("rtn-small.yaml", 16, "rtn-4bit");
+  ASSERT_FALSE(recipe_.empty());
+  ExpectBitIdenticalWithRanks(2);
+}
+
+TEST_F(CoordinatorIntegrationTest, GptqOnTwoRanksMatchesSingleProcess) {
+  recipe_ = WriteRecipe("gptq-small.yaml", 16, "gptq-4bit");
+  ASSERT_FALSE(recipe_.empty());
+  ExpectBitIdenticalWithRanks(2);
+}
+
 // QuaRot with GPTQ weights calibrates block by block on the quantized blocks' outputs: the
 // scheduler hands the blocks out in order and each rank reads its block's inputs from the job
 // directory; the checkpoint is the single process's, byte for byte.

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <deque>
+#include <future>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -607,6 +608,58 @@ TEST_F(ManagerTest, BadResultsAreRefused) {
   EXPECT_NE(job.error().find("block 0 was attempted 3 times"), std::string::npos) << job.error();
   EXPECT_NE(job.error().find("checksum 1 does not match"), std::string::npos) << job.error();
   EXPECT_EQ(m->NextTask(w0)->kind(), v1::TASK_KIND_SHUTDOWN);
+}
+
+// Committing a result (renames and fsyncs on a shared filesystem, slow) happens outside the
+// manager's lock: while one block's files are being committed, the service answers every other
+// call, other workers' heartbeats and task requests included; the block counts only once its
+// files are in place and journaled.
+TEST_F(ManagerTest, ACommitInProgressDoesNotHoldTheService) {
+  auto ws = NextWorkspace();
+  std::promise<void> release;
+  ws->commit_gate = release.get_future().share();
+  auto m = MakeManager();
+  v1::JobSpec spec = env_.Spec(2);
+  spec.set_recipe_yaml(kRtnRecipe);
+  auto id = m->Submit(spec);
+  ASSERT_TRUE(id.ok());
+  WaitFor(*m, *id, Running);
+  const std::string w0 = Register(*m, *id, 0, 2);
+  const std::string w1 = Register(*m, *id, 1, 2);
+  v1::Task t0 = *m->NextTask(w0);
+  ASSERT_EQ(t0.kind(), v1::TASK_KIND_QUANTIZE_BLOCK);
+  std::thread completing([&] { EXPECT_TRUE(Complete(*m, w0, t0).ok()); });
+  for (int i = 0; i < 2000 && ws->commits_waiting.load() == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_EQ(ws->commits_waiting.load(), 1) << "the commit never started";
+
+  // The commit is held: the service still answers.
+  EXPECT_TRUE(m->Heartbeat(w1).ok());
+  v1::Task t1 = *m->NextTask(w1);
+  EXPECT_EQ(t1.kind(), v1::TASK_KIND_QUANTIZE_BLOCK);
+  EXPECT_NE(t1.block(), t0.block());
+  v1::Job job = *m->Get(*id);
+  EXPECT_EQ(job.blocks_done(), 0) << "a block counted before its files were committed";
+  {
+    std::lock_guard<std::mutex> l(ws->mu);
+    EXPECT_TRUE(ws->committed.empty());
+  }
+
+  release.set_value();
+  completing.join();
+  job = *m->Get(*id);
+  EXPECT_EQ(job.blocks_done(), 1);
+  {
+    std::lock_guard<std::mutex> l(ws->mu);
+    ASSERT_EQ(ws->committed.size(), 1u);
+    EXPECT_EQ(ws->journal.back()["event"], "block_done");
+  }
+  EXPECT_TRUE(Complete(*m, w1, t1).ok());
+  RunWorkers(*m, {w0, w1});
+  job = WaitFor(*m, *id, Final);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.error();
+  EXPECT_EQ(job.blocks_done(), 4);
 }
 
 TEST_F(ManagerTest, WorkerFailuresRequeueOrFailTheJob) {

@@ -19,15 +19,15 @@
 #include "methods/prefixquant/prefixquant_block.h"
 #include "methods/prefixquant/prefixquant_spec.h"
 #include "methods/registry.h"
-#include "methods/worker_registry.h"
+#include "methods/method_factory.h"
 #include "tests/model_fixtures.h"
-#include "worker/eval/perplexity.h"
-#include "worker/job/job_steps.h"
-#include "worker/job/quantize_job.h"
-#include "worker/qsim/rotate.h"
-#include "worker/tools/model_compare.h"
-#include "worker/tools/model_dir.h"
-#include "worker/tools/plant_sinks.h"
+#include "engine/eval/perplexity.h"
+#include "runner/job_steps.h"
+#include "runner/quantize_job.h"
+#include "engine/qsim/rotate.h"
+#include "tools/model_compare.h"
+#include "tools/model_dir.h"
+#include "tools/plant_sinks.h"
 
 namespace qcal {
 namespace {

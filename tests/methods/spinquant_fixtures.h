@@ -11,13 +11,13 @@
 
 #include "common/quant_specs.h"
 #include "methods/spinquant/rotation_phase.h"
-#include "worker/comm/comm.h"
-#include "worker/model/model_source.h"
-#include "worker/qsim/act_quant.h"
-#include "worker/qsim/kv_quantizer.h"
-#include "worker/qsim/rotate.h"
-#include "worker/qsim/rotation_training.h"
-#include "worker/quant/scalar_quantize.h"
+#include "engine/comm/comm.h"
+#include "engine/model/model_source.h"
+#include "engine/qsim/act_quant.h"
+#include "engine/qsim/kv_quantizer.h"
+#include "engine/qsim/rotate.h"
+#include "engine/qsim/rotation_training.h"
+#include "engine/quant/scalar_quantize.h"
 
 namespace qcal::testing {
 
@@ -52,7 +52,7 @@ inline qsim::RotationTrainingOptions SpinquantW4A4KV4(const LlamaConfig& c, int 
 
 // The rotations phase on the float checkpoint `dir` with QuaRot's default plan.
 inline StatusOr<methods::spinquant::RotationPhaseResult> TrainRotations(
-    runtime::Comm& comm, const std::string& dir, const at::Tensor& tokens,
+    comm::Comm& comm, const std::string& dir, const at::Tensor& tokens,
     const methods::spinquant::RotationPhaseOptions& o) {
   QCAL_ASSIGN_OR_RETURN(auto source, model::OpenFloatCheckpoint(dir));
   const LlamaConfig& c = source->config();
@@ -66,7 +66,7 @@ inline methods::spinquant::RotationPhaseResult TrainRotationsOnRanks(
     int ranks, const std::string& dir, const at::Tensor& tokens,
     const methods::spinquant::RotationPhaseOptions& o) {
   using Result = methods::spinquant::RotationPhaseResult;
-  auto comms = runtime::MakeThreadComms(ranks);
+  auto comms = comm::MakeThreadComms(ranks);
   std::vector<StatusOr<Result>> results(ranks, absl::UnknownError("not run"));
   std::vector<std::thread> threads;
   for (int r = 0; r < ranks; ++r) {

@@ -14,11 +14,11 @@
 #include "tests/methods/spinquant_fixtures.h"
 #include "tests/model_fixtures.h"
 #include "tests/test_util.h"
-#include "worker/comm/comm.h"
-#include "worker/model/model_source.h"
-#include "worker/qsim/rotate.h"
-#include "worker/qsim/rotation_training.h"
-#include "worker/tools/plant_outliers.h"
+#include "engine/comm/comm.h"
+#include "engine/model/model_source.h"
+#include "engine/qsim/rotate.h"
+#include "engine/qsim/rotation_training.h"
+#include "tools/plant_outliers.h"
 
 namespace qcal {
 namespace {
@@ -146,7 +146,7 @@ TEST(SpinquantSmoothTest, StreamedScaleGradientsEqualOneAutogradGraph) {
   }
 }
 
-StatusOr<sq::RotationPhaseResult> Train(runtime::Comm& comm, const std::string& dir,
+StatusOr<sq::RotationPhaseResult> Train(comm::Comm& comm, const std::string& dir,
                                         const at::Tensor& tokens, const sq::RotationPhaseOptions& o) {
   return testing::TrainRotations(comm, dir, tokens, o);
 }
@@ -230,7 +230,7 @@ TEST(SpinquantSmoothTest, TrainedScalesUndoAPlantedKSpikeOnAnyRankCountAndResume
   saved.state_path = tmp + "/rotations.state.safetensors";
   sq::RotationPhaseOptions stop = saved;
   stop.stop_after = 3;
-  auto comm = runtime::MakeSelfComm();
+  auto comm = comm::MakeSelfComm();
   auto stopped = Train(*comm, dir, tokens, stop);
   ASSERT_FALSE(stopped.ok());
   EXPECT_TRUE(absl::IsAborted(stopped.status())) << stopped.status();

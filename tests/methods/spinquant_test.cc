@@ -17,19 +17,19 @@
 #include "methods/registry.h"
 #include "methods/spinquant/rotation_phase.h"
 #include "methods/spinquant/spinquant_spec.h"
-#include "methods/worker_registry.h"
+#include "methods/method_factory.h"
 #include "tests/methods/spinquant_fixtures.h"
 #include "tests/model_fixtures.h"
 #include "tests/test_util.h"
-#include "worker/comm/comm.h"
-#include "worker/model/model_source.h"
-#include "worker/qsim/act_quant.h"
-#include "worker/qsim/cayley.h"
-#include "worker/qsim/kv_quantizer.h"
-#include "worker/qsim/rotate.h"
-#include "worker/qsim/rotation_training.h"
-#include "worker/quant/scalar_quantize.h"
-#include "worker/tools/plant_outliers.h"
+#include "engine/comm/comm.h"
+#include "engine/model/model_source.h"
+#include "engine/qsim/act_quant.h"
+#include "engine/qsim/cayley.h"
+#include "engine/qsim/kv_quantizer.h"
+#include "engine/qsim/rotate.h"
+#include "engine/qsim/rotation_training.h"
+#include "engine/quant/scalar_quantize.h"
+#include "tools/plant_outliers.h"
 
 namespace qcal {
 namespace {
@@ -179,7 +179,7 @@ TEST(SpinquantTest, FloatLossDoesNotDependOnTheRotations) {
 }
 
 
-StatusOr<sq::RotationPhaseResult> Train(runtime::Comm& comm, const std::string& dir,
+StatusOr<sq::RotationPhaseResult> Train(comm::Comm& comm, const std::string& dir,
                                         const at::Tensor& tokens, const sq::RotationPhaseOptions& o) {
   return testing::TrainRotations(comm, dir, tokens, o);
 }
@@ -234,7 +234,7 @@ TEST(SpinquantTest, InterruptedTrainingResumesFromItsSavedStateToTheSameBits) {
   o.state_path = tmp + "/rotations.state.safetensors";
   sq::RotationPhaseOptions stop = o;
   stop.stop_after = 3;  // the "crash": after step 3 (its state saved)
-  auto comm = runtime::MakeSelfComm();
+  auto comm = comm::MakeSelfComm();
   auto stopped = Train(*comm, dir, tokens, stop);
   ASSERT_FALSE(stopped.ok());
   EXPECT_TRUE(absl::IsAborted(stopped.status())) << stopped.status();
@@ -360,7 +360,7 @@ TEST(SpinquantTest, BestInitStartsFromTheLowerLossStart) {
                at::eye(d, at::kDouble).expand({layers, d, d}).contiguous(), first, o.training)
                ->item<double>();
     }
-    auto comm = runtime::MakeSelfComm();
+    auto comm = comm::MakeSelfComm();
     auto r = Train(*comm, dir, tokens, o);
     ASSERT_TRUE(r.ok()) << r.status();
     std::printf("%s: start loss Hadamard %.6f, identity %.6f; the run started from the %s\n",
@@ -463,7 +463,7 @@ TEST(SpinquantTest, HeldOutSelectionKeepsTheBestScoredRotations) {
   o.state_key = "calibration A";
   sq::RotationPhaseOptions stop = o;
   stop.stop_after = 3;
-  auto comm = runtime::MakeSelfComm();
+  auto comm = comm::MakeSelfComm();
   auto stopped = Train(*comm, dir, tokens, stop);
   ASSERT_TRUE(absl::IsAborted(stopped.status())) << stopped.status();
   const sq::RotationPhaseResult resumed = TrainOnRanks(2, dir, tokens, o);
@@ -495,7 +495,7 @@ TEST(SpinquantTest, TrainingLowersTheQuantizedLossAndTheFusedRotationsKeepTheFun
   o.training.steps = 60;
   o.training.batch = 8;
   o.cache_bytes = int64_t{1} << 30;
-  auto comm = runtime::MakeSelfComm();
+  auto comm = comm::MakeSelfComm();
   auto r = Train(*comm, dir, tokens, o);
   ASSERT_TRUE(r.ok()) << r.status();
   double first = 0, last = 0;

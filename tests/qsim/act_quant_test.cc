@@ -1,4 +1,4 @@
-// Simulated activation / KV-cache quantizers and the online Hadamard (worker/qsim/act_quant.h)
+// Simulated activation / KV-cache quantizers and the online Hadamard (engine/qsim/act_quant.h)
 // against hand-computed values and, bit for bit, against the CPU reference kernels
 // (kernels/scalar_quant.h, kernels/hadamard.h).
 #include <cmath>
@@ -12,8 +12,8 @@
 #include "kernels/scalar_quant.h"
 #include "common/safetensors.h"
 #include "tests/test_util.h"
-#include "worker/quant/scalar_linear.h"
-#include "worker/qsim/act_quant.h"
+#include "engine/quant/scalar_linear.h"
+#include "engine/qsim/act_quant.h"
 
 namespace qcal {
 namespace {

@@ -1,4 +1,4 @@
-// Cayley SGD (worker/qsim/cayley.h): the update keeps a rotation orthogonal over long runs, learns
+// Cayley SGD (engine/qsim/cayley.h): the update keeps a rotation orthogonal over long runs, learns
 // (an orthogonal Procrustes problem is solved), leaves a stationary point alone, and takes its QR
 // re-orthonormalisations with the reference's frequency, deterministically.
 #include <cmath>
@@ -8,7 +8,7 @@
 #include <gtest/gtest.h>
 
 #include "tests/test_util.h"
-#include "worker/qsim/cayley.h"
+#include "engine/qsim/cayley.h"
 
 namespace qcal {
 namespace {

@@ -1,8 +1,8 @@
-// K-sort (worker/qsim/ksort.h) and BFP keys (worker/qsim/bfp_kv.h): the permutation leaves the
+// K-sort (engine/qsim/ksort.h) and BFP keys (engine/qsim/bfp_kv.h): the permutation leaves the
 // float model unchanged, the tensor BFP quantizer equals the kernel reference bit for bit, and
 // BFP12 keys lose less with K-sort — on the real models, on their outlier-planted variants and on
 // a synthetic head_dim-128 attention layer with planted outlier channels.
-#include "worker/qsim/ksort.h"
+#include "engine/qsim/ksort.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -13,9 +13,9 @@
 
 #include "kernels/bfp.h"
 #include "tests/model_fixtures.h"
-#include "worker/qsim/bfp_kv.h"
-#include "worker/tools/model_compare.h"
-#include "worker/tools/plant_outliers.h"
+#include "engine/qsim/bfp_kv.h"
+#include "tools/model_compare.h"
+#include "tools/plant_outliers.h"
 
 namespace qcal::qsim {
 namespace {

@@ -1,6 +1,6 @@
 // qcal tool plant-outliers (worker/quarot/plant_outliers.h): the planted variant of each real
 // model computes the same logits (1e-5 relative) while its activation outlier ratios rise.
-#include "worker/tools/plant_outliers.h"
+#include "tools/plant_outliers.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -12,7 +12,7 @@
 
 #include "common/atomic_file.h"
 #include "tests/model_fixtures.h"
-#include "worker/tools/outlier_stats.h"
+#include "tools/outlier_stats.h"
 
 namespace qcal::tools {
 namespace {

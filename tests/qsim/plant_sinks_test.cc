@@ -1,5 +1,5 @@
-// qcal tool plant-sinks (worker/tools/plant_sinks.h) and PrefixQuant's outlier-token detection
-// (worker/tools/outlier_tokens.h), on both real models:
+// qcal tool plant-sinks (tools/plant_sinks.h) and PrefixQuant's outlier-token detection
+// (tools/measure_token_outliers.h), on both real models:
 //   * the real models have no token-wise outliers (max/median < 10 at every down_proj input);
 //   * the planted variant's planted tokens (BOS and the first '.' after it) reach max/median
 //     >= 100 in at least two layers, detection finds exactly ['.', BOS], and with that prefix in
@@ -8,7 +8,7 @@
 //     positions, and in at least two layers >= 0.15 of it and >= 3x the reference's;
 //   * the planted model's float perplexity on TinyStories stays within 10% of the original's,
 //     with one BOS per text and with a BOS (so sinks) in every window, and behind the prefix.
-#include "worker/tools/plant_sinks.h"
+#include "tools/plant_sinks.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -19,8 +19,8 @@
 #include "common/text.h"
 #include "common/tokenizer.h"
 #include "tests/model_fixtures.h"
-#include "worker/eval/perplexity.h"
-#include "worker/tools/outlier_tokens.h"
+#include "engine/eval/perplexity.h"
+#include "tools/measure_token_outliers.h"
 
 namespace qcal::tools {
 namespace {

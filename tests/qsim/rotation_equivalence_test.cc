@@ -17,11 +17,11 @@
 #include "kernels/hadamard.h"
 #include "tests/model_fixtures.h"
 #include "tests/test_util.h"
-#include "worker/model/llama.h"
-#include "worker/qsim/act_quant.h"
+#include "engine/model/llama.h"
+#include "engine/qsim/act_quant.h"
 #include "methods/registry.h"
-#include "methods/worker_registry.h"
-#include "worker/qsim/rotate.h"
+#include "methods/method_factory.h"
+#include "engine/qsim/rotate.h"
 
 namespace qcal {
 namespace {

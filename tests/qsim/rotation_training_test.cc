@@ -1,4 +1,4 @@
-// Learned rotations (issue 17, worker/qsim/rotation_training.h): the rotated training forward is
+// Learned rotations (issue 17, engine/qsim/rotation_training.h): the rotated training forward is
 // the float model's function when nothing is quantized. (Training itself, its gradients and the
 // fused result: tests/methods/spinquant_test.cc.)
 #include <cmath>
@@ -10,9 +10,9 @@
 #include "common/hf_config.h"
 #include "tests/model_fixtures.h"
 #include "tests/test_util.h"
-#include "worker/qsim/cayley.h"
-#include "worker/qsim/rotate.h"
-#include "worker/qsim/rotation_training.h"
+#include "engine/qsim/cayley.h"
+#include "engine/qsim/rotate.h"
+#include "engine/qsim/rotation_training.h"
 
 namespace qcal {
 namespace {

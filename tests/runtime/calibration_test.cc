@@ -2,7 +2,7 @@
 // and activations of 2 and 3 ranks are bit-identical to a world of one (same files, same exact
 // sums), and the Hessians agree with a plain fp64 sum of at::mm products to 1e-6 (max-norm
 // relative; the two use different fp32 GEMMs).
-#include "worker/calib/calibration.h"
+#include "engine/calib/calibration.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -17,9 +17,9 @@
 #include "kernels/gpu_backend.h"
 #include "tests/model_fixtures.h"
 #include "tests/test_util.h"
-#include "worker/model/model_source.h"
-#include "worker/model/llama.h"
-#include "worker/comm/comm.h"
+#include "engine/model/model_source.h"
+#include "engine/model/llama.h"
+#include "engine/comm/comm.h"
 
 namespace qcal {
 namespace {
@@ -80,8 +80,8 @@ class CalibrationRanksTest : public ::testing::Test {
   static calib::CalibrationResult Run(
       int ranks, const std::string& job_dir,
       int64_t budget = std::numeric_limits<int64_t>::max(),
-      const std::function<void(calib::CalibrationOptions&, runtime::Comm&)>& tweak = nullptr) {
-    auto comms = runtime::MakeThreadComms(ranks);
+      const std::function<void(calib::CalibrationOptions&, comm::Comm&)>& tweak = nullptr) {
+    auto comms = comm::MakeThreadComms(ranks);
     std::vector<StatusOr<calib::CalibrationResult>> results(ranks, absl::UnknownError("not run"));
     std::vector<std::thread> threads;
     for (int r = 0; r < ranks; ++r) {
@@ -131,7 +131,7 @@ TEST_F(CalibrationRanksTest, RanksGiveTheWorldOfOneBitsAndMatchAnFp64Reference) 
   ASSERT_TRUE(model.ok());
   auto source = model::OpenFloatCheckpoint(testing::RealModelDir("stories260K"));
   ASSERT_TRUE(source.ok());
-  auto self = runtime::MakeSelfComm();
+  auto self = comm::MakeSelfComm();
   calib::CalibrationOptions opt;
   opt.batch = 4;
   opt.activations = true;
@@ -227,7 +227,7 @@ TEST_F(CalibrationRanksTest, ShardedHessiansWriteTheUnshardedFilesByteForByte) {
   for (int64_t strip : {int64_t{16}, calib::kHessianStripRows}) {
     const std::string dir1 = *root_ + "/unsharded-strip" + std::to_string(strip);
     calib::CalibrationResult one = Run(1, dir1, std::numeric_limits<int64_t>::max(),
-                                       [&](calib::CalibrationOptions& o, runtime::Comm&) {
+                                       [&](calib::CalibrationOptions& o, comm::Comm&) {
                                          o.hessian_strip_rows = strip;
                                        });
     ASSERT_EQ(static_cast<int64_t>(one.hessians.size()), blocks);
@@ -237,7 +237,7 @@ TEST_F(CalibrationRanksTest, ShardedHessiansWriteTheUnshardedFilesByteForByte) {
       const std::string dir = *root_ + "/sharded-strip" + std::to_string(strip) + "-" +
                               std::to_string(ranks);
       calib::CalibrationResult many =
-          Run(ranks, dir, budget, [&](calib::CalibrationOptions& o, runtime::Comm&) {
+          Run(ranks, dir, budget, [&](calib::CalibrationOptions& o, comm::Comm&) {
         o.hessian_strip_rows = strip;
         o.shard_hessians = true;
       });
@@ -346,7 +346,7 @@ TEST_F(CalibrationRanksTest, DeviceReducedHessiansWriteTheHostReducedBytes) {
                                 std::to_string(keep) + std::to_string(all_have_sum);
         calib::CalibrationResult many = Run(
             ranks, dir, std::numeric_limits<int64_t>::max(),
-            [&](calib::CalibrationOptions& o, runtime::Comm& comm) {
+            [&](calib::CalibrationOptions& o, comm::Comm& comm) {
               o.keep_hessians = keep;
               if (all_have_sum || comm.rank() == 0) {
                 o.device_sum = [&comm](int64_t* data, size_t count) {
@@ -379,7 +379,7 @@ TEST_F(CalibrationRanksTest, DeviceReducedHessiansWriteTheHostReducedBytes) {
     }
   }
   // Without a device all-reduce, or without a backend, the device reduction says what is missing.
-  auto self = runtime::MakeSelfComm();
+  auto self = comm::MakeSelfComm();
   calib::BlockHessians h;
   Status s = calib::AllReduceDeviceHessians(*self, nullptr, true, &h);
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
@@ -392,7 +392,7 @@ TEST_F(CalibrationRanksTest, DeviceReducedHessiansWriteTheHostReducedBytes) {
 
 TEST_F(CalibrationRanksTest, MoreRanksThanChunksStillAgree) {
   // 22 sequences in chunks of 8: 3 chunks over 4 ranks; rank 3 has none.
-  auto comms = runtime::MakeThreadComms(4);
+  auto comms = comm::MakeThreadComms(4);
   std::vector<Status> status(4);
   std::vector<calib::CalibrationResult> results(4);
   std::vector<std::thread> threads;
@@ -414,7 +414,7 @@ TEST_F(CalibrationRanksTest, MoreRanksThanChunksStillAgree) {
   for (int r = 0; r < 4; ++r) ASSERT_TRUE(status[r].ok()) << r << ": " << status[r];
   auto source = model::OpenFloatCheckpoint(testing::RealModelDir("stories260K"));
   ASSERT_TRUE(source.ok());
-  auto self = runtime::MakeSelfComm();
+  auto self = comm::MakeSelfComm();
   calib::CalibrationOptions opt;
   opt.batch = 8;
   auto one = calib::Calibrate(*self, **source, *tokens_, *root_ + "/job4one", "key", opt);

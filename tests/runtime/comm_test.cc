@@ -1,5 +1,5 @@
 // SelfComm, ThreadComm (1..4 thread-ranks) and SliceForRank.
-#include "worker/comm/comm.h"
+#include "engine/comm/comm.h"
 
 #include <gtest/gtest.h>
 
@@ -7,7 +7,7 @@
 #include <numeric>
 #include <thread>
 
-namespace qcal::runtime {
+namespace qcal::comm {
 namespace {
 
 // Runs fn(comm) on one thread per rank and returns each rank's status.
@@ -163,4 +163,4 @@ TEST(ThreadCommErrorsTest, BadRootIsAnError) {
 }
 
 }  // namespace
-}  // namespace qcal::runtime
+}  // namespace qcal::comm

@@ -18,12 +18,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/job_layout.h"
-#include "worker/job/job_steps.h"
-#include "worker/runtime/coordinator_client.h"
+#include "common/task_plan.h"
+#include "runner/job_steps.h"
+#include "worker/coordinator_client.h"
 
 namespace qcal::testing {
 
-class FakeCoordinator final : public runtime::CoordinatorClient {
+class FakeCoordinator final : public worker::CoordinatorClient {
  public:
   struct Failure {
     std::string worker_id, task_id, error;
@@ -47,11 +48,12 @@ class FakeCoordinator final : public runtime::CoordinatorClient {
     }
     journal_.emplace(std::move(*journal));
     (void)journal_->Append(JobStartEntry(recipe_, plan_, spec_.model_dir(), spec_.out_dir()));
-    calibrate_ = plan_.needs_calibration(recipe_);
-    calibrate_params_ = job::CalibrateParamsFor(recipe_, plan_.all_blocks_finished());
+    const TaskPlan tasks = MakeTaskPlan(recipe_, plan_);  // the coordinator's plan
+    calibrate_ = tasks.calibrate;
+    calibrate_params_ = tasks.calibrate_params;
     for (const auto& [layer, entry] : plan_.block_done) finished_[layer] = BlockResultFromEntry(entry);
-    for (int64_t l : plan_.pending_blocks()) pending_.push_back(l);
-    e2e_ = plan_.e2e_enabled && !plan_.e2e_finished;
+    for (int64_t l : tasks.blocks) pending_.push_back(l);
+    e2e_ = tasks.finetune_e2e;
   }
 
   // Knobs (call before the ranks start).

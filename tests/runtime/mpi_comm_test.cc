@@ -1,6 +1,6 @@
 // MpiComm under mpirun (ctest runs it with -np 2; label mpi). Also runs as a singleton (world of
 // one) when started directly.
-#include "worker/comm/mpi_comm.h"
+#include "engine/comm/mpi_comm.h"
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -8,7 +8,7 @@
 #include <cstring>
 #include <string>
 
-namespace qcal::runtime {
+namespace qcal::comm {
 namespace {
 
 TEST(MpiCommTest, CollectivesMatchTheirDefinition) {
@@ -66,7 +66,7 @@ TEST(MpiCommTest, MpiErrorsBecomeStatus) {
 }
 
 }  // namespace
-}  // namespace qcal::runtime
+}  // namespace qcal::comm
 
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);

@@ -1,6 +1,6 @@
 // NcclComm on a world of one (MPI_COMM_SELF): NCCL refuses two ranks on one device, and CI has at
 // most one. Skips visibly without a CUDA device (label gpu).
-#include "worker/comm/nccl_comm.h"
+#include "engine/comm/nccl_comm.h"
 
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
@@ -12,7 +12,7 @@
 
 #include "kernels/cuda_status.h"
 
-namespace qcal::runtime {
+namespace qcal::comm {
 namespace {
 
 class NcclCommTest : public ::testing::Test {
@@ -50,7 +50,7 @@ TEST_F(NcclCommTest, CollectivesOnDeviceBuffers) {
 }
 
 }  // namespace
-}  // namespace qcal::runtime
+}  // namespace qcal::comm
 
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);

@@ -19,8 +19,8 @@
 #include "proto/qcal.grpc.pb.h"
 #include "tests/model_fixtures.h"
 #include "tests/test_util.h"
-#include "worker/model/llama.h"
-#include "worker/job/quantize_job.h"
+#include "engine/model/llama.h"
+#include "runner/quantize_job.h"
 
 extern char** environ;
 

@@ -2,7 +2,7 @@
 // 3-rank "service" run writes a checkpoint byte-identical to the single-process RunQuantizeJob
 // (with and without fine-tuning), cancellation stops the ranks, bad input fails the task with
 // a non-retryable error naming the file.
-#include "worker/runtime/task_loop.h"
+#include "worker/task_loop.h"
 
 #include <dirent.h>
 #include <gtest/gtest.h>
@@ -17,10 +17,10 @@
 #include "tests/runtime/fake_coordinator_client.h"
 #include "tests/model_fixtures.h"
 #include "tests/test_util.h"
-#include "worker/calib/calibration.h"
-#include "worker/model/llama.h"
-#include "worker/job/quantize_job.h"
-#include "worker/comm/comm.h"
+#include "engine/calib/calibration.h"
+#include "engine/model/llama.h"
+#include "runner/quantize_job.h"
+#include "engine/comm/comm.h"
 
 namespace qcal {
 namespace {
@@ -88,18 +88,18 @@ class TaskLoopTest : public ::testing::Test {
   }
 
   // Runs `ranks` thread-ranks against `fake`; returns each rank's loop status.
-  static std::vector<StatusOr<runtime::TaskLoopResult>> RunRanks(
+  static std::vector<StatusOr<worker::TaskLoopResult>> RunRanks(
       testing::FakeCoordinator& fake, int ranks, std::atomic<int>* cancel_calls = nullptr) {
-    auto comms = runtime::MakeThreadComms(ranks);
-    std::vector<StatusOr<runtime::TaskLoopResult>> results(ranks, absl::UnknownError("not run"));
+    auto comms = comm::MakeThreadComms(ranks);
+    std::vector<StatusOr<worker::TaskLoopResult>> results(ranks, absl::UnknownError("not run"));
     std::vector<std::thread> threads;
     for (int r = 0; r < ranks; ++r) {
       threads.emplace_back([&, r] {
-        runtime::TaskLoopOptions opt;
+        worker::TaskLoopOptions opt;
         opt.job_id = "job";
         opt.hostname = "test";
         if (cancel_calls) opt.on_cancelled = [cancel_calls] { ++*cancel_calls; };
-        results[r] = runtime::RunTaskLoop(fake, *comms[r], opt);
+        results[r] = worker::RunTaskLoop(fake, *comms[r], opt);
         comms[r].reset();  // a rank that stops early must not hang the others
       });
     }
@@ -231,25 +231,25 @@ TEST_F(TaskLoopTest, MissingCalibrationDataFailsTheTaskNamingTheFile) {
 }
 
 TEST(TaskLoopRetryTest, BadInputIsNotRetryable) {
-  EXPECT_FALSE(runtime::IsRetryable(absl::NotFoundError("x")));
-  EXPECT_FALSE(runtime::IsRetryable(absl::InvalidArgumentError("x")));
-  EXPECT_FALSE(runtime::IsRetryable(absl::DataLossError("x")));
-  EXPECT_TRUE(runtime::IsRetryable(absl::InternalError("x")));
-  EXPECT_TRUE(runtime::IsRetryable(absl::ResourceExhaustedError("x")));
+  EXPECT_FALSE(worker::IsRetryable(absl::NotFoundError("x")));
+  EXPECT_FALSE(worker::IsRetryable(absl::InvalidArgumentError("x")));
+  EXPECT_FALSE(worker::IsRetryable(absl::DataLossError("x")));
+  EXPECT_TRUE(worker::IsRetryable(absl::InternalError("x")));
+  EXPECT_TRUE(worker::IsRetryable(absl::ResourceExhaustedError("x")));
 }
 
 // Issue 18: "calibration: calibration: ..." is said once.
 TEST(TaskLoopRetryTest, TaskErrorsNameTheTaskOnce) {
-  EXPECT_EQ(runtime::AnnotateTaskError(absl::InvalidArgumentError("no files given"),
+  EXPECT_EQ(worker::AnnotateTaskError(absl::InvalidArgumentError("no files given"),
                                        "calibration").message(),
             "calibration: no files given");
-  EXPECT_EQ(runtime::AnnotateTaskError(absl::InvalidArgumentError("calibration: no files given"),
+  EXPECT_EQ(worker::AnnotateTaskError(absl::InvalidArgumentError("calibration: no files given"),
                                        "calibration").message(),
             "calibration: no files given");
-  EXPECT_EQ(runtime::AnnotateTaskError(absl::InternalError("calibration, block 2: out of range"),
+  EXPECT_EQ(worker::AnnotateTaskError(absl::InternalError("calibration, block 2: out of range"),
                                        "calibration").message(),
             "calibration, block 2: out of range");
-  const Status s = runtime::AnnotateTaskError(absl::DataLossError("x.safetensors: bad"), "block 3");
+  const Status s = worker::AnnotateTaskError(absl::DataLossError("x.safetensors: bad"), "block 3");
   EXPECT_EQ(s.message(), "block 3: x.safetensors: bad");
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
 }

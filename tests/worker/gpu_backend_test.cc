@@ -21,9 +21,9 @@
 #include "kernels/gpu_backend.h"
 #include "tests/model_fixtures.h"
 #include "tests/test_util.h"
-#include "worker/calib/hessian.h"
-#include "worker/job/quantize_job.h"
-#include "worker/model/llama.h"
+#include "engine/calib/hessian.h"
+#include "runner/quantize_job.h"
+#include "engine/model/llama.h"
 
 namespace qcal {
 namespace {

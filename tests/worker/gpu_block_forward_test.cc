@@ -1,5 +1,5 @@
 // The calibration forward of a decoder block on the device (kernels/block_forward_cuda.h)
-// against its CPU reference (worker/model DecoderBlock::Forward, with the exact CPU Hessian
+// against its CPU reference (engine/model DecoderBlock::Forward, with the exact CPU Hessian
 // accumulators on each linear's input), in the style of ggml's test-backend-ops:
 //   * fp32 mode (pedantic cuBLAS, no TF32): outputs within 1e-4 of the reference's largest
 //     output (fp32 with another summation order; attention with an online softmax), and each
@@ -22,8 +22,8 @@
 #include "kernels/cuda_status.h"
 #include "kernels/hessian_cuda.h"
 #include "tests/test_util.h"
-#include "worker/calib/hessian.h"
-#include "worker/model/llama.h"
+#include "engine/calib/hessian.h"
+#include "engine/model/llama.h"
 
 namespace qcal {
 namespace {

@@ -1,4 +1,4 @@
-// The exact fixed-point Hessian accumulator (worker/calib/hessian.h): order independence (any
+// The exact fixed-point Hessian accumulator (engine/calib/hessian.h): order independence (any
 // split, any merge order, digit reductions), agreement with a plain fp64 reference, range and
 // overflow errors, and the cache format.
 #include <ATen/ATen.h>
@@ -13,8 +13,8 @@
 #include "kernels/fixed_point.h"
 #include "kernels/hessian_fixed.h"
 #include "tests/test_util.h"
-#include "worker/calib/calibration.h"
-#include "worker/calib/hessian.h"
+#include "engine/calib/calibration.h"
+#include "engine/calib/hessian.h"
 
 namespace qcal::calib {
 namespace {
@@ -210,8 +210,10 @@ TEST(HessianFixedTest, FastPathEqualsTheKernelsReferenceBitForBit) {
     at::Tensor s = at::full({1, 1}, v, at::kDouble);
     auto h = HessianAccumulator::FromSum(s, 1);
     ASSERT_TRUE(h.ok());
-    kernels::Fixed128 q = 0;
+    kernels::Fixed128 q = 0, portable = 0;
     ASSERT_TRUE(kernels::ToFixed128(v, &q));
+    ASSERT_TRUE(kernels::ToFixed128Portable(v, &portable));
+    ASSERT_TRUE(q == portable) << v;  // the host instruction and the device's exact steps
     ASSERT_TRUE(h->packed()[0] == 2 * q) << v;  // FromSum rounds both triangles: 2·q(v)
     int64_t a[4], b[4];
     HessianAccumulator::SplitDigits(&h->packed()[0], 1, a);
@@ -222,8 +224,18 @@ TEST(HessianFixedTest, FastPathEqualsTheKernelsReferenceBitForBit) {
     ASSERT_TRUE(back == h->packed()[0]);
   }
   kernels::Fixed128 q = 0;
-  EXPECT_FALSE(kernels::ToFixed128(std::nan(""), &q));
-  EXPECT_FALSE(kernels::ToFixed128(0x1p74, &q));  // 2^124 after scaling
+  for (double bad : {std::nan(""), 0x1p74, -0x1p74, HUGE_VAL}) {  // 0x1p74: 2^124 after scaling
+    EXPECT_FALSE(kernels::ToFixed128(bad, &q)) << bad;
+    EXPECT_FALSE(kernels::ToFixed128Portable(bad, &q)) << bad;
+  }
+  // Both sides of 2^62 and of 2^123 after scaling, where the paths change.
+  for (double v : {0x1p12, 0x1p12 - 0x1p-40, -0x1p12, 0x1p12 + 0x1p-40, 0x1p72, -0x1p72,
+                   0x1.fffffffffffffp72}) {
+    kernels::Fixed128 a = 0, b = 0;
+    ASSERT_TRUE(kernels::ToFixed128(v, &a)) << v;
+    ASSERT_TRUE(kernels::ToFixed128Portable(v, &b)) << v;
+    EXPECT_TRUE(a == b) << v;
+  }
 }
 
 TEST(HessianFixedTest, DigitsCarryAndDetectOverflow) {

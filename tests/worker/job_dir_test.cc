@@ -35,7 +35,7 @@
 #include "methods/registry.h"
 #include "tests/model_fixtures.h"
 #include "tests/test_util.h"
-#include "worker/job/quantize_job.h"
+#include "runner/quantize_job.h"
 
 namespace qcal {
 namespace {
@@ -323,7 +323,9 @@ TEST_P(DiskFullTest, KeepsFinishedWorkAndResumesByteIdentical) {
   auto clean = job::RunQuantizeJob(recipe, Options(*m_, r + "/clean", r + "/clean.job"));
   ASSERT_TRUE(clean.ok()) << clean.status();
   ExpectSameFiles(out, r + "/clean");
-  if (std::string(c.phase) == "quantize") EXPECT_EQ(resumed->blocks_resumed, c.done);
+  if (std::string(c.phase) == "quantize") {
+    EXPECT_EQ(resumed->blocks_resumed, c.done);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -14,7 +14,7 @@
 #include "common/tokenizer.h"
 #include "tests/model_fixtures.h"
 #include "tests/test_util.h"
-#include "worker/model/llama.h"
+#include "engine/model/llama.h"
 
 namespace qcal {
 namespace {

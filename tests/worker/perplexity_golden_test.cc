@@ -11,8 +11,8 @@
 #include "common/tokenizer.h"
 #include "tests/model_fixtures.h"
 #include "tests/test_util.h"
-#include "worker/eval/perplexity.h"
-#include "worker/model/llama.h"
+#include "engine/eval/perplexity.h"
+#include "engine/model/llama.h"
 
 namespace qcal {
 namespace {

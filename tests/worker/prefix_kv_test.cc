@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "tests/model_fixtures.h"
-#include "worker/eval/perplexity.h"
-#include "worker/model/llama.h"
+#include "engine/eval/perplexity.h"
+#include "engine/model/llama.h"
 
 namespace qcal::model {
 namespace {

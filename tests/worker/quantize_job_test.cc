@@ -18,12 +18,12 @@
 #include "common/tokenizer.h"
 #include "tests/model_fixtures.h"
 #include "tests/test_util.h"
-#include "worker/eval/perplexity.h"
+#include "engine/eval/perplexity.h"
 #include "methods/quip/quip_linear.h"
 #include "methods/registry.h"
-#include "methods/worker_registry.h"
-#include "worker/job/quantize_job.h"
-#include "worker/quant/block_task.h"
+#include "methods/method_factory.h"
+#include "runner/quantize_job.h"
+#include "engine/quant/block_task.h"
 
 namespace qcal {
 namespace {

@@ -1,5 +1,5 @@
 // Tests for methods/quip/transforms_torch.h and the quantized layers: methods/quip/quip_linear.h
-// (the "quip" layer format) and worker/quant/scalar_linear.h (the "scalar" format).
+// (the "quip" layer format) and engine/quant/scalar_linear.h (the "scalar" format).
 //
 // Random inputs are fresh per run; the seed is printed and can be pinned with QCAL_TEST_SEED.
 // Tolerances, all relative to the reference's largest entry (max|diff| / max|ref|):
@@ -13,7 +13,7 @@
 //   * gradients: analytic vs central finite difference 1e-6 (the loss is quadratic in each single
 //     coordinate of su and sv, so the central difference is exact up to rounding).
 #include "methods/quip/quip_linear.h"
-#include "worker/quant/scalar_linear.h"
+#include "engine/quant/scalar_linear.h"
 
 #include <gtest/gtest.h>
 

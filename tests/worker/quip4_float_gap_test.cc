@@ -12,10 +12,10 @@
 #include "common/tokenizer.h"
 #include "tests/model_fixtures.h"
 #include "tests/test_util.h"
-#include "worker/eval/perplexity.h"
-#include "worker/model/llama.h"
-#include "worker/job/quantize_job.h"
-#include "methods/worker_registry.h"
+#include "engine/eval/perplexity.h"
+#include "engine/model/llama.h"
+#include "runner/quantize_job.h"
+#include "methods/method_factory.h"
 
 namespace qcal {
 namespace {

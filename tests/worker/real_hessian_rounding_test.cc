@@ -19,8 +19,8 @@
 #include "methods/quip/quip_rounding.h"
 #include "tests/model_fixtures.h"
 #include "tests/test_util.h"
-#include "worker/calib/hessian.h"
-#include "worker/model/llama.h"
+#include "engine/calib/hessian.h"
+#include "engine/model/llama.h"
 
 namespace qcal {
 namespace {

@@ -19,7 +19,7 @@
 #include "absl/strings/str_join.h"
 #include "tests/model_fixtures.h"
 #include "tests/test_util.h"
-#include "worker/model/llama.h"
+#include "engine/model/llama.h"
 
 namespace qcal {
 namespace {

@@ -23,12 +23,12 @@
 #include "common/job_layout.h"
 #include "common/safetensors.h"
 #include "methods/registry.h"
-#include "methods/worker_registry.h"
+#include "methods/method_factory.h"
 #include "tests/model_fixtures.h"
 #include "tests/test_util.h"
-#include "worker/export/export.h"
-#include "worker/job/quantize_job.h"
-#include "worker/model/model_source.h"
+#include "export/export.h"
+#include "runner/quantize_job.h"
+#include "engine/model/model_source.h"
 
 namespace qcal {
 namespace {

@@ -1,5 +1,5 @@
-// The thread-count invariance that docs/architecture.md ("Determinism across threads and CPU
-// binding") promises for the two numeric primitives every forward and every loss goes through:
+// The thread-count invariance that docs/algorithms.md ("Determinism: ranks, threads,
+// CPUs") promises for the two numeric primitives every forward and every loss goes through:
 // model::LinearRows (a dense linear without autograd, fixed 256-row chunks) and
 // model::SumToDouble (fixed 4096-element partial sums). Each is computed with 1, 2, 3 and 4
 // LibTorch threads (model::SetComputeThreads, which also pins BLAS to one thread) and must give
@@ -17,7 +17,7 @@
 
 #include "kernels/blas_threads.h"
 #include "tests/test_util.h"
-#include "worker/model/llama.h"
+#include "engine/model/llama.h"
 
 namespace qcal {
 namespace {

@@ -1,0 +1,60 @@
+// The task plan: recipe + the job directory's state (common/job_layout's JobPlan) → the phases
+// of a job and its tasks. One plan for every driver: the coordinator hands these tasks to its
+// workers, `qcal quantize` runs the same tasks in process (runner/quantize_job.h), so the two
+// calibrate, quantize and fine-tune under the same conditions. Pure: no I/O, so it is unit-tested
+// on hand-made JobPlans.
+//
+//   plan → [calibrate] → quantize (one QUANTIZE_BLOCK task per pending block; in layer order, one
+//        at a time, when the method calibrates sequentially) → [finetune] → finalize
+//        → [evaluate] → done
+//
+// calibrate is present when some pending work still needs Hessians or activations
+// (JobPlan::needs_calibration), with the CalibrateParams saying which; finetune (FINETUNE_E2E)
+// when the recipe enables end-to-end fine-tuning and the journal holds no valid e2e_done (or any
+// block is redone, since the stage rewrites every block shard); evaluate when the job spec asks
+// for perplexities (one EVALUATE task per model and file). Only the method's needs are read,
+// never its name.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/job_layout.h"
+#include "common/recipe.h"
+#include "proto/job.pb.h"
+
+namespace qcal {
+
+inline constexpr char kPhasePlan[] = "plan";
+inline constexpr char kPhaseCalibrate[] = "calibrate";
+inline constexpr char kPhaseQuantize[] = "quantize";
+inline constexpr char kPhaseFinetune[] = "finetune";
+inline constexpr char kPhaseFinalize[] = "finalize";
+inline constexpr char kPhaseEvaluate[] = "evaluate";
+inline constexpr char kPhaseDone[] = "done";
+
+struct TaskPlan {
+  int64_t num_blocks = 0;
+  bool calibrate = false;             // one collective CALIBRATE task for every rank, first
+  v1::CalibrateParams calibrate_params;  // what it produces
+  std::vector<int64_t> blocks;        // QUANTIZE_BLOCK tasks, ascending layer order
+  std::vector<int64_t> resumed;       // blocks finished by an earlier run (journal + shard)
+  // Block l may start only after block l-1 completed (QuaRot's sequential calibration:
+  // Recipe::sequential_calibration); the scheduler then hands out one block at a time.
+  bool sequential_blocks = false;
+  bool finetune_e2e = false;          // one FINETUNE_E2E task after the last block
+  std::vector<v1::EvalParams> evals;  // EVALUATE tasks after finalize
+  std::vector<std::string> phases;    // in order, from kPhasePlan to kPhaseDone
+
+  // No task for the workers: the job goes straight from plan to finalize (no launch).
+  bool needs_workers() const {
+    return calibrate || !blocks.empty() || finetune_e2e || !evals.empty();
+  }
+};
+
+// `evals`: the spec's evaluation (EvalParams for the float then the quantized model, per file).
+TaskPlan MakeTaskPlan(const Recipe& recipe, const JobPlan& plan,
+                      const std::vector<v1::EvalParams>& evals = {});
+
+}  // namespace qcal

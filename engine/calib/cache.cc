@@ -1,0 +1,351 @@
+#include "engine/calib/cache.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include <ATen/ATen.h>
+
+#include "absl/strings/str_cat.h"
+#include "common/atomic_file.h"
+#include "common/hash.h"
+#include "common/io_util.h"
+#include "common/log.h"
+#include "engine/calib/reduce.h"
+#include "engine/model/tensor_io.h"
+
+namespace qcal::calib {
+namespace {
+
+int64_t FileSize(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
+}
+
+// The cache format written by SaveBlockHessians (files without it hold fp64 sums: stale).
+constexpr char kHessianFormat[] = "3";
+
+// The errno of the failed call, with the free space when the disk is full (io::ErrnoError).
+Status Errno(const std::string& path, const char* what) { return io::ErrnoError(errno, path, what); }
+
+// The opened file and its "hidden" tensor. NotFound when absent, FailedPrecondition for another
+// calibration key, DataLoss when malformed.
+StatusOr<std::pair<std::unique_ptr<SafetensorsFile>, const TensorInfo*>> OpenActivation(
+    const std::string& path, const std::string& key, const std::vector<int64_t>& shape) {
+  if (FileSize(path) < 0) return absl::NotFoundError(path + ": no cached activations");
+  QCAL_ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open(path));
+  auto it = file->metadata().find("calibration_key");
+  if (it == file->metadata().end() || it->second != key) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(path, ": cached activations belong to another calibration"));
+  }
+  QCAL_RETURN_IF_ERROR(VerifyCacheChecksum(path));
+  const TensorInfo* t = file->Find("hidden");
+  if (t == nullptr || t->dtype != DType::kF32 || t->shape != shape) {
+    return absl::DataLossError(absl::StrCat(path, ": missing or misshapen tensor 'hidden'"));
+  }
+  return std::make_pair(std::move(file), t);
+}
+
+}  // namespace
+
+std::string CalibrationKey(const std::string& inputs_key, const LlamaConfig& config,
+                           const CalibrationSpec& spec, int64_t seq_len) {
+  std::string canon = absl::StrCat("inputs=", inputs_key, "|", LlamaConfigToJson(config).dump());
+  for (const std::string& f : spec.files) absl::StrAppend(&canon, "|data:", f);
+  absl::StrAppend(&canon, "|n=", spec.num_sequences, "|len=", seq_len, "|seed=", spec.seed);
+  return Fnv1aHex(canon);
+}
+
+std::string HessianPath(const std::string& job_dir, int64_t block) {
+  return absl::StrCat(job_dir, "/hessians/block_", block, ".safetensors");
+}
+
+std::string ActivationPath(const std::string& job_dir, int64_t boundary) {
+  return absl::StrCat(job_dir, "/activations/block_", boundary, ".safetensors");
+}
+
+std::string CacheChecksumPath(const std::string& path) { return path + ".fnv1a64"; }
+
+Status WriteCacheChecksum(const std::string& path) {
+  QCAL_ASSIGN_OR_RETURN(std::string sum, FileFnv1aHex(path));
+  return WriteFileAtomic(CacheChecksumPath(path), sum + "\n");
+}
+
+Status VerifyCacheChecksum(const std::string& path) {
+  const std::string sidecar = CacheChecksumPath(path);
+  StatusOr<std::string> want = ReadFile(sidecar);
+  if (!want.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        path, ": no checksum (", sidecar, " is missing: written by an older qcal, or the "
+        "write was interrupted); recomputing"));
+  }
+  const std::string expected = want->substr(0, want->find('\n'));
+  QCAL_ASSIGN_OR_RETURN(std::string got, FileFnv1aHex(path));
+  if (got != expected) {
+    return absl::DataLossError(absl::StrCat(path, ": checksum ", got, " does not match ",
+                                            io::Printable(expected), " in ", sidecar,
+                                            ": the cached file is damaged; recomputing"));
+  }
+  return absl::OkStatus();
+}
+
+Status SaveBlockHessians(const std::string& path, const BlockHessians& h, const std::string& key) {
+  static_assert(sizeof(Fixed128) == 2 * sizeof(int64_t), "int128 is two int64 words");
+  SafetensorsWriter writer;
+  writer.SetMetadata("calibration_key", key);
+  writer.SetMetadata("hessian_format", kHessianFormat);
+  writer.SetMetadata("hessian_frac_bits", std::to_string(kHessianFracBits));
+  for (HessianKind k : kAllHessianKinds) {
+    const HessianAccumulator& acc = h.at(k);
+    const std::string base = HessianKindName(k);
+    const std::vector<Fixed128>* packed = &acc.packed();
+    // Streamed from the accumulator: no copy of the sums (6.6 GB at a 70B down_proj).
+    QCAL_RETURN_IF_ERROR(writer.AddStreamed(
+        base + ".fixed", DType::kI64, {static_cast<int64_t>(packed->size()), 2},
+        [packed](const SafetensorsWriter::ByteSink& sink) {
+          return sink(packed->data(), packed->size() * sizeof(Fixed128));
+        }));
+    const int64_t n = acc.dim();
+    QCAL_RETURN_IF_ERROR(writer.Add(base + ".dim", DType::kI64, {}, &n, sizeof(n)));
+    const int64_t count = acc.count();
+    QCAL_RETURN_IF_ERROR(writer.Add(base + ".count", DType::kI64, {}, &count, sizeof(count)));
+  }
+  QCAL_RETURN_IF_ERROR(writer.Write(path));
+  return WriteCacheChecksum(path);
+}
+
+namespace {
+
+// A block's Hessian cache file, mapped: each kind's mean from its stored sums, their pages
+// released after each use.
+class MappedHessianFile final : public StoredHessianSums {
+ public:
+  struct Kind {
+    int64_t n = 0, count = 0;
+    const TensorInfo* fixed = nullptr;
+  };
+  MappedHessianFile(std::unique_ptr<SafetensorsFile> file, std::array<Kind, 4> kinds)
+      : file_(std::move(file)), kinds_(kinds) {}
+  int64_t dim(HessianKind k) const override { return kinds_[static_cast<int>(k)].n; }
+  int64_t count(HessianKind k) const override { return kinds_[static_cast<int>(k)].count; }
+  at::Tensor Mean(HessianKind k) const override {
+    const Kind& kind = kinds_[static_cast<int>(k)];
+    if (kind.count == 0) return at::zeros({kind.n, kind.n}, at::kDouble);
+    at::Tensor mean = SymmetricSumFromPacked(file_->Data(*kind.fixed), kind.n)
+                          .div_(static_cast<double>(kind.count));
+    file_->ReleasePages(*kind.fixed);
+    return mean;
+  }
+
+ private:
+  std::unique_ptr<SafetensorsFile> file_;
+  std::array<Kind, 4> kinds_;
+};
+
+}  // namespace
+
+StatusOr<BlockHessians> LoadBlockHessians(const std::string& path, const std::string& key,
+                                          bool mapped) {
+  if (FileSize(path) < 0) return absl::NotFoundError(path + ": no cached Hessians");
+  QCAL_ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open(path));
+  auto it = file->metadata().find("calibration_key");
+  if (it == file->metadata().end() || it->second != key) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(path, ": cached Hessians were computed for calibration key '",
+                     it == file->metadata().end() ? "" : it->second, "', not '", key, "'"));
+  }
+  auto format = file->metadata().find("hessian_format");
+  if (format == file->metadata().end() || format->second != kHessianFormat) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        path, ": cached Hessians are in format '",
+        format == file->metadata().end() ? "1 (fp64 sums)" : format->second, "', not '",
+        kHessianFormat, "' (exact fixed-point sums); recomputing"));
+  }
+  // Stale files are named as such above; a current one must match its checksum before its
+  // sums are used.
+  QCAL_RETURN_IF_ERROR(VerifyCacheChecksum(path));
+  BlockHessians h;
+  std::array<MappedHessianFile::Kind, 4> kinds;
+  for (HessianKind k : kAllHessianKinds) {
+    const std::string base = HessianKindName(k);
+    const TensorInfo* fixed = file->Find(base + ".fixed");
+    const TensorInfo* dim = file->Find(base + ".dim");
+    const TensorInfo* count = file->Find(base + ".count");
+    if (!fixed || !dim || !count || fixed->dtype != DType::kI64 || fixed->shape.size() != 2 ||
+        fixed->shape[1] != 2 || dim->dtype != DType::kI64 || dim->numel() != 1 ||
+        count->dtype != DType::kI64 || count->numel() != 1) {
+      return absl::DataLossError(absl::StrCat(path, ": missing or malformed '", base, "'"));
+    }
+    int64_t n;
+    std::memcpy(&n, file->Data(*dim), sizeof(n));
+    if (n < 0 || n > (int64_t{1} << 20) || fixed->shape[0] != n * (n + 1) / 2) {
+      return absl::DataLossError(absl::StrCat(path, ": '", base, ".fixed' has ", fixed->shape[0],
+                                              " values, expected ", n * (n + 1) / 2));
+    }
+    int64_t c;
+    std::memcpy(&c, file->Data(*count), sizeof(c));
+    if (c < 0) return absl::DataLossError(absl::StrCat(path, ": '", base, ".count' is ", c));
+    if (mapped) {
+      kinds[static_cast<int>(k)] = {n, c, fixed};
+      continue;
+    }
+    std::vector<Fixed128> packed(fixed->shape[0]);
+    std::memcpy(packed.data(), file->Data(*fixed), packed.size() * sizeof(Fixed128));
+    file->ReleasePages(*fixed);
+    auto acc = HessianAccumulator::FromFixed(n, std::move(packed), c);
+    if (!acc.ok()) return Annotate(acc.status(), path);
+    h.at(k) = std::move(*acc);
+  }
+  if (mapped) h.stored = std::make_shared<MappedHessianFile>(std::move(file), kinds);
+  return h;
+}
+
+StatusOr<at::Tensor> LoadActivation(const std::string& path, const std::string& key,
+                                    const std::vector<int64_t>& shape) {
+  QCAL_ASSIGN_OR_RETURN(auto opened, OpenActivation(path, key, shape));
+  return at::from_blob(const_cast<uint8_t*>(opened.first->Data(*opened.second)), shape,
+                       at::kFloat)
+      .clone();
+}
+
+Status SaveActivation(const std::string& path, const at::Tensor& hidden, const std::string& key) {
+  SafetensorsWriter writer;
+  writer.SetMetadata("calibration_key", key);
+  const at::Tensor c = hidden.detach().to(at::kFloat).contiguous();
+  QCAL_RETURN_IF_ERROR(writer.AddF32("hidden", c.sizes().vec(), c.data_ptr<float>()));
+  QCAL_RETURN_IF_ERROR(writer.Write(path));
+  return WriteCacheChecksum(path);
+}
+
+Status CheckActivationCache(const std::string& path, const std::string& key,
+                            const std::vector<int64_t>& shape) {
+  return OpenActivation(path, key, shape).status();
+}
+
+StatusOr<std::unique_ptr<SharedSafetensorsFile>> SharedSafetensorsFile::Begin(
+    comm::Comm& comm, const std::string& path, SafetensorsWriter layout) {
+  auto f = std::unique_ptr<SharedSafetensorsFile>(new SharedSafetensorsFile());
+  f->path_ = path;
+  f->partial_ = path + ".partial";
+  f->layout_ = std::move(layout);
+  Status local = [&]() -> Status {
+    QCAL_ASSIGN_OR_RETURN(std::string prefix, f->layout_.Prefix(path));
+    f->data_offset_ = static_cast<int64_t>(prefix.size());
+    if (comm.rank() != 0) return Status();
+    const int fd = ::open(f->partial_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) return Errno(f->partial_, "cannot create");
+    const bool ok =
+        ::write(fd, prefix.data(), prefix.size()) == static_cast<ssize_t>(prefix.size()) &&
+        ::ftruncate(fd, static_cast<off_t>(prefix.size() + f->layout_.data_bytes())) == 0 &&
+        ::fsync(fd) == 0;
+    ::close(fd);
+    return ok ? Status() : Errno(f->partial_, "cannot write the header");
+  }();
+  QCAL_RETURN_IF_ERROR(AgreeOk(comm, local, path));
+  f->fd_ = ::open(f->partial_.c_str(), O_WRONLY | O_CLOEXEC);
+  local = f->fd_ >= 0 ? Status() : Errno(f->partial_, "cannot open");
+  QCAL_RETURN_IF_ERROR(AgreeOk(comm, local, path));
+  return f;
+}
+
+SharedSafetensorsFile::~SharedSafetensorsFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+Status SharedSafetensorsFile::Write(const std::string& name, uint64_t offset, const void* data,
+                                    size_t bytes) {
+  QCAL_ASSIGN_OR_RETURN(const uint64_t start, layout_.DataOffset(name));
+  const char* p = static_cast<const char*>(data);
+  size_t left = bytes;
+  off_t off = static_cast<off_t>(data_offset_ + start + offset);
+  while (left > 0) {
+    const ssize_t n = ::pwrite(fd_, p, left, off);
+    if (n <= 0) {
+      if (n < 0 && errno == EINTR) continue;
+      return Errno(partial_, absl::StrCat("cannot write tensor ", name).c_str());
+    }
+    p += n;
+    left -= static_cast<size_t>(n);
+    off += n;
+  }
+  return Status();
+}
+
+Status SharedSafetensorsFile::Finish(comm::Comm& comm) {
+  Status local = ::fsync(fd_) == 0 ? Status() : Errno(partial_, "fsync failed");
+  ::close(fd_);
+  fd_ = -1;
+  QCAL_RETURN_IF_ERROR(AgreeOk(comm, local, path_));
+  if (comm.rank() == 0) {
+    local = ::rename(partial_.c_str(), path_.c_str()) == 0 ? Status()
+                                                           : Errno(path_, "cannot rename into");
+    if (local.ok()) local = SyncParentDir(path_);
+    if (local.ok()) local = WriteCacheChecksum(path_);
+  }
+  return AgreeOk(comm, local, path_);
+}
+
+StatusOr<std::unique_ptr<SharedSafetensorsFile>> BeginActivationFile(
+    comm::Comm& comm, const std::string& path, const std::string& key,
+    const std::vector<int64_t>& shape) {
+  SafetensorsWriter layout;
+  layout.SetMetadata("calibration_key", key);
+  const Status reserved = layout.Reserve("hidden", DType::kF32, shape);
+  QCAL_RETURN_IF_ERROR(AgreeOk(comm, reserved, path));
+  return SharedSafetensorsFile::Begin(comm, path, std::move(layout));
+}
+
+// Sequences [first, first + x.size(0)) of an activation file [N, S, hidden].
+Status WriteActivationRows(SharedSafetensorsFile& file, int64_t first, const at::Tensor& x) {
+  const at::Tensor c = x.detach().to(at::kCPU, at::kFloat).contiguous();
+  const uint64_t row_bytes = c.numel() > 0 ? c.numel() / c.size(0) * sizeof(float) : 0;
+  return file.Write("hidden", first * row_bytes, c.data_ptr(), c.numel() * sizeof(float));
+}
+
+// The layout SaveBlockHessians writes (the same header bytes), for a file that the ranks fill
+// with their bands.
+SafetensorsWriter HessianFileLayout(const BlockHessians& h, const std::string& key) {
+  SafetensorsWriter layout;
+  layout.SetMetadata("calibration_key", key);
+  layout.SetMetadata("hessian_format", kHessianFormat);
+  layout.SetMetadata("hessian_frac_bits", std::to_string(kHessianFracBits));
+  for (HessianKind k : kAllHessianKinds) {
+    const std::string base = HessianKindName(k);
+    const int64_t n = h.at(k).dim();
+    // Reserve cannot fail here: fresh names, valid shapes.
+    (void)layout.Reserve(base + ".fixed", DType::kI64, {n * (n + 1) / 2, 2});
+    (void)layout.Reserve(base + ".dim", DType::kI64, {});
+    (void)layout.Reserve(base + ".count", DType::kI64, {});
+  }
+  return layout;
+}
+
+// Writes a block's Hessians whose accumulators are bands (sharded calibration): every rank
+// writes its band of each triangle in place, rank 0 the dimensions and counts. The file's bytes
+// equal SaveBlockHessians's for the whole sums. Collective.
+Status SaveShardedBlockHessians(comm::Comm& comm, const std::string& path,
+                                const BlockHessians& h, const std::string& key) {
+  QCAL_ASSIGN_OR_RETURN(auto file,
+                        SharedSafetensorsFile::Begin(comm, path, HessianFileLayout(h, key)));
+  Status local;
+  for (HessianKind k : kAllHessianKinds) {
+    if (!local.ok()) break;
+    const HessianAccumulator& acc = h.at(k);
+    const std::string base = HessianKindName(k);
+    local = file->Write(base + ".fixed", acc.packed_begin() * sizeof(Fixed128),
+                        acc.packed().data(), acc.packed().size() * sizeof(Fixed128));
+    if (local.ok() && comm.rank() == 0) {
+      const int64_t n = acc.dim(), count = acc.count();
+      local = file->Write(base + ".dim", 0, &n, sizeof(n));
+      if (local.ok()) local = file->Write(base + ".count", 0, &count, sizeof(count));
+    }
+  }
+  QCAL_RETURN_IF_ERROR(AgreeOk(comm, local, path));
+  return file->Finish(comm);
+}
+
+}  // namespace qcal::calib

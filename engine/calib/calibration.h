@@ -1,0 +1,84 @@
+// The calibration walk of a quantization job (QuIP# §F / GPTQ convention): per-block Hessians and
+// block-boundary activations of the float model, data-parallel over the ranks of a Comm. Its
+// pieces: the calibration sequences (tokens.h), the cached products in the job directory
+// (cache.h: keys, checksums, files), the collectives (reduce.h), and this walk.
+//
+// Canonical chunks: the sequences are processed in chunks of `batch` sequences, chunk k =
+// sequences [k·batch, (k+1)·batch) (the last may be shorter). A rank owns the contiguous chunks
+// SliceForRank(num_chunks, rank, size), so every forward op sees exactly the inputs (and GEMM
+// shapes) it sees in a single process, and the exact fixed-point Hessian sums (hessian.h) make
+// the reduced Hessians bit-identical for any number of ranks.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "common/status.h"
+#include "engine/calib/cache.h"
+#include "engine/calib/hessian.h"
+#include "engine/calib/reduce.h"
+#include "engine/calib/tokens.h"
+#include "engine/comm/comm.h"
+#include "engine/model/model_source.h"
+#include "kernels/gpu_backend.h"
+
+namespace qcal::calib {
+
+struct CalibrationOptions {
+  int64_t batch = 8;              // sequences per canonical chunk
+  // Activations this rank holds in memory during the walk; above it they are spilled to
+  // job_dir/spill (activation_store.h). Default: no limit.
+  int64_t memory_budget_bytes = std::numeric_limits<int64_t>::max();
+  bool hessians = true;           // compute (or reuse) every block's Hessians
+  bool activations = false;       // compute (or reuse) every block boundary's activations
+  bool keep_hessians = true;      // return the Hessians in CalibrationResult::hessians
+  // Sharded Hessians: instead of every rank summing its own sequences into whole accumulators
+  // (16 bytes per entry of each triangle on every rank: 8.2 GB at a 70B block) and reducing
+  // them, each rank owns one band of rows of each triangle (HessianBandForRank) and sums every
+  // rank's sequences into it: the ranks gather one chunk's linear inputs from each other at a
+  // time. Memory per rank falls to 1/ranks of the sums plus the ranks' inputs of one chunk; the
+  // traffic is the calibration inputs (all of them reach every rank) instead of two passes over
+  // the sums. The bands are written in place into the same file, so the bytes (and every later
+  // result) are those of the unsharded walk. Every rank must pass the same value.
+  bool shard_hessians = false;
+  // The accumulators' strip height (kHessianStripRows). Tests lower it to cut small Hessians
+  // into several bands; both walks give the same bits for the same value.
+  int64_t hessian_strip_rows = kHessianStripRows;
+  // GPU ranks: an in-place int64 sum over the ranks of a device buffer (NCCL's all-reduce; the
+  // worker makes it when it runs on a GPU). When every rank has a GPU backend and this, each
+  // block's Hessian sums are reduced on the devices (AllReduceDeviceHessians) instead of being
+  // downloaded and reduced through `comm` on the hosts: 32 bytes per value through host memory
+  // and MPI (16 GB at a 70B block) become a device-to-device all-reduce. Same bytes either way.
+  kernels::DeviceInt64Sum device_sum;
+};
+
+struct CalibrationResult {
+  std::vector<BlockHessians> hessians;  // one per block when kept (the reduced totals)
+  int64_t tokens = 0;                   // calibration tokens per Hessian (all ranks)
+  bool from_cache = false;              // Hessians reused from job_dir
+  bool activations_from_cache = false;  // activations reused from job_dir
+  double seconds = 0;
+};
+
+// Collective: every rank of `comm` calls it with the same model, all `tokens`
+// [num_sequences, seq_len] and the same options. Reuses cached products whose key matches (rank
+// 0 decides and tells the others); otherwise each rank streams the float model block by block
+// (one block in memory: `source` reads it when the walk reaches it) over its chunks, whose
+// activations it holds in memory up to options.memory_budget_bytes and in a spill file above.
+// Hessians are summed over ranks and saved by rank 0; activation files are written in place by
+// every rank (its own rows), so no rank holds another's. Ends with a barrier, so the files are
+// complete when any rank returns. A failure on any rank makes every rank return an error (the
+// failing rank its own, naming the block and Hessian; the others Aborted). progress(block,
+// blocks) on every rank.
+StatusOr<CalibrationResult> Calibrate(comm::Comm& comm, model::ModelSource& source,
+                                      const at::Tensor& tokens, const std::string& job_dir,
+                                      const std::string& key, const CalibrationOptions& options,
+                                      const std::function<void(int64_t, int64_t)>& progress =
+                                          nullptr);
+
+}  // namespace qcal::calib

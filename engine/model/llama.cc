@@ -1,0 +1,496 @@
+#include "engine/model/llama.h"
+
+#include <cmath>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/grad_mode.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/cpu.h"
+#include "kernels/blas_threads.h"
+
+namespace qcal::model {
+
+DenseLinear::DenseLinear(at::Tensor weight) : weight_(weight.contiguous()) {}
+
+at::Tensor DenseLinear::Forward(const at::Tensor& x) const { return LinearRows(x, weight_); }
+
+at::Tensor LinearRows(const at::Tensor& x, const at::Tensor& weight) {
+  if (at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad())) {
+    return at::matmul(x, weight.t());  // autograd's own GEMMs, each on one BLAS thread
+  }
+  const int64_t in = x.size(-1);
+  const at::Tensor x2 = x.reshape({-1, in}).contiguous();
+  const int64_t rows = x2.size(0);
+  std::vector<int64_t> out_sizes(x.sizes().begin(), x.sizes().end());
+  out_sizes.back() = weight.size(0);
+  // (A shape mismatch is reported by at::mm on the calling thread.)
+  if (rows <= kLinearChunkRows || weight.dim() != 2 || weight.size(1) != in) {
+    return at::mm(x2, weight.t()).view(out_sizes);
+  }
+  at::Tensor out = at::empty({rows, weight.size(0)}, x2.options());
+  const at::Tensor wt = weight.t();
+  const int64_t chunks = (rows + kLinearChunkRows - 1) / kLinearChunkRows;
+  // Chunks on qcal's threads, one single-threaded BLAS GEMM each. (qcal's TUs are not compiled
+  // with OpenMP, so an at::parallel_for here ran every chunk on the calling thread.)
+  qcal::ParallelTasks(chunks, at::get_num_threads(), [&](int64_t c) {
+    // Grad mode is thread-local: a caller without autograd (a NoGradGuard while a weight requires
+    // grad, as fine-tuning's held-out passes are) must not meet mm_out's autograd check here.
+    at::NoGradGuard no_grad;
+    const int64_t r0 = c * kLinearChunkRows;
+    const int64_t n = std::min(kLinearChunkRows, rows - r0);
+    at::Tensor dst = out.narrow(0, r0, n);
+    at::mm_out(dst, x2.narrow(0, r0, n), wt);
+  });
+  return out.view(out_sizes);
+}
+
+double SumToDouble(const at::Tensor& t) {
+  const at::Tensor flat = t.reshape({-1}).to(at::kDouble).contiguous();
+  const int64_t n = flat.numel();
+  constexpr int64_t kChunk = 4096;
+  const int64_t full = n / kChunk;
+  double sum = 0;
+  if (full > 0) {
+    // One partial sum per fixed 4096-element chunk: LibTorch reduces each row with the same
+    // arithmetic whichever thread takes it, where a whole-tensor sum() splits the elements by
+    // the thread count.
+    const at::Tensor partial = flat.narrow(0, 0, full * kChunk).view({full, kChunk}).sum(1)
+                                   .contiguous();
+    const double* p = partial.data_ptr<double>();
+    for (int64_t i = 0; i < full; ++i) sum += p[i];
+  }
+  const double* rest = flat.data_ptr<double>() + full * kChunk;
+  for (int64_t i = 0; i < n - full * kChunk; ++i) sum += rest[i];
+  return sum;
+}
+int64_t DenseLinear::in_features() const { return weight_.size(1); }
+int64_t DenseLinear::out_features() const { return weight_.size(0); }
+
+const char* KvRoleName(KvRole role) {
+  switch (role) {
+    case KvRole::kKey: return "key";
+    case KvRole::kValue: return "value";
+    case KvRole::kQuery: return "query";
+  }
+  return "?";
+}
+
+const char* LinearName(LinearKind kind) {
+  switch (kind) {
+    case LinearKind::kQ: return "self_attn.q_proj";
+    case LinearKind::kK: return "self_attn.k_proj";
+    case LinearKind::kV: return "self_attn.v_proj";
+    case LinearKind::kO: return "self_attn.o_proj";
+    case LinearKind::kGate: return "mlp.gate_proj";
+    case LinearKind::kUp: return "mlp.up_proj";
+    case LinearKind::kDown: return "mlp.down_proj";
+  }
+  return "?";
+}
+
+// [s, o + s] bool: true where query i (at position o + i, behind o prefix entries) may not read
+// key j, i.e. j > o + i (future positions). Cached per length, prefix length and device.
+at::Tensor CausalMask(int64_t s, int64_t o, const at::Device& device) {
+  static std::mutex mu;
+  static std::map<std::tuple<int64_t, int64_t, std::string>, at::Tensor> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  at::Tensor& mask = cache[{s, o, device.str()}];
+  if (!mask.defined()) {
+    mask = at::ones({s, o + s}, at::TensorOptions().dtype(at::kBool).device(device)).triu(o + 1);
+  }
+  return mask;
+}
+
+at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor var = x.pow(2).mean(-1, /*keepdim=*/true);
+  return x * at::rsqrt(var + eps) * weight;
+}
+
+Rope::Rope(int64_t head_dim, double theta, int64_t max_positions, const RopeScaling& scaling)
+    : max_positions_(std::min(max_positions, kMaxRopePositions + kMaxPrefixTokens)) {
+  // Computed in double, stored in float: matches references that build the tables in float64.
+  const int64_t half = head_dim / 2;
+  at::Tensor inv_freq = at::empty({half}, at::kDouble);
+  auto inv = inv_freq.accessor<double, 1>();
+  for (int64_t i = 0; i < half; ++i) inv[i] = std::pow(theta, -2.0 * i / head_dim);
+  if (scaling.type == RopeScaling::Type::kLinear) {
+    for (int64_t i = 0; i < half; ++i) inv[i] /= scaling.factor;
+  } else if (scaling.type == RopeScaling::Type::kLlama3) {
+    // Hugging Face's _compute_llama3_parameters.
+    const double original = static_cast<double>(scaling.original_max_position_embeddings);
+    const double low_freq_wavelen = original / scaling.low_freq_factor;
+    const double high_freq_wavelen = original / scaling.high_freq_factor;
+    for (int64_t i = 0; i < half; ++i) {
+      const double wavelen = 2.0 * M_PI / inv[i];
+      if (wavelen > low_freq_wavelen) {
+        inv[i] /= scaling.factor;
+      } else if (wavelen >= high_freq_wavelen) {
+        const double smooth = (original / wavelen - scaling.low_freq_factor) /
+                              (scaling.high_freq_factor - scaling.low_freq_factor);
+        inv[i] = (1.0 - smooth) * inv[i] / scaling.factor + smooth * inv[i];
+      }
+    }
+  }
+  at::Tensor pos = at::arange(max_positions_, at::kDouble);
+  at::Tensor freqs = at::outer(pos, inv_freq);     // [P, half]
+  at::Tensor emb = at::cat({freqs, freqs}, -1);    // [P, head_dim]
+  cos_ = emb.cos().to(at::kFloat);
+  sin_ = emb.sin().to(at::kFloat);
+}
+
+at::Tensor Rope::Apply(const at::Tensor& x, int64_t offset) const {
+  const int64_t seq = x.size(2);
+  const int64_t half = x.size(3) / 2;
+  at::Tensor cos = cos_.narrow(0, offset, seq).to(x.device());
+  at::Tensor sin = sin_.narrow(0, offset, seq).to(x.device());
+  at::Tensor x1 = x.narrow(-1, 0, half);
+  at::Tensor x2 = x.narrow(-1, half, half);
+  at::Tensor rotated = at::cat({-x2, x1}, -1);
+  return x * cos + rotated * sin;
+}
+
+at::Tensor Rope::Apply(const at::Tensor& x, const at::Tensor& perm, int64_t offset) const {
+  if (!perm.defined()) return Apply(x, offset);
+  const int64_t heads = x.size(1), seq = x.size(2), d = x.size(3), half = d / 2;
+  const at::Tensor p = perm.to(x.device(), at::kLong);
+  // cos/sin [heads, seq, d]: the column of channel j is that of its half-split channel p[h][j].
+  at::Tensor cos = cos_.narrow(0, offset, seq).to(x.device()).index_select(1, p.reshape(-1))
+                       .view({seq, heads, d}).transpose(0, 1);
+  at::Tensor sin = sin_.narrow(0, offset, seq).to(x.device()).index_select(1, p.reshape(-1))
+                       .view({seq, heads, d}).transpose(0, 1);
+  // rotate_half in the half-split layout: rot[c] = -x[c + half] (c < half), x[c - half] (c >=
+  // half); here read through the permutation.
+  at::Tensor inv = at::empty_like(p).scatter_(1, p, at::arange(d, p.options()).expand({heads, d}));
+  at::Tensor partner = inv.gather(1, (p + half).remainder(d));  // new index of the partner
+  at::Tensor sign = (p < half).to(x.scalar_type()) * -2 + 1;     // -1 for c < half, else +1
+  at::Tensor rotated = x.gather(3, partner.view({1, heads, 1, d}).expand_as(x).contiguous()) *
+                       sign.view({1, heads, 1, d});
+  return x * cos + rotated * sin;
+}
+
+DecoderBlock::DecoderBlock(const LlamaConfig& config, BlockWeights weights)
+    : heads_(config.num_attention_heads),
+      kv_heads_(config.num_key_value_heads),
+      head_dim_(config.head_dim),
+      eps_(config.rms_norm_eps),
+      weights_(std::move(weights)) {}
+
+void DecoderBlock::Project(const at::Tensor& h, const Rope& rope, int64_t offset, at::Tensor* q_out,
+                           at::Tensor* k_out, at::Tensor* v_out) const {
+  const int64_t b = h.size(0), s = h.size(1);
+  const int64_t rep = heads_ / kv_heads_;
+  // The 1/sqrt(d) scale is folded into q (a [b, s, H·d] tensor) rather than applied to the
+  // [b, H, s, s] scores: attention on CPU is bound by passes over the score tensor.
+  at::Tensor q = weights_.linear(LinearKind::kQ).Forward(h) * (1.0 / std::sqrt(double(head_dim_)));
+  at::Tensor k = weights_.linear(LinearKind::kK).Forward(h);
+  at::Tensor v = weights_.linear(LinearKind::kV).Forward(h);
+  if (!weights_.rope_perm.defined()) {
+    q = rope.Apply(q.view({b, s, heads_, head_dim_}).transpose(1, 2), offset);     // [b, H, s, d]
+    k = rope.Apply(k.view({b, s, kv_heads_, head_dim_}).transpose(1, 2), offset);  // [b, KV, s, d]
+  } else {  // K-sorted channels (engine/qsim/ksort.h)
+    const at::Tensor& kp = weights_.rope_perm;
+    q = rope.Apply(q.view({b, s, heads_, head_dim_}).transpose(1, 2), kp.repeat_interleave(rep, 0),
+                   offset);
+    k = rope.Apply(k.view({b, s, kv_heads_, head_dim_}).transpose(1, 2), kp, offset);
+  }
+  v = v.view({b, s, kv_heads_, head_dim_}).transpose(1, 2);              // [b, KV, s, d]
+  if (hooks_.qk_rotation.defined()) {  // QuaRot R3, after RoPE; cancels in q·kᵀ
+    const at::Tensor m = hooks_.qk_rotation.to(q.device());
+    q = at::matmul(q, m);
+    k = at::matmul(k, m);
+  }
+  *q_out = std::move(q);
+  *k_out = std::move(k);
+  *v_out = std::move(v);
+}
+
+std::pair<at::Tensor, at::Tensor> DecoderBlock::KeysValues(const at::Tensor& x, const Rope& rope,
+                                                           int64_t offset) const {
+  at::Tensor q, k, v;
+  Project(RmsNorm(x, weights_.input_norm, eps_), rope, offset, &q, &k, &v);
+  return {k, v};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> DecoderBlock::Projections(const at::Tensor& x,
+                                                                         const Rope& rope,
+                                                                         int64_t offset) const {
+  at::Tensor q, k, v;
+  Project(RmsNorm(x, weights_.input_norm, eps_), rope, offset, &q, &k, &v);
+  return {q, k, v};
+}
+
+at::Tensor DecoderBlock::Attention(const at::Tensor& h, const Rope& rope) const {
+  const int64_t b = h.size(0), s = h.size(1);
+  const int64_t rep = heads_ / kv_heads_;
+  const PrefixKv* prefix = hooks_.prefix.get();
+  const int64_t o = prefix != nullptr ? prefix->length() : 0;
+  at::Tensor q, k, v;
+  Project(h, rope, o, &q, &k, &v);
+  if (hooks_.kv_cache) {  // what attention reads back from a quantized cache
+    q = hooks_.kv_cache->Apply(q, KvRole::kQuery);
+    k = hooks_.kv_cache->Apply(k, KvRole::kKey);
+    v = hooks_.kv_cache->Apply(v, KvRole::kValue);
+  }
+  if (o > 0) {  // the prefix's full-precision entries in front of the sequence's own
+    k = at::cat({prefix->k.to(k.device()).unsqueeze(0).expand({b, kv_heads_, o, head_dim_}), k}, 2);
+    v = at::cat({prefix->v.to(v.device()).unsqueeze(0).expand({b, kv_heads_, o, head_dim_}), v}, 2);
+  }
+  // Grouped-query attention without copying K/V: query heads h = g·rep + r share KV head g, so
+  // view q as [b, KV, rep·s, d] and attend each group against its one K/V.
+  q = q.reshape({b, kv_heads_, rep * s, head_dim_});
+  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)).view({b, kv_heads_, rep, s, o + s});
+  scores.masked_fill_(CausalMask(s, o, h.device()), -std::numeric_limits<float>::infinity());
+  at::Tensor probs = at::softmax(scores.view({b, kv_heads_, rep * s, o + s}), -1);
+  at::Tensor out = at::matmul(probs, v)                         // [b, KV, rep·s, d]
+                       .view({b, heads_, s, head_dim_})
+                       .transpose(1, 2)
+                       .reshape({b, s, heads_ * head_dim_});
+  return weights_.linear(LinearKind::kO).Forward(out);
+}
+
+at::Tensor DecoderBlock::Mlp(const at::Tensor& h) const {
+  at::Tensor gate = weights_.linear(LinearKind::kGate).Forward(h);
+  at::Tensor up = weights_.linear(LinearKind::kUp).Forward(h);
+  return weights_.linear(LinearKind::kDown).Forward(at::silu(gate) * up);
+}
+
+at::Tensor DecoderBlock::Forward(const at::Tensor& x, const Rope& rope) const {
+  at::Tensor h = x + Attention(RmsNorm(x, weights_.input_norm, eps_), rope);
+  return h + Mlp(RmsNorm(h, weights_.post_norm, eps_));
+}
+
+StatusOr<at::Tensor> LoadTensorF32(CheckpointReader& ckpt, const std::string& name,
+                                   const std::vector<int64_t>& expected_shape) {
+  QCAL_ASSIGN_OR_RETURN(auto found, ckpt.Find(name));
+  const TensorInfo& info = *found.second;
+  if (info.shape != expected_shape) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(found.first->path(), ": tensor '", name, "' has shape [",
+                     absl::StrJoin(info.shape, ", "), "], expected [",
+                     absl::StrJoin(expected_shape, ", "), "] from config.json"));
+  }
+  // Converted straight into the tensor: one float32 copy, not two.
+  at::Tensor t = at::empty(expected_shape, at::kFloat);
+  QCAL_RETURN_IF_ERROR(found.first->ReadF32Into(name, t.data_ptr<float>(),
+                                                static_cast<size_t>(t.numel())));
+  // A NaN or infinite weight poisons every Hessian and output downstream, where the message
+  // could no longer say where it came from: name the file and the tensor here.
+  const float* p = t.data_ptr<float>();
+  const int64_t n = t.numel();
+  int64_t bad = 0, first = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(p[i])) {
+      if (first < 0) first = i;
+      ++bad;
+    }
+  }
+  if (bad > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        found.first->path(), ": tensor '", name, "' has ", bad, " non-finite value(s) of ", n,
+        " (the first, element ", first, ", is ", std::isnan(p[first]) ? "NaN" : "infinite",
+        "): the checkpoint is damaged or was saved from a diverged model"));
+  }
+  return t;
+}
+
+std::vector<int64_t> LinearShape(const LlamaConfig& c, LinearKind kind) {
+  const int64_t hid = c.hidden_size, inter = c.intermediate_size;
+  switch (kind) {
+    case LinearKind::kQ: return {c.q_dim(), hid};
+    case LinearKind::kK:
+    case LinearKind::kV: return {c.kv_dim(), hid};
+    case LinearKind::kO: return {hid, c.q_dim()};
+    case LinearKind::kGate:
+    case LinearKind::kUp: return {inter, hid};
+    case LinearKind::kDown: return {hid, inter};
+  }
+  return {};
+}
+
+StatusOr<BlockWeights> LoadBlockWeights(CheckpointReader& ckpt, const LlamaConfig& c,
+                                        int64_t layer) {
+  if (layer < 0 || layer >= c.num_hidden_layers) {
+    return absl::OutOfRangeError(absl::StrCat("block ", layer, " out of range [0, ",
+                                              c.num_hidden_layers, ")"));
+  }
+  const std::string p = absl::StrCat("model.layers.", layer, ".");
+  const int64_t hid = c.hidden_size;
+  BlockWeights w;
+  QCAL_ASSIGN_OR_RETURN(w.input_norm, LoadTensorF32(ckpt, p + "input_layernorm.weight", {hid}));
+  QCAL_ASSIGN_OR_RETURN(w.post_norm,
+                        LoadTensorF32(ckpt, p + "post_attention_layernorm.weight", {hid}));
+  for (LinearKind k : kAllLinears) {
+    const int i = static_cast<int>(k);
+    QCAL_ASSIGN_OR_RETURN(at::Tensor t,
+                          LoadTensorF32(ckpt, p + LinearName(k) + ".weight", LinearShape(c, k)));
+    w.linears[i] = std::make_unique<DenseLinear>(std::move(t));
+  }
+  return w;
+}
+
+LlamaModel::LlamaModel(LlamaConfig config, at::Tensor embed, std::vector<DecoderBlock> blocks,
+                       at::Tensor final_norm, std::unique_ptr<Linear> head)
+    : config_(std::move(config)),
+      embed_(std::move(embed)),
+      blocks_(std::move(blocks)),
+      final_norm_(std::move(final_norm)),
+      head_(std::move(head)),
+      rope_(config_) {}
+
+StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& dir) {
+  QCAL_ASSIGN_OR_RETURN(LlamaConfig config, LoadLlamaConfig(dir));
+  QCAL_ASSIGN_OR_RETURN(auto ckpt, CheckpointReader::Open(dir));
+  QCAL_ASSIGN_OR_RETURN(at::Tensor embed,
+                        LoadTensorF32(*ckpt, "model.embed_tokens.weight",
+                                      {config.vocab_size, config.hidden_size}));
+  std::vector<DecoderBlock> blocks;
+  blocks.reserve(config.num_hidden_layers);
+  for (int64_t l = 0; l < config.num_hidden_layers; ++l) {
+    QCAL_ASSIGN_OR_RETURN(BlockWeights w, LoadBlockWeights(*ckpt, config, l));
+    blocks.emplace_back(config, std::move(w));
+  }
+  QCAL_ASSIGN_OR_RETURN(at::Tensor norm,
+                        LoadTensorF32(*ckpt, "model.norm.weight", {config.hidden_size}));
+  at::Tensor head = embed;
+  if (!config.tie_word_embeddings || ckpt->Has("lm_head.weight")) {
+    QCAL_ASSIGN_OR_RETURN(head, LoadTensorF32(*ckpt, "lm_head.weight",
+                                              {config.vocab_size, config.hidden_size}));
+  }
+  return std::make_unique<LlamaModel>(std::move(config), std::move(embed), std::move(blocks),
+                                      std::move(norm), std::make_unique<DenseLinear>(head));
+}
+
+at::Tensor LlamaModel::Embed(const at::Tensor& ids) const {
+  return at::embedding(embed_, ids);
+}
+
+at::Tensor LlamaModel::Head(const at::Tensor& hidden) const {
+  return head_->Forward(RmsNorm(hidden, final_norm_, config_.rms_norm_eps));
+}
+
+at::Tensor LlamaModel::Forward(const at::Tensor& ids) const {
+  at::NoGradGuard no_grad;
+  at::Tensor h = Embed(ids);
+  for (const DecoderBlock& block : blocks_) h = block.Forward(h, rope_);
+  return Head(h);
+}
+
+StatusOr<std::vector<std::shared_ptr<const PrefixKv>>> ComputePrefixKv(
+    const LlamaModel& model, const std::vector<int32_t>& tokens) {
+  const int64_t o = static_cast<int64_t>(tokens.size());
+  if (o == 0) return absl::InvalidArgumentError("prefix: no tokens");
+  if (o > kMaxPrefixTokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefix: ", o, " tokens; at most ", kMaxPrefixTokens, " are supported"));
+  }
+  for (int32_t t : tokens) {
+    if (t < 0 || t >= model.config().vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("prefix: token id ", t,
+                                                     " outside the vocabulary of ",
+                                                     model.config().vocab_size));
+    }
+  }
+  if (PrefixLength(model) > 0) {
+    return absl::FailedPreconditionError("prefix: the model already has a prefix installed");
+  }
+  at::NoGradGuard no_grad;
+  std::vector<int64_t> ids(tokens.begin(), tokens.end());
+  at::Tensor h = model.Embed(at::from_blob(ids.data(), {1, o}, at::kLong).clone());
+  std::vector<std::shared_ptr<const PrefixKv>> out;
+  for (int64_t i = 0; i < model.num_blocks(); ++i) {
+    auto [k, v] = model.block(i).KeysValues(h, model.rope(), 0);
+    auto p = std::make_shared<PrefixKv>();
+    p->tokens = tokens;
+    p->k = k[0].contiguous();
+    p->v = v[0].contiguous();
+    out.push_back(std::move(p));
+    h = model.block(i).Forward(h, model.rope());
+  }
+  return out;
+}
+
+Status InstallPrefixKv(LlamaModel& model,
+                       const std::vector<std::shared_ptr<const PrefixKv>>& prefix) {
+  const LlamaConfig& c = model.config();
+  if (static_cast<int64_t>(prefix.size()) != model.num_blocks()) {
+    return absl::InvalidArgumentError(absl::StrCat("prefix: ", prefix.size(), " blocks' K/V for a model of ",
+                                                   model.num_blocks(), " blocks"));
+  }
+  for (int64_t i = 0; i < model.num_blocks(); ++i) {
+    const PrefixKv* p = prefix[i].get();
+    const int64_t o = p != nullptr ? p->length() : 0;
+    const std::vector<int64_t> want = {c.num_key_value_heads, o, c.head_dim};
+    if (p == nullptr || o == 0 || p->k.sizes().vec() != want || p->v.sizes().vec() != want ||
+        static_cast<int64_t>(p->tokens.size()) != o || o != prefix[0]->length()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "prefix: block ", i, "'s K/V are not [kv_heads, o, head_dim] = [", c.num_key_value_heads,
+          ", ", prefix[0] ? prefix[0]->length() : 0, ", ", c.head_dim, "] with o tokens"));
+    }
+  }
+  for (int64_t i = 0; i < model.num_blocks(); ++i) {
+    BlockHooks hooks = model.block(i).hooks();
+    hooks.prefix = prefix[i];
+    model.mutable_block(i).set_hooks(std::move(hooks));
+  }
+  return Status();
+}
+
+int64_t PrefixLength(const LlamaModel& model) {
+  if (model.num_blocks() == 0 || !model.block(0).hooks().prefix) return 0;
+  return model.block(0).hooks().prefix->length();
+}
+
+std::vector<int32_t> GenerateGreedy(const LlamaModel& model, const std::vector<int32_t>& prompt,
+                                    int64_t max_new_tokens, int32_t stop_token) {
+  // With a prefix that ends with the prompt's BOS, the prompt's BOS is the prefix's.
+  const PrefixKv* prefix =
+      model.num_blocks() > 0 ? model.block(0).hooks().prefix.get() : nullptr;
+  const int64_t o = prefix != nullptr ? prefix->length() : 0;
+  const bool drop_bos = o > 0 && !prompt.empty() && prompt[0] == prefix->tokens.back();
+  std::vector<int32_t> tokens = prompt;
+  if (drop_bos) tokens.erase(tokens.begin());
+  const int64_t limit = model.config().max_position_embeddings;
+  for (int64_t step = 0; step < max_new_tokens; ++step) {
+    if (static_cast<int64_t>(tokens.size()) >= limit) break;
+    std::vector<int64_t> ids(tokens.begin(), tokens.end());
+    at::Tensor input = at::from_blob(ids.data(), {1, static_cast<int64_t>(ids.size())}, at::kLong)
+                           .clone();
+    at::Tensor logits = model.Forward(input);
+    const int32_t next = static_cast<int32_t>(logits[0][-1].argmax().item<int64_t>());
+    if (next == stop_token) break;
+    tokens.push_back(next);
+  }
+  if (drop_bos) tokens.insert(tokens.begin(), prompt[0]);
+  return tokens;
+}
+
+namespace {
+int EnvThreads() {
+  const char* env = std::getenv("QCAL_NUM_THREADS");
+  return env ? std::atoi(env) : 0;
+}
+}  // namespace
+
+int AutoComputeThreads(const LlamaConfig& config) {
+  if (EnvThreads() > 0) return EnvThreads();
+  if (config.hidden_size < 512) return 1;
+  return AvailableCpus();
+}
+
+void SetComputeThreads(int threads) {
+  if (threads <= 0) threads = EnvThreads();
+  if (threads <= 0) threads = AvailableCpus();
+  at::set_num_threads(threads);
+  static const std::string blas = kernels::PinBlasToOneThread();
+  (void)blas;
+}
+
+}  // namespace qcal::model

@@ -1,0 +1,296 @@
+// The Llama-family forward pass in LibTorch (CPU float32; the same code runs on CUDA tensors),
+// organised per decoder block because the block is the unit of work that quantization jobs
+// distribute: a block can be loaded alone from the checkpoint shards and run on [batch, seq,
+// hidden] activations.
+//
+// Layout and maths follow Hugging Face's LlamaForCausalLM: RMSNorm (x * rsqrt(mean(x²) + eps) *
+// w), RoPE on half-split pairs (i, i + head_dim/2) with inv_freq = theta^(-2i/head_dim), grouped
+// query attention (query head h reads KV head h / (heads / kv_heads)), causal softmax attention,
+// SwiGLU MLP (down(silu(gate(x)) * up(x))), tied or separate head.
+//
+// Thread-safety: a loaded model is immutable during Forward and may be shared by threads.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "common/hf_config.h"
+#include "common/safetensors.h"
+#include "common/status.h"
+
+namespace qcal::model {
+
+// y = x Wᵀ for x [..., in_features] -> [..., out_features]. An interface, so that quantized
+// layers (decoded codebooks, integer weights, online transforms) replace dense ones in a block
+// without changing the block.
+class Linear {
+ public:
+  virtual ~Linear() = default;
+  virtual at::Tensor Forward(const at::Tensor& x) const = 0;
+  virtual int64_t in_features() const = 0;
+  virtual int64_t out_features() const = 0;
+  // The effective dense weight [out, in] in float32 (quantized layers decode theirs).
+  virtual at::Tensor DenseWeight() const = 0;
+  // Real-valued parameters of a quantized layer that fine-tuning may tune while its codes stay
+  // fixed (QuIP#'s sign vectors su/sv): handles to the tensors Forward uses. Empty by default.
+  virtual std::vector<at::Tensor> TunableVectors() { return {}; }
+};
+
+class DenseLinear final : public Linear {
+ public:
+  explicit DenseLinear(at::Tensor weight);  // [out, in] float32, contiguous
+  at::Tensor Forward(const at::Tensor& x) const override;
+  int64_t in_features() const override;
+  int64_t out_features() const override;
+  at::Tensor DenseWeight() const override { return weight_; }
+
+ private:
+  at::Tensor weight_;
+};
+
+// The seven linears of a decoder block, in Hugging Face naming.
+enum class LinearKind { kQ, kK, kV, kO, kGate, kUp, kDown };
+inline constexpr LinearKind kAllLinears[] = {LinearKind::kQ,    LinearKind::kK,  LinearKind::kV,
+                                             LinearKind::kO,    LinearKind::kGate,
+                                             LinearKind::kUp,   LinearKind::kDown};
+// "self_attn.q_proj", ..., "mlp.down_proj"
+const char* LinearName(LinearKind kind);
+// The [out_features, in_features] of a linear of a block of `config`.
+std::vector<int64_t> LinearShape(const LlamaConfig& config, LinearKind kind);
+
+struct BlockWeights {
+  at::Tensor input_norm;  // [hidden]
+  at::Tensor post_norm;   // [hidden]
+  std::unique_ptr<Linear> linears[7];  // indexed by LinearKind
+  // K-sort (engine/qsim/ksort.h): channel j of KV head g holds the half-split RoPE channel
+  // rope_perm[g][j]; query heads use their KV head's row. [kv_heads, head_dim] int64, or
+  // undefined for the identity (every model not K-sorted).
+  at::Tensor rope_perm;
+  // Further per-block tensors of quantized inference, stored in the block's shard as
+  // model.layers.N.<key> (QuaRot's calibrated static ranges: methods/quarot/checkpoint.h). The
+  // float forward pass ignores them.
+  std::map<std::string, at::Tensor> extra;
+  Linear& linear(LinearKind k) const { return *linears[static_cast<int>(k)]; }
+};
+
+// Rotary embedding tables for positions [0, max_positions).
+// Rotary position embedding tables (half-split layout, as Hugging Face's rotate_half), with the
+// config's rope_scaling applied to the inverse frequencies (hf_config.h RopeScaling). Tables cover
+// min(max_positions, kMaxRopePositions) positions.
+// A model's tables (Rope(config)) also cover kMaxPrefixTokens positions past its context, where
+// the tokens of a full-length sequence sit behind a prefix (PrefixKv).
+inline constexpr int64_t kMaxRopePositions = 32768;
+inline constexpr int64_t kMaxPrefixTokens = 64;
+class Rope {
+ public:
+  Rope(int64_t head_dim, double theta, int64_t max_positions,
+       const RopeScaling& scaling = RopeScaling());
+  explicit Rope(const LlamaConfig& config)
+      : Rope(config.head_dim, config.rope_theta,
+             std::min(config.max_position_embeddings, kMaxRopePositions) + kMaxPrefixTokens,
+             config.rope_scaling) {}
+  // x [batch, heads, seq, head_dim] at positions [offset, offset + seq) -> rotated copy.
+  // offset + seq must not exceed max_positions().
+  at::Tensor Apply(const at::Tensor& x, int64_t offset = 0) const;
+  // As Apply, with the channels of each head permuted: channel j of head h holds the half-split
+  // channel perm[h][j]. perm [heads, head_dim] int64; undefined = Apply(x, offset).
+  at::Tensor Apply(const at::Tensor& x, const at::Tensor& perm, int64_t offset = 0) const;
+  int64_t max_positions() const { return max_positions_; }
+  // The tables Apply multiplies by: [max_positions, head_dim] float32 (cos and sin of position ·
+  // the half-split inverse frequencies, repeated for both halves).
+  const at::Tensor& cos_table() const { return cos_; }
+  const at::Tensor& sin_table() const { return sin_; }
+
+ private:
+  int64_t max_positions_;
+  at::Tensor cos_, sin_;  // [max_positions, head_dim]
+};
+
+// What attention reads back from the KV cache: DecoderBlock::Attention calls the block's
+// KvCacheHook (when it has one) on keys, values and queries before GQA grouping, scores and
+// softmax:
+//   k = M(RoPE(x W_kᵀ))      (M = BlockHooks::qk_rotation, when set) → Apply(k, kKey)
+//   v = x W_vᵀ                                                      → Apply(v, kValue)
+//   q = M(RoPE(x W_qᵀ))·(1/√d)                                      → Apply(q, kQuery)
+// Implementations (engine/qsim/kv_quantizer.h) quantize and dequantize keys and values as a
+// quantized cache would store them; queries are not cached (kQuery lets a format compute q·kᵀ in
+// its own arithmetic; others return x itself).
+// Contract: Apply never modifies x and returns a float32 tensor of x's shape on x's device;
+// a token's entry depends only on that token's values and fixed parameters (causal); thread-safe.
+enum class KvRole { kKey = 0, kValue = 1, kQuery = 2 };
+const char* KvRoleName(KvRole role);  // "key" / "value" / "query"
+
+class KvCacheHook {
+ public:
+  virtual ~KvCacheHook() = default;
+  // x: [batch, kv_heads, seq, head_dim] (keys, values) or [batch, heads, seq, head_dim] (queries).
+  virtual at::Tensor Apply(const at::Tensor& x, KvRole role) const = 0;
+  virtual std::string Describe() const = 0;  // one line for logs, "int4 asym per_group(8)"
+};
+
+// Keys and values of tokens that sit in front of every sequence in the KV cache (PrefixQuant's
+// prefixed outlier tokens), as attention reads them: K after RoPE at positions 0..o-1 (and after
+// BlockHooks::qk_rotation), V as projected; full precision, never passed through the KvCacheHook.
+// With a prefix installed, a block's own tokens sit at positions o, o+1, ... and every query
+// attends to the o prefix entries and causally to its sequence.
+struct PrefixKv {
+  std::vector<int32_t> tokens;  // the prefixed token ids, in order
+  at::Tensor k, v;              // [kv_heads, o, head_dim] float32
+  int64_t length() const { return k.defined() ? k.size(1) : 0; }
+};
+
+// Optional per-block steps of a transformed or simulated-quantized forward pass. The default
+// (empty) hooks leave the forward pass exactly the float one. Activation quantization and online
+// transforms of a linear's input are not hooks: they wrap the block's Linears.
+struct BlockHooks {
+  // An orthogonal [head_dim, head_dim] matrix M applied to every query and key head after RoPE,
+  // q_h ← q_h·M and k_h ← k_h·M; it cancels in q·kᵀ (QuaRot's R3). Undefined: none.
+  at::Tensor qk_rotation;
+  // The KV cache as attention reads it back. Null: a float cache.
+  std::shared_ptr<const KvCacheHook> kv_cache;
+  // Prefixed keys and values (above). Null: none; positions start at 0.
+  std::shared_ptr<const PrefixKv> prefix;
+};
+
+class DecoderBlock {
+ public:
+  DecoderBlock(const LlamaConfig& config, BlockWeights weights);
+  // x [batch, seq, hidden] float -> [batch, seq, hidden]; positions are 0..seq-1, causal (o..
+  // o+seq-1 after a prefix of o tokens, hooks().prefix, which every query also attends to).
+  at::Tensor Forward(const at::Tensor& x, const Rope& rope) const;
+  // The keys and values this block's attention computes for x [batch, seq, hidden] at positions
+  // offset..offset+seq-1, before any KvCacheHook and ignoring any installed prefix: K after RoPE
+  // and qk_rotation, [batch, kv_heads, seq, head_dim] each. (A prefix's K/V: PrefixKvOf.)
+  std::pair<at::Tensor, at::Tensor> KeysValues(const at::Tensor& x, const Rope& rope,
+                                               int64_t offset) const;
+  // The same with the queries: {q [batch, heads, seq, head_dim] scaled by 1/√head_dim (after
+  // RoPE and qk_rotation), k, v}, as attention computes them before any KvCacheHook.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> Projections(const at::Tensor& x, const Rope& rope,
+                                                             int64_t offset) const;
+  const BlockWeights& weights() const { return weights_; }
+  BlockWeights& mutable_weights() { return weights_; }
+  const BlockHooks& hooks() const { return hooks_; }
+  void set_hooks(BlockHooks hooks) { hooks_ = std::move(hooks); }
+  int64_t head_dim() const { return head_dim_; }
+  int64_t heads() const { return heads_; }
+  int64_t kv_heads() const { return kv_heads_; }
+  double rms_eps() const { return eps_; }
+
+ private:
+  at::Tensor Attention(const at::Tensor& h, const Rope& rope) const;
+  // q [b, H, s, d] (scaled by 1/√d), k and v [b, KV, s, d] of normalised h at positions offset..,
+  // after RoPE and qk_rotation, before the KV hook.
+  void Project(const at::Tensor& h, const Rope& rope, int64_t offset, at::Tensor* q, at::Tensor* k,
+               at::Tensor* v) const;
+  at::Tensor Mlp(const at::Tensor& h) const;
+  int64_t heads_, kv_heads_, head_dim_;
+  double eps_;
+  BlockWeights weights_;
+  BlockHooks hooks_;
+};
+
+at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// Reads one tensor as float32 and checks its shape. Errors name the tensor and the checkpoint.
+StatusOr<at::Tensor> LoadTensorF32(CheckpointReader& ckpt, const std::string& name,
+                                   const std::vector<int64_t>& expected_shape);
+// Loads decoder block `layer` alone (only its tensors are read).
+StatusOr<BlockWeights> LoadBlockWeights(CheckpointReader& ckpt, const LlamaConfig& config,
+                                        int64_t layer);
+
+// The weights outside the decoder blocks.
+struct NonBlockWeights {
+  at::Tensor embed;       // [vocab, hidden]
+  at::Tensor final_norm;  // [hidden]
+  at::Tensor head;        // [vocab, hidden]; the same tensor as embed when tied
+  bool head_tied = false;
+};
+
+class LlamaModel {
+ public:
+  // Loads config.json and every tensor of a Hugging Face model directory.
+  static StatusOr<std::unique_ptr<LlamaModel>> Load(const std::string& dir);
+  LlamaModel(LlamaConfig config, at::Tensor embed, std::vector<DecoderBlock> blocks,
+             at::Tensor final_norm, std::unique_ptr<Linear> head);
+
+  const LlamaConfig& config() const { return config_; }
+  const Rope& rope() const { return rope_; }
+  int64_t num_blocks() const { return static_cast<int64_t>(blocks_.size()); }
+  const DecoderBlock& block(int64_t i) const { return blocks_[i]; }
+  DecoderBlock& mutable_block(int64_t i) { return blocks_[i]; }
+
+  // ids [batch, seq] int64 -> hidden [batch, seq, hidden].
+  at::Tensor Embed(const at::Tensor& ids) const;
+  // Final RMSNorm + head: [batch, seq, hidden] -> logits [batch, seq, vocab].
+  at::Tensor Head(const at::Tensor& hidden) const;
+  // Whole model: ids [batch, seq] int64 -> logits [batch, seq, vocab] float32.
+  at::Tensor Forward(const at::Tensor& ids) const;
+
+  // The non-block weights, for whole-model transforms (QuaRot's norm fusion and rotation).
+  const at::Tensor& embed_weight() const { return embed_; }  // [vocab, hidden]
+  const at::Tensor& final_norm() const { return final_norm_; }  // [hidden]
+  const Linear& head() const { return *head_; }
+  void set_embed_weight(at::Tensor embed) { embed_ = std::move(embed); }
+  void set_final_norm(at::Tensor norm) { final_norm_ = std::move(norm); }
+  void set_head(std::unique_ptr<Linear> head) { head_ = std::move(head); }
+
+ private:
+  LlamaConfig config_;
+  at::Tensor embed_;
+  std::vector<DecoderBlock> blocks_;
+  at::Tensor final_norm_;
+  std::unique_ptr<Linear> head_;
+  Rope rope_;
+};
+
+// The prefix of `tokens` for every block of `model` (which must have no prefix installed): the
+// tokens run through the model's blocks as they are (hooks included) at positions 0..o-1, and
+// each block's K/V of them kept (DecoderBlock::KeysValues). InvalidArgument for no tokens, an id
+// outside the vocabulary, or more than kMaxPrefixTokens tokens.
+StatusOr<std::vector<std::shared_ptr<const PrefixKv>>> ComputePrefixKv(
+    const LlamaModel& model, const std::vector<int32_t>& tokens);
+// Installs prefix[i] on block i (replacing any). InvalidArgument when the counts or shapes
+// disagree with the model.
+Status InstallPrefixKv(LlamaModel& model,
+                       const std::vector<std::shared_ptr<const PrefixKv>>& prefix);
+// The prefix length installed on the model's blocks (0: none).
+int64_t PrefixLength(const LlamaModel& model);
+
+// Greedy decoding from `prompt` (which should start with BOS; with a prefix installed, a leading
+// BOS is dropped when the prefix ends with it, and positions count the prefix): appends up to `max_new_tokens`
+// argmax tokens, stopping early when `stop_token` (BOS for llama2.c models, or EOS) is produced.
+// Returns prompt + generated tokens (a stop token is not appended).
+std::vector<int32_t> GenerateGreedy(const LlamaModel& model, const std::vector<int32_t>& prompt,
+                                    int64_t max_new_tokens, int32_t stop_token);
+
+// Sets LibTorch's intra-op threads (0: $QCAL_NUM_THREADS if set, else the CPUs of the affinity
+// mask) and pins the BLAS library to one thread (kernels/blas_threads.h). The thread count is a
+// speed setting only: every result is the same bits for any value (docs/architecture.md,
+// "Determinism"). Call it before any numeric work in a process.
+void SetComputeThreads(int threads);
+
+// x [..., in] · weightᵀ [in, out]. Without autograd, the rows of x are cut into fixed chunks of
+// kLinearChunkRows, each one single-threaded GEMM, run in parallel: the bits of a row's output
+// depend only on the shapes, never on the thread count or the affinity. With autograd (x or
+// the weight requiring grad) it is at::matmul on one BLAS thread.
+inline constexpr int64_t kLinearChunkRows = 256;
+at::Tensor LinearRows(const at::Tensor& x, const at::Tensor& weight);
+
+// Σ t in double, the same bits for any thread count (LibTorch's whole-tensor sum() splits the
+// elements by the thread count once there are more than 32768).
+double SumToDouble(const at::Tensor& t);
+
+// The thread count that runs `config` fastest on CPU: $QCAL_NUM_THREADS if set; 1 for small
+// models (hidden_size < 512), whose per-op work is too small to split across threads (measured:
+// stories260K evaluates 2.4x faster on 1 thread than on 2); else the CPUs of the affinity mask.
+int AutoComputeThreads(const LlamaConfig& config);
+
+}  // namespace qcal::model

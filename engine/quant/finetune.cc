@@ -1,0 +1,449 @@
+#include "engine/quant/finetune.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <functional>
+#include <random>
+#include <utility>
+
+// The one translation unit that needs LibTorch's optimizers (and autograd's backward()).
+#include <torch/torch.h>
+
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "common/seed.h"
+#include "engine/model/llama.h"
+
+namespace qcal::quant {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using model::LinearKind;
+
+double Seconds(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Streams derived from the recipe seed (common/seed.h DeriveSeed): split, per-block shuffles, e2e.
+constexpr uint64_t kSplitStream = 0x5350;      // "SP"
+constexpr uint64_t kBlockStream = 0x424c4b;    // "BLK"
+constexpr uint64_t kEndToEndStream = 0x453245;  // "E2E"
+
+// Fisher–Yates with an explicit modulo draw: std::shuffle's use of the engine is unspecified,
+// and the split must be the same with every standard library.
+void Shuffle(std::vector<int64_t>* v, std::mt19937_64* rng) {
+  for (int64_t i = static_cast<int64_t>(v->size()) - 1; i > 0; --i) {
+    const int64_t j = static_cast<int64_t>((*rng)() % static_cast<uint64_t>(i + 1));
+    std::swap((*v)[i], (*v)[j]);
+  }
+}
+
+at::Tensor IndexTensor(const std::vector<int64_t>& idx, int64_t begin, int64_t end) {
+  return at::from_blob(const_cast<int64_t*>(idx.data() + begin), {end - begin}, at::kLong)
+      .clone();
+}
+
+// The parameters of one Adam run, by learning rate.
+struct TunableParams {
+  std::vector<at::Tensor> plain;  // lr: norms, float weights, untied head
+  std::vector<at::Tensor> signs;  // sign_lr: QuipLinear su/sv
+  std::vector<at::Tensor> All() const {
+    std::vector<at::Tensor> all = plain;
+    all.insert(all.end(), signs.begin(), signs.end());
+    return all;
+  }
+  int64_t Values() const {
+    int64_t n = 0;
+    for (const at::Tensor& t : All()) n += t.numel();
+    return n;
+  }
+};
+
+void SetTrainable(const TunableParams& params, bool on) {
+  for (at::Tensor t : params.All()) {
+    t.set_requires_grad(on);
+    if (!on) t.mutable_grad().reset();
+  }
+}
+
+std::vector<at::Tensor> Snapshot(const TunableParams& params) {
+  std::vector<at::Tensor> snap;
+  for (const at::Tensor& t : params.All()) snap.push_back(t.detach().clone());
+  return snap;
+}
+
+void Restore(const TunableParams& params, const std::vector<at::Tensor>& snap) {
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> all = params.All();
+  for (size_t i = 0; i < all.size(); ++i) all[i].copy_(snap[i]);
+}
+
+struct TrainOutcome {
+  double initial = 0;  // evaluation loss before any step
+  double best = 0;     // evaluation loss of the restored parameters
+  int64_t best_epoch = 0;
+  int64_t steps = 0;
+};
+
+// Adam over `params` for stage.epochs epochs of shuffled minibatches of `train`; after every
+// epoch `eval()` (no grad) is compared with the best so far, and the best parameters (the
+// starting point being epoch 0) are restored at the end. batch_loss(indices) returns the mean
+// loss of those sequences with a graph to the parameters.
+TrainOutcome TrainKeepBest(const TunableParams& params, double lr, double sign_lr,
+                           const FinetuneStage& stage, const std::vector<int64_t>& train,
+                           uint64_t seed,
+                           const std::function<at::Tensor(const at::Tensor&)>& batch_loss,
+                           const std::function<double()>& eval) {
+  TrainOutcome out;
+  out.initial = out.best = eval();
+  if (stage.epochs <= 0 || train.empty() || params.All().empty()) return out;
+  SetTrainable(params, true);
+  std::vector<at::Tensor> best = Snapshot(params);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  if (!params.plain.empty()) {
+    groups.emplace_back(params.plain, std::make_unique<torch::optim::AdamOptions>(lr));
+  }
+  if (!params.signs.empty()) {
+    groups.emplace_back(params.signs, std::make_unique<torch::optim::AdamOptions>(sign_lr));
+  }
+  torch::optim::Adam adam(std::move(groups), torch::optim::AdamOptions(lr));
+  std::mt19937_64 rng(seed);
+  std::vector<int64_t> order = train;
+  const int64_t n = static_cast<int64_t>(order.size());
+  const int64_t batch = std::max<int64_t>(1, stage.batch);
+  for (int64_t epoch = 1; epoch <= stage.epochs; ++epoch) {
+    Shuffle(&order, &rng);
+    for (int64_t b = 0; b < n; b += batch) {
+      adam.zero_grad();
+      at::Tensor loss = batch_loss(IndexTensor(order, b, std::min(n, b + batch)));
+      loss.backward();
+      adam.step();
+      ++out.steps;
+    }
+    const double v = eval();
+    if (v < out.best) {  // NaN never wins
+      out.best = v;
+      out.best_epoch = epoch;
+      best = Snapshot(params);
+    }
+  }
+  Restore(params, best);
+  SetTrainable(params, false);
+  return out;
+}
+
+// Mean squared error of block(inputs[idx]) against targets[idx], summed in double.
+double BlockMse(const model::DecoderBlock& block, const model::Rope& rope,
+                const at::Tensor& inputs, const at::Tensor& targets,
+                const std::vector<int64_t>& idx, int64_t batch) {
+  at::NoGradGuard no_grad;
+  double sum = 0;
+  int64_t count = 0;
+  const int64_t n = static_cast<int64_t>(idx.size());
+  for (int64_t b = 0; b < n; b += batch) {
+    const at::Tensor i = IndexTensor(idx, b, std::min(n, b + batch));
+    const at::Tensor d =
+        (block.Forward(inputs.index_select(0, i), rope) - targets.index_select(0, i))
+            .to(at::kDouble);
+    sum += model::SumToDouble(d.pow(2));
+    count += d.numel();
+  }
+  return count ? sum / static_cast<double>(count) : std::nan("");
+}
+
+Status CheckStage(const FinetuneStage& stage, const std::string& what) {
+  if (stage.epochs < 0 || stage.batch < 1 || !(stage.lr > 0) || !(stage.holdout >= 0) ||
+      !(stage.holdout < 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, " fine-tuning: need epochs >= 0, batch >= 1, lr > 0, 0 <= holdout < 1 (got epochs ",
+        stage.epochs, ", batch ", stage.batch, ", lr ", stage.lr, ", holdout ", stage.holdout,
+        ")"));
+  }
+  return absl::OkStatus();
+}
+
+// The tunable vectors (QuIP#'s su/sv) of every quantized linear of the block.
+void AddSigns(model::BlockWeights& w, TunableParams* params) {
+  for (LinearKind k : model::kAllLinears) {
+    for (at::Tensor& t : w.linears[static_cast<int>(k)]->TunableVectors()) {
+      params->signs.push_back(t);
+    }
+  }
+}
+
+}  // namespace
+
+SequenceSplit SplitSequences(int64_t n, double holdout, uint64_t seed) {
+  SequenceSplit split;
+  std::vector<int64_t> perm(std::max<int64_t>(n, 0));
+  for (int64_t i = 0; i < n; ++i) perm[i] = i;
+  int64_t held = 0;
+  if (holdout > 0 && n >= 2) {
+    held = std::clamp<int64_t>(std::llround(holdout * static_cast<double>(n)), 1, n - 1);
+  }
+  std::mt19937_64 rng(DeriveSeed(seed, kSplitStream));
+  Shuffle(&perm, &rng);
+  split.holdout.assign(perm.begin(), perm.begin() + held);
+  split.train.assign(perm.begin() + held, perm.end());
+  std::sort(split.holdout.begin(), split.holdout.end());
+  std::sort(split.train.begin(), split.train.end());
+  return split;
+}
+
+StatusOr<BlockTaskResult> QuantizeBlockWithFinetune(const FinetuneOptions& options,
+                                                    const LlamaConfig& config, int64_t layer,
+                                                    const model::BlockWeights& float_weights,
+                                                    const calib::BlockHessians* hessians,
+                                                    const LinearQuantizer& quantize_linear,
+                                                    const model::Rope& rope,
+                                                    const at::Tensor& inputs_in,
+                                                    const at::Tensor& targets_in) {
+  const auto t0 = Clock::now();
+  const std::string where = absl::StrCat("block ", layer);
+  const FinetuneStage& stage = options.stage;
+  QCAL_RETURN_IF_ERROR(CheckStage(stage, where));
+  if (inputs_in.dim() != 3 || inputs_in.size(0) < 1 || inputs_in.size(2) != config.hidden_size ||
+      !inputs_in.sizes().equals(targets_in.sizes()) ||
+      inputs_in.size(1) > rope.max_positions()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": fine-tuning needs inputs and targets of the same shape [N >= 1, S <= ",
+        rope.max_positions(), ", ", config.hidden_size, "]"));
+  }
+  const at::Tensor inputs = inputs_in.detach().to(at::kFloat).contiguous();
+  const at::Tensor targets = targets_in.detach().to(at::kFloat).contiguous();
+  const int64_t n = inputs.size(0);
+  const SequenceSplit split = SplitSequences(n, stage.holdout, options.seed);
+  const std::vector<int64_t>& eval_idx = split.holdout.empty() ? split.train : split.holdout;
+  const int64_t batch = stage.batch;
+
+  auto hessian_of = [&](LinearKind k) {
+    return hessians ? hessians->Mean(calib::HessianKindOf(k)) : at::Tensor();
+  };
+  auto idx = [](LinearKind k) { return static_cast<int>(k); };
+
+  // The working block starts as a float copy; float_w[i] aliases the weight of its DenseLinear
+  // (DenseLinear keeps a contiguous tensor as is), so Adam's in-place updates reach Forward.
+  at::Tensor float_w[7];
+  model::BlockWeights start;
+  start.input_norm = float_weights.input_norm.detach().to(at::kFloat).clone();
+  start.post_norm = float_weights.post_norm.detach().to(at::kFloat).clone();
+  for (LinearKind k : model::kAllLinears) {
+    float_w[idx(k)] = float_weights.linear(k).DenseWeight().detach().to(at::kFloat).clone();
+    start.linears[idx(k)] = std::make_unique<model::DenseLinear>(float_w[idx(k)]);
+  }
+  model::DecoderBlock block(config, std::move(start));
+  model::BlockWeights& w = block.mutable_weights();
+
+  BlockTaskResult result;
+  result.layer = layer;
+  bool quantized[7] = {};
+  auto quantize = [&](LinearKind k) -> StatusOr<std::unique_ptr<model::Linear>> {
+    QCAL_ASSIGN_OR_RETURN(QuantizedLinear q, quantize_linear(k, float_w[idx(k)], hessian_of(k)));
+    result.linears.push_back(q.metrics);  // groups run in kAllLinears order
+    return std::move(q.layer);
+  };
+
+  const std::vector<std::vector<LinearKind>> groups = {
+      {LinearKind::kQ, LinearKind::kK, LinearKind::kV},
+      {LinearKind::kO},
+      {LinearKind::kGate, LinearKind::kUp},
+      {LinearKind::kDown}};
+  const double lr = stage.lr, sign_lr = stage.lr * options.sign_lr_multiplier;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const auto tg = Clock::now();
+    for (LinearKind k : groups[g]) {
+      QCAL_ASSIGN_OR_RETURN(w.linears[idx(k)], quantize(k));
+      quantized[idx(k)] = true;
+      float_w[idx(k)] = at::Tensor();
+    }
+    if (g == 0) {
+      // The no-FT baseline: q/k/v as just rounded (from float weights, before any tuning), the
+      // other linears rounded from the float weights too, the float norms.
+      model::BlockWeights base;
+      base.input_norm = float_weights.input_norm.detach().to(at::kFloat);
+      base.post_norm = float_weights.post_norm.detach().to(at::kFloat);
+      for (LinearKind k : model::kAllLinears) {
+        if (quantized[idx(k)]) {
+          base.linears[idx(k)] = std::move(w.linears[idx(k)]);
+        } else {
+          QCAL_ASSIGN_OR_RETURN(
+              QuantizedLinear q,
+              quantize_linear(k, float_weights.linear(k).DenseWeight(), hessian_of(k)));
+          base.linears[idx(k)] = std::move(q.layer);
+        }
+      }
+      model::DecoderBlock base_block(config, std::move(base));
+      result.mse_before_ft = BlockMse(base_block, rope, inputs, targets, eval_idx, batch);
+      for (LinearKind k : groups[0]) {
+        w.linears[idx(k)] = std::move(base_block.mutable_weights().linears[idx(k)]);
+      }
+    }
+
+    TunableParams params;
+    params.plain = {w.input_norm, w.post_norm};
+    for (LinearKind k : model::kAllLinears) {
+      if (!quantized[idx(k)]) params.plain.push_back(float_w[idx(k)]);
+    }
+    AddSigns(w, &params);
+    const TrainOutcome outcome = TrainKeepBest(
+        params, lr, sign_lr, stage, split.train,
+        DeriveSeed(options.seed, kBlockStream, static_cast<uint64_t>(layer) * 8 + g),
+        [&](const at::Tensor& i) {
+          return (block.Forward(inputs.index_select(0, i), rope) - targets.index_select(0, i))
+              .pow(2)
+              .mean();
+        },
+        [&] { return BlockMse(block, rope, inputs, targets, eval_idx, batch); });
+    QCAL_LOG_INFO(
+        "block {} group {}/{}: {} values tuned, held-out MSE {:.4g} -> {:.4g} (best epoch {} of "
+        "{}, {} steps, {:.1f} s)",
+        layer, g + 1, groups.size(), params.Values(), outcome.initial, outcome.best,
+        outcome.best_epoch, stage.epochs, outcome.steps, Seconds(tg));
+    if (g + 1 == groups.size()) result.mse_after_ft = outcome.best;
+  }
+  result.weights = std::move(block.mutable_weights());
+  result.seconds = Seconds(t0);
+  return result;
+}
+
+StatusOr<TunableModel> AssembleTunableModel(const LlamaConfig& config,
+                                            model::NonBlockWeights non_block,
+                                            std::vector<model::BlockWeights> blocks) {
+  if (static_cast<int64_t>(blocks.size()) != config.num_hidden_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("AssembleTunableModel: ", blocks.size(),
+                                                   " blocks for a model of ",
+                                                   config.num_hidden_layers));
+  }
+  TunableModel t;
+  const at::Tensor embed = non_block.embed;
+  t.final_norm = non_block.final_norm;
+  t.head = non_block.head_tied ? embed : non_block.head;
+  t.head_tied = non_block.head_tied;
+  std::vector<model::DecoderBlock> decoder;
+  decoder.reserve(blocks.size());
+  for (model::BlockWeights& b : blocks) decoder.emplace_back(config, std::move(b));
+  t.model = std::make_unique<model::LlamaModel>(config, embed, std::move(decoder), t.final_norm,
+                                                std::make_unique<model::DenseLinear>(t.head));
+  return t;
+}
+
+StatusOr<EndToEndResult> FinetuneEndToEnd(const FinetuneOptions& options,
+                                          TunableModel* quantized, const TeacherOutputs& teacher,
+                                          const at::Tensor& tokens_in) {
+  const auto t0 = Clock::now();
+  const FinetuneStage& stage = options.stage;
+  QCAL_RETURN_IF_ERROR(CheckStage(stage, "end-to-end"));
+  if (quantized == nullptr || !quantized->model) {
+    return absl::InvalidArgumentError("end-to-end fine-tuning: no quantized model");
+  }
+  model::LlamaModel& qm = *quantized->model;
+  const LlamaConfig& qc = qm.config();
+  if (!quantized->final_norm.defined() || !quantized->head.defined() ||
+      quantized->final_norm.numel() != qc.hidden_size ||
+      !quantized->head.sizes().equals({qc.vocab_size, qc.hidden_size})) {
+    return absl::InvalidArgumentError(
+        "end-to-end fine-tuning: TunableModel's final_norm/head are missing or misshapen");
+  }
+  if (tokens_in.dim() != 2 || tokens_in.size(0) < 1 || tokens_in.size(1) < 1 ||
+      tokens_in.size(1) > qm.rope().max_positions() ||
+      tokens_in.scalar_type() != at::kLong) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "end-to-end fine-tuning: tokens must be [N >= 1, 1 <= S <= ", qm.rope().max_positions(),
+        "] int64"));
+  }
+  const at::Tensor tokens = tokens_in.contiguous();
+  const int64_t n = tokens.size(0);
+  if (!teacher.hidden.defined() || teacher.hidden.dim() != 3 || teacher.hidden.size(0) != n ||
+      teacher.hidden.size(1) != tokens.size(1) || teacher.hidden.size(2) != qc.hidden_size ||
+      !teacher.head) {
+    return absl::InvalidArgumentError(
+        "end-to-end fine-tuning: the teacher's hidden states do not match the tokens and model");
+  }
+  const int64_t batch = stage.batch;
+  const SequenceSplit split = SplitSequences(n, stage.holdout, options.seed);
+  const std::vector<int64_t>& eval_idx = split.holdout.empty() ? split.train : split.holdout;
+  EndToEndResult result;
+  result.train_sequences = static_cast<int64_t>(split.train.size());
+  result.holdout_sequences = static_cast<int64_t>(split.holdout.size());
+
+  // The student's embeddings (not tuned), once.
+  const at::Tensor& teacher_hidden = teacher.hidden;
+  at::Tensor student_embed;
+  {
+    at::NoGradGuard no_grad;
+    student_embed = qm.Embed(tokens);
+  }
+  const double eps = qc.rms_norm_eps;
+  auto student_logits = [&](const at::Tensor& i) {
+    at::Tensor h = student_embed.index_select(0, i);
+    for (int64_t l = 0; l < qm.num_blocks(); ++l) h = qm.block(l).Forward(h, qm.rope());
+    return at::matmul(model::RmsNorm(h, quantized->final_norm, eps), quantized->head.t());
+  };
+  // Per-token KL(p_teacher || p_student), [b, S].
+  auto token_kl = [&](const at::Tensor& i) {
+    at::Tensor target;
+    {
+      at::NoGradGuard no_grad;
+      target = at::log_softmax(teacher.head(teacher_hidden.index_select(0, i)), -1);
+    }
+    const at::Tensor student = at::log_softmax(student_logits(i), -1);
+    return (target.exp() * (target - student)).sum(-1);
+  };
+  auto eval = [&] {
+    at::NoGradGuard no_grad;
+    double sum = 0;
+    int64_t count = 0;
+    const int64_t m = static_cast<int64_t>(eval_idx.size());
+    for (int64_t b = 0; b < m; b += batch) {
+      const at::Tensor kl = token_kl(IndexTensor(eval_idx, b, std::min(m, b + batch)));
+      sum += model::SumToDouble(kl);
+      count += kl.numel();
+    }
+    return count ? sum / static_cast<double>(count) : std::nan("");
+  };
+
+  TunableParams params;
+  for (int64_t l = 0; l < qm.num_blocks(); ++l) {
+    model::BlockWeights& w = qm.mutable_block(l).mutable_weights();
+    params.plain.push_back(w.input_norm);
+    params.plain.push_back(w.post_norm);
+    AddSigns(w, &params);
+  }
+  params.plain.push_back(quantized->final_norm);
+  if (!quantized->head_tied) params.plain.push_back(quantized->head);
+  result.head_tuned = !quantized->head_tied;
+  result.tuned_tensors = static_cast<int64_t>(params.All().size());
+  result.tuned_values = params.Values();
+
+  const TrainOutcome outcome = TrainKeepBest(
+      params, stage.lr, stage.lr * options.sign_lr_multiplier, stage, split.train,
+      DeriveSeed(options.seed, kEndToEndStream),
+      [&](const at::Tensor& i) { return token_kl(i).mean(); }, eval);
+  result.heldout_kl_before = outcome.initial;
+  result.heldout_kl_after = outcome.best;
+  result.best_epoch = outcome.best_epoch;
+
+  // The tuned final norm and head must be the ones the model computes with (TunableModel's
+  // contract); a model assembled some other way would silently keep its old head.
+  {
+    at::NoGradGuard no_grad;
+    const at::Tensor h = teacher_hidden.narrow(0, 0, 1);
+    const at::Tensor mine =
+        at::matmul(model::RmsNorm(h, quantized->final_norm, eps), quantized->head.t());
+    if (!at::allclose(qm.Head(h), mine, 1e-5, 1e-5)) {
+      return absl::InternalError(
+          "end-to-end fine-tuning: TunableModel's final_norm/head are not shared with its model");
+    }
+  }
+  result.seconds = Seconds(t0);
+  QCAL_LOG_INFO(
+      "end-to-end: {} tensors ({} values{}) tuned, held-out KL {:.5g} -> {:.5g} nats/token (best "
+      "epoch {} of {}, {} steps, {:.1f} s)",
+      result.tuned_tensors, result.tuned_values, result.head_tuned ? ", incl. lm_head" : "",
+      result.heldout_kl_before, result.heldout_kl_after, result.best_epoch, stage.epochs,
+      outcome.steps, result.seconds);
+  return result;
+}
+
+}  // namespace qcal::quant

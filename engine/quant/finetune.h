@@ -1,0 +1,147 @@
+// Fine-tuning during quantization (QuIP# §5, Algorithm 5, appendix F.6).
+//
+// Within a block (QuantizeBlockWithFinetune): the seven linears are quantized in four groups, in
+// the order data flows through the block — (q, k, v) → (o) → (gate, up) → (down). After each
+// group is rounded (by the method's LinearQuantizer, with the block's float-model Hessians), the
+// block is tuned with Adam to reproduce the float block's outputs:
+//   minimise MSE(block(X_train), Y_train)
+// over the block's still-float linear weights (so they compensate for the rounding error before
+// they are rounded themselves), the already-quantized linears' tunable vectors
+// (model::Linear::TunableVectors: QuIP#'s sign vectors su/sv as real numbers), and both RMSNorm
+// weights. Codes and scales of quantized layers never change. After
+// every epoch the held-out loss is measured, and the parameters of the best epoch (the untuned
+// starting point counts as epoch 0) are restored at the end of the group's pass.
+//
+// End to end (FinetuneEndToEnd): after every block is quantized, the remaining real-valued
+// parameters — every quantized linear's tunable vectors, every block's two norms, the final norm, and lm_head
+// when the model has an untied one — are tuned to minimise KL(p_float || p_quantized) of the
+// next-token distributions on the calibration sequences (the same gradient as QuIP#'s
+// cross-entropy against the float model's soft labels; reported as KL so that 0 means equal).
+// A tied head is the embedding matrix, which the quantized model shares unchanged with the
+// float model, so it is left alone.
+//
+// Settings (FinetuneOptions: common/recipe.h FinetuneStage): epochs, lr, batch (sequences per
+// Adam step), holdout (fraction of the sequences held out for keep-best). The tunable vectors use
+// sign_lr_multiplier × lr (QuIP# F.6: 10× for 2-bit recipes, kSignLrMultiplier); everything else
+// lr.
+//
+// Determinism: no LibTorch RNG is used. The train/held-out split and the per-epoch shuffles
+// come from std::mt19937_64 seeded from options.seed (SplitSequences; the same split for every
+// block and for the end-to-end stage, so held-out sequences are never trained on), so a rerun
+// with the same inputs and thread count gives bit-identical parameters.
+//
+// Thread-safety: both functions mutate the layers they tune; nothing else may run Forward on
+// those layers concurrently. LibTorch's intra-op threads are used as configured by the caller.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "common/hf_config.h"
+#include "common/recipe.h"
+#include "common/status.h"
+#include "engine/calib/hessian.h"
+#include "engine/model/llama.h"
+#include "engine/quant/block_task.h"
+
+namespace qcal::quant {
+
+// QuIP# F.6: 2-bit models tune S_U/S_V with 10× the learning rate of everything else.
+inline constexpr double kSignLrMultiplier = 10.0;
+
+struct FinetuneOptions {
+  FinetuneStage stage;              // the recipe's finetune.block or finetune.end_to_end
+  uint64_t seed = 0;                // the recipe's seed: split and shuffles
+  double sign_lr_multiplier = 1.0;  // learning rate of tunable vectors ÷ stage.lr
+};
+
+// Rounds one linear of the block being tuned: `weight` [out, in] (float, possibly tuned),
+// `hessian` [in, in] fp64 (undefined when the method uses none). A method's QuantizeLinear.
+using LinearQuantizer = std::function<StatusOr<QuantizedLinear>(
+    model::LinearKind kind, const at::Tensor& weight, const at::Tensor& hessian)>;
+
+// A deterministic split of n sequences into training and held-out indices (each sorted):
+// round(holdout · n) sequences, at least 1 and at most n − 1, are held out when holdout > 0 and
+// n >= 2; none otherwise (keep-best then uses the training loss). Chosen by a Fisher–Yates
+// permutation with std::mt19937_64(seed).
+struct SequenceSplit {
+  std::vector<int64_t> train;
+  std::vector<int64_t> holdout;
+};
+SequenceSplit SplitSequences(int64_t n, double holdout, uint64_t seed);
+
+// QuIP# Algorithm 5 within one block.
+//   float_weights: the float block (read only; copied).
+//   hessians: the block's input Hessians from the float model (null when the method uses none);
+//     every group is rounded with them, including groups whose weights were tuned first (as in
+//     QuIP#).
+//   quantize: the method's rounding of one linear.
+//   inputs [N, S, hidden] float32: the float model's inputs to this block on the calibration
+//     sequences; targets [N, S, hidden]: the float block's outputs on them (QuIP#'s setup: each
+//     block learns to map float inputs to float outputs, so blocks are independent tasks).
+// Settings: options.stage (the recipe's finetune.block; epochs 0 = quantize in groups without
+// tuning).
+// The result's mse_before_ft is the held-out output MSE of the block quantized WITHOUT any
+// fine-tuning (all seven linears rounded from the float weights, exactly what QuantizeBlock
+// returns; q/k/v are shared with the tuned path since they are rounded before any tuning);
+// mse_after_ft is the held-out MSE of the returned block. With holdout 0 both are over all
+// sequences. linears[i].proxy_loss is measured against the (tuned) weight that was rounded.
+// Errors: shapes that do not match the config, anything `quantize` rejects.
+StatusOr<BlockTaskResult> QuantizeBlockWithFinetune(const FinetuneOptions& options,
+                                                    const LlamaConfig& config, int64_t layer,
+                                                    const model::BlockWeights& float_weights,
+                                                    const calib::BlockHessians* hessians,
+                                                    const LinearQuantizer& quantize,
+                                                    const model::Rope& rope,
+                                                    const at::Tensor& inputs,
+                                                    const at::Tensor& targets);
+
+// A LlamaModel assembled from tensors the caller keeps handles to. LlamaModel keeps its final
+// norm and head private; its constructor shares the tensors' storage, so tuning final_norm/head
+// in place (as FinetuneEndToEnd does) changes what model->Forward computes.
+struct TunableModel {
+  std::unique_ptr<model::LlamaModel> model;
+  at::Tensor final_norm;  // [hidden] float32, shared with *model
+  at::Tensor head;        // [vocab, hidden] float32, shared with *model (the embeddings if tied)
+  bool head_tied = true;  // true: head is the embedding matrix (not tuned)
+};
+
+// The float model's embeddings, final norm and head (`non_block`, as the float checkpoint holds
+// them) + the given blocks. Errors: a block count other than config.num_hidden_layers.
+StatusOr<TunableModel> AssembleTunableModel(const LlamaConfig& config,
+                                            model::NonBlockWeights non_block,
+                                            std::vector<model::BlockWeights> blocks);
+
+// The teacher of end-to-end fine-tuning: the float model's final hidden states (before the final
+// norm) on the calibration tokens, [N, S, hidden], and its final norm + head (hidden -> logits).
+struct TeacherOutputs {
+  at::Tensor hidden;
+  std::function<at::Tensor(const at::Tensor&)> head;
+};
+
+struct EndToEndResult {
+  double heldout_kl_before = std::numeric_limits<double>::quiet_NaN();  // nats per token
+  double heldout_kl_after = std::numeric_limits<double>::quiet_NaN();
+  int64_t best_epoch = 0;  // 0: no epoch improved on the starting point
+  int64_t train_sequences = 0, holdout_sequences = 0;
+  int64_t tuned_tensors = 0, tuned_values = 0;
+  bool head_tuned = false;
+  double seconds = 0;
+};
+
+// QuIP# Algorithm 5's last step with options.stage (the recipe's finetune.end_to_end). `tokens`
+// [N, S] int64 (the calibration sequences); the teacher's logits are computed per batch from its
+// hidden states. Tunes quantized->model's blocks, final_norm and (untied) head in place and
+// leaves the best epoch's values there. Held-out KL is measured on the split
+// SplitSequences(N, holdout, options.seed) (all sequences when nothing is held out).
+// Errors: tokens not [N, S] int64 with S <= max positions, teacher states of another shape.
+StatusOr<EndToEndResult> FinetuneEndToEnd(const FinetuneOptions& options,
+                                          TunableModel* quantized, const TeacherOutputs& teacher,
+                                          const at::Tensor& tokens);
+
+}  // namespace qcal::quant

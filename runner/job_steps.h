@@ -1,0 +1,156 @@
+// The steps of a quantization job, shared by the single-process `qcal quantize`
+// (quantize_job.cc: SelfComm + these steps + its own journal) and the service worker's task
+// loop (worker/task_loop.cc: MpiComm + these steps; the coordinator journals):
+//
+//   OpenJob           the recipe's method, the float model as a streamed source (nothing of the
+//                     model is loaded yet), compute threads (every rank)
+//   CalibrateStep     collective over a Comm: Hessians and block-boundary activations on the
+//                     float model, cached in the job directory (calib/calibration.h), as the
+//                     task's CalibrateParams ask
+//   QuantizeBlockStep one block: the float block read from the source, prepared and quantized by
+//                     the method, its shard written as the attempt's staged file; returns the
+//                     BlockResult (the caller commits it and journals it)
+//   FinetuneE2EStep   end-to-end fine-tuning: rewrites every shard (staged); FinetuneResult
+//   EvaluateStep      perplexity of the float or the quantized model on one text file, one block
+//                     in memory at a time
+//   FinalizeJob       (common/job_layout.h) by whoever owns the journal
+//
+// Steps only read the source model, the job directory's calibration products and the committed
+// output, and write staged files, so a step run on any rank (after CalibrateStep finished on all
+// of them) computes the same bytes; no step names a method.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "common/hf_config.h"
+#include "common/recipe.h"
+#include "common/status.h"
+#include "kernels/gpu_backend.h"
+#include "methods/method.h"
+#include "proto/job.pb.h"
+#include "engine/comm/comm.h"
+#include "engine/model/model_source.h"
+
+namespace qcal::job {
+
+struct QuantizeJobOptions {
+  std::string model_dir;
+  std::string out_dir;
+  std::string job_dir;    // default: out_dir + ".job"
+  std::string data_root;  // where recipe calibration paths are resolved (default "../shared")
+  std::string recipe_source = "recipe";  // the recipe's file, for messages
+  int64_t calib_batch = 8;
+  int threads = 0;        // 0: model::AutoComputeThreads
+  // Bytes of activations a rank holds in memory (calibration, evaluation, sequential inputs);
+  // above it they are spilled to the job directory. 0: calib::DefaultMaxMemory().
+  int64_t max_memory = 0;
+  // GPU ranks: the NCCL all-reduce of device buffers (calib::CalibrationOptions::device_sum);
+  // empty on CPU ranks and in single-process jobs.
+  kernels::DeviceInt64Sum device_sum;
+  // The job's inputs key (common/input_fingerprint.h), as the job's driver planned it (`qcal
+  // quantize`'s plan, or the coordinator's, handed to the workers at registration); empty: OpenJob
+  // fingerprints the inputs itself (hashes cached in JOB/inputs.json).
+  std::string inputs_key;
+};
+
+struct JobEvent {
+  std::string phase;  // "calibrate", "activations", "quantize", "finetune", "finalize", "eval"
+  int64_t done = 0, total = 0;
+  std::string message;
+};
+using JobEventFn = std::function<void(const JobEvent&)>;
+
+// What a job's steps share. Created by OpenJob; not thread-safe (one per rank).
+struct JobContext {
+  Recipe recipe;
+  QuantizeJobOptions options;  // job_dir, data_root and max_memory resolved
+  LlamaConfig config;
+  std::unique_ptr<methods::Method> method;
+  std::unique_ptr<model::ModelSource> source;  // the float model, streamed
+  std::string calib_key;  // CalibrationKey of the recipe's data
+  int64_t seq_len = 0;    // calibration sequence length (capped)
+  at::Tensor tokens;      // calibration tokens, once sampled
+  int32_t bos_id = 1;     // the tokenizer's BOS (set with the tokens)
+  // Whether `method` was bound to its global phases' products (Method::BindPhaseProducts; done
+  // once, by the first block task that loads them).
+  bool method_bound = false;
+};
+
+// Resolves the options (job_dir default out_dir + ".job", data_root default "../shared",
+// max_memory, inputs_key), opens the float model as a streamed source, makes the recipe's method
+// and sets the compute threads (options.threads, else AutoComputeThreads). A calibration
+// seq_len above the model's context is capped to it, with a warning (CalibrationSeqLen).
+StatusOr<std::unique_ptr<JobContext>> OpenJob(const Recipe& recipe,
+                                              const QuantizeJobOptions& options);
+
+// The calibration sequence length: the recipe's, capped at the model's context
+// (max_position_embeddings). When capped, *note (if given) says so and why.
+int64_t CalibrationSeqLen(const Recipe& recipe, const LlamaConfig& config, std::string* note);
+
+// Samples the calibration tokens into ctx->tokens (once).
+Status EnsureCalibrationTokens(JobContext* ctx);
+
+// Collective over `comm` (every rank, same arguments; rank 0's `params` are used). Samples the
+// tokens, then calib::Calibrate over the streamed float model. Events: "calibrate" (block,
+// blocks) for the walk ("activations" when only activations are needed), then "activations"
+// (blocks, blocks) when both were made. Then, when params.phases() is set, the method's global
+// phases in order (MethodNeeds::global_phases), each reused from job_dir/phases/<phase>.safetensors
+// when that holds this calibration's products (its checksum verified), else run on every rank
+// and saved by rank 0; event "phase" (0/1, 1/1) with the phase's name.
+StatusOr<v1::CalibrateResult> CalibrateStep(comm::Comm& comm, JobContext* ctx,
+                                            const v1::CalibrateParams& params,
+                                            const JobEventFn& on_event = nullptr);
+
+// Quantizes block `layer` and writes its shard as `attempt`'s staged file (job_layout.h). When
+// the method needs the float model's Hessians / activations they are read from the job
+// directory (FailedPrecondition naming the file when missing). When it calibrates sequentially,
+// block l reads its inputs from job_dir/sequential/inputs-<l>.safetensors (block 0: the embedded
+// calibration tokens, prepared by the method), writes block l+1's and deletes block l-1's, so
+// block l-1 must be done first (the scheduler hands these blocks out in order); lost inputs are
+// rebuilt from the committed shards of the blocks before. A method that transforms the non-block
+// weights has block 0 write shard 0 too (BlockResult.also_wrote).
+StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
+                                            const std::string& attempt);
+
+// job_dir/phases/<phase>.safetensors: a global phase's products, every tensor F64 (exact for
+// float32 values and whole numbers below 2^53), metadata calibration_key and phase, with the
+// cache checksum beside it (calib::CacheChecksumPath).
+std::string PhaseProductsPath(const std::string& job_dir, const std::string& phase);
+Status SavePhaseProducts(const std::string& path, const methods::PhaseProducts& products,
+                         const std::string& phase, const std::string& key);
+// NotFound when absent; FailedPrecondition for another calibration key or phase; DataLoss for a
+// checksum mismatch or a malformed file (naming it).
+StatusOr<methods::PhaseProducts> LoadPhaseProducts(const std::string& path,
+                                                   const std::string& phase,
+                                                   const std::string& key);
+
+// job_dir/sequential/inputs-<layer>.safetensors.
+std::string SequentialInputsPath(const std::string& job_dir, int64_t layer);
+// job_dir/sequential/float-inputs-<layer>.safetensors (MethodNeeds::sequential_float).
+std::string SequentialFloatInputsPath(const std::string& job_dir, int64_t layer);
+
+// End-to-end fine-tuning of the quantized model read back from its committed shards (all block
+// shards must be there) against the float model (streamed): writes every shard again (staged,
+// `attempt`). `blocks`: the finished blocks' results (for quantization_config's bits per weight).
+// Events: "finetune" (0/1, 1/1).
+StatusOr<v1::FinetuneResult> FinetuneE2EStep(JobContext* ctx,
+                                             const std::vector<v1::BlockResult>& blocks,
+                                             const std::string& attempt,
+                                             const JobEventFn& on_event = nullptr);
+
+// Perplexity of the job's float model (params.model "float") or its finalized output
+// ("quantized") on one text file, streamed block by block (eval/perplexity.h). The data path is
+// resolved against the data root when relative.
+StatusOr<v1::EvalResult> EvaluateStep(JobContext* ctx, const v1::EvalParams& params,
+                                      const JobEventFn& on_event = nullptr);
+
+// BlockTaskResult metrics -> proto.
+void AddMetrics(const std::vector<quant::LinearMetrics>& linears, v1::BlockResult* out);
+
+}  // namespace qcal::job

@@ -1,0 +1,74 @@
+// A whole quantization job in one process, as a sequence of block tasks: plan → calibrate
+// (Hessians, cached in the job directory) → quantize each block into its own shard → finalize
+// (index, config.json, tokenizer). The steps live in runner/job_steps.h and the job
+// directory / journal / finalization code in common/job_layout.h; the service worker
+// (worker/task_loop.h) runs the same steps on MPI ranks, so a service job writes the same
+// bytes (this is a world of one: comm::SelfComm). This process is the job's single writer: it
+// commits each step's staged files into the output directory, then journals the result.
+//
+// Resume: the job directory's journal.jsonl records each finished block (shard name, size,
+// checksum, metrics). A rerun with the same recipe skips every block whose shard is intact, and
+// calibration reuses cached Hessians with the same key, so an interrupted job loses no finished
+// work. A journal written for a different recipe is refused.
+//
+// Fine-tuning (engine/quant/finetune.h, QuIP# Algorithm 5), when the recipe enables it:
+//  * calibration also saves the float model's hidden states at every block boundary on the
+//    calibration sequences: job_dir/activations/block_<l>.safetensors holds tensor "hidden"
+//    [N, S, hidden] F32 = the float input of block l (l = num_blocks: the last block's output),
+//    with the calibration key in the metadata, so a resumed job reuses them;
+//  * block l is quantized by QuantizeBlockWithFinetune with inputs block_<l> and targets
+//    block_<l+1> (float inputs → float outputs, as QuIP#), else by QuantizeBlock;
+//  * after all blocks, end-to-end fine-tuning (if enabled) loads the quantized blocks back from
+//    their shards, tunes sign vectors, norms and an untied head against the float model, then
+//    atomically rewrites every block shard and the non-block shard (tuned final norm / head) and
+//    journals "e2e_done" with the new shard checksums. A resumed job with a valid e2e_done (after
+//    the last block_done, every listed shard intact) skips the stage; if a listed shard changed,
+//    the blocks and the stage are redone from the cached calibration products.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "common/recipe.h"
+#include "common/status.h"
+#include "runner/job_steps.h"
+#include "engine/quant/block_task.h"
+
+namespace qcal::job {
+
+struct BlockSummary {
+  int64_t layer = 0;
+  std::vector<quant::LinearMetrics> linears;
+  double seconds = 0;
+  bool resumed = false;
+  // Held-out block output MSE without / with within-block fine-tuning (NaN without it).
+  double mse_before_ft = std::numeric_limits<double>::quiet_NaN();
+  double mse_after_ft = std::numeric_limits<double>::quiet_NaN();
+};
+
+struct QuantizeJobResult {
+  std::string out_dir;
+  std::vector<BlockSummary> blocks;
+  double code_bits = 0;    // per quantized weight, averaged over all linears
+  double stored_bits = 0;
+  double calib_seconds = 0;
+  bool hessians_from_cache = false;
+  int64_t calib_tokens = 0;
+  int64_t blocks_resumed = 0;
+  // End-to-end fine-tuning: held-out KL(float || quantized) in nats per token before and after
+  // (NaN when the stage is off); e2e_resumed when a previous run had finished it.
+  double e2e_kl_before = std::numeric_limits<double>::quiet_NaN();
+  double e2e_kl_after = std::numeric_limits<double>::quiet_NaN();
+  bool e2e_resumed = false;
+  bool activations_from_cache = false;
+  double seconds = 0;
+};
+
+StatusOr<QuantizeJobResult> RunQuantizeJob(const Recipe& recipe, const QuantizeJobOptions& options,
+                                           const std::function<void(const JobEvent&)>& on_event =
+                                               nullptr);
+
+}  // namespace qcal::job
