@@ -1,12 +1,17 @@
 #include "client/quantize_command.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <map>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/str_format.h"
 #include "client/progress.h"
 #include "common/cli.h"
 #include "common/log.h"
@@ -50,6 +55,21 @@ int RunQuantize(const QuantizeOptions& o_in) {
   });
   if (bar) bar->Finish();
   if (!result.ok()) return Fail(result.status());
+  // Phases as JSON: name, seconds, peak resident bytes (null when unknown).
+  auto phases_json = [](const std::vector<v1::PhaseTiming>& phases) {
+    nlohmann::json out = nlohmann::json::array();
+    for (const v1::PhaseTiming& p : phases) {
+      out.push_back({{"name", p.name()},
+                     {"seconds", p.seconds()},
+                     {"peak_host_bytes", p.peak_host_bytes() >= 0
+                                             ? nlohmann::json(p.peak_host_bytes())
+                                             : nlohmann::json()},
+                     {"peak_device_bytes", p.peak_device_bytes() >= 0
+                                               ? nlohmann::json(p.peak_device_bytes())
+                                               : nlohmann::json()}});
+    }
+    return out;
+  };
   if (o.json) {
     nlohmann::json blocks = nlohmann::json::array();
     for (const auto& b : result->blocks) {
@@ -62,7 +82,7 @@ int RunQuantize(const QuantizeOptions& o_in) {
                            {"stored_bits", m.stored_bits}});
       }
       blocks.push_back({{"layer", b.layer}, {"seconds", b.seconds}, {"resumed", b.resumed},
-                        {"linears", linears}});
+                        {"phases", phases_json(b.phases)}, {"linears", linears}});
     }
     nlohmann::json j = {{"recipe", recipe->name},
                         {"out_dir", result->out_dir},
@@ -73,6 +93,12 @@ int RunQuantize(const QuantizeOptions& o_in) {
                         {"hessians_from_cache", result->hessians_from_cache},
                         {"blocks_resumed", result->blocks_resumed},
                         {"seconds", result->seconds},
+                        {"phases", phases_json(result->phases)},
+                        {"calibrate_phases", phases_json(result->calibrate_phases)},
+                        {"finetune_phases", phases_json(result->finetune_phases)},
+                        {"peak_host_bytes", result->peak_host_bytes >= 0
+                                                ? nlohmann::json(result->peak_host_bytes)
+                                                : nlohmann::json()},
                         {"blocks", blocks}};
     std::printf("%s\n", j.dump().c_str());
     return 0;
@@ -96,6 +122,32 @@ int RunQuantize(const QuantizeOptions& o_in) {
               result->code_bits, result->stored_bits);
   std::printf("blocks resumed: %lld of %zu; wall time %.1f s\n", (long long)result->blocks_resumed,
               result->blocks.size(), result->seconds);
+  // Where the time went: the job's phases, then the block tasks' phases summed over the blocks.
+  auto peak = [](int64_t bytes) {
+    return bytes >= 0 ? absl::StrFormat(", peak %.2f GiB", bytes / 1073741824.0) : std::string();
+  };
+  std::string line;
+  for (const v1::PhaseTiming& p : result->phases) {
+    absl::StrAppendFormat(&line, "%s%s %.2f s%s", line.empty() ? "" : "; ", p.name(),
+                          p.seconds(), peak(p.peak_host_bytes()));
+  }
+  if (!line.empty()) std::printf("phases: %s\n", line.c_str());
+  std::vector<std::string> order;
+  std::map<std::string, std::pair<double, int64_t>> in_blocks;  // seconds, peak
+  for (const auto& b : result->blocks) {
+    for (const v1::PhaseTiming& p : b.phases) {
+      auto [it, fresh] = in_blocks.try_emplace(p.name(), 0.0, int64_t{-1});
+      if (fresh) order.push_back(p.name());
+      it->second.first += p.seconds();
+      it->second.second = std::max(it->second.second, p.peak_host_bytes());
+    }
+  }
+  line.clear();
+  for (const std::string& name : order) {
+    absl::StrAppendFormat(&line, "%s%s %.2f s%s", line.empty() ? "" : "; ", name,
+                          in_blocks[name].first, peak(in_blocks[name].second));
+  }
+  if (!line.empty()) std::printf("block tasks: %s\n", line.c_str());
   return 0;
 }
 

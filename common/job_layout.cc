@@ -398,6 +398,16 @@ nlohmann::json BlockDoneEntry(const v1::BlockResult& r) {
     for (const v1::WrittenFile& f : r.also_wrote()) also[f.name()] = f.checksum();
     e["also_wrote"] = also;
   }
+  if (r.phases_size() > 0) {
+    nlohmann::json phases = nlohmann::json::array();
+    for (const v1::PhaseTiming& p : r.phases()) {
+      phases.push_back({{"name", p.name()},
+                        {"seconds", p.seconds()},
+                        {"peak_host_bytes", p.peak_host_bytes()},
+                        {"peak_device_bytes", p.peak_device_bytes()}});
+    }
+    e["phases"] = phases;
+  }
   return e;
 }
 
@@ -428,6 +438,19 @@ v1::BlockResult BlockResultFromEntry(const nlohmann::json& e) {
       v1::WrittenFile* f = r.add_also_wrote();
       f->set_name(name);
       if (sum.is_string()) f->set_checksum(sum.get<std::string>());
+    }
+  }
+  if (e.contains("phases") && e["phases"].is_array()) {
+    for (const auto& j : e["phases"]) {
+      if (!j.is_object() || !j.contains("name") || !j["name"].is_string()) continue;
+      v1::PhaseTiming* p = r.add_phases();
+      p->set_name(j["name"].get<std::string>());
+      p->set_seconds(NumberOrNan(j, "seconds"));
+      const auto bytes = [&](const char* key) -> int64_t {
+        return j.contains(key) && j[key].is_number_integer() ? j[key].get<int64_t>() : -1;
+      };
+      p->set_peak_host_bytes(bytes("peak_host_bytes"));
+      p->set_peak_device_bytes(bytes("peak_device_bytes"));
     }
   }
   return r;

@@ -14,6 +14,7 @@
 #include "common/input_fingerprint.h"
 #include "common/job_layout.h"
 #include "common/log.h"
+#include "common/phase_trace.h"
 #include "common/text.h"
 #include "common/tokenizer.h"
 #include "kernels/gpu_backend.h"
@@ -429,8 +430,10 @@ StatusOr<v1::CalibrateResult> CalibrateStep(comm::Comm& comm, JobContext* ctx,
   // Every rank takes rank 0's decision, so all walk the same collectives.
   int64_t flags[3] = {params.hessians(), params.activations(), params.phases()};
   QCAL_RETURN_IF_ERROR(comm.Broadcast(flags, sizeof(flags), 0));
+  PhaseTrace trace;
   // Sampling reads the data files: a failure on one rank (a file missing on its host) must not
   // leave the others waiting in a collective.
+  trace.Begin("tokens");
   const Status sampled = EnsureCalibrationTokens(ctx);
   int64_t failed = sampled.ok() ? 0 : 1;
   QCAL_RETURN_IF_ERROR(comm.AllReduceSum(&failed, 1));
@@ -443,14 +446,19 @@ StatusOr<v1::CalibrateResult> CalibrateStep(comm::Comm& comm, JobContext* ctx,
   result.set_rank(comm.rank());
   result.set_ranks(comm.size());
   if (flags[0] || flags[1]) {
+    // The walk: forward passes, Hessian sums and their reduction, cache files.
+    trace.Begin(flags[0] ? "hessians" : "activations");
     QCAL_RETURN_IF_ERROR(CalibrationWalk(comm, ctx, flags[0] != 0, flags[1] != 0, on_event,
                                          &result));
   }
   if (flags[2]) {
     for (const std::string& phase : ctx->recipe.needs().global_phases) {
+      trace.Begin(absl::StrCat("phase ", phase));
       QCAL_RETURN_IF_ERROR(GlobalPhaseStep(comm, ctx, phase, on_event));
     }
   }
+  trace.End();
+  trace.AppendTo(result.mutable_phases());
   return result;
 }
 
@@ -515,9 +523,11 @@ StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
   }
   const MethodNeeds needs = ctx->recipe.needs();
   const std::string& job_dir = ctx->options.job_dir;
+  PhaseTrace trace;
 
   // The method's global phases' products; a method whose transforms they determine is bound to
   // them before anything is prepared.
+  if (!needs.global_phases.empty()) trace.Begin("load phase products");
   std::map<std::string, methods::PhaseProducts> phases;
   for (const std::string& phase : needs.global_phases) {
     auto products =
@@ -537,8 +547,11 @@ StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
   }
 
   // The float block, streamed in and prepared by the method.
+  trace.Begin("read weights");
   QCAL_ASSIGN_OR_RETURN(model::BlockWeights weights, ctx->source->LoadBlockWeights(layer));
+  trace.Begin("transform");
   QCAL_RETURN_IF_ERROR(ctx->method->PrepareBlock(layer, &weights));
+  trace.Begin("load calibration");
 
   methods::BlockInputs in;
   in.layer = layer;
@@ -587,6 +600,7 @@ StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
     QCAL_ASSIGN_OR_RETURN(x_float, SequentialFloatInputs(ctx, layer, in.phases));
     in.x_float = &x_float;
   }
+  trace.Begin("quantize");
   StatusOr<quant::BlockTaskResult> quantized = ctx->method->QuantizeBlock(std::move(weights), in);
   if (!quantized.ok() && needs.float_hessians) {
     // A Hessian that is not positive definite even after damping, say, names the file it came
@@ -597,6 +611,7 @@ StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
   }
   QCAL_RETURN_IF_ERROR(quantized.status());
   quant::BlockTaskResult task = std::move(*quantized);
+  trace.Begin("write");
   if (in.propagate) {
     QCAL_RETURN_IF_ERROR(MakeDirs(job_dir + "/sequential"));
     QCAL_RETURN_IF_ERROR(
@@ -620,6 +635,8 @@ StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
   }
   QCAL_ASSIGN_OR_RETURN(*result.mutable_shard(),
                         WriteBlockShardStaged(ctx, layer, task.weights, attempt));
+  trace.End();
+  trace.AppendTo(result.mutable_phases());
   result.set_seconds(Seconds(t0));
   result.set_mse_before_ft(task.mse_before_ft);
   result.set_mse_after_ft(task.mse_after_ft);
@@ -645,8 +662,10 @@ StatusOr<v1::FinetuneResult> FinetuneE2EStep(JobContext* ctx,
     }
   }
   const FinetuneStage& stage = ctx->recipe.finetune.end_to_end;
+  PhaseTrace trace;
 
   // The quantized blocks as committed; the student's non-block weights are the float model's.
+  trace.Begin("read blocks");
   std::vector<model::BlockWeights> qblocks;
   {
     std::vector<std::string> shards;
@@ -663,6 +682,7 @@ StatusOr<v1::FinetuneResult> FinetuneE2EStep(JobContext* ctx,
 
   // The teacher's final hidden states, one float block in memory at a time, in chunks of the
   // stage's batch (the chunks a whole-model forward would run).
+  trace.Begin("teacher forward");
   quant::TeacherOutputs teacher;
   {
     at::NoGradGuard no_grad;
@@ -701,6 +721,7 @@ StatusOr<v1::FinetuneResult> FinetuneE2EStep(JobContext* ctx,
     if (!logits.ok()) throw std::runtime_error(std::string(logits.status().message()));
     return *logits;
   };
+  trace.Begin("fine-tune");
   StatusOr<quant::EndToEndResult> e2e = [&]() -> StatusOr<quant::EndToEndResult> {
     try {
       return quant::FinetuneEndToEnd(ctx->method->FinetuneOptionsFor(stage), &tuned, teacher,
@@ -712,6 +733,7 @@ StatusOr<v1::FinetuneResult> FinetuneE2EStep(JobContext* ctx,
   ctx->source->ReleaseHead();
   QCAL_RETURN_IF_ERROR(e2e.status());
 
+  trace.Begin("write");
   v1::FinetuneResult result;
   for (int64_t l = 0; l < blocks; ++l) {
     QCAL_ASSIGN_OR_RETURN(*result.add_shards(),
@@ -724,6 +746,8 @@ StatusOr<v1::FinetuneResult> FinetuneE2EStep(JobContext* ctx,
   result.set_kl_after(e2e->heldout_kl_after);
   result.set_best_epoch(e2e->best_epoch);
   result.set_head_tuned(e2e->head_tuned);
+  trace.End();
+  trace.AppendTo(result.mutable_phases());
   result.set_seconds(Seconds(t0));
   Emit(on_event, "finetune", 1, 1);
   return result;

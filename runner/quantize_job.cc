@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/job_inputs.h"
 #include "common/job_layout.h"
+#include "common/phase_trace.h"
 #include "common/task_plan.h"
 #include "engine/comm/comm.h"
 
@@ -40,8 +41,10 @@ std::vector<quant::LinearMetrics> MetricsOf(const v1::BlockResult& r) {
 
 // The job, once its inputs are checked and its job and output directories are locked.
 StatusOr<QuantizeJobResult> RunLockedJob(const Recipe& recipe, const QuantizeJobOptions& opt,
-                                         JobPlan plan, const JobEventFn& on_event) {
+                                         JobPlan plan, const JobEventFn& on_event,
+                                         PhaseTrace* trace) {
   const auto t0 = Clock::now();
+  trace->Begin("open");
   auto emit = [&](const std::string& phase, int64_t done, int64_t total, std::string msg = "") {
     if (on_event) on_event(JobEvent{phase, done, total, std::move(msg)});
   };
@@ -59,6 +62,7 @@ StatusOr<QuantizeJobResult> RunLockedJob(const Recipe& recipe, const QuantizeJob
 
   // ---- Calibrate (a world of one: the same code the service runs on every rank).
   if (tasks.calibrate) {
+    trace->Begin("calibrate");
     const v1::CalibrateParams& params = tasks.calibrate_params;
     auto self = comm::MakeSelfComm();
     QCAL_ASSIGN_OR_RETURN(v1::CalibrateResult calib,
@@ -67,9 +71,11 @@ StatusOr<QuantizeJobResult> RunLockedJob(const Recipe& recipe, const QuantizeJob
     result.calib_seconds = calib.seconds();
     result.hessians_from_cache = params.hessians() && calib.hessians_from_cache();
     result.activations_from_cache = params.activations() && calib.activations_from_cache();
+    result.calibrate_phases.assign(calib.phases().begin(), calib.phases().end());
   }
 
   // ---- Quantize, block by block; each finished block is committed, then journaled.
+  if (!tasks.blocks.empty()) trace->Begin("quantize");
   for (int64_t l = 0; l < blocks; ++l) {
     BlockSummary summary;
     summary.layer = l;
@@ -79,6 +85,7 @@ StatusOr<QuantizeJobResult> RunLockedJob(const Recipe& recipe, const QuantizeJob
     } else {
       QCAL_ASSIGN_OR_RETURN(v1::BlockResult block,
                             QuantizeBlockStep(ctx.get(), l, absl::StrCat("block-", l)));
+      summary.phases.assign(block.phases().begin(), block.phases().end());
       QCAL_RETURN_IF_ERROR(CommitFiles(opt.out_dir, FilesOf(block)));
       nlohmann::json entry = BlockDoneEntry(block);
       QCAL_RETURN_IF_ERROR(journal.Append(entry));
@@ -99,6 +106,7 @@ StatusOr<QuantizeJobResult> RunLockedJob(const Recipe& recipe, const QuantizeJob
   // ---- End-to-end fine-tuning: tune the quantized model (read back from its shards, so a
   // resumed job tunes exactly what an uninterrupted one would) against the float model.
   if (tasks.finetune_e2e) {
+    trace->Begin("finetune");
     std::vector<v1::BlockResult> finished;
     for (const auto& [layer, entry] : done) finished.push_back(BlockResultFromEntry(entry));
     QCAL_ASSIGN_OR_RETURN(v1::FinetuneResult e2e,
@@ -108,6 +116,7 @@ StatusOr<QuantizeJobResult> RunLockedJob(const Recipe& recipe, const QuantizeJob
     QCAL_RETURN_IF_ERROR(journal.Append(E2eDoneEntry(e2e)));
     result.e2e_kl_before = e2e.kl_before();
     result.e2e_kl_after = e2e.kl_after();
+    result.finetune_phases.assign(e2e.phases().begin(), e2e.phases().end());
   } else if (plan.e2e_finished) {
     result.e2e_resumed = true;
     result.e2e_kl_before = NumberOrNan(plan.e2e_done, "kl_before");
@@ -116,9 +125,11 @@ StatusOr<QuantizeJobResult> RunLockedJob(const Recipe& recipe, const QuantizeJob
 
   // ---- Finalize: shard 0 (unless end-to-end fine-tuning or the method wrote it), index,
   // config.json, tokenizer files, job_done.
+  trace->Begin("finalize");
   emit("finalize", 0, 1);
   QCAL_RETURN_IF_ERROR(FinalizeJob(recipe, opt.model_dir, opt.out_dir, &journal).status());
   emit("finalize", 1, 1);
+  trace->End();
   result.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   return result;
 }
@@ -151,10 +162,19 @@ StatusOr<QuantizeJobResult> RunQuantizeJob(const Recipe& recipe, const QuantizeJ
         JobDirLock job_lock,
         JobDirLock::Acquire(opt.job_dir, absl::StrCat("qcal quantize --out ", opt.out_dir)));
     locked = true;
+    PhaseTrace trace;
+    trace.Begin("plan");
     QCAL_ASSIGN_OR_RETURN(JobPlan plan, PlanJob(recipe, opt.model_dir, opt.out_dir, opt.job_dir,
                                                 opt.data_root));
     QCAL_ASSIGN_OR_RETURN(OutputDirLock lock, OutputDirLock::Acquire(opt.out_dir));
-    return RunLockedJob(recipe, opt, std::move(plan), on_event);
+    QCAL_ASSIGN_OR_RETURN(QuantizeJobResult done,
+                          RunLockedJob(recipe, opt, std::move(plan), on_event, &trace));
+    trace.End();
+    done.phases = trace.phases();
+    for (const v1::PhaseTiming& p : done.phases) {
+      done.peak_host_bytes = std::max(done.peak_host_bytes, p.peak_host_bytes());
+    }
+    return done;
   }();
   // A job refused before it produced anything leaves nothing behind: the directories it created
   // are removed. Anything produced (a shard, a cached Hessian) is kept for a resume, whatever

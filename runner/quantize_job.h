@@ -47,6 +47,9 @@ struct BlockSummary {
   // Held-out block output MSE without / with within-block fine-tuning (NaN without it).
   double mse_before_ft = std::numeric_limits<double>::quiet_NaN();
   double mse_after_ft = std::numeric_limits<double>::quiet_NaN();
+  // The block task's phases (QuantizeBlockStep: read weights, transform, load calibration,
+  // quantize, write); empty for a resumed block.
+  std::vector<v1::PhaseTiming> phases;
 };
 
 struct QuantizeJobResult {
@@ -65,6 +68,13 @@ struct QuantizeJobResult {
   bool e2e_resumed = false;
   bool activations_from_cache = false;
   double seconds = 0;
+  // The job's phases (plan, open, calibrate, quantize, finetune, finalize; those that ran),
+  // each with its seconds and the process's peak resident memory (common/phase_trace.h), and
+  // the calibration and fine-tuning steps' own phases.
+  std::vector<v1::PhaseTiming> phases;
+  std::vector<v1::PhaseTiming> calibrate_phases;
+  std::vector<v1::PhaseTiming> finetune_phases;
+  int64_t peak_host_bytes = -1;  // the largest of the phases' peaks
 };
 
 StatusOr<QuantizeJobResult> RunQuantizeJob(const Recipe& recipe, const QuantizeJobOptions& options,

@@ -4,6 +4,7 @@
 #include <array>
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -110,6 +111,10 @@ TEST_F(CliTest, QuantizeShowsProgressOffATerminal) {
   ASSERT_EQ(r.exit_code, 0) << r.out;
   EXPECT_NE(r.out.find("calibrate 5/5, "), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("\nquantize 5/5, "), std::string::npos) << r.out;
+  // Where the time went: the job's phases and the block tasks' (summed over the blocks).
+  EXPECT_NE(r.out.find("\nphases: plan "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("; calibrate "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\nblock tasks: read weights "), std::string::npos) << r.out;
   // stdout alone has none of it: the --json result is all there is.
   FILE* p = popen((testing::BuildDir() + "/client/qcal " + args + " --json 2>/dev/null").c_str(),
                   "r");
@@ -121,6 +126,58 @@ TEST_F(CliTest, QuantizeShowsProgressOffATerminal) {
   ASSERT_EQ(pclose(p), 0) << out;
   EXPECT_EQ(out.find("5/5"), std::string::npos) << out;
   EXPECT_FALSE(nlohmann::json::parse(out, nullptr, false).is_discarded()) << out;
+}
+
+// `qcal quantize --json` says where the job's time and memory went: its phases in order with
+// seconds and peak resident bytes, the calibration step's own phases, and every block task's.
+TEST_F(CliTest, QuantizeJsonHasPhaseTimesAndPeaks) {
+  const std::string dir = testing::MakeTempDir("cli-phases");
+  const std::string recipe = dir + "/gptq.yaml";
+  std::FILE* f = std::fopen(recipe.c_str(), "w");
+  ASSERT_NE(f, nullptr);
+  std::fputs("name: gptq4\nmethod: gptq\nbits: 4\ncalibration: {files: "
+             "[data/wikitext2/wiki.valid.tokens], num_sequences: 8, seq_len: 64}\n", f);
+  std::fclose(f);
+  // stdout only: the JSON object.
+  FILE* p = popen((testing::BuildDir() + "/client/qcal quantize --recipe " + recipe + " --model " +
+                   dir_ + " --out " + dir + "/q --data-root " + shared_ + " --json 2>/dev/null")
+                      .c_str(),
+                  "r");
+  ASSERT_NE(p, nullptr);
+  std::string out;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
+  ASSERT_EQ(pclose(p), 0) << out;
+  const nlohmann::json j = nlohmann::json::parse(out, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << out;
+  auto names = [](const nlohmann::json& phases) {
+    std::vector<std::string> out;
+    for (const auto& p : phases) out.push_back(p["name"].get<std::string>());
+    return out;
+  };
+  EXPECT_EQ(names(j["phases"]), (std::vector<std::string>{"plan", "open", "calibrate", "quantize",
+                                                           "finalize"}));
+  EXPECT_EQ(names(j["calibrate_phases"]), (std::vector<std::string>{"tokens", "hessians"}));
+  double sum = 0;
+  for (const auto& p : j["phases"]) {
+    EXPECT_GE(p["seconds"].get<double>(), 0.0);
+    sum += p["seconds"].get<double>();
+    ASSERT_TRUE(p["peak_host_bytes"].is_number()) << p;  // Linux: VmHWM
+    EXPECT_GT(p["peak_host_bytes"].get<int64_t>(), 0);
+    EXPECT_LE(p["peak_host_bytes"].get<int64_t>(), j["peak_host_bytes"].get<int64_t>());
+  }
+  EXPECT_GE(sum, j["seconds"].get<double>() * 0.999);  // the job's wall time is within them
+  ASSERT_EQ(j["blocks"].size(), 5u);
+  for (const auto& b : j["blocks"]) {
+    EXPECT_EQ(names(b["phases"]), (std::vector<std::string>{"read weights", "transform",
+                                                             "load calibration", "quantize",
+                                                             "write"}))
+        << b;
+    double block_sum = 0;
+    for (const auto& p : b["phases"]) block_sum += p["seconds"].get<double>();
+    EXPECT_LE(block_sum, b["seconds"].get<double>() * 1.001 + 1e-6) << b;
+  }
 }
 
 TEST_F(CliTest, HumanEvalOutputAndGenerate) {
