@@ -19,9 +19,11 @@ struct Result {
   std::string out;  // stdout and stderr together
 };
 
-// env: a command prefix such as "env -u VAR" (none by default).
-Result RunQcal(const std::string& args, const std::string& env = "") {
-  const std::string cmd = env + " " + testing::BuildDir() + "/client/qcal " + args + " 2>&1";
+// `qcal ARGS`, stdout and stderr together (stdout_only: stderr dropped). env: a command prefix
+// such as "env -u VAR" (none by default).
+Result RunQcal(const std::string& args, const std::string& env = "", bool stdout_only = false) {
+  const std::string cmd = env + " " + testing::BuildDir() + "/client/qcal " + args +
+                          (stdout_only ? " 2>/dev/null" : " 2>&1");
   Result r{-1, ""};
   FILE* p = popen(cmd.c_str(), "r");
   if (!p) return r;
@@ -31,6 +33,16 @@ Result RunQcal(const std::string& args, const std::string& env = "") {
   const int status = pclose(p);
   r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   return r;
+}
+
+// A small GPTQ 4-bit recipe (8 × 64 WikiText-2 tokens) written into `dir`; its path ("" on error).
+std::string SmallGptqRecipe(const std::string& dir) {
+  const std::string path = dir + "/gptq.yaml";
+  std::FILE* f = std::fopen(path.c_str(), "w");
+  if (f == nullptr) return "";
+  std::fputs("name: gptq4\nmethod: gptq\nbits: 4\ncalibration: {files: "
+             "[data/wikitext2/wiki.valid.tokens], num_sequences: 8, seq_len: 64}\n", f);
+  return std::fclose(f) == 0 ? path : "";
 }
 
 std::string LastLine(const std::string& s) {
@@ -99,12 +111,8 @@ TEST_F(CliTest, EvalJsonHasTheDocumentedKeys) {
 // line per phase when it is done (and every 10 s while it runs), on stderr, never on stdout.
 TEST_F(CliTest, QuantizeShowsProgressOffATerminal) {
   const std::string dir = testing::MakeTempDir("cli-quantize");
-  const std::string recipe = dir + "/gptq.yaml";
-  std::FILE* f = std::fopen(recipe.c_str(), "w");
-  ASSERT_NE(f, nullptr);
-  std::fputs("name: gptq4\nmethod: gptq\nbits: 4\ncalibration: {files: "
-             "[data/wikitext2/wiki.valid.tokens], num_sequences: 8, seq_len: 64}\n", f);
-  std::fclose(f);
+  const std::string recipe = SmallGptqRecipe(dir);
+  ASSERT_FALSE(recipe.empty());
   const std::string args = "quantize --recipe " + recipe + " --model " + dir_ + " --out " + dir +
                            "/q --data-root " + shared_;
   Result r = RunQcal(args);
@@ -116,41 +124,24 @@ TEST_F(CliTest, QuantizeShowsProgressOffATerminal) {
   EXPECT_NE(r.out.find("; calibrate "), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("\nblock tasks: read weights "), std::string::npos) << r.out;
   // stdout alone has none of it: the --json result is all there is.
-  FILE* p = popen((testing::BuildDir() + "/client/qcal " + args + " --json 2>/dev/null").c_str(),
-                  "r");
-  ASSERT_NE(p, nullptr);
-  std::string out;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
-  ASSERT_EQ(pclose(p), 0) << out;
-  EXPECT_EQ(out.find("5/5"), std::string::npos) << out;
-  EXPECT_FALSE(nlohmann::json::parse(out, nullptr, false).is_discarded()) << out;
+  Result j = RunQcal(args + " --json", "", /*stdout_only=*/true);
+  ASSERT_EQ(j.exit_code, 0) << j.out;
+  EXPECT_EQ(j.out.find("5/5"), std::string::npos) << j.out;
+  EXPECT_FALSE(nlohmann::json::parse(j.out, nullptr, false).is_discarded()) << j.out;
 }
 
 // `qcal quantize --json` says where the job's time and memory went: its phases in order with
 // seconds and peak resident bytes, the calibration step's own phases, and every block task's.
 TEST_F(CliTest, QuantizeJsonHasPhaseTimesAndPeaks) {
   const std::string dir = testing::MakeTempDir("cli-phases");
-  const std::string recipe = dir + "/gptq.yaml";
-  std::FILE* f = std::fopen(recipe.c_str(), "w");
-  ASSERT_NE(f, nullptr);
-  std::fputs("name: gptq4\nmethod: gptq\nbits: 4\ncalibration: {files: "
-             "[data/wikitext2/wiki.valid.tokens], num_sequences: 8, seq_len: 64}\n", f);
-  std::fclose(f);
-  // stdout only: the JSON object.
-  FILE* p = popen((testing::BuildDir() + "/client/qcal quantize --recipe " + recipe + " --model " +
-                   dir_ + " --out " + dir + "/q --data-root " + shared_ + " --json 2>/dev/null")
-                      .c_str(),
-                  "r");
-  ASSERT_NE(p, nullptr);
-  std::string out;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
-  ASSERT_EQ(pclose(p), 0) << out;
-  const nlohmann::json j = nlohmann::json::parse(out, nullptr, false);
-  ASSERT_FALSE(j.is_discarded()) << out;
+  const std::string recipe = SmallGptqRecipe(dir);
+  ASSERT_FALSE(recipe.empty());
+  const Result r = RunQcal("quantize --recipe " + recipe + " --model " + dir_ + " --out " + dir +
+                               "/q --data-root " + shared_ + " --json",
+                           "", /*stdout_only=*/true);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  const nlohmann::json j = nlohmann::json::parse(r.out, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.out;
   auto names = [](const nlohmann::json& phases) {
     std::vector<std::string> out;
     for (const auto& p : phases) out.push_back(p["name"].get<std::string>());
