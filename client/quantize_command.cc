@@ -11,6 +11,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/progress.h"
 #include "common/cli.h"
@@ -28,6 +29,41 @@ struct QuantizeOptions {
   std::string max_memory;
   std::string device = "auto";
   bool json = false;
+};
+
+// Phases summed by name (seconds, largest peak), in first-seen order.
+class PhaseSums {
+ public:
+  void Add(const v1::PhaseTiming& p) {
+    auto [it, fresh] = sums_.try_emplace(p.name(), 0.0, int64_t{-1});
+    if (fresh) order_.push_back(p.name());
+    it->second.first += p.seconds();
+    it->second.second = std::max(it->second.second, p.peak_host_bytes());
+  }
+  // "read weights 0.01 s; quantize 1.10 s, peak 0.50 GiB (factor 0.20 s, round 0.80 s); ...":
+  // a part "<parent>/<part>" goes in parentheses after its parent.
+  std::string Line() const {
+    std::string line;
+    for (const std::string& name : order_) {
+      if (name.find('/') != std::string::npos && sums_.count(Parent(name))) continue;
+      const auto& [seconds, peak] = sums_.at(name);
+      absl::StrAppendFormat(&line, "%s%s %.2f s", line.empty() ? "" : "; ", name, seconds);
+      if (peak >= 0) absl::StrAppendFormat(&line, ", peak %.2f GiB", peak / 1073741824.0);
+      std::string parts;
+      for (const std::string& part : order_) {
+        if (part.find('/') == std::string::npos || Parent(part) != name) continue;
+        absl::StrAppendFormat(&parts, "%s%s %.2f s", parts.empty() ? "" : ", ",
+                              part.substr(name.size() + 1), sums_.at(part).first);
+      }
+      if (!parts.empty()) absl::StrAppend(&line, " (", parts, ")");
+    }
+    return line;
+  }
+
+ private:
+  static std::string Parent(const std::string& name) { return name.substr(0, name.find('/')); }
+  std::vector<std::string> order_;
+  std::map<std::string, std::pair<double, int64_t>> sums_;
 };
 
 int RunQuantize(const QuantizeOptions& o_in) {
@@ -122,32 +158,21 @@ int RunQuantize(const QuantizeOptions& o_in) {
               result->code_bits, result->stored_bits);
   std::printf("blocks resumed: %lld of %zu; wall time %.1f s\n", (long long)result->blocks_resumed,
               result->blocks.size(), result->seconds);
-  // Where the time went: the job's phases, then the block tasks' phases summed over the blocks.
-  auto peak = [](int64_t bytes) {
-    return bytes >= 0 ? absl::StrFormat(", peak %.2f GiB", bytes / 1073741824.0) : std::string();
+  // Where the time went: the job's phases, calibration's, then the block tasks' phases summed
+  // over the blocks (parts of a phase in parentheses after it).
+  auto print = [](const char* label, const std::vector<v1::PhaseTiming>& phases) {
+    PhaseSums sums;
+    for (const v1::PhaseTiming& p : phases) sums.Add(p);
+    const std::string line = sums.Line();
+    if (!line.empty()) std::printf("%s: %s\n", label, line.c_str());
   };
-  std::string line;
-  for (const v1::PhaseTiming& p : result->phases) {
-    absl::StrAppendFormat(&line, "%s%s %.2f s%s", line.empty() ? "" : "; ", p.name(),
-                          p.seconds(), peak(p.peak_host_bytes()));
-  }
-  if (!line.empty()) std::printf("phases: %s\n", line.c_str());
-  std::vector<std::string> order;
-  std::map<std::string, std::pair<double, int64_t>> in_blocks;  // seconds, peak
-  for (const auto& b : result->blocks) {
-    for (const v1::PhaseTiming& p : b.phases) {
-      auto [it, fresh] = in_blocks.try_emplace(p.name(), 0.0, int64_t{-1});
-      if (fresh) order.push_back(p.name());
-      it->second.first += p.seconds();
-      it->second.second = std::max(it->second.second, p.peak_host_bytes());
-    }
-  }
-  line.clear();
-  for (const std::string& name : order) {
-    absl::StrAppendFormat(&line, "%s%s %.2f s%s", line.empty() ? "" : "; ", name,
-                          in_blocks[name].first, peak(in_blocks[name].second));
-  }
-  if (!line.empty()) std::printf("block tasks: %s\n", line.c_str());
+  print("phases", result->phases);
+  print("calibrate", result->calibrate_phases);
+  std::vector<v1::PhaseTiming> in_blocks;
+  for (const auto& b : result->blocks) in_blocks.insert(in_blocks.end(), b.phases.begin(),
+                                                        b.phases.end());
+  print("block tasks", in_blocks);
+  print("finetune", result->finetune_phases);
   return 0;
 }
 

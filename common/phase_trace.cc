@@ -100,4 +100,14 @@ void PhaseTrace::AppendTo(google::protobuf::RepeatedPtrField<v1::PhaseTiming>* o
   for (const v1::PhaseTiming& t : phases_) *out->Add() = t;
 }
 
+void AppendPhasePart(google::protobuf::RepeatedPtrField<v1::PhaseTiming>* out,
+                     const std::string& parent, const std::string& part, double seconds) {
+  if (!(seconds > 0)) return;
+  v1::PhaseTiming* p = out->Add();
+  p->set_name(parent + "/" + part);
+  p->set_seconds(seconds);
+  p->set_peak_host_bytes(-1);
+  p->set_peak_device_bytes(-1);
+}
+
 }  // namespace qcal

@@ -25,6 +25,12 @@ namespace qcal {
 // The process's resident high-water mark in bytes (-1 when unknown).
 int64_t ResidentPeakBytes();
 
+// Appends a part of phase `parent` measured inside it, named "<parent>/<part>" ("quantize/factor":
+// a sum over the block's linears): its seconds, no peaks of its own (-1; the parent's cover it).
+// Nothing when seconds <= 0.
+void AppendPhasePart(google::protobuf::RepeatedPtrField<v1::PhaseTiming>* out,
+                     const std::string& parent, const std::string& part, double seconds);
+
 class PhaseTrace {
  public:
   PhaseTrace() = default;

@@ -103,7 +103,7 @@ class BlockCache {
     if (layer == layer_) return &block_;
     layer_ = -1;
     block_ = Block();
-    QCAL_ASSIGN_OR_RETURN(block_.weights, method_->LoadBlock(*ckpt_, layer));
+    QCAL_ASSIGN_OR_RETURN(block_.weights, method_->block_format().LoadBlock(*ckpt_, layer));
     if (gptq_) {
       for (LinearKind k : model::kAllLinears) {
         const std::string prefix = LinearPrefix(layer, k);
@@ -174,7 +174,7 @@ class Exporter {
           o_.in_dir, "/config.json: a float model (no quantization_config): nothing to export"));
     }
     QCAL_ASSIGN_OR_RETURN(method_, methods::CheckpointMethod(config_, o_.in_dir));
-    QCAL_RETURN_IF_ERROR(Annotate(method_->CheckPlainForward(),
+    QCAL_RETURN_IF_ERROR(Annotate(method_->inference().CheckPlainForward(),
                                   absl::StrCat(o_.in_dir, ": cannot export to ", o_.format)));
     QCAL_ASSIGN_OR_RETURN(dtype_, ModelDType(config_, o_.in_dir));
     QCAL_ASSIGN_OR_RETURN(ckpt_, CheckpointReader::Open(o_.in_dir));

@@ -1,5 +1,6 @@
 #include "kernels/gpu_backend.h"
 
+#include <chrono>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -32,6 +33,51 @@ Status CheckBlockForwardShape(const BlockForwardShape& s) {
     return absl::InvalidArgumentError(absl::StrCat("block forward: rms_eps ", s.rms_eps));
   }
   return absl::OkStatus();
+}
+
+StatusOr<ScalarRoundingResult> RunGptq(GpuBackend* gpu, const double* w, int64_t rows,
+                                       int64_t cols, double* h,
+                                       const ScalarRoundingConfig& config) {
+  if (gpu == nullptr) return GptqInPlace(w, rows, cols, h, config);
+  const auto t = std::chrono::steady_clock::now();
+  QCAL_ASSIGN_OR_RETURN(ScalarRoundingResult res, gpu->Gptq(w, rows, cols, h, config));
+  res.times = RoundingTimes();
+  res.times.round = std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+  return res;
+}
+
+StatusOr<VectorRoundingResult> RunBlockLdlq(GpuBackend* gpu, const double* w, int64_t rows,
+                                            int64_t cols, std::vector<double> h,
+                                            const VectorCodebook& codebook,
+                                            const VectorRoundingConfig& config) {
+  if (gpu == nullptr || codebook.name() != "e8p") {
+    return BlockLdlqConsumingHessian(w, rows, cols, std::move(h), codebook, config);
+  }
+  if (static_cast<int64_t>(h.size()) != cols * cols) {
+    return absl::InvalidArgumentError(absl::StrCat("block ldlq: the Hessian holds ", h.size(),
+                                                   " values, not cols*cols = ", cols * cols));
+  }
+  VectorRoundingConfig device_config = config;
+  device_config.refine_sweeps = 0;
+  auto t = std::chrono::steady_clock::now();
+  QCAL_ASSIGN_OR_RETURN(VectorRoundingResult res,
+                        gpu->BlockLdlqE8p(w, rows, cols, h.data(), device_config));
+  res.times = RoundingTimes();
+  res.times.round = std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+  if (config.refine_sweeps <= 0) return res;
+  // The sweeps see W with its dead input columns zeroed, as the pass treated them.
+  std::vector<double> live;
+  const double* W = w;
+  for (int64_t j = 0; j < cols; ++j) {
+    if (h[j * cols + j] != 0.0) continue;
+    if (live.empty()) live.assign(w, w + rows * cols);
+    for (int64_t r = 0; r < rows; ++r) live[r * cols + j] = 0.0;
+    W = live.data();
+  }
+  t = std::chrono::steady_clock::now();
+  QCAL_RETURN_IF_ERROR(RefineAfterBlockLdlq(W, h.data(), codebook, config, &res));
+  res.times.refine = std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+  return res;
 }
 
 GpuBackend* ActiveGpuBackend() { return Slot().get(); }

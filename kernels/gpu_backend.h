@@ -104,7 +104,25 @@ class GpuBackend {
   }
 };
 
-// The process's backend (borrowed; null: CPU). Set once at start-up, before worker threads run.
+// Kernel dispatch: a rounding kernel on `gpu` (the rank's backend, passed down by its caller;
+// null: the CPU) when the backend has it, else the CPU's. Same contracts, same algorithms.
+//
+// GPTQ of W with H (GptqInPlace's contract: H is the CPU pass's work space and is as it was on
+// return; the device reads it).
+StatusOr<ScalarRoundingResult> RunGptq(GpuBackend* gpu, const double* w, int64_t rows,
+                                       int64_t cols, double* h,
+                                       const ScalarRoundingConfig& config);
+// BlockLDLQ consuming H (BlockLdlqConsumingHessian's contract): the E8P pass on the device when
+// `gpu` is given and the codebook is "e8p", the refinement sweeps on the host after it exactly
+// as the CPU path runs them (RefineAfterBlockLdlq); other codebooks on the CPU.
+StatusOr<VectorRoundingResult> RunBlockLdlq(GpuBackend* gpu, const double* w, int64_t rows,
+                                            int64_t cols, std::vector<double> h,
+                                            const VectorCodebook& codebook,
+                                            const VectorRoundingConfig& config);
+
+// The process's backend (borrowed; null: CPU), as device selection (device_select.h) installed
+// it. Read once per job, where the job opens (runner/job_steps.cc OpenJob); everything below
+// gets the backend passed to it. Set once at start-up, before worker threads run.
 GpuBackend* ActiveGpuBackend();
 // Installs `backend` (owned by the process from then on; nullptr restores the CPU path) and
 // returns the previous one, for tests.

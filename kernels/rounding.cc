@@ -3,6 +3,7 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <numeric>
 #include <string>
@@ -476,21 +477,36 @@ bool ExactlySymmetric(const double* h, int64_t n) {
 
 }  // namespace
 
+namespace {
+// Seconds since `t`, and `t` moved to now (consecutive phases of one rounding).
+double Lap(std::chrono::steady_clock::time_point* t) {
+  const auto now = std::chrono::steady_clock::now();
+  const double s = std::chrono::duration<double>(now - *t).count();
+  *t = now;
+  return s;
+}
+}  // namespace
+
 StatusOr<ScalarRoundingResult> Gptq(const double* w, int64_t m, int64_t n, const double* h,
                                     const ScalarRoundingConfig& config) {
   const char* what = "gptq";
+  auto t = std::chrono::steady_clock::now();
   QCAL_ASSIGN_OR_RETURN(GptqPlan plan, PrepareGptq(w, m, n, h, config));
   // R is computed in the damped Hessian's own storage (one n² matrix at the peak, not two).
   StatusOr<std::vector<double>> rinv = InverseCholeskyUpper(std::move(plan.h), n);
   if (!rinv.ok()) return Annotate(rinv.status(), what);
+  const double factor = Lap(&t);
   GptqSweep(rinv->data(), &plan, m, n, config.num_threads, config.quant);
   *rinv = {};
+  plan.res.times.factor = factor;
+  plan.res.times.round = Lap(&t);
   if (config.refine_sweeps > 0) {
     QCAL_RETURN_IF_ERROR(Annotate(RefineRounding(w, h, config.refine_sweeps, config.damp,
                                                  config.lazy_block, config.num_threads,
                                                  config.quant, &plan.res)
                                       .status(),
                                   what));
+    plan.res.times.refine = Lap(&t);
   }
   return std::move(plan.res);  // moved, not copied
 }
@@ -500,6 +516,7 @@ StatusOr<ScalarRoundingResult> GptqInPlace(const double* w, int64_t m, int64_t n
   const char* what = "gptq";
   QCAL_RETURN_IF_ERROR(ValidateScalarRounding(w, m, n, h, config, what));
   if (!ExactlySymmetric(h, n)) return Gptq(w, m, n, h, config);
+  auto t = std::chrono::steady_clock::now();
   GptqPlan plan;
   const std::vector<int64_t> perm = GptqOrder(h, n, config.act_order);
   plan.w = PermutedWeights(w, m, n, h, perm);
@@ -529,14 +546,18 @@ StatusOr<ScalarRoundingResult> GptqInPlace(const double* w, int64_t m, int64_t n
     if (f.code() == absl::StatusCode::kFailedPrecondition) restore();
     return Annotate(f, what);
   }
+  const double factor = Lap(&t);
   GptqSweep(h, &plan, m, n, config.num_threads, config.quant);
   restore();
+  plan.res.times.factor = factor;
+  plan.res.times.round = Lap(&t);
   if (config.refine_sweeps > 0) {
     QCAL_RETURN_IF_ERROR(Annotate(RefineRounding(w, h, config.refine_sweeps, config.damp,
                                                  config.lazy_block, config.num_threads,
                                                  config.quant, &plan.res)
                                       .status(),
                                   what));
+    plan.res.times.refine = Lap(&t);
   }
   return std::move(plan.res);
 }
@@ -762,18 +783,17 @@ StatusOr<VectorRoundingResult> BlockLdlq(const double* w, int64_t m, int64_t n, 
   const char* what = "block ldlq";
   QCAL_RETURN_IF_ERROR(ValidateBlockLdlq(w, m, n, h, cb, config, what));
   QCAL_ASSIGN_OR_RETURN(const double scale, ResolveScale(w, m * n, cb, config.scale, what));
+  auto t = std::chrono::steady_clock::now();
   QCAL_ASSIGN_OR_RETURN(Prepared prep, Prepare(w, m, n, h, config.damp, false, what));
   StatusOr<BlockLdl> ldl = BlockLdlDecompose(std::move(prep.h), n, cb.dim(), LdlForm::kLtDL);
   if (!ldl.ok()) return Annotate(ldl.status(), what);
+  const double factor = Lap(&t);
   VectorRoundingResult res =
       BlockLdlqSweep(prep.w.data(), m, n, std::move(*ldl), cb, scale, config);
-  if (config.refine_sweeps > 0) {
-    QCAL_RETURN_IF_ERROR(Annotate(RefineRounding(prep.w.data(), h, config.refine_sweeps,
-                                                 config.damp, config.lazy_block,
-                                                 config.num_threads, cb, &res)
-                                      .status(),
-                                  what));
-  }
+  res.times.factor = factor;
+  res.times.round = Lap(&t);
+  QCAL_RETURN_IF_ERROR(RefineAfterBlockLdlq(prep.w.data(), h, cb, config, &res));
+  res.times.refine = Lap(&t);
   return res;
 }
 
@@ -791,6 +811,7 @@ StatusOr<VectorRoundingResult> BlockLdlqConsumingHessian(const double* w, int64_
   // Prepare() without act order, in place: dead inputs (zero diagonal) get diagonal 1 and zero
   // weight columns; then damping. Only a weight copy is made, and only when a column is dead.
   // The sweeps need the undamped H after the factorization has consumed it.
+  auto t = std::chrono::steady_clock::now();
   std::vector<double> h_undamped;
   if (config.refine_sweeps > 0) h_undamped = h;
   std::vector<double> w_dead;
@@ -806,15 +827,22 @@ StatusOr<VectorRoundingResult> BlockLdlqConsumingHessian(const double* w, int64_
   if (!added.ok()) return Annotate(added.status(), what);
   StatusOr<BlockLdl> ldl = BlockLdlDecompose(std::move(h), n, cb.dim(), LdlForm::kLtDL);
   if (!ldl.ok()) return Annotate(ldl.status(), what);
+  const double factor = Lap(&t);
   VectorRoundingResult res = BlockLdlqSweep(W, m, n, std::move(*ldl), cb, scale, config);
-  if (config.refine_sweeps > 0) {
-    QCAL_RETURN_IF_ERROR(Annotate(RefineRounding(W, h_undamped.data(), config.refine_sweeps,
-                                                 config.damp, config.lazy_block,
-                                                 config.num_threads, cb, &res)
-                                      .status(),
-                                  what));
-  }
+  res.times.factor = factor;
+  res.times.round = Lap(&t);
+  QCAL_RETURN_IF_ERROR(RefineAfterBlockLdlq(W, h_undamped.data(), cb, config, &res));
+  res.times.refine = Lap(&t);
   return res;
+}
+
+Status RefineAfterBlockLdlq(const double* w, const double* h, const VectorCodebook& cb,
+                            const VectorRoundingConfig& config, VectorRoundingResult* res) {
+  if (config.refine_sweeps <= 0) return Status();
+  return Annotate(RefineRounding(w, h, config.refine_sweeps, config.damp, config.lazy_block,
+                                 config.num_threads, cb, res)
+                      .status(),
+                  "block ldlq");
 }
 
 StatusOr<VectorRoundingResult> NearestVectorRounding(const double* w, int64_t m, int64_t n,

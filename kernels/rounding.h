@@ -77,6 +77,15 @@ struct RefineStats {
   double loss_after = 0;
 };
 
+// Where a rounding's time went, in wall seconds: the Hessian's factorization (permutation,
+// damping, Cholesky or block LDL), the rounding pass, the refinement sweeps. A device pass that
+// does all in one call counts as `round`.
+struct RoundingTimes {
+  double factor = 0;
+  double round = 0;
+  double refine = 0;
+};
+
 struct ScalarRoundingResult {
   int64_t rows = 0;
   int64_t cols = 0;
@@ -92,6 +101,7 @@ struct ScalarRoundingResult {
   std::vector<int32_t> g_idx;  // [cols].
   std::vector<int64_t> perm;   // [cols]: perm[k] = the original column rounded k-th.
   RefineStats refine;          // zero without refinement sweeps
+  RoundingTimes times;
 
   ScalarQuantParams<double> params(int64_t row, int64_t col) const {
     const int64_t k = (param_rows == 1 ? 0 : row) * param_cols + g_idx[col];
@@ -173,6 +183,7 @@ struct VectorRoundingResult {
   std::vector<double> w_hat;    // [rows, cols]; every g-block of a row is scale · codebook point.
   std::vector<uint32_t> codes;  // [rows, cols / dim, code_words] row-major.
   RefineStats refine;           // zero without refinement sweeps
+  RoundingTimes times;
 };
 
 // BlockLDLQ (QuIP# §4.1): g = codebook.dim() must divide cols. g-block LDL H = Lᵀ D L
@@ -191,6 +202,13 @@ StatusOr<VectorRoundingResult> BlockLdlqConsumingHessian(const double* w, int64_
                                                          int64_t cols, std::vector<double> h,
                                                          const VectorCodebook& codebook,
                                                          const VectorRoundingConfig& config);
+
+// The refinement sweeps that follow a BlockLDLQ pass, wherever the pass ran (the CPU's
+// BlockLdlqConsumingHessian and a device pass alike): config.refine_sweeps of RefineRounding on
+// `res`. w [rows, cols]: the matrix the pass rounded, its dead input columns (zero diagonal of h)
+// zeroed as the pass treats them; h: the undamped Hessian. Errors annotated "block ldlq".
+Status RefineAfterBlockLdlq(const double* w, const double* h, const VectorCodebook& codebook,
+                            const VectorRoundingConfig& config, VectorRoundingResult* res);
 
 // Nearest rounding with the same codebook and scale rule: Ŵ_k = scale · Q(W_k / scale), each row
 // cut into consecutive g-blocks. (config.damp and lazy_block are ignored.)

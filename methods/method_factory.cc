@@ -7,7 +7,8 @@
 #define QCAL_METHOD(name)                                                       \
   namespace qcal::methods::name {                                               \
   StatusOr<std::unique_ptr<Method>> Make(const Recipe& recipe,                  \
-                                         const LlamaConfig& config);            \
+                                         const LlamaConfig& config,             \
+                                         const PhaseProductsByName& products);  \
   }
 #include "methods/method_list.inc"
 #undef QCAL_METHOD
@@ -21,12 +22,12 @@ class QuantizedSource final : public model::CheckpointSource {
                   std::unique_ptr<Method> method)
       : CheckpointSource(std::move(config), std::move(ckpt)), method_(std::move(method)) {}
   StatusOr<model::BlockWeights> LoadBlockWeights(int64_t layer) override {
-    return method_->LoadBlock(reader(), layer);
+    return method_->block_format().LoadBlock(reader(), layer);
   }
 
  protected:
   Status InstallOnBlock(model::DecoderBlock* block, int64_t layer) override {
-    return method_->InstallInference(block, layer);
+    return method_->inference().Install(block, layer);
   }
 
  private:
@@ -35,9 +36,10 @@ class QuantizedSource final : public model::CheckpointSource {
 
 }  // namespace
 
-StatusOr<std::unique_ptr<Method>> MakeMethod(const Recipe& recipe, const LlamaConfig& config) {
+StatusOr<std::unique_ptr<Method>> MakeMethod(const Recipe& recipe, const LlamaConfig& config,
+                                             const PhaseProductsByName& products) {
 #define QCAL_METHOD(name) \
-  if (recipe.method == #name) return name::Make(recipe, config);
+  if (recipe.method == #name) return name::Make(recipe, config, products);
 #include "methods/method_list.inc"
 #undef QCAL_METHOD
   return absl::InvalidArgumentError(
@@ -87,9 +89,9 @@ StatusOr<std::unique_ptr<model::LlamaModel>> LoadModel(const std::string& dir) {
   std::vector<model::DecoderBlock> blocks;
   blocks.reserve(config.num_hidden_layers);
   for (int64_t l = 0; l < config.num_hidden_layers; ++l) {
-    QCAL_ASSIGN_OR_RETURN(model::BlockWeights w, method->LoadBlock(*ckpt, l));
+    QCAL_ASSIGN_OR_RETURN(model::BlockWeights w, method->block_format().LoadBlock(*ckpt, l));
     blocks.emplace_back(config, std::move(w));
-    QCAL_RETURN_IF_ERROR(method->InstallInference(&blocks.back(), l));
+    QCAL_RETURN_IF_ERROR(method->inference().Install(&blocks.back(), l));
   }
   QCAL_ASSIGN_OR_RETURN(at::Tensor norm,
                         model::LoadTensorF32(*ckpt, "model.norm.weight", {config.hidden_size}));

@@ -16,9 +16,13 @@
 
 namespace qcal::methods {
 
-// The recipe's method for a model of `config`. InvalidArgument for settings that do not fit the
-// model (QuaRot rotations of an odd size, ...).
-StatusOr<std::unique_ptr<Method>> MakeMethod(const Recipe& recipe, const LlamaConfig& config);
+// The recipe's method for a model of `config`, with the products of the global phases that have
+// run (a job's, by phase name: the parts that depend on them, such as learned rotations or a
+// prefix, get them here; without them those parts refuse to run). InvalidArgument for settings
+// that do not fit the model (QuaRot rotations of an odd size, ...), FailedPrecondition for
+// products that do not fit the recipe.
+StatusOr<std::unique_ptr<Method>> MakeMethod(const Recipe& recipe, const LlamaConfig& config,
+                                             const PhaseProductsByName& products = {});
 
 // A quantized checkpoint's recipe (config.json quantization_config.recipe) and method. `dir`
 // names the checkpoint in errors: a quantization_config that is not qcal's, without a recipe,

@@ -70,7 +70,7 @@ int64_t BlockWorkingBytes(const LlamaConfig& c) {
 StatusOr<bool> ShardHessians(comm::Comm& comm, const JobContext& ctx) {
   int64_t want = 0;
   const int64_t need = BlockParams(ctx.config) * 4 + HessianSumBytes(ctx.config);
-  if (comm.size() > 1 && kernels::ActiveGpuBackend() == nullptr &&
+  if (comm.size() > 1 && ctx.gpu == nullptr &&
       need > ctx.options.max_memory) {
     want = 1;
   }
@@ -135,15 +135,15 @@ StatusOr<v1::WrittenFile> WritePreparedNonBlockShardStaged(JobContext* ctx,
       [source, method](int64_t begin, int64_t n) -> StatusOr<at::Tensor> {
         QCAL_ASSIGN_OR_RETURN(at::Tensor rows, source->Embed(at::arange(begin, begin + n,
                                                                         at::kLong)));
-        return method->PrepareEmbeddingRows(rows);
+        return method->transform().PrepareEmbeddingRows(rows);
       }));
   QCAL_RETURN_IF_ERROR(
-      model::AddF32Tensor(&writer, "model.norm.weight", method->PrepareFinalNorm(norm)));
+      model::AddF32Tensor(&writer, "model.norm.weight", method->transform().PrepareFinalNorm(norm)));
   QCAL_RETURN_IF_ERROR(AddTableStreamed(
       &writer, "lm_head.weight", vocab, hidden,
       [source, method, norm](int64_t begin, int64_t n) -> StatusOr<at::Tensor> {
         QCAL_ASSIGN_OR_RETURN(at::Tensor rows, source->HeadRows(begin, n));
-        return method->PrepareHeadRows(rows, norm);
+        return method->transform().PrepareHeadRows(rows, norm);
       }));
   return WriteStagedFile(ctx->options.out_dir, ShardName(0, ctx->config.num_hidden_layers),
                          attempt, writer);
@@ -172,9 +172,15 @@ StatusOr<v1::WrittenFile> WriteBlockShardStaged(JobContext* ctx, int64_t layer,
   SafetensorsWriter writer;
   writer.SetMetadata("format", "pt");
   writer.SetMetadata("qcal_block", std::to_string(layer));
-  QCAL_RETURN_IF_ERROR(ctx->method->AppendBlockTensors(layer, weights, &writer));
+  QCAL_RETURN_IF_ERROR(ctx->method->block_format().AppendBlockTensors(layer, weights, &writer));
   return WriteStagedFile(ctx->options.out_dir,
                          ShardName(layer + 1, ctx->config.num_hidden_layers), attempt, writer);
+}
+
+// The leading positions of every calibration sequence a sequential method's block tasks drop.
+int64_t DroppedPositions(const JobContext& ctx) {
+  return ctx.method->needs().sequential ? ctx.method->sequential().DroppedCalibrationPositions()
+                                        : 0;
 }
 
 // Block 0's calibration inputs of a sequential method: the embedded tokens (less the positions
@@ -182,11 +188,11 @@ StatusOr<v1::WrittenFile> WriteBlockShardStaged(JobContext* ctx, int64_t layer,
 StatusOr<at::Tensor> EmbeddedCalibrationInputs(JobContext* ctx) {
   QCAL_RETURN_IF_ERROR(EnsureCalibrationTokens(ctx));
   at::NoGradGuard no_grad;
-  const int64_t dropped = ctx->method->DroppedCalibrationPositions();
+  const int64_t dropped = DroppedPositions(*ctx);
   QCAL_ASSIGN_OR_RETURN(
       at::Tensor rows,
       ctx->source->Embed(ctx->tokens.narrow(1, dropped, ctx->tokens.size(1) - dropped)));
-  return ctx->method->PrepareEmbeddingRows(rows);
+  return ctx->method->transform().PrepareEmbeddingRows(rows);
 }
 
 // A sequential inputs file of block `layer` ([seqs, seq_len less the dropped positions,
@@ -195,7 +201,7 @@ StatusOr<at::Tensor> EmbeddedCalibrationInputs(JobContext* ctx) {
 StatusOr<std::optional<at::Tensor>> LoadSequentialFile(JobContext* ctx, const std::string& path,
                                                        int64_t layer, const char* what) {
   const std::vector<int64_t> shape = {ctx->recipe.calibration.num_sequences,
-                                      ctx->seq_len - ctx->method->DroppedCalibrationPositions(),
+                                      ctx->seq_len - DroppedPositions(*ctx),
                                       ctx->config.hidden_size};
   auto loaded = calib::LoadActivation(path, ctx->calib_key, shape);
   if (loaded.ok()) return std::optional<at::Tensor>(std::move(*loaded));
@@ -208,8 +214,7 @@ StatusOr<std::optional<at::Tensor>> LoadSequentialFile(JobContext* ctx, const st
 
 // The float model's inputs to block `layer` (MethodNeeds::sequential_float): saved by block
 // layer-1's task, or rebuilt through the float blocks before it.
-StatusOr<at::Tensor> SequentialFloatInputs(
-    JobContext* ctx, int64_t layer, const std::map<std::string, methods::PhaseProducts>* phases) {
+StatusOr<at::Tensor> SequentialFloatInputs(JobContext* ctx, int64_t layer) {
   if (layer == 0) return EmbeddedCalibrationInputs(ctx);
   const std::string path = SequentialFloatInputsPath(ctx->options.job_dir, layer);
   QCAL_ASSIGN_OR_RETURN(std::optional<at::Tensor> loaded,
@@ -220,10 +225,10 @@ StatusOr<at::Tensor> SequentialFloatInputs(
   QCAL_ASSIGN_OR_RETURN(at::Tensor x, EmbeddedCalibrationInputs(ctx));
   for (int64_t l = 0; l < layer; ++l) {
     QCAL_ASSIGN_OR_RETURN(model::BlockWeights w, ctx->source->LoadBlockWeights(l));
-    QCAL_RETURN_IF_ERROR(ctx->method->PrepareBlock(l, &w));
-    QCAL_ASSIGN_OR_RETURN(x, ctx->method->PropagateFloatBlock(std::move(w), l, x,
-                                                              ctx->source->rope(),
-                                                              ctx->options.calib_batch, phases));
+    QCAL_RETURN_IF_ERROR(ctx->method->transform().PrepareBlock(l, &w));
+    QCAL_ASSIGN_OR_RETURN(x, ctx->method->sequential().PropagateFloatBlock(
+                                 std::move(w), l, x, ctx->source->rope(),
+                                 ctx->options.calib_batch));
   }
   return x;
 }
@@ -251,10 +256,11 @@ StatusOr<at::Tensor> SequentialInputs(JobContext* ctx, int64_t layer) {
         ") and the earlier blocks cannot be read back: ", ckpt.status().message()));
   }
   for (int64_t l = 0; l < layer; ++l) {
-    QCAL_ASSIGN_OR_RETURN(model::BlockWeights w, ctx->method->LoadBlock(**ckpt, l));
-    QCAL_ASSIGN_OR_RETURN(x, ctx->method->PropagateFinishedBlock(std::move(w), l, x,
-                                                                 ctx->source->rope(),
-                                                                 ctx->options.calib_batch));
+    QCAL_ASSIGN_OR_RETURN(model::BlockWeights w,
+                          ctx->method->block_format().LoadBlock(**ckpt, l));
+    QCAL_ASSIGN_OR_RETURN(x, ctx->method->sequential().PropagateFinishedBlock(
+                                 std::move(w), l, x, ctx->source->rope(),
+                                 ctx->options.calib_batch));
   }
   return x;
 }
@@ -285,6 +291,7 @@ StatusOr<std::unique_ptr<JobContext>> OpenJob(const Recipe& recipe,
   QCAL_ASSIGN_OR_RETURN(ctx->source, model::OpenFloatCheckpoint(options.model_dir));
   ctx->config = ctx->source->config();
   QCAL_ASSIGN_OR_RETURN(ctx->method, methods::MakeMethod(recipe, ctx->config));
+  ctx->gpu = kernels::ActiveGpuBackend();
   model::SetComputeThreads(options.threads > 0 ? options.threads
                                                : model::AutoComputeThreads(ctx->config));
   std::string capped;
@@ -400,7 +407,10 @@ Status GlobalPhaseStep(comm::Comm& comm, JobContext* ctx, const std::string& pha
   in.max_memory = ctx->options.max_memory;
   in.state_dir = ctx->options.job_dir + "/phases";
   in.state_key = ctx->calib_key;
-  StatusOr<methods::PhaseProducts> products = ctx->method->RunGlobalPhase(phase, in);
+  StatusOr<methods::PhaseProducts> products = [&]() -> StatusOr<methods::PhaseProducts> {
+    QCAL_ASSIGN_OR_RETURN(const methods::GlobalPhase* part, ctx->method->phase(phase));
+    return part->Run(in);
+  }();
   Status saved = products.status();
   if (saved.ok() && comm.rank() == 0) {
     saved = MakeDirs(ctx->options.job_dir + "/phases");
@@ -419,9 +429,10 @@ Status GlobalPhaseStep(comm::Comm& comm, JobContext* ctx, const std::string& pha
 }  // namespace
 
 namespace {
-// The Hessian / activation walk of CalibrateStep (below).
+// The Hessian / activation walk of CalibrateStep (below); `parts`: where its time went.
 Status CalibrationWalk(comm::Comm& comm, JobContext* ctx, bool hessians, bool activations,
-                       const JobEventFn& on_event, v1::CalibrateResult* out);
+                       const JobEventFn& on_event, v1::CalibrateResult* out,
+                       std::vector<std::pair<std::string, double>>* parts);
 }  // namespace
 
 StatusOr<v1::CalibrateResult> CalibrateStep(comm::Comm& comm, JobContext* ctx,
@@ -445,11 +456,13 @@ StatusOr<v1::CalibrateResult> CalibrateStep(comm::Comm& comm, JobContext* ctx,
   result.set_tokens(ctx->tokens.numel());
   result.set_rank(comm.rank());
   result.set_ranks(comm.size());
+  const std::string walk = flags[0] ? "hessians" : "activations";
+  std::vector<std::pair<std::string, double>> walk_parts;
   if (flags[0] || flags[1]) {
     // The walk: forward passes, Hessian sums and their reduction, cache files.
-    trace.Begin(flags[0] ? "hessians" : "activations");
+    trace.Begin(walk);
     QCAL_RETURN_IF_ERROR(CalibrationWalk(comm, ctx, flags[0] != 0, flags[1] != 0, on_event,
-                                         &result));
+                                         &result, &walk_parts));
   }
   if (flags[2]) {
     for (const std::string& phase : ctx->recipe.needs().global_phases) {
@@ -459,13 +472,17 @@ StatusOr<v1::CalibrateResult> CalibrateStep(comm::Comm& comm, JobContext* ctx,
   }
   trace.End();
   trace.AppendTo(result.mutable_phases());
+  for (const auto& [part, seconds] : walk_parts) {
+    AppendPhasePart(result.mutable_phases(), walk, part, seconds);
+  }
   return result;
 }
 
 namespace {
 
 Status CalibrationWalk(comm::Comm& comm, JobContext* ctx, bool hessians, bool activations,
-                       const JobEventFn& on_event, v1::CalibrateResult* out) {
+                       const JobEventFn& on_event, v1::CalibrateResult* out,
+                       std::vector<std::pair<std::string, double>>* parts) {
   v1::CalibrateResult& result = *out;
   const int64_t flags[2] = {hessians, activations};
   calib::CalibrationOptions options;
@@ -475,6 +492,7 @@ Status CalibrationWalk(comm::Comm& comm, JobContext* ctx, bool hessians, bool ac
   options.keep_hessians = false;  // block tasks read them from the job directory
   options.memory_budget_bytes = ActivationBudget(*ctx);
   options.device_sum = ctx->options.device_sum;
+  options.gpu = ctx->gpu;
   if (options.hessians) {
     QCAL_ASSIGN_OR_RETURN(options.shard_hessians, ShardHessians(comm, *ctx));
   }
@@ -499,6 +517,10 @@ Status CalibrationWalk(comm::Comm& comm, JobContext* ctx, bool hessians, bool ac
   result.set_seconds(calib.seconds);
   result.set_hessians_from_cache(calib.from_cache);
   result.set_activations_from_cache(calib.activations_from_cache);
+  *parts = {{"read weights", calib.read_seconds},
+            {"forward", calib.forward_seconds},
+            {"reduce", calib.reduce_seconds},
+            {"save", calib.save_seconds}};
   return Status();
 }
 
@@ -525,10 +547,11 @@ StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
   const std::string& job_dir = ctx->options.job_dir;
   PhaseTrace trace;
 
-  // The method's global phases' products; a method whose transforms they determine is bound to
-  // them before anything is prepared.
+  // The method's global phases' products; the method is made again with them (its parts that
+  // depend on them, such as learned rotations or a prefix, get them at construction) before
+  // anything is prepared.
   if (!needs.global_phases.empty()) trace.Begin("load phase products");
-  std::map<std::string, methods::PhaseProducts> phases;
+  methods::PhaseProductsByName phases;
   for (const std::string& phase : needs.global_phases) {
     auto products =
         LoadPhaseProducts(PhaseProductsPath(job_dir, phase), phase, ctx->calib_key);
@@ -540,9 +563,7 @@ StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
     phases[phase] = std::move(*products);
   }
   if (!phases.empty() && !ctx->method_bound) {
-    QCAL_ASSIGN_OR_RETURN(std::unique_ptr<methods::Method> bound,
-                          ctx->method->BindPhaseProducts(phases));
-    if (bound) ctx->method = std::move(bound);
+    QCAL_ASSIGN_OR_RETURN(ctx->method, methods::MakeMethod(ctx->recipe, config, phases));
     ctx->method_bound = true;
   }
 
@@ -550,13 +571,14 @@ StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
   trace.Begin("read weights");
   QCAL_ASSIGN_OR_RETURN(model::BlockWeights weights, ctx->source->LoadBlockWeights(layer));
   trace.Begin("transform");
-  QCAL_RETURN_IF_ERROR(ctx->method->PrepareBlock(layer, &weights));
+  QCAL_RETURN_IF_ERROR(ctx->method->transform().PrepareBlock(layer, &weights));
   trace.Begin("load calibration");
 
   methods::BlockInputs in;
   in.layer = layer;
   in.rope = &ctx->source->rope();
   in.batch = ctx->options.calib_batch;
+  in.gpu = ctx->gpu;
   calib::BlockHessians hessians;
   if (needs.float_hessians) {
     // Mapped: each kind's mean is made from the file when its first linear asks for it.
@@ -588,7 +610,6 @@ StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
     in.ft_inputs = &ft_inputs;
     in.ft_targets = &ft_targets;
   }
-  if (!phases.empty()) in.phases = &phases;
   at::Tensor x;
   if (needs.sequential) {
     QCAL_ASSIGN_OR_RETURN(x, SequentialInputs(ctx, layer));
@@ -597,11 +618,13 @@ StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
   }
   at::Tensor x_float;
   if (needs.sequential && needs.sequential_float) {
-    QCAL_ASSIGN_OR_RETURN(x_float, SequentialFloatInputs(ctx, layer, in.phases));
+    QCAL_ASSIGN_OR_RETURN(x_float, SequentialFloatInputs(ctx, layer));
     in.x_float = &x_float;
   }
   trace.Begin("quantize");
-  StatusOr<quant::BlockTaskResult> quantized = ctx->method->QuantizeBlock(std::move(weights), in);
+  QCAL_RETURN_IF_ERROR(methods::CheckBlockInputs(in, needs));
+  StatusOr<quant::BlockTaskResult> quantized =
+      ctx->method->quantizer().QuantizeBlock(std::move(weights), in);
   if (!quantized.ok() && needs.float_hessians) {
     // A Hessian that is not positive definite even after damping, say, names the file it came
     // from (so a damaged or stale cache can be found and removed).
@@ -637,6 +660,23 @@ StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
                         WriteBlockShardStaged(ctx, layer, task.weights, attempt));
   trace.End();
   trace.AppendTo(result.mutable_phases());
+  // Where "quantize" went: the linears' rounding steps, summed, and the block's fine-tuning.
+  double transform = 0, factor = 0, round = 0, refine = 0, proxy = 0;
+  for (const quant::LinearMetrics& m : task.linears) {
+    transform += m.transform_seconds;
+    factor += m.factor_seconds;
+    round += m.round_seconds;
+    refine += m.refine_seconds;
+    proxy += m.proxy_seconds;
+  }
+  for (const auto& [part, seconds] : {std::pair<const char*, double>{"transform", transform},
+                                      {"factor", factor},
+                                      {"round", round},
+                                      {"refine", refine},
+                                      {"proxy loss", proxy},
+                                      {"fine-tune", task.finetune_seconds}}) {
+    AppendPhasePart(result.mutable_phases(), "quantize", part, seconds);
+  }
   result.set_seconds(Seconds(t0));
   result.set_mse_before_ft(task.mse_before_ft);
   result.set_mse_after_ft(task.mse_after_ft);
@@ -672,7 +712,8 @@ StatusOr<v1::FinetuneResult> FinetuneE2EStep(JobContext* ctx,
     for (int64_t l = 0; l < blocks; ++l) shards.push_back(ShardName(l + 1, blocks));
     QCAL_ASSIGN_OR_RETURN(auto qckpt, CheckpointReader::OpenShards(ctx->options.out_dir, shards));
     for (int64_t l = 0; l < blocks; ++l) {
-      QCAL_ASSIGN_OR_RETURN(model::BlockWeights w, ctx->method->LoadBlock(*qckpt, l));
+      QCAL_ASSIGN_OR_RETURN(model::BlockWeights w,
+                            ctx->method->block_format().LoadBlock(*qckpt, l));
       qblocks.push_back(std::move(w));
     }
   }

@@ -72,13 +72,16 @@ struct JobContext {
   QuantizeJobOptions options;  // job_dir, data_root and max_memory resolved
   LlamaConfig config;
   std::unique_ptr<methods::Method> method;
+  // The rank's GPU backend (null: the CPU), as the process's device selection installed it
+  // (kernels::ActiveGpuBackend, read here once); passed to every kernel that can use it.
+  kernels::GpuBackend* gpu = nullptr;
   std::unique_ptr<model::ModelSource> source;  // the float model, streamed
   std::string calib_key;  // CalibrationKey of the recipe's data
   int64_t seq_len = 0;    // calibration sequence length (capped)
   at::Tensor tokens;      // calibration tokens, once sampled
   int32_t bos_id = 1;     // the tokenizer's BOS (set with the tokens)
-  // Whether `method` was bound to its global phases' products (Method::BindPhaseProducts; done
-  // once, by the first block task that loads them).
+  // Whether `method` was made with its global phases' products (methods::MakeMethod; done once,
+  // by the first block task that loads them).
   bool method_bound = false;
 };
 

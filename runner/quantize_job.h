@@ -16,7 +16,7 @@
 //    calibration sequences: job_dir/activations/block_<l>.safetensors holds tensor "hidden"
 //    [N, S, hidden] F32 = the float input of block l (l = num_blocks: the last block's output),
 //    with the calibration key in the metadata, so a resumed job reuses them;
-//  * block l is quantized by QuantizeBlockWithFinetune with inputs block_<l> and targets
+//  * block l is quantized with fine-tuning (quant::BlockTuner) with inputs block_<l> and targets
 //    block_<l+1> (float inputs → float outputs, as QuIP#), else by QuantizeBlock;
 //  * after all blocks, end-to-end fine-tuning (if enabled) loads the quantized blocks back from
 //    their shards, tunes sign vectors, norms and an untied head against the float model, then

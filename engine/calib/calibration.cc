@@ -166,18 +166,30 @@ StatusOr<CalibrationResult> Calibrate(comm::Comm& comm, model::ModelSource& sour
     // backend and a device reduction); otherwise every rank downloads and reduces on the host.
     bool reduce_on_device = false;
     if (walk_hessians && !sharded && comm.size() > 1) {
-      int64_t can = options.device_sum && kernels::ActiveGpuBackend() != nullptr ? 1 : 0;
+      int64_t can = options.device_sum && options.gpu != nullptr ? 1 : 0;
       QCAL_RETURN_IF_ERROR(comm.AllReduceSum(&can, 1));
       reduce_on_device = can == comm.size();
     }
+    // Where the walk's time goes (CalibrationResult::read_seconds, ...).
+    auto t = std::chrono::steady_clock::now();
+    auto lap = [&t](double* into) {
+      const auto now = std::chrono::steady_clock::now();
+      *into += std::chrono::duration<double>(now - t).count();
+      t = now;
+    };
     for (int64_t l = 0; l < blocks; ++l) {
       const std::string where = absl::StrCat("calibration, block ", l);
+      lap(&result.forward_seconds);  // (the progress callback, if any)
       if (walk_activations) QCAL_RETURN_IF_ERROR(Annotate(save_boundary(l), where));
+      lap(&result.save_seconds);
       BlockHessians h;
+      h.backend = options.gpu;
       if (sharded) {
         QCAL_RETURN_IF_ERROR(walk_block_sharded(l, where, &h));
+        lap(&result.forward_seconds);  // sharded: the gathers of the inputs included
         QCAL_RETURN_IF_ERROR(
             Annotate(SaveShardedBlockHessians(comm, HessianPath(job_dir, l), h, key), where));
+        lap(&result.save_seconds);
         result.tokens = h.at(HessianKind::kQkv).count();
         h = BlockHessians{};  // the bands are in the file
         if (options.keep_hessians) {
@@ -190,6 +202,7 @@ StatusOr<CalibrationResult> Calibrate(comm::Comm& comm, model::ModelSource& sour
       }
       local = [&]() -> Status {
         QCAL_ASSIGN_OR_RETURN(std::unique_ptr<model::DecoderBlock> block, source.LoadBlock(l));
+        lap(&result.read_seconds);
         if (walk_hessians && options.hessian_strip_rows != kHessianStripRows) {
           for (model::LinearKind k : model::kAllLinears) {
             const int64_t n = block->weights().linear(k).in_features();
@@ -214,6 +227,7 @@ StatusOr<CalibrationResult> Calibrate(comm::Comm& comm, model::ModelSource& sour
         return reduce_on_device ? Status() : FlushDeviceHessians(&h);
       }();
       QCAL_RETURN_IF_ERROR(AgreeOk(comm, Annotate(local, where), where));
+      lap(&result.forward_seconds);
       if (walk_hessians) {
         if (reduce_on_device) {
           QCAL_RETURN_IF_ERROR(Annotate(
@@ -224,14 +238,18 @@ StatusOr<CalibrationResult> Calibrate(comm::Comm& comm, model::ModelSource& sour
           QCAL_RETURN_IF_ERROR(Annotate(AllReduceHessians(comm, &h), where));
           result.tokens = h.at(HessianKind::kQkv).count();
         }
+        lap(&result.reduce_seconds);
         if (root) local = Annotate(SaveBlockHessians(HessianPath(job_dir, l), h, key), where);
         QCAL_RETURN_IF_ERROR(AgreeOk(comm, local, where));
+        lap(&result.save_seconds);
         if (options.keep_hessians) result.hessians[l] = std::move(h);
       }
       if (progress) progress(l + 1, blocks);
     }
     if (walk_activations) {
+      lap(&result.forward_seconds);
       QCAL_RETURN_IF_ERROR(Annotate(save_boundary(blocks), "calibration, final activations"));
+      lap(&result.save_seconds);
     }
   }
   if (result.from_cache && options.keep_hessians) {

@@ -55,6 +55,8 @@ struct CalibrationOptions {
   // downloaded and reduced through `comm` on the hosts: 32 bytes per value through host memory
   // and MPI (16 GB at a 70B block) become a device-to-device all-reduce. Same bytes either way.
   kernels::DeviceInt64Sum device_sum;
+  // The rank's GPU backend (null: the CPU): the block forward and the Hessian sums run there.
+  kernels::GpuBackend* gpu = nullptr;
 };
 
 struct CalibrationResult {
@@ -63,6 +65,13 @@ struct CalibrationResult {
   bool from_cache = false;              // Hessians reused from job_dir
   bool activations_from_cache = false;  // activations reused from job_dir
   double seconds = 0;
+  // Where the walk's seconds went on this rank: reading the float blocks, the forward passes
+  // with the Hessian products summed on the way, the reduction over the ranks, writing the
+  // Hessian and activation files (rank 0 writes the Hessians; every rank its activation rows).
+  double read_seconds = 0;
+  double forward_seconds = 0;
+  double reduce_seconds = 0;
+  double save_seconds = 0;
 };
 
 // Collective: every rank of `comm` calls it with the same model, all `tokens`

@@ -444,7 +444,7 @@ StatusOr<at::Tensor> ForwardCollectingHessians(model::DecoderBlock& block, const
   // merged into the CPU accumulators after the pass (the same integer format, so reductions
   // across ranks, caches and rounding are unchanged).
   std::array<std::shared_ptr<kernels::DeviceHessian>, 4>& device = hessians->device;
-  if (kernels::GpuBackend* gpu = kernels::ActiveGpuBackend(); gpu != nullptr) {
+  if (kernels::GpuBackend* gpu = hessians->backend; gpu != nullptr) {
     for (HessianKind k : kAllHessianKinds) {
       if (device[static_cast<int>(k)] != nullptr) continue;  // kept from an earlier call
       auto d = gpu->NewHessian(hessians->at(k).dim());

@@ -150,6 +150,9 @@ struct BlockHessians {
   // The fp64 mean of kind k from the accumulator, or from `stored` when the accumulator is
   // empty; undefined when neither has it.
   at::Tensor Mean(HessianKind k) const;
+  // The rank's GPU backend the sums are collected on (ForwardCollectingHessians) and reduced on
+  // (reduce.h AllReduceDeviceHessians); null: the CPU.
+  kernels::GpuBackend* backend = nullptr;
   // With a GPU backend: the device's sums not yet merged into h (see ForwardCollectingHessians
   // and FlushDeviceHessians). Null otherwise. Shared by copies (flush before copying).
   std::array<std::shared_ptr<kernels::DeviceHessian>, 4> device;
@@ -187,7 +190,8 @@ class HessianMeans {
 // returns the block's outputs [num_seqs, seq, hidden]. The block is left as it was. With
 // hessians == nullptr it only runs the block (same chunks, same outputs). An overflow is
 // OutOfRange naming the Hessian ("gate_up input: ...").
-// With a GPU backend (kernels/gpu_backend.h) the products are summed on the device. By default
+// With a GPU backend (hessians->backend, kernels/gpu_backend.h) the products are summed on the
+// device. By default
 // the device's sums are merged into *hessians before returning; with flush_device = false they
 // stay on the device across calls (one device accumulator per kind for a whole block, instead
 // of an allocation and a download of up to 6.6 GB per call) until FlushDeviceHessians, which

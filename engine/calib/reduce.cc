@@ -68,7 +68,7 @@ Status AllReduceHessians(comm::Comm& comm, BlockHessians* h) {
 
 Status AllReduceDeviceHessians(comm::Comm& comm, const kernels::DeviceInt64Sum& device_sum,
                                bool download, BlockHessians* h, int64_t* rows) {
-  kernels::GpuBackend* gpu = kernels::ActiveGpuBackend();
+  kernels::GpuBackend* gpu = h->backend;
   if (gpu == nullptr || !device_sum) {
     return absl::FailedPreconditionError(absl::StrCat(
         "device Hessian reduction needs a GPU backend and a device all-reduce (this rank has ",

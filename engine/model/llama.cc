@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/cpu.h"
+#include "engine/model/tensor_io.h"
 #include "kernels/blas_threads.h"
 
 namespace qcal::model {
@@ -71,6 +72,16 @@ double SumToDouble(const at::Tensor& t) {
   for (int64_t i = 0; i < n - full * kChunk; ++i) sum += rest[i];
   return sum;
 }
+Status Linear::AppendTensors(const std::string& prefix, SafetensorsWriter*) const {
+  return absl::UnimplementedError(
+      absl::StrCat(prefix, ": this layer has no stored format (", layer_format() ? layer_format() : "none",
+                   ")"));
+}
+
+Status DenseLinear::AppendTensors(const std::string& prefix, SafetensorsWriter* writer) const {
+  return AddF32Tensor(writer, prefix + ".weight", weight_);
+}
+
 int64_t DenseLinear::in_features() const { return weight_.size(1); }
 int64_t DenseLinear::out_features() const { return weight_.size(0); }
 

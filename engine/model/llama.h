@@ -42,6 +42,19 @@ class Linear {
   // Real-valued parameters of a quantized layer that fine-tuning may tune while its codes stay
   // fixed (QuIP#'s sign vectors su/sv): handles to the tensors Forward uses. Empty by default.
   virtual std::vector<at::Tensor> TunableVectors() { return {}; }
+
+  // --- storage (the layer formats of docs/formats.md; methods/layer_format.h reads them back)
+  // The layer that holds the weights: itself, or for a wrapper that adds an online transform or
+  // an activation/KV quantizer in front of a layer (act_quant.h, bfp_kv.h, ...), the wrapped
+  // layer's stored().
+  virtual const Linear& stored() const { return *this; }
+  // The name of the layer format this layer is stored in ("dense", "scalar", "quip": the
+  // quantization_config "format" a loader looks up), or nullptr for a layer that is not
+  // stored (a wrapper, a training-time view).
+  virtual const char* layer_format() const { return nullptr; }
+  // Writes the layer's tensors under `prefix` ("model.layers.3.self_attn.q_proj") in its
+  // format. Unimplemented for a layer without one.
+  virtual Status AppendTensors(const std::string& prefix, SafetensorsWriter* writer) const;
 };
 
 class DenseLinear final : public Linear {
@@ -51,6 +64,9 @@ class DenseLinear final : public Linear {
   int64_t in_features() const override;
   int64_t out_features() const override;
   at::Tensor DenseWeight() const override { return weight_; }
+  // "<prefix>.weight" [out, in] F32.
+  const char* layer_format() const override { return "dense"; }
+  Status AppendTensors(const std::string& prefix, SafetensorsWriter* writer) const override;
 
  private:
   at::Tensor weight_;

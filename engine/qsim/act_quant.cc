@@ -308,12 +308,6 @@ at::Tensor ActQuantLinear::DenseWeight() const {
   return rotation_->ApplyInverse(w).contiguous();
 }
 
-const model::Linear& WeightCarrier(const model::Linear& linear) {
-  if (auto* a = dynamic_cast<const ActQuantLinear*>(&linear)) return WeightCarrier(a->inner());
-  if (auto* b = dynamic_cast<const BfpKeyProjection*>(&linear)) return WeightCarrier(b->inner());
-  return linear;
-}
-
 // ---------------------------------------------------------------------------------------------
 
 StatusOr<std::shared_ptr<const IntKvQuantizer>> IntKvQuantizer::Create(const Options& options,

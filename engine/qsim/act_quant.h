@@ -148,6 +148,7 @@ class ActQuantLinear final : public model::Linear {
   int64_t out_features() const override { return inner_->out_features(); }
   // The float function of x without quantization: inner.DenseWeight()·T (T when rotated).
   at::Tensor DenseWeight() const override;
+  const model::Linear& stored() const override { return inner_->stored(); }
 
   const model::Linear& inner() const { return *inner_; }
   std::unique_ptr<model::Linear> release_inner() { return std::move(inner_); }
@@ -160,10 +161,6 @@ class ActQuantLinear final : public model::Linear {
   std::shared_ptr<const ActivationQuantizer> quantizer_;
   std::shared_ptr<RangeObserver> observer_;
 };
-
-// The Linear the weights of `linear` live in: its inner() for an ActQuantLinear or a
-// BfpKeyProjection (bfp_kv.h; recursively), else itself.
-const model::Linear& WeightCarrier(const model::Linear& linear);
 
 // Integer KV-cache quantizer (QuaRot: asymmetric, per group of head_dim channels, clip 0.95).
 //   kPerGroup:  groups of `group` consecutive channels within each head of each token.

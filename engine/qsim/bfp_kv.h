@@ -67,6 +67,7 @@ class BfpKeyProjection final : public model::Linear {
   int64_t in_features() const override { return inner_->in_features(); }
   int64_t out_features() const override { return inner_->out_features(); }
   at::Tensor DenseWeight() const override { return inner_->DenseWeight(); }
+  const model::Linear& stored() const override { return inner_->stored(); }
   const kernels::BfpFormat& format() const { return format_; }
   const model::Linear& inner() const { return *inner_; }
   std::unique_ptr<model::Linear> release_inner() { return std::move(inner_); }

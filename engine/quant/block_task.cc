@@ -1,6 +1,5 @@
 #include "engine/quant/block_task.h"
 
-#include <chrono>
 #include <cmath>
 
 #include <ATen/ATen.h>
@@ -8,35 +7,49 @@
 #include "absl/strings/str_cat.h"
 
 namespace qcal::quant {
+namespace {
 
-StatusOr<QuantizedLinear> RoundLinear(int64_t layer, model::LinearKind kind,
+std::string Where(int64_t layer, model::LinearKind kind) {
+  return absl::StrCat("block ", layer, " ", model::LinearName(kind));
+}
+
+}  // namespace
+
+const double* LinearProblem::weight() const { return w.data_ptr<double>(); }
+double* LinearProblem::hessian() const { return h.defined() ? h.data_ptr<double>() : nullptr; }
+
+StatusOr<LinearProblem> PrepareLinear(int64_t layer, model::LinearKind kind,
                                       const at::Tensor& weight, const at::Tensor& hessian,
-                                      const char* method, bool needs_hessian,
-                                      const LinearRounder& round) {
-  const auto t0 = std::chrono::steady_clock::now();
-  const int64_t out = weight.size(0), in = weight.size(1);
-  const std::string where = absl::StrCat("block ", layer, " ", model::LinearName(kind));
+                                      const char* method, bool needs_hessian) {
+  LinearProblem p;
+  p.start = std::chrono::steady_clock::now();
+  p.layer = layer;
+  p.kind = kind;
+  p.out = weight.size(0);
+  p.in = weight.size(1);
   if (needs_hessian && !hessian.defined()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(where, ": method ", method, " needs a Hessian"));
+        absl::StrCat(Where(layer, kind), ": method ", method, " needs a Hessian"));
   }
   // fp64 views: the weight is converted (a copy); a contiguous fp64 Hessian (what
   // HessianAccumulator::Mean returns) is read in place, not copied.
-  const at::Tensor w = weight.to(at::kDouble).contiguous();
-  at::Tensor h;
+  p.w = weight.to(at::kDouble).contiguous();
   if (hessian.defined()) {
-    if (hessian.dim() != 2 || hessian.size(0) != in || hessian.size(1) != in) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": Hessian is not ", in, "x", in));
+    if (hessian.dim() != 2 || hessian.size(0) != p.in || hessian.size(1) != p.in) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(Where(layer, kind), ": Hessian is not ", p.in, "x", p.in));
     }
-    h = hessian.to(at::kDouble).contiguous();
+    p.h = hessian.to(at::kDouble).contiguous();
   }
-  double* hp = h.defined() ? h.data_ptr<double>() : nullptr;
-  StatusOr<QuantizedLinear> q = round(w.data_ptr<double>(), out, in, hp);
-  if (!q.ok()) return Annotate(q.status(), where);
-  q->metrics.name = model::LinearName(kind);
-  if (hp == nullptr) q->metrics.proxy_loss = q->metrics.relative = std::nan("");
+  return p;
+}
+
+StatusOr<QuantizedLinear> FinishLinear(const LinearProblem& p, StatusOr<QuantizedLinear> q) {
+  if (!q.ok()) return Annotate(q.status(), Where(p.layer, p.kind));
+  q->metrics.name = model::LinearName(p.kind);
+  if (!p.h.defined()) q->metrics.proxy_loss = q->metrics.relative = std::nan("");
   q->metrics.seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - p.start).count();
   return q;
 }
 

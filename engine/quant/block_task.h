@@ -1,6 +1,6 @@
 // What a block task produces, for every method: the quantized block's weights and, per linear,
 // the proxy loss and bits (the journal's block_done metrics); and the one helper every method
-// rounds a linear through (fp64 views of W and H, metrics filled in).
+// rounds a linear with (fp64 views of W and H, metrics filled in).
 //
 // A block task depends only on its inputs (float block weights, the block's Hessians and
 // activations, the recipe and the layer index), so the service hands the same tasks to any rank
@@ -8,7 +8,7 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
+#include <chrono>
 #include <limits>
 #include <memory>
 #include <string>
@@ -26,6 +26,13 @@ struct LinearMetrics {
   double code_bits = 0;    // bits of codes per original weight
   double stored_bits = 0;  // all stored tensors (codes, signs, scales, ...) per original weight
   double seconds = 0;
+  // Where `seconds` went (0 for a step the rounding has not): incoherence transforms (and their
+  // inverse), the Hessian's factorization, the rounding pass, refinement sweeps, the proxy loss.
+  double transform_seconds = 0;
+  double factor_seconds = 0;
+  double round_seconds = 0;
+  double refine_seconds = 0;
+  double proxy_seconds = 0;
 };
 
 struct BlockTaskResult {
@@ -34,9 +41,11 @@ struct BlockTaskResult {
   std::vector<LinearMetrics> linears;
   double seconds = 0;
   // Block output MSE on held-out calibration sequences without / with fine-tuning
-  // (finetune.h QuantizeBlockWithFinetune); NaN when the block was not fine-tuned.
+  // (finetune.h BlockTuner); NaN when the block was not fine-tuned.
   double mse_before_ft = std::numeric_limits<double>::quiet_NaN();
   double mse_after_ft = std::numeric_limits<double>::quiet_NaN();
+  // Seconds spent tuning (within-block fine-tuning; 0 without).
+  double finetune_seconds = 0;
 };
 
 struct QuantizedLinear {
@@ -44,20 +53,34 @@ struct QuantizedLinear {
   LinearMetrics metrics;
 };
 
-// Rounds W [out, in] (row-major fp64) with the input Hessian H [in, in] (fp64, or null). A rounder
-// may use H's storage as work space (GPTQ: kernels::GptqInPlace) but leaves it as it found it
-// when it returns OK (H is shared: q/k/v round with one, gate/up with another).
-using LinearRounder = std::function<StatusOr<QuantizedLinear>(const double* w, int64_t out,
-                                                              int64_t in, double* h)>;
+// One linear to round, as the rounding kernels read it: W [out, in] row-major fp64 and the
+// input Hessian H [in, in] fp64 (or null). A rounder may use H's storage as work space (GPTQ:
+// kernels::GptqInPlace) but leaves it as it found it when it returns OK (H is shared: q/k/v
+// round with one, gate/up with another).
+//
+// A method rounds a linear in three steps, with no callback between it and this layer:
+//   QCAL_ASSIGN_OR_RETURN(quant::LinearProblem p, quant::PrepareLinear(layer, kind, w, h, ...));
+//   return quant::FinishLinear(p, its_rounding(p.weight(), p.out, p.in, p.hessian()));
+struct LinearProblem {
+  int64_t layer = 0;
+  model::LinearKind kind = model::LinearKind::kQ;
+  int64_t out = 0, in = 0;
+  at::Tensor w;  // [out, in] fp64 contiguous (a copy)
+  at::Tensor h;  // [in, in] fp64 contiguous (the caller's Hessian, read in place), or undefined
+  std::chrono::steady_clock::time_point start;
+  const double* weight() const;
+  double* hessian() const;  // null without a Hessian
+};
 
-// Rounds one linear of block `layer`: `weight` [out, in] (any float dtype; converted to fp64),
-// `hessian` [in, in] (fp64 mean, read in place when contiguous fp64; undefined when the method
-// uses none). `method` names the method in errors; `needs_hessian` refuses an undefined one.
-// Fills metrics.name and seconds, and NaN proxy losses without a Hessian. Errors are annotated
-// with "block <layer> <linear>".
-StatusOr<QuantizedLinear> RoundLinear(int64_t layer, model::LinearKind kind,
+// `weight` [out, in] (any float dtype; converted to fp64), `hessian` [in, in] (fp64 mean, read in
+// place when contiguous fp64; undefined when the method uses none). `method` names the method in
+// errors; `needs_hessian` refuses an undefined one. Errors name "block <layer> <linear>".
+StatusOr<LinearProblem> PrepareLinear(int64_t layer, model::LinearKind kind,
                                       const at::Tensor& weight, const at::Tensor& hessian,
-                                      const char* method, bool needs_hessian,
-                                      const LinearRounder& round);
+                                      const char* method, bool needs_hessian);
+// The rounding's result with metrics.name and seconds filled in, and NaN proxy losses without a
+// Hessian; an error annotated with "block <layer> <linear>".
+StatusOr<QuantizedLinear> FinishLinear(const LinearProblem& problem,
+                                       StatusOr<QuantizedLinear> rounded);
 
 }  // namespace qcal::quant

@@ -191,18 +191,48 @@ SequenceSplit SplitSequences(int64_t n, double holdout, uint64_t seed) {
   return split;
 }
 
-StatusOr<BlockTaskResult> QuantizeBlockWithFinetune(const FinetuneOptions& options,
-                                                    const LlamaConfig& config, int64_t layer,
-                                                    const model::BlockWeights& float_weights,
-                                                    const calib::BlockHessians* hessians,
-                                                    const LinearQuantizer& quantize_linear,
-                                                    const model::Rope& rope,
-                                                    const at::Tensor& inputs_in,
-                                                    const at::Tensor& targets_in) {
+struct BlockTuner::State {
+  State(const LlamaConfig& config, model::BlockWeights start) : block(config, std::move(start)) {}
+  FinetuneOptions options;
+  LlamaConfig config;
+  int64_t layer = 0;
+  const model::BlockWeights* float_weights = nullptr;  // the caller's, valid until Finish
+  const model::Rope* rope = nullptr;
+  at::Tensor inputs, targets;
+  SequenceSplit split;
+  Clock::time_point t0;
+  // The working block starts as a float copy; float_w[i] aliases the weight of its DenseLinear
+  // (DenseLinear keeps a contiguous tensor as is), so Adam's in-place updates reach Forward.
+  at::Tensor float_w[7];
+  model::DecoderBlock block;
+  bool quantized[7] = {};
+  BlockTaskResult result;
+  const std::vector<int64_t>& eval_idx() const {
+    return split.holdout.empty() ? split.train : split.holdout;
+  }
+};
+
+const std::vector<std::vector<LinearKind>>& BlockTuner::Groups() {
+  static const std::vector<std::vector<LinearKind>> groups = {
+      {LinearKind::kQ, LinearKind::kK, LinearKind::kV},
+      {LinearKind::kO},
+      {LinearKind::kGate, LinearKind::kUp},
+      {LinearKind::kDown}};
+  return groups;
+}
+
+BlockTuner::BlockTuner(std::unique_ptr<State> state) : s_(std::move(state)) {}
+BlockTuner::~BlockTuner() = default;
+
+StatusOr<std::unique_ptr<BlockTuner>> BlockTuner::Start(const FinetuneOptions& options,
+                                                        const LlamaConfig& config, int64_t layer,
+                                                        const model::BlockWeights& float_weights,
+                                                        const model::Rope& rope,
+                                                        const at::Tensor& inputs_in,
+                                                        const at::Tensor& targets_in) {
   const auto t0 = Clock::now();
   const std::string where = absl::StrCat("block ", layer);
-  const FinetuneStage& stage = options.stage;
-  QCAL_RETURN_IF_ERROR(CheckStage(stage, where));
+  QCAL_RETURN_IF_ERROR(CheckStage(options.stage, where));
   if (inputs_in.dim() != 3 || inputs_in.size(0) < 1 || inputs_in.size(2) != config.hidden_size ||
       !inputs_in.sizes().equals(targets_in.sizes()) ||
       inputs_in.size(1) > rope.max_positions()) {
@@ -210,101 +240,112 @@ StatusOr<BlockTaskResult> QuantizeBlockWithFinetune(const FinetuneOptions& optio
         where, ": fine-tuning needs inputs and targets of the same shape [N >= 1, S <= ",
         rope.max_positions(), ", ", config.hidden_size, "]"));
   }
-  const at::Tensor inputs = inputs_in.detach().to(at::kFloat).contiguous();
-  const at::Tensor targets = targets_in.detach().to(at::kFloat).contiguous();
-  const int64_t n = inputs.size(0);
-  const SequenceSplit split = SplitSequences(n, stage.holdout, options.seed);
-  const std::vector<int64_t>& eval_idx = split.holdout.empty() ? split.train : split.holdout;
-  const int64_t batch = stage.batch;
-
-  auto hessian_of = [&](LinearKind k) {
-    return hessians ? hessians->Mean(calib::HessianKindOf(k)) : at::Tensor();
-  };
-  auto idx = [](LinearKind k) { return static_cast<int>(k); };
-
-  // The working block starts as a float copy; float_w[i] aliases the weight of its DenseLinear
-  // (DenseLinear keeps a contiguous tensor as is), so Adam's in-place updates reach Forward.
   at::Tensor float_w[7];
   model::BlockWeights start;
   start.input_norm = float_weights.input_norm.detach().to(at::kFloat).clone();
   start.post_norm = float_weights.post_norm.detach().to(at::kFloat).clone();
   for (LinearKind k : model::kAllLinears) {
-    float_w[idx(k)] = float_weights.linear(k).DenseWeight().detach().to(at::kFloat).clone();
-    start.linears[idx(k)] = std::make_unique<model::DenseLinear>(float_w[idx(k)]);
+    const int i = static_cast<int>(k);
+    float_w[i] = float_weights.linear(k).DenseWeight().detach().to(at::kFloat).clone();
+    start.linears[i] = std::make_unique<model::DenseLinear>(float_w[i]);
   }
-  model::DecoderBlock block(config, std::move(start));
-  model::BlockWeights& w = block.mutable_weights();
+  auto s = std::make_unique<State>(config, std::move(start));
+  s->t0 = t0;
+  s->options = options;
+  s->config = config;
+  s->layer = layer;
+  s->float_weights = &float_weights;
+  s->rope = &rope;
+  s->inputs = inputs_in.detach().to(at::kFloat).contiguous();
+  s->targets = targets_in.detach().to(at::kFloat).contiguous();
+  s->split = SplitSequences(s->inputs.size(0), options.stage.holdout, options.seed);
+  for (int i = 0; i < 7; ++i) s->float_w[i] = float_w[i];
+  s->result.layer = layer;
+  return std::unique_ptr<BlockTuner>(new BlockTuner(std::move(s)));
+}
 
-  BlockTaskResult result;
-  result.layer = layer;
-  bool quantized[7] = {};
-  auto quantize = [&](LinearKind k) -> StatusOr<std::unique_ptr<model::Linear>> {
-    QCAL_ASSIGN_OR_RETURN(QuantizedLinear q, quantize_linear(k, float_w[idx(k)], hessian_of(k)));
-    result.linears.push_back(q.metrics);  // groups run in kAllLinears order
-    return std::move(q.layer);
-  };
+const at::Tensor& BlockTuner::Weight(LinearKind kind) const {
+  return s_->float_w[static_cast<int>(kind)];
+}
 
-  const std::vector<std::vector<LinearKind>> groups = {
-      {LinearKind::kQ, LinearKind::kK, LinearKind::kV},
-      {LinearKind::kO},
-      {LinearKind::kGate, LinearKind::kUp},
-      {LinearKind::kDown}};
-  const double lr = stage.lr, sign_lr = stage.lr * options.sign_lr_multiplier;
-  for (size_t g = 0; g < groups.size(); ++g) {
-    const auto tg = Clock::now();
-    for (LinearKind k : groups[g]) {
-      QCAL_ASSIGN_OR_RETURN(w.linears[idx(k)], quantize(k));
-      quantized[idx(k)] = true;
-      float_w[idx(k)] = at::Tensor();
-    }
-    if (g == 0) {
-      // The no-FT baseline: q/k/v as just rounded (from float weights, before any tuning), the
-      // other linears rounded from the float weights too, the float norms.
-      model::BlockWeights base;
-      base.input_norm = float_weights.input_norm.detach().to(at::kFloat);
-      base.post_norm = float_weights.post_norm.detach().to(at::kFloat);
-      for (LinearKind k : model::kAllLinears) {
-        if (quantized[idx(k)]) {
-          base.linears[idx(k)] = std::move(w.linears[idx(k)]);
-        } else {
-          QCAL_ASSIGN_OR_RETURN(
-              QuantizedLinear q,
-              quantize_linear(k, float_weights.linear(k).DenseWeight(), hessian_of(k)));
-          base.linears[idx(k)] = std::move(q.layer);
-        }
+void BlockTuner::Install(LinearKind kind, QuantizedLinear rounded) {
+  const int i = static_cast<int>(kind);
+  s_->result.linears.push_back(rounded.metrics);
+  s_->block.mutable_weights().linears[i] = std::move(rounded.layer);
+  s_->quantized[i] = true;
+  s_->float_w[i] = at::Tensor();
+}
+
+Status BlockTuner::MeasureBaseline(std::vector<std::unique_ptr<model::Linear>> others) {
+  // The no-FT baseline: the first group as just rounded (from float weights, before any tuning),
+  // the other linears rounded from the float weights too, the float norms.
+  State& s = *s_;
+  model::BlockWeights& w = s.block.mutable_weights();
+  model::BlockWeights base;
+  base.input_norm = s.float_weights->input_norm.detach().to(at::kFloat);
+  base.post_norm = s.float_weights->post_norm.detach().to(at::kFloat);
+  for (LinearKind k : model::kAllLinears) {
+    const int i = static_cast<int>(k);
+    if (s.quantized[i]) {
+      base.linears[i] = std::move(w.linears[i]);
+    } else {
+      if (static_cast<int>(others.size()) <= i || others[i] == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "block ", s.layer, ": the fine-tuning baseline has no rounded ",
+            model::LinearName(k)));
       }
-      model::DecoderBlock base_block(config, std::move(base));
-      result.mse_before_ft = BlockMse(base_block, rope, inputs, targets, eval_idx, batch);
-      for (LinearKind k : groups[0]) {
-        w.linears[idx(k)] = std::move(base_block.mutable_weights().linears[idx(k)]);
-      }
+      base.linears[i] = std::move(others[i]);
     }
-
-    TunableParams params;
-    params.plain = {w.input_norm, w.post_norm};
-    for (LinearKind k : model::kAllLinears) {
-      if (!quantized[idx(k)]) params.plain.push_back(float_w[idx(k)]);
-    }
-    AddSigns(w, &params);
-    const TrainOutcome outcome = TrainKeepBest(
-        params, lr, sign_lr, stage, split.train,
-        DeriveSeed(options.seed, kBlockStream, static_cast<uint64_t>(layer) * 8 + g),
-        [&](const at::Tensor& i) {
-          return (block.Forward(inputs.index_select(0, i), rope) - targets.index_select(0, i))
-              .pow(2)
-              .mean();
-        },
-        [&] { return BlockMse(block, rope, inputs, targets, eval_idx, batch); });
-    QCAL_LOG_INFO(
-        "block {} group {}/{}: {} values tuned, held-out MSE {:.4g} -> {:.4g} (best epoch {} of "
-        "{}, {} steps, {:.1f} s)",
-        layer, g + 1, groups.size(), params.Values(), outcome.initial, outcome.best,
-        outcome.best_epoch, stage.epochs, outcome.steps, Seconds(tg));
-    if (g + 1 == groups.size()) result.mse_after_ft = outcome.best;
   }
-  result.weights = std::move(block.mutable_weights());
-  result.seconds = Seconds(t0);
-  return result;
+  const auto t0 = Clock::now();
+  model::DecoderBlock base_block(s.config, std::move(base));
+  s.result.mse_before_ft =
+      BlockMse(base_block, *s.rope, s.inputs, s.targets, s.eval_idx(), s.options.stage.batch);
+  s.result.finetune_seconds += Seconds(t0);
+  for (LinearKind k : model::kAllLinears) {
+    const int i = static_cast<int>(k);
+    if (s.quantized[i]) w.linears[i] = std::move(base_block.mutable_weights().linears[i]);
+  }
+  return Status();
+}
+
+Status BlockTuner::TuneGroup(size_t g) {
+  State& s = *s_;
+  const auto tg = Clock::now();
+  const FinetuneStage& stage = s.options.stage;
+  const double lr = stage.lr, sign_lr = stage.lr * s.options.sign_lr_multiplier;
+  model::BlockWeights& w = s.block.mutable_weights();
+  TunableParams params;
+  params.plain = {w.input_norm, w.post_norm};
+  for (LinearKind k : model::kAllLinears) {
+    if (!s.quantized[static_cast<int>(k)]) params.plain.push_back(s.float_w[static_cast<int>(k)]);
+  }
+  AddSigns(w, &params);
+  const std::vector<int64_t>& eval_idx = s.eval_idx();
+  const TrainOutcome outcome = TrainKeepBest(
+      params, lr, sign_lr, stage, s.split.train,
+      DeriveSeed(s.options.seed, kBlockStream, static_cast<uint64_t>(s.layer) * 8 + g),
+      [&](const at::Tensor& i) {
+        return (s.block.Forward(s.inputs.index_select(0, i), *s.rope) -
+                s.targets.index_select(0, i))
+            .pow(2)
+            .mean();
+      },
+      [&] { return BlockMse(s.block, *s.rope, s.inputs, s.targets, eval_idx, stage.batch); });
+  QCAL_LOG_INFO(
+      "block {} group {}/{}: {} values tuned, held-out MSE {:.4g} -> {:.4g} (best epoch {} of "
+      "{}, {} steps, {:.1f} s)",
+      s.layer, g + 1, Groups().size(), params.Values(), outcome.initial, outcome.best,
+      outcome.best_epoch, stage.epochs, outcome.steps, Seconds(tg));
+  if (g + 1 == Groups().size()) s.result.mse_after_ft = outcome.best;
+  s.result.finetune_seconds += Seconds(tg);
+  return Status();
+}
+
+BlockTaskResult BlockTuner::Finish() {
+  s_->result.weights = std::move(s_->block.mutable_weights());
+  s_->result.seconds = Seconds(s_->t0);
+  return std::move(s_->result);
 }
 
 StatusOr<TunableModel> AssembleTunableModel(const LlamaConfig& config,

@@ -1,9 +1,8 @@
 // Fine-tuning during quantization (QuIP# §5, Algorithm 5, appendix F.6).
 //
-// Within a block (QuantizeBlockWithFinetune): the seven linears are quantized in four groups, in
-// the order data flows through the block — (q, k, v) → (o) → (gate, up) → (down). After each
-// group is rounded (by the method's LinearQuantizer, with the block's float-model Hessians), the
-// block is tuned with Adam to reproduce the float block's outputs:
+// Within a block (BlockTuner): the seven linears are quantized in four groups, in the order data
+// flows through the block — (q, k, v) → (o) → (gate, up) → (down). After each group is rounded
+// (by the method, with the block's float-model Hessians), the block is tuned with Adam to reproduce the float block's outputs:
 //   minimise MSE(block(X_train), Y_train)
 // over the block's still-float linear weights (so they compensate for the rounding error before
 // they are rounded themselves), the already-quantized linears' tunable vectors
@@ -22,7 +21,7 @@
 //
 // Settings (FinetuneOptions: common/recipe.h FinetuneStage): epochs, lr, batch (sequences per
 // Adam step), holdout (fraction of the sequences held out for keep-best). The tunable vectors use
-// sign_lr_multiplier × lr (QuIP# F.6: 10× for 2-bit recipes, kSignLrMultiplier); everything else
+// sign_lr_multiplier × lr (the method sets it: QuIP# F.6 gives 10× for 2-bit recipes, methods/quip); everything else
 // lr.
 //
 // Determinism: no LibTorch RNG is used. The train/held-out split and the per-epoch shuffles
@@ -51,19 +50,11 @@
 
 namespace qcal::quant {
 
-// QuIP# F.6: 2-bit models tune S_U/S_V with 10× the learning rate of everything else.
-inline constexpr double kSignLrMultiplier = 10.0;
-
 struct FinetuneOptions {
   FinetuneStage stage;              // the recipe's finetune.block or finetune.end_to_end
   uint64_t seed = 0;                // the recipe's seed: split and shuffles
   double sign_lr_multiplier = 1.0;  // learning rate of tunable vectors ÷ stage.lr
 };
-
-// Rounds one linear of the block being tuned: `weight` [out, in] (float, possibly tuned),
-// `hessian` [in, in] fp64 (undefined when the method uses none). A method's QuantizeLinear.
-using LinearQuantizer = std::function<StatusOr<QuantizedLinear>(
-    model::LinearKind kind, const at::Tensor& weight, const at::Tensor& hessian)>;
 
 // A deterministic split of n sequences into training and held-out indices (each sorted):
 // round(holdout · n) sequences, at least 1 and at most n − 1, are held out when holdout > 0 and
@@ -75,31 +66,66 @@ struct SequenceSplit {
 };
 SequenceSplit SplitSequences(int64_t n, double holdout, uint64_t seed);
 
-// QuIP# Algorithm 5 within one block.
+// QuIP# Algorithm 5 within one block, driven by the method that rounds the linears (there is
+// no callback: the method holds the loop and this class the block and its training):
+//   QCAL_ASSIGN_OR_RETURN(auto tuner, BlockTuner::Start(options, config, layer, float_weights,
+//                                                       rope, inputs, targets));
+//   for (size_t g = 0; g < BlockTuner::Groups().size(); ++g) {
+//     for (LinearKind k : BlockTuner::Groups()[g]) tuner->Install(k, round(k, tuner->Weight(k)));
+//     if (g == 0) tuner->MeasureBaseline(every other linear rounded from the float weights);
+//     tuner->TuneGroup(g);
+//   }
+//   BlockTaskResult result = tuner->Finish();
+// Every group is rounded with the block's float-model Hessians, including groups whose weights
+// were tuned first (as in QuIP#).
 //   float_weights: the float block (read only; copied).
-//   hessians: the block's input Hessians from the float model (null when the method uses none);
-//     every group is rounded with them, including groups whose weights were tuned first (as in
-//     QuIP#).
-//   quantize: the method's rounding of one linear.
 //   inputs [N, S, hidden] float32: the float model's inputs to this block on the calibration
 //     sequences; targets [N, S, hidden]: the float block's outputs on them (QuIP#'s setup: each
 //     block learns to map float inputs to float outputs, so blocks are independent tasks).
 // Settings: options.stage (the recipe's finetune.block; epochs 0 = quantize in groups without
 // tuning).
 // The result's mse_before_ft is the held-out output MSE of the block quantized WITHOUT any
-// fine-tuning (all seven linears rounded from the float weights, exactly what QuantizeBlock
-// returns; q/k/v are shared with the tuned path since they are rounded before any tuning);
-// mse_after_ft is the held-out MSE of the returned block. With holdout 0 both are over all
-// sequences. linears[i].proxy_loss is measured against the (tuned) weight that was rounded.
-// Errors: shapes that do not match the config, anything `quantize` rejects.
-StatusOr<BlockTaskResult> QuantizeBlockWithFinetune(const FinetuneOptions& options,
-                                                    const LlamaConfig& config, int64_t layer,
-                                                    const model::BlockWeights& float_weights,
-                                                    const calib::BlockHessians* hessians,
-                                                    const LinearQuantizer& quantize,
-                                                    const model::Rope& rope,
-                                                    const at::Tensor& inputs,
-                                                    const at::Tensor& targets);
+// fine-tuning (all seven linears rounded from the float weights, exactly what the block task
+// returns without fine-tuning; q/k/v are shared with the tuned path since they are rounded
+// before any tuning); mse_after_ft is the held-out MSE of the returned block. With holdout 0
+// both are over all sequences. linears[i].proxy_loss is measured against the (tuned) weight
+// that was rounded.
+class BlockTuner {
+ public:
+  // The groups QuIP# rounds in, in the order data flows through the block:
+  // (q, k, v) → (o) → (gate, up) → (down).
+  static const std::vector<std::vector<model::LinearKind>>& Groups();
+  // Errors: inputs and targets not [N >= 1, S <= rope positions, hidden] alike, a bad stage.
+  static StatusOr<std::unique_ptr<BlockTuner>> Start(const FinetuneOptions& options,
+                                                     const LlamaConfig& config, int64_t layer,
+                                                     const model::BlockWeights& float_weights,
+                                                     const model::Rope& rope,
+                                                     const at::Tensor& inputs,
+                                                     const at::Tensor& targets);
+  ~BlockTuner();
+  BlockTuner(const BlockTuner&) = delete;
+  BlockTuner& operator=(const BlockTuner&) = delete;
+
+  // The weight linear `kind` is to be rounded from: [out, in] float32, tuned by the groups
+  // before its own. Precondition: not installed yet.
+  const at::Tensor& Weight(model::LinearKind kind) const;
+  // Puts kind's rounded layer into the block (its metrics join the result's, in install order).
+  void Install(model::LinearKind kind, QuantizedLinear rounded);
+  // After the first group is installed: measures the no-FT baseline with every other linear
+  // rounded from the float weights (`others`, indexed by LinearKind; the first group's entries
+  // are ignored).
+  Status MeasureBaseline(std::vector<std::unique_ptr<model::Linear>> others);
+  // Tunes the block after group g's linears are installed: Adam on the still-float weights, the
+  // installed layers' tunable vectors and both norms, keeping the best epoch.
+  Status TuneGroup(size_t g);
+  // The tuned block and its metrics.
+  BlockTaskResult Finish();
+
+ private:
+  struct State;
+  explicit BlockTuner(std::unique_ptr<State> state);
+  std::unique_ptr<State> s_;
+};
 
 // A LlamaModel assembled from tensors the caller keeps handles to. LlamaModel keeps its final
 // norm and head private; its constructor shares the tensors' storage, so tuning final_norm/head

@@ -86,7 +86,8 @@ class ScalarQuantLinear final : public model::Linear {
   // inference engines load: prefix.qweight [in·bits/32, out] I32, prefix.qzeros
   // [groups, out·bits/32] I32, prefix.scales_gptq [groups, out] F16 (prefix.g_idx is shared:
   // same name, same meaning in both layouts); never with pack_int4.
-  Status AppendTensors(const std::string& prefix, SafetensorsWriter* writer) const;
+  const char* layer_format() const override { return "scalar"; }
+  Status AppendTensors(const std::string& prefix, SafetensorsWriter* writer) const override;
   // The shape and grid a checkpoint's layer `prefix` was stored with (its prefix.qconfig), read
   // without its codes: out_features, in_features, bits, group_size, symmetric. NotFound when
   // the layer is not in the scalar format.

@@ -1,5 +1,7 @@
 #include "engine/quant/scalar_quantize.h"
 
+#include <chrono>
+
 #include "kernels/gpu_backend.h"
 #include "kernels/rounding.h"
 #include "kernels/scalar_quant.h"
@@ -47,18 +49,25 @@ StatusOr<QuantizedLinear> QuantizeScalarLinear(const ScalarQuantizeOptions& o, c
     sc.damp = o.damp;
     sc.act_order = o.grid.act_order;
     sc.refine_sweeps = o.refine_sweeps;
-    // On a GPU worker the sweep runs on the device (kernels/gptq_cuda.h, the same algorithm).
-    kernels::GpuBackend* gpu = kernels::ActiveGpuBackend();
-    QCAL_ASSIGN_OR_RETURN(rounded, gpu != nullptr ? gpu->Gptq(w, out, in, h, sc)
-                                                  : kernels::GptqInPlace(w, out, in, h, sc));
+    // On a GPU rank the sweep runs on the device (kernels/gptq_cuda.h, the same algorithm).
+    QCAL_ASSIGN_OR_RETURN(rounded, kernels::RunGptq(o.gpu, w, out, in, h, sc));
   } else {
+    const auto t = std::chrono::steady_clock::now();
     QCAL_ASSIGN_OR_RETURN(rounded, kernels::RoundToNearest(w, out, in, ScalarConfig(o)));
+    rounded.times.round =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
   }
   QuantizedLinear result;
+  result.metrics.factor_seconds = rounded.times.factor;
+  result.metrics.round_seconds = rounded.times.round;
+  result.metrics.refine_seconds = rounded.times.refine;
   if (h) {
+    const auto t = std::chrono::steady_clock::now();
     result.metrics.proxy_loss = kernels::ProxyLoss(w, rounded.w_hat.data(), h, out, in);
     const double trace = kernels::QuadraticForm(w, h, out, in);
     result.metrics.relative = result.metrics.proxy_loss / trace;
+    result.metrics.proxy_seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
   }
   ScalarLinearData data;
   data.in_features = in;

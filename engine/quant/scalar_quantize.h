@@ -8,6 +8,7 @@
 #include "common/quant_specs.h"
 #include "common/status.h"
 #include "engine/quant/block_task.h"
+#include "kernels/gpu_backend.h"
 
 namespace qcal::quant {
 
@@ -18,6 +19,8 @@ struct ScalarQuantizeOptions {
   double damp = 0.01;      // GPTQ only
   int refine_sweeps = 0;   // GPTQ only: kernels::RefineRounding after the pass
   bool pack_int4 = false;  // store codes two per byte (bits <= 4): QuaRot checkpoints
+  // The rank's GPU backend (null: the CPU): GPTQ runs there (kernels::RunGptq).
+  kernels::GpuBackend* gpu = nullptr;
 };
 
 // w [out, in] fp64 row-major; h [in, in] fp64 or null (then no proxy loss). GPTQ on the CPU

@@ -2,10 +2,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "methods/gptq/gptq_spec.h"
+#include "methods/per_linear.h"
 
 namespace qcal::methods::gptq {
 
-StatusOr<std::unique_ptr<Method>> Make(const Recipe& recipe, const LlamaConfig& config) {
+StatusOr<std::unique_ptr<Method>> Make(const Recipe& recipe, const LlamaConfig& config,
+                                       const PhaseProductsByName&) {
   const auto* c = dynamic_cast<const GptqConfig*>(recipe.config.get());
   if (c == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("recipe '", recipe.name, "' is not a gptq one"));
@@ -16,7 +18,7 @@ StatusOr<std::unique_ptr<Method>> Make(const Recipe& recipe, const LlamaConfig& 
   options.gptq = true;
   options.damp = c->damp;
   options.refine_sweeps = c->refine_sweeps;
-  return std::unique_ptr<Method>(std::make_unique<ScalarGridMethod>(recipe, config, options));
+  return MakePerLinearMethod(recipe, config, ScalarGridRounding("gptq", options));
 }
 
 }  // namespace qcal::methods::gptq

@@ -10,6 +10,7 @@
 
 namespace qcal::methods::gptq {
 
-StatusOr<std::unique_ptr<Method>> Make(const Recipe& recipe, const LlamaConfig& config);
+StatusOr<std::unique_ptr<Method>> Make(const Recipe& recipe, const LlamaConfig& config,
+                                       const PhaseProductsByName& products);
 
 }  // namespace qcal::methods::gptq

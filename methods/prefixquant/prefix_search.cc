@@ -15,7 +15,7 @@ namespace qcal::methods::prefixquant {
 namespace {
 
 // Block `layer` of the float model as the method prepares it, with its online rotations.
-StatusOr<std::unique_ptr<model::DecoderBlock>> PreparedBlock(const Method& method,
+StatusOr<std::unique_ptr<model::DecoderBlock>> PreparedBlock(const ModelTransform& method,
                                                              const qsim::RotationPlan& plan,
                                                              model::ModelSource& source,
                                                              int64_t layer) {
@@ -28,7 +28,7 @@ StatusOr<std::unique_ptr<model::DecoderBlock>> PreparedBlock(const Method& metho
 
 }  // namespace
 
-StatusOr<PhaseProducts> RunPrefixSearch(const Method& method, const PrefixquantConfig& q,
+StatusOr<PhaseProducts> RunPrefixSearch(const ModelTransform& method, const PrefixquantConfig& q,
                                         const qsim::RotationPlan& plan,
                                         const GlobalPhaseInputs& in) {
   if (in.comm == nullptr || in.source == nullptr || in.tokens == nullptr ||

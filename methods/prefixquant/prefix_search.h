@@ -21,7 +21,7 @@
 
 namespace qcal::methods::prefixquant {
 
-StatusOr<PhaseProducts> RunPrefixSearch(const Method& method, const PrefixquantConfig& q,
+StatusOr<PhaseProducts> RunPrefixSearch(const ModelTransform& method, const PrefixquantConfig& q,
                                         const qsim::RotationPlan& plan,
                                         const GlobalPhaseInputs& in);
 

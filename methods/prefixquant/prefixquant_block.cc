@@ -431,6 +431,7 @@ StatusOr<quant::BlockTaskResult> QuantizePrefixquantBlock(
       std::vector<at::Tensor> all_steps = train_s;
       all_steps.insert(all_steps.end(), act_and_kv.begin(), act_and_kv.end());
       const int64_t val = std::min<int64_t>(q.block_ft.val_sequences, n - 1);
+      const auto t_ft = Clock::now();
       QCAL_ASSIGN_OR_RETURN(
           BlockFtReport r,
           TrainBlock(block, rope, *x, y_float, n - val, train_w, all_steps, q.block_ft,
@@ -444,6 +445,7 @@ StatusOr<quant::BlockTaskResult> QuantizePrefixquantBlock(
                     r.val_mse_after);
       result.mse_before_ft = r.val_mse_before;
       result.mse_after_ft = r.val_mse_after;
+      result.finetune_seconds = Seconds(t_ft);
       // The trained weights rounded with their trained steps; every step fixed.
       for (LinearKind k : model::kAllLinears) {
         if (!q.quantizes_weights()) break;

@@ -12,6 +12,8 @@
 
 namespace qcal::methods::prefixquant {
 
-StatusOr<std::unique_ptr<Method>> Make(const Recipe& recipe, const LlamaConfig& config);
+// `products`: the job's global phases' products so far (empty before they run).
+StatusOr<std::unique_ptr<Method>> Make(const Recipe& recipe, const LlamaConfig& config,
+                                       const PhaseProductsByName& products);
 
 }  // namespace qcal::methods::prefixquant

@@ -57,12 +57,6 @@ std::unique_ptr<model::Linear> Unwrap(std::unique_ptr<model::Linear> linear) {
   }
 }
 
-const model::Linear& Innermost(const model::Linear& linear) {
-  if (auto* a = dynamic_cast<const StaticActLinear*>(&linear)) return Innermost(a->inner());
-  if (auto* b = dynamic_cast<const qsim::ActQuantLinear*>(&linear)) return Innermost(b->inner());
-  return linear;
-}
-
 StaticKvHook::StaticKvHook(std::shared_ptr<Step> k, std::shared_ptr<Step> v, int bits)
     : k_(std::move(k)), v_(std::move(v)), bits_(bits) {}
 

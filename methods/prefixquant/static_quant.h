@@ -52,6 +52,7 @@ class StaticActLinear final : public model::Linear {
   int64_t in_features() const override { return inner_->in_features(); }
   int64_t out_features() const override { return inner_->out_features(); }
   at::Tensor DenseWeight() const override;  // inner.DenseWeight()·T (T when rotated)
+  const model::Linear& stored() const override { return inner_->stored(); }
 
   const model::Linear& inner() const { return *inner_; }
   model::Linear& mutable_inner() { return *inner_; }
@@ -69,8 +70,6 @@ class StaticActLinear final : public model::Linear {
 
 // Strips StaticActLinear and qsim::ActQuantLinear wrappers, returning the innermost layer.
 std::unique_ptr<model::Linear> Unwrap(std::unique_ptr<model::Linear> linear);
-// The innermost layer of `linear` (where its weights live).
-const model::Linear& Innermost(const model::Linear& linear);
 
 // The static per-head KV-cache quantizer: keys (after RoPE and R3) with k [kv_heads] steps,
 // values with v [kv_heads] steps; queries pass. A Step with an undefined value leaves its role

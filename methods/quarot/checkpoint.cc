@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
 #include "common/job_layout.h"
+#include "methods/layer_format.h"
 #include "methods/quarot/quarot_model.h"
 #include "engine/model/tensor_io.h"
 #include "engine/qsim/act_quant.h"
@@ -23,6 +24,12 @@ using namespace qcal::qsim;  // NOLINT
 constexpr char kExtraPrefix[] = "quarot.";
 
 std::string BlockPrefix(int64_t layer) { return absl::StrCat("model.layers.", layer, "."); }
+
+// A QuaRot block holds scalar-quantized or dense (float) linears.
+const LayerFormats& Formats() {
+  static const LayerFormats formats;
+  return formats;
+}
 
 }  // namespace
 
@@ -47,15 +54,7 @@ Status AppendQuarotBlockTensors(int64_t layer, const model::BlockWeights& weight
   QCAL_RETURN_IF_ERROR(AddF32Tensor(&writer, p + "post_attention_layernorm.weight", weights.post_norm));
   for (model::LinearKind k : model::kAllLinears) {
     const std::string prefix = p + model::LinearName(k);
-    const model::Linear& carrier = WeightCarrier(weights.linear(k));
-    if (auto* s = dynamic_cast<const quant::ScalarQuantLinear*>(&carrier)) {
-      QCAL_RETURN_IF_ERROR(s->AppendTensors(prefix, &writer));
-    } else if (dynamic_cast<const model::DenseLinear*>(&carrier) != nullptr) {
-      QCAL_RETURN_IF_ERROR(AddF32Tensor(&writer, prefix + ".weight", carrier.DenseWeight()));
-    } else {
-      return absl::InvalidArgumentError(absl::StrCat(
-          prefix, ": a QuaRot block holds scalar-quantized or dense linears only"));
-    }
+    QCAL_RETURN_IF_ERROR(Formats().Append(weights.linear(k), prefix, &writer));
   }
   for (const auto& [key, tensor] : weights.extra) {
     if (key.rfind(kExtraPrefix, 0) != 0) {
@@ -87,17 +86,12 @@ StatusOr<model::BlockWeights> LoadQuarotBlockWeights(CheckpointReader& ckpt,
   for (model::LinearKind k : model::kAllLinears) {
     const std::string prefix = p + model::LinearName(k);
     const std::vector<int64_t>& shape = shapes[static_cast<int>(k)];
-    std::unique_ptr<model::Linear> linear;
-    if (ckpt.Has(prefix + ".weight")) {
-      QCAL_ASSIGN_OR_RETURN(at::Tensor t, model::LoadTensorF32(ckpt, prefix + ".weight", shape));
-      linear = std::make_unique<model::DenseLinear>(t);
-    } else {
-      QCAL_ASSIGN_OR_RETURN(linear, quant::ScalarQuantLinear::Load(ckpt, prefix));
-      if (linear->out_features() != shape[0] || linear->in_features() != shape[1]) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            ckpt.dir(), ": ", prefix, " is ", linear->out_features(), "x",
-            linear->in_features(), ", expected ", shape[0], "x", shape[1], " from config.json"));
-      }
+    QCAL_ASSIGN_OR_RETURN(std::unique_ptr<model::Linear> linear,
+                          Formats().Load(ckpt, prefix, "scalar"));
+    if (linear->out_features() != shape[0] || linear->in_features() != shape[1]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          ckpt.dir(), ": ", prefix, " is ", linear->out_features(), "x", linear->in_features(),
+          ", expected ", shape[0], "x", shape[1], " from config.json"));
     }
     w.linears[static_cast<int>(k)] = std::move(linear);
   }

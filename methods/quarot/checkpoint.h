@@ -29,17 +29,17 @@
 
 namespace qcal::methods::quarot {
 
-// One block's shard (atomic): norms, each linear's rounded layer (qsim::WeightCarrier: the
-// ScalarQuantLinear tensors or a dense .weight), the block's extras and its K-sort rope_perm
+// One block's shard (atomic): norms, each linear's stored layer (model::Linear::stored(): the
+// "scalar" or "dense" layer format, methods/layer_format.h), the block's extras and its K-sort rope_perm
 // (kRopePermKey) when it has one. Returns the names.
 StatusOr<std::vector<std::string>> WriteQuarotBlockShard(const std::string& path, int64_t layer,
                                                          const model::BlockWeights& weights);
-// The same tensors, added to a writer (the method's AppendBlockTensors).
+// The same tensors, added to a writer (the method's BlockFormat).
 Status AppendQuarotBlockTensors(int64_t layer, const model::BlockWeights& weights,
                                 SafetensorsWriter* writer);
 
 // Reads block `layer` of a quarot checkpoint as stored: norms, rounded (or dense) linears without
-// any online transform, extras. The method's LoadBlock.
+// any online transform, extras. The method's BlockFormat::LoadBlock.
 StatusOr<model::BlockWeights> LoadQuarotBlockWeights(CheckpointReader& ckpt,
                                                      const LlamaConfig& config, int64_t layer);
 

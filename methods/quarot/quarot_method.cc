@@ -13,55 +13,54 @@
 
 namespace qcal::methods::quarot {
 
-Status QuarotMethod::PrepareBlock(int64_t layer, model::BlockWeights* weights) const {
-  return Annotate(PrepareBlockWeights(*weights, config(), recipe(), plan_, layer),
+Status QuarotParts::PrepareBlock(int64_t layer, model::BlockWeights* weights) const {
+  return Annotate(PrepareBlockWeights(*weights, config_, recipe_, plan_, layer),
                   absl::StrCat("block ", layer));
 }
 
-StatusOr<at::Tensor> QuarotMethod::PrepareEmbeddingRows(const at::Tensor& rows) const {
+StatusOr<at::Tensor> QuarotParts::PrepareEmbeddingRows(const at::Tensor& rows) const {
   return qsim::RotateEmbeddingRows(rows, plan_);
 }
 
-at::Tensor QuarotMethod::PrepareFinalNorm(const at::Tensor& final_norm) const {
+at::Tensor QuarotParts::PrepareFinalNorm(const at::Tensor& final_norm) const {
   return qsim::FusedFinalNorm(final_norm, plan_);
 }
 
-StatusOr<at::Tensor> QuarotMethod::PrepareHeadRows(const at::Tensor& rows,
+StatusOr<at::Tensor> QuarotParts::PrepareHeadRows(const at::Tensor& rows,
                                      const at::Tensor& final_norm) const {
   return qsim::RotateHeadRows(rows, final_norm, plan_);
 }
 
-StatusOr<quant::BlockTaskResult> QuarotMethod::QuantizeBlock(model::BlockWeights float_weights,
+StatusOr<quant::BlockTaskResult> QuarotParts::QuantizeBlock(model::BlockWeights float_weights,
                                                const BlockInputs& in) const {
-  if (in.rope == nullptr) return absl::InvalidArgumentError("QuaRot block task: no RoPE tables");
-  model::DecoderBlock block(config(), std::move(float_weights));
+  model::DecoderBlock block(config_, std::move(float_weights));
   QCAL_RETURN_IF_ERROR(qsim::InstallOnlineRotations(block, plan_));
   QCAL_ASSIGN_OR_RETURN(quant::BlockTaskResult result,
-                        QuantizeRotatedBlock(block, *in.rope, recipe(), plan_, in.layer, in.x,
-                                             in.batch, in.propagate));
+                        QuantizeRotatedBlock(block, *in.rope, recipe_, plan_, in.layer, in.x,
+                                             in.batch, in.propagate, in.gpu));
   result.weights = std::move(block.mutable_weights());
   return result;
 }
 
-Status QuarotMethod::AppendBlockTensors(int64_t layer, const model::BlockWeights& weights,
+Status QuarotParts::AppendBlockTensors(int64_t layer, const model::BlockWeights& weights,
                           SafetensorsWriter* writer) const {
   return AppendQuarotBlockTensors(layer, weights, writer);
 }
 
-StatusOr<model::BlockWeights> QuarotMethod::LoadBlock(CheckpointReader& ckpt, int64_t layer) const {
-  QCAL_ASSIGN_OR_RETURN(model::BlockWeights w, LoadQuarotBlockWeights(ckpt, config(), layer));
-  QCAL_RETURN_IF_ERROR(CheckQuarotBlock(ckpt.dir(), layer, w, recipe(), plan_));
+StatusOr<model::BlockWeights> QuarotParts::LoadBlock(CheckpointReader& ckpt, int64_t layer) const {
+  QCAL_ASSIGN_OR_RETURN(model::BlockWeights w, LoadQuarotBlockWeights(ckpt, config_, layer));
+  QCAL_RETURN_IF_ERROR(CheckQuarotBlock(ckpt.dir(), layer, w, recipe_, plan_));
   return w;
 }
 
-Status QuarotMethod::InstallInference(model::DecoderBlock* block, int64_t layer) const {
-  return InstallQuantizedInference(*block, config(), layer, recipe(), plan_);
+Status QuarotParts::Install(model::DecoderBlock* block, int64_t layer) const {
+  return InstallQuantizedInference(*block, config_, layer, recipe_, plan_);
 }
 
-Status QuarotMethod::CheckPlainForward() const {
+Status QuarotParts::CheckPlainForward() const {
   // R1 and R2 are fused into the stored weights (and R1 into the embedding and head): a plain
   // forward reproduces them. The rest runs at inference time.
-  QCAL_ASSIGN_OR_RETURN(const QuarotConfig* q, QuarotSettings(recipe()));
+  QCAL_ASSIGN_OR_RETURN(const QuarotConfig* q, QuarotSettings(recipe_));
   std::vector<std::string> online;
   if (plan_.r3) online.push_back("the online Hadamard R3 on queries and keys");
   if (plan_.r4) online.push_back("the online Hadamard R4 on the down_proj input");
@@ -75,25 +74,31 @@ Status QuarotMethod::CheckPlainForward() const {
   }
   if (online.empty()) return Status();
   return absl::FailedPreconditionError(absl::StrCat(
-      "recipe '", recipe().name, "' (method ", recipe().method, ") computes ",
+      "recipe '", recipe_.name, "' (method ", recipe_.method, ") computes ",
       absl::StrJoin(online, ", "),
       " at inference time, which a plain Llama forward pass (and so this format) cannot "
       "express"));
 }
 
-StatusOr<at::Tensor> QuarotMethod::PropagateFinishedBlock(model::BlockWeights weights, int64_t layer,
+StatusOr<at::Tensor> QuarotParts::PropagateFinishedBlock(model::BlockWeights weights, int64_t layer,
                                             const at::Tensor& x, const model::Rope& rope,
                                             int64_t batch) const {
-  model::DecoderBlock block(config(), std::move(weights));
+  model::DecoderBlock block(config_, std::move(weights));
   return quarot::PropagateFinishedBlock(block, rope, plan_, layer, x, batch);
 }
 
-StatusOr<std::unique_ptr<Method>> Make(const Recipe& recipe, const LlamaConfig& config) {
+Method::Parts MakeQuarotParts(const Recipe& recipe, const LlamaConfig& config,
+                              qsim::RotationPlan plan) {
+  return PartsOf(std::make_shared<QuarotParts>(recipe, config, std::move(plan)));
+}
+
+StatusOr<std::unique_ptr<Method>> Make(const Recipe& recipe, const LlamaConfig& config,
+                                       const PhaseProductsByName&) {
   QCAL_ASSIGN_OR_RETURN(const QuarotConfig* q, QuarotSettings(recipe));
   QCAL_ASSIGN_OR_RETURN(qsim::RotationPlan plan, qsim::PlanRotations(q->rotation, config));
   QCAL_LOG_INFO("QuaRot '{}': rotations {}{}", recipe.name, plan.Describe(),
                 q->kv_cache.k_sort ? ", K-sort" : "");
-  return std::unique_ptr<Method>(std::make_unique<QuarotMethod>(recipe, config, std::move(plan)));
+  return Method::Create(recipe, config, MakeQuarotParts(recipe, config, std::move(plan)));
 }
 
 }  // namespace qcal::methods::quarot

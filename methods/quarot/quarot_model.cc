@@ -102,7 +102,8 @@ at::Tensor Forward(model::DecoderBlock& block, const at::Tensor& x, const model:
 // result is wrapped again with the same transform.
 StatusOr<quant::BlockTaskResult> RoundRotatedBlock(const QuarotConfig& q, int64_t layer,
                                                    const model::BlockWeights& rotated,
-                                                   calib::BlockHessians* hessians) {
+                                                   calib::BlockHessians* hessians,
+                                                   kernels::GpuBackend* gpu) {
   const auto t0 = Clock::now();
   if (rotated.extra.count(kRotationsKey) == 0) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -120,6 +121,7 @@ StatusOr<quant::BlockTaskResult> RoundRotatedBlock(const QuarotConfig& q, int64_
   options.damp = q.damp;
   options.refine_sweeps = q.refine_sweeps;
   options.pack_int4 = true;  // QuaRot checkpoints store <= 4-bit codes two per byte
+  options.gpu = gpu;
   quant::BlockTaskResult result;
   result.layer = layer;
   result.weights.input_norm = rotated.input_norm.clone();
@@ -131,7 +133,7 @@ StatusOr<quant::BlockTaskResult> RoundRotatedBlock(const QuarotConfig& q, int64_
     const model::Linear& linear = rotated.linear(kind);
     const auto* wrapped = dynamic_cast<const ActQuantLinear*>(&linear);
     std::shared_ptr<const OnlineHadamard> transform = wrapped ? wrapped->rotation() : nullptr;
-    const at::Tensor weight = WeightCarrier(linear).DenseWeight();
+    const at::Tensor weight = linear.stored().DenseWeight();
     std::unique_ptr<model::Linear> layer_out;
     quant::LinearMetrics metrics;
     if (!q.quantizes_weights()) {
@@ -149,12 +151,12 @@ StatusOr<quant::BlockTaskResult> RoundRotatedBlock(const QuarotConfig& q, int64_
           QCAL_ASSIGN_OR_RETURN(h, RotateHessian(h, *transform));
         }
       }
+      QCAL_ASSIGN_OR_RETURN(quant::LinearProblem p,
+                            quant::PrepareLinear(layer, kind, weight, h, "quarot", q.gptq()));
       QCAL_ASSIGN_OR_RETURN(
           quant::QuantizedLinear ql,
-          quant::RoundLinear(layer, kind, weight, h, "quarot", q.gptq(),
-                             [&](const double* w, int64_t out, int64_t in, double* hp) {
-                               return quant::QuantizeScalarLinear(options, w, out, in, hp);
-                             }));
+          quant::FinishLinear(p, quant::QuantizeScalarLinear(options, p.weight(), p.out, p.in,
+                                                             p.hessian())));
       layer_out = std::move(ql.layer);
       metrics = ql.metrics;
     }
@@ -266,7 +268,7 @@ StatusOr<quant::BlockTaskResult> QuantizeRotatedBlock(model::DecoderBlock& block
                                                       const Recipe& recipe,
                                                       const RotationPlan& plan, int64_t layer,
                                                       at::Tensor* x, int64_t batch,
-                                                      bool propagate) {
+                                                      bool propagate, kernels::GpuBackend* gpu) {
   QCAL_ASSIGN_OR_RETURN(const QuarotConfig* q, QuarotSettings(recipe));
   const bool calibrate = q->sequential();
   if (calibrate && (x == nullptr || !x->defined())) {
@@ -274,13 +276,14 @@ StatusOr<quant::BlockTaskResult> QuantizeRotatedBlock(model::DecoderBlock& block
         "block ", layer, ": recipe '", recipe.name, "' needs the block's calibration inputs"));
   }
   calib::BlockHessians hessians;
+  hessians.backend = gpu;
   if (q->gptq()) {
     QCAL_RETURN_IF_ERROR(
         calib::ForwardCollectingHessians(block, *x, rope, batch, &hessians).status());
   }
   QCAL_ASSIGN_OR_RETURN(quant::BlockTaskResult result,
                         RoundRotatedBlock(*q, layer, block.weights(),
-                                          q->gptq() ? &hessians : nullptr));
+                                          q->gptq() ? &hessians : nullptr, gpu));
   block.mutable_weights() = std::move(result.weights);
   // Propagate the calibration activations through the quantized block (recording static ranges
   // on the way), unless nothing needs them any more.

@@ -30,6 +30,7 @@
 #include "methods/quarot/quarot_spec.h"
 #include "engine/model/llama.h"
 #include "engine/qsim/rotate.h"
+#include "kernels/gpu_backend.h"
 #include "engine/quant/block_task.h"
 
 namespace qcal::methods::quarot {
@@ -67,13 +68,14 @@ Status InstallQuantizedInference(model::DecoderBlock& block, const LlamaConfig& 
 // ranges in extra when the recipe is static), and, when `propagate`, replaces *x by the quantized
 // block's outputs (float activations, as QuaRot calibrates). x may be null when
 // the recipe needs no calibration (QuarotConfig::sequential() false: no GPTQ, no static ranges). The result's metrics are filled; its weights are empty
-// (they are in the block).
+// (they are in the block). `gpu`: the rank's backend (null: the CPU) for the Hessians and GPTQ.
 StatusOr<quant::BlockTaskResult> QuantizeRotatedBlock(model::DecoderBlock& block,
                                                       const model::Rope& rope,
                                                       const Recipe& recipe,
                                                       const qsim::RotationPlan& plan,
                                                       int64_t layer, at::Tensor* x,
-                                                      int64_t batch, bool propagate);
+                                                      int64_t batch, bool propagate,
+                                                      kernels::GpuBackend* gpu = nullptr);
 
 // The outputs of a block whose weights are final (rounded, read back from a shard) for inputs
 // x, as the sequential loop propagates them (float activations, online Hadamards installed).

@@ -72,7 +72,8 @@ class QuipLinear final : public model::Linear {
   //     sizes with incoherence (Hadamard sizes need none: their signs are su/sv)
   //   prefix.shape [4] I64 = {out_features, in_features, out_pad, in_pad}
   // The codebook name and the incoherence flag go into quantization_config (docs/formats.md).
-  Status AppendTensors(const std::string& prefix, SafetensorsWriter* writer) const;
+  const char* layer_format() const override { return "quip"; }
+  Status AppendTensors(const std::string& prefix, SafetensorsWriter* writer) const override;
   // Rebuilds the layer from those tensors. Hadamard transforms get signs sign(su) (+1 for 0) in
   // data(); su/sv keep the stored real values. NotFound naming the missing tensor;
   // InvalidArgument for a wrong dtype/shape or anything Create rejects.

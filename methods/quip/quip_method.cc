@@ -5,59 +5,74 @@
 #include "methods/quip/quip_linear.h"
 #include "methods/quip/quip_rounding.h"
 #include "methods/quip/quip_spec.h"
+#include "methods/per_linear.h"
 
 namespace qcal::methods::quip {
 namespace {
 
-class QuipMethod final : public PerLinearMethod {
+// QuIP# F.6: 2-bit models tune the sign vectors su/sv with 10× the learning rate of everything
+// else (within-block and end-to-end fine-tuning).
+constexpr double kSignLrMultiplier = 10.0;
+
+class QuipLinearRounding final : public LinearRounding {
  public:
-  QuipMethod(Recipe recipe, LlamaConfig config)
-      : PerLinearMethod(std::move(recipe), std::move(config)),
-        q_(this->recipe().method_config<QuipConfig>()) {}
+  // `owner` keeps q alive (a rounding may outlive the recipe it came from).
+  QuipLinearRounding(uint64_t seed, const QuipConfig& q, std::shared_ptr<const void> owner)
+      : seed_(seed), q_(q), owner_(std::move(owner)) {}
 
-  StatusOr<quant::QuantizedLinear> QuantizeLinear(int64_t layer, model::LinearKind kind,
-                                                  const at::Tensor& weight,
-                                                  const at::Tensor& hessian) const override {
-    return quant::RoundLinear(
-        layer, kind, weight, hessian, "quip", /*needs_hessian=*/true,
-        [&](const double* w, int64_t out, int64_t in,
-            double* h) -> StatusOr<quant::QuantizedLinear> {
-          QuipRoundingOptions options;
-          options.codebook = q_.codebook;
-          options.incoherence = q_.incoherence;
-          options.seed_u = TransformSeed(recipe().seed, layer, kind, true);
-          options.seed_v = TransformSeed(recipe().seed, layer, kind, false);
-          options.damp = q_.damp;
-          options.per_row_scale = q_.scale_mode == "row";
-          options.choose_scale = q_.scale_mode == "auto";
-          options.refine_sweeps = q_.refine_sweeps;
-          QCAL_ASSIGN_OR_RETURN(QuipRounding rounded, RoundQuipLinear(w, out, in, h, options));
-          quant::QuantizedLinear result;
-          result.metrics.proxy_loss = rounded.proxy_loss;
-          result.metrics.relative = rounded.relative;
-          result.metrics.code_bits = rounded.code_bits;
-          QCAL_ASSIGN_OR_RETURN(auto linear, QuipLinear::Create(std::move(rounded.data)));
-          SafetensorsWriter sizer;
-          QCAL_RETURN_IF_ERROR(linear->AppendTensors("x", &sizer));
-          result.metrics.stored_bits = 8.0 * sizer.data_bytes() / static_cast<double>(out * in);
-          result.layer = std::move(linear);
-          return result;
-        });
+  StatusOr<quant::QuantizedLinear> Round(int64_t layer, model::LinearKind kind,
+                                         const at::Tensor& weight, const at::Tensor& hessian,
+                                         kernels::GpuBackend* gpu) const override {
+    QCAL_ASSIGN_OR_RETURN(quant::LinearProblem p,
+                          quant::PrepareLinear(layer, kind, weight, hessian, "quip",
+                                               /*needs_hessian=*/true));
+    return quant::FinishLinear(p, RoundProblem(p, gpu));
   }
 
- protected:
-  double SignLrMultiplier() const override {
-    return q_.bits <= 2 ? quant::kSignLrMultiplier : 1.0;
+ private:
+  StatusOr<quant::QuantizedLinear> RoundProblem(const quant::LinearProblem& p,
+                                                kernels::GpuBackend* gpu) const {
+    QuipRoundingOptions options;
+    options.gpu = gpu;
+    options.codebook = q_.codebook;
+    options.incoherence = q_.incoherence;
+    options.seed_u = TransformSeed(seed_, p.layer, p.kind, true);
+    options.seed_v = TransformSeed(seed_, p.layer, p.kind, false);
+    options.damp = q_.damp;
+    options.per_row_scale = q_.scale_mode == "row";
+    options.choose_scale = q_.scale_mode == "auto";
+    options.refine_sweeps = q_.refine_sweeps;
+    QCAL_ASSIGN_OR_RETURN(QuipRounding rounded,
+                          RoundQuipLinear(p.weight(), p.out, p.in, p.hessian(), options));
+    quant::QuantizedLinear result;
+    result.metrics.proxy_loss = rounded.proxy_loss;
+    result.metrics.relative = rounded.relative;
+    result.metrics.code_bits = rounded.code_bits;
+    result.metrics.transform_seconds = rounded.transform_seconds;
+    result.metrics.factor_seconds = rounded.times.factor;
+    result.metrics.round_seconds = rounded.times.round;
+    result.metrics.refine_seconds = rounded.times.refine;
+    result.metrics.proxy_seconds = rounded.proxy_seconds;
+    QCAL_ASSIGN_OR_RETURN(auto linear, QuipLinear::Create(std::move(rounded.data)));
+    SafetensorsWriter sizer;
+    QCAL_RETURN_IF_ERROR(linear->AppendTensors("x", &sizer));
+    result.metrics.stored_bits = 8.0 * sizer.data_bytes() / static_cast<double>(p.out * p.in);
+    result.layer = std::move(linear);
+    return result;
   }
-  StatusOr<bool> AppendOwnFormat(const model::Linear& linear, const std::string& prefix,
-                                 SafetensorsWriter* writer) const override {
-    const auto* q = dynamic_cast<const QuipLinear*>(&linear);
-    if (q == nullptr) return false;
-    QCAL_RETURN_IF_ERROR(q->AppendTensors(prefix, writer));
-    return true;
-  }
-  StatusOr<std::unique_ptr<model::Linear>> LoadOwnFormat(CheckpointReader& ckpt,
-                                                         const std::string& prefix) const override {
+
+  const uint64_t seed_;
+  const QuipConfig& q_;  // owned by the recipe (shared, immutable)
+  const std::shared_ptr<const void> owner_;
+};
+
+// The "quip" layer format (QuipLinear), read with the recipe's codebook and incoherence.
+class QuipFormat final : public LayerFormat {
+ public:
+  explicit QuipFormat(const QuipConfig& q) : q_(q) {}
+  const char* name() const override { return "quip"; }
+  StatusOr<std::unique_ptr<model::Linear>> Load(CheckpointReader& ckpt,
+                                                const std::string& prefix) const override {
     QCAL_ASSIGN_OR_RETURN(auto layer, QuipLinear::Load(ckpt, prefix, q_.codebook, q_.incoherence));
     return std::unique_ptr<model::Linear>(std::move(layer));
   }
@@ -76,11 +91,23 @@ uint64_t TransformSeed(uint64_t recipe_seed, int64_t layer, model::LinearKind li
   return SplitMix64(x ^ (output ? 1u : 2u));
 }
 
-StatusOr<std::unique_ptr<Method>> Make(const Recipe& recipe, const LlamaConfig& config) {
-  if (dynamic_cast<const QuipConfig*>(recipe.config.get()) == nullptr) {
+StatusOr<std::shared_ptr<const LinearRounding>> Rounding(const Recipe& recipe) {
+  const auto* q = dynamic_cast<const QuipConfig*>(recipe.config.get());
+  if (q == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("recipe '", recipe.name, "' is not a quip one"));
   }
-  return std::unique_ptr<Method>(std::make_unique<QuipMethod>(recipe, config));
+  return std::shared_ptr<const LinearRounding>(
+      std::make_shared<QuipLinearRounding>(recipe.seed, *q, recipe.config));
+}
+
+StatusOr<std::unique_ptr<Method>> Make(const Recipe& recipe, const LlamaConfig& config,
+                                       const PhaseProductsByName&) {
+  QCAL_ASSIGN_OR_RETURN(std::shared_ptr<const LinearRounding> rounding, Rounding(recipe));
+  const QuipConfig& q = recipe.method_config<QuipConfig>();
+  auto formats = std::make_shared<LayerFormats>();
+  formats->Add(std::make_shared<QuipFormat>(q));
+  const double sign_lr = q.bits <= 2 ? kSignLrMultiplier : 1.0;
+  return MakePerLinearMethod(recipe, config, std::move(rounding), std::move(formats), sign_lr);
 }
 
 }  // namespace qcal::methods::quip

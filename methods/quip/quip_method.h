@@ -12,10 +12,17 @@
 
 #include "common/status.h"
 #include "methods/method.h"
+#include "methods/per_linear.h"
 
 namespace qcal::methods::quip {
 
-StatusOr<std::unique_ptr<Method>> Make(const Recipe& recipe, const LlamaConfig& config);
+// `products`: the job's global phases' products so far (empty before they run).
+StatusOr<std::unique_ptr<Method>> Make(const Recipe& recipe, const LlamaConfig& config,
+                                       const PhaseProductsByName& products);
+
+// QuIP#'s rounding of one linear (BlockLDLQ on the incoherence-processed weight) for a quip
+// recipe. InvalidArgument for a recipe of another method.
+StatusOr<std::shared_ptr<const LinearRounding>> Rounding(const Recipe& recipe);
 
 // The per-linear seed of the random transforms: a hash of (recipe seed, layer, linear, side).
 uint64_t TransformSeed(uint64_t recipe_seed, int64_t layer, model::LinearKind linear, bool output);

@@ -1,5 +1,6 @@
 #include "methods/quip/quip_rounding.h"
 
+#include <chrono>
 #include <cmath>
 #include <utility>
 #include <vector>
@@ -52,7 +53,15 @@ StatusOr<QuipRounding> RoundQuipLinear(const double* w, int64_t out, int64_t in,
     QCAL_ASSIGN_OR_RETURN(QuipRounding row, RoundQuipLinear(w, out, in, h, o));
     o.per_row_scale = false;
     QCAL_ASSIGN_OR_RETURN(QuipRounding matrix, RoundQuipLinear(w, out, in, h, o));
-    return matrix.proxy_loss < row.proxy_loss ? std::move(matrix) : std::move(row);
+    QuipRounding& kept = matrix.proxy_loss < row.proxy_loss ? matrix : row;
+    const QuipRounding& other = &kept == &row ? matrix : row;
+    // Both roundings' time counts.
+    kept.transform_seconds += other.transform_seconds;
+    kept.times.factor += other.times.factor;
+    kept.times.round += other.times.round;
+    kept.times.refine += other.times.refine;
+    kept.proxy_seconds += other.proxy_seconds;
+    return std::move(kept);
   }
   QCAL_ASSIGN_OR_RETURN(auto codebook, kernels::MakeCodebook(options.codebook));
   const int64_t g = codebook->dim();
@@ -79,6 +88,13 @@ StatusOr<QuipRounding> RoundQuipLinear(const double* w, int64_t out, int64_t in,
   data.out_pad = out_pad;
   data.codebook = options.codebook;
   data.incoherence = options.incoherence;
+  auto t = std::chrono::steady_clock::now();
+  auto lap = [&t] {
+    const auto now = std::chrono::steady_clock::now();
+    const double s = std::chrono::duration<double>(now - t).count();
+    t = now;
+    return s;
+  };
   kernels::IncoherenceTransforms transforms;
   if (options.incoherence) {
     QCAL_ASSIGN_OR_RETURN(transforms, kernels::MakeIncoherenceTransforms(
@@ -119,33 +135,15 @@ StatusOr<QuipRounding> RoundQuipLinear(const double* w, int64_t out, int64_t in,
     }
     vc.scale = 1.0;
   }
-  // On a GPU worker, E8P BlockLDLQ runs on the device (the same algorithm); refinement sweeps
-  // then run here on its result exactly as BlockLdlqConsumingHessian runs them (undamped H, dead
-  // input columns zeroed). Other codebooks stay on the CPU.
-  kernels::GpuBackend* gpu = kernels::ActiveGpuBackend();
-  const bool on_gpu = gpu != nullptr && codebook->name() == "e8p";
-  StatusOr<kernels::VectorRoundingResult> rounded_or = absl::UnknownError("not rounded");
-  if (on_gpu) {
-    kernels::VectorRoundingConfig device_config = vc;
-    device_config.refine_sweeps = 0;
-    rounded_or = gpu->BlockLdlqE8p(wp.data(), out_pad, in_pad, hp.data(), device_config);
-    if (rounded_or.ok() && vc.refine_sweeps > 0) {
-      for (int64_t j = 0; j < in_pad; ++j) {
-        if (hp[j * in_pad + j] != 0.0) continue;
-        for (int64_t r = 0; r < out_pad; ++r) wp[r * in_pad + j] = 0.0;
-      }
-      auto refined = kernels::RefineRounding(wp.data(), hp.data(), vc.refine_sweeps, vc.damp,
-                                             vc.lazy_block, vc.num_threads, *codebook,
-                                             &*rounded_or);
-      if (!refined.ok()) rounded_or = refined.status();
-    }
-  } else {
-    rounded_or = kernels::BlockLdlqConsumingHessian(wp.data(), out_pad, in_pad, std::move(hp),
-                                                    *codebook, vc);
-  }
-  QCAL_ASSIGN_OR_RETURN(auto rounded, std::move(rounded_or));
+  result.transform_seconds = lap();
+  // On a GPU rank, E8P BlockLDLQ runs on the device (the same algorithm; kernels::RunBlockLdlq
+  // dispatches, the refinement sweeps after it run on the host as on the CPU path).
+  QCAL_ASSIGN_OR_RETURN(auto rounded, kernels::RunBlockLdlq(options.gpu, wp.data(), out_pad,
+                                                            in_pad, std::move(hp), *codebook, vc));
   hp = std::vector<double>();
   wp = std::vector<double>();
+  lap();
+  result.times = rounded.times;
   result.refine = rounded.refine;
   data.codes = std::move(rounded.codes);
   std::vector<double>& w_hat = rounded.w_hat;
@@ -162,6 +160,7 @@ StatusOr<QuipRounding> RoundQuipLinear(const double* w, int64_t out, int64_t in,
   // Proxy loss in the original space: Ŵ = Uᵀ Ŵ_q V, sliced to [out, in] (what the layer computes:
   // its inputs are zero-padded and its outputs sliced).
   if (options.incoherence) QCAL_RETURN_IF_ERROR(kernels::RestoreWeights(transforms, w_hat.data()));
+  result.transform_seconds += lap();
   if (out_pad != out || in_pad != in) {
     std::vector<double> sliced(out * in);
     for (int64_t r = 0; r < out; ++r) {
@@ -172,6 +171,7 @@ StatusOr<QuipRounding> RoundQuipLinear(const double* w, int64_t out, int64_t in,
   result.proxy_loss = kernels::ProxyLoss(w, w_hat.data(), h, out, in);
   const double trace = kernels::QuadraticForm(w, h, out, in);
   result.relative = trace != 0 ? result.proxy_loss / trace : std::nan("");
+  result.proxy_seconds = lap();
   result.code_bits = codebook->bits_per_weight() * static_cast<double>(out_pad * in_pad) /
                      static_cast<double>(out * in);
   return result;

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "common/status.h"
+#include "kernels/gpu_backend.h"
 #include "kernels/rounding.h"
 #include "methods/quip/quip_linear_data.h"
 
@@ -29,6 +30,8 @@ struct QuipRoundingOptions {
   bool choose_scale = false;     // round with both and keep the lower proxy loss (per_row ignored)
   int num_threads = 0;           // codebook search threads (0: all cores)
   int refine_sweeps = 0;         // refinement sweeps after BlockLDLQ (kernels::RefineRounding)
+  // The rank's GPU backend (null: the CPU): E8P BlockLDLQ runs there (kernels::RunBlockLdlq).
+  kernels::GpuBackend* gpu = nullptr;
 };
 
 struct QuipRounding {
@@ -37,6 +40,11 @@ struct QuipRounding {
   double relative = 0;    // proxy_loss / tr(W H Wᵀ) (NaN when tr(W H Wᵀ) = 0)
   double code_bits = 0;   // code bits per original weight (padding included)
   kernels::RefineStats refine;  // what the sweeps did (in the rotated, scaled space)
+  // Seconds: the incoherence transforms (forward and back), BlockLDLQ's (factor, round,
+  // refine), the proxy loss.
+  double transform_seconds = 0;
+  kernels::RoundingTimes times;
+  double proxy_seconds = 0;
 };
 
 // w: [out, in] row-major; h: [in, in] row-major (both fp64, finite). in_pad is the smallest

@@ -10,6 +10,7 @@
 
 namespace qcal::methods::rtn {
 
-StatusOr<std::unique_ptr<Method>> Make(const Recipe& recipe, const LlamaConfig& config);
+StatusOr<std::unique_ptr<Method>> Make(const Recipe& recipe, const LlamaConfig& config,
+                                       const PhaseProductsByName& products);
 
 }  // namespace qcal::methods::rtn

@@ -17,42 +17,64 @@ namespace {
 
 constexpr char kStateFile[] = "rotations.state.safetensors";
 
-class SpinquantMethod final : public quarot::QuarotMethod {
+// The learned rotations' transform: the trained smoothing scales (training.smooth) fused into
+// the float weights first (Q, K rows; up rows, down columns), then QuaRot's transform with the
+// learned plan. Unbound (no products of the rotations phase yet), it refuses to prepare
+// anything: it would silently use the Hadamards.
+class SpinquantTransform final : public ModelTransform {
  public:
-  SpinquantMethod(Recipe recipe, LlamaConfig config, const SpinquantConfig* s,
-                  qsim::RotationPlan plan, bool bound, at::Tensor smooth = at::Tensor())
-      : QuarotMethod(std::move(recipe), std::move(config), std::move(plan)),
-        s_(s),
+  SpinquantTransform(LlamaConfig config, std::shared_ptr<const ModelTransform> rotations,
+                     bool bound, at::Tensor smooth)
+      : config_(std::move(config)),
+        rotations_(std::move(rotations)),
         bound_(bound),
         smooth_(std::move(smooth)) {}
 
-  // The trained smoothing scales (training.smooth) are fused into the float weights first
-  // (Q, K rows; up rows, down columns), then the block is rotated and quantized as QuaRot does.
   Status PrepareBlock(int64_t layer, model::BlockWeights* weights) const override {
     QCAL_RETURN_IF_ERROR(CheckBound());
     if (smooth_.defined()) {
-      QCAL_RETURN_IF_ERROR(Annotate(qsim::SmoothBlockWeights(config(), smooth_[layer], weights),
+      QCAL_RETURN_IF_ERROR(Annotate(qsim::SmoothBlockWeights(config_, smooth_[layer], weights),
                                     absl::StrCat("spinquant: block ", layer)));
     }
-    return QuarotMethod::PrepareBlock(layer, weights);
+    return rotations_->PrepareBlock(layer, weights);
   }
   StatusOr<at::Tensor> PrepareEmbeddingRows(const at::Tensor& rows) const override {
     QCAL_RETURN_IF_ERROR(CheckBound());
-    return QuarotMethod::PrepareEmbeddingRows(rows);
+    return rotations_->PrepareEmbeddingRows(rows);
+  }
+  at::Tensor PrepareFinalNorm(const at::Tensor& final_norm) const override {
+    return rotations_->PrepareFinalNorm(final_norm);
   }
   StatusOr<at::Tensor> PrepareHeadRows(const at::Tensor& rows,
                                        const at::Tensor& final_norm) const override {
     QCAL_RETURN_IF_ERROR(CheckBound());
-    return QuarotMethod::PrepareHeadRows(rows, final_norm);
+    return rotations_->PrepareHeadRows(rows, final_norm);
   }
 
-  StatusOr<PhaseProducts> RunGlobalPhase(const std::string& phase,
-                                         const GlobalPhaseInputs& in) const override {
-    if (phase != kRotationsPhase) return Method::RunGlobalPhase(phase, in);
+ private:
+  Status CheckBound() const {
+    if (bound_) return Status();
+    return absl::FailedPreconditionError(
+        "spinquant: the learned rotations are not bound (the rotations phase must run first)");
+  }
+
+  const LlamaConfig config_;
+  const std::shared_ptr<const ModelTransform> rotations_;
+  const bool bound_;
+  const at::Tensor smooth_;  // [layers, SmoothingSize] float64 log-scales, or undefined
+};
+
+// The global phase "rotations": R1, R2 (and the smoothing scales) trained data-parallel.
+class RotationsPhase final : public GlobalPhase {
+ public:
+  RotationsPhase(LlamaConfig config, const SpinquantConfig* s, qsim::RotationPlan plan)
+      : config_(std::move(config)), s_(s), plan_(std::move(plan)) {}
+
+  StatusOr<PhaseProducts> Run(const GlobalPhaseInputs& in) const override {
     if (in.comm == nullptr || in.source == nullptr || in.tokens == nullptr) {
       return absl::InvalidArgumentError("rotations phase: missing inputs");
     }
-    QCAL_ASSIGN_OR_RETURN(RotationPhaseOptions o, PhaseOptions(*s_, config()));
+    QCAL_ASSIGN_OR_RETURN(RotationPhaseOptions o, PhaseOptions(*s_, config_));
     // Fused float blocks and the head stay in memory while they fit half the rank's budget.
     o.cache_bytes = in.max_memory > 0 ? in.max_memory / 2 : int64_t{4} << 30;
     if (!in.state_dir.empty()) {
@@ -61,7 +83,7 @@ class SpinquantMethod final : public quarot::QuarotMethod {
     }
     o.state_key = in.state_key;
     QCAL_ASSIGN_OR_RETURN(RotationPhaseResult r,
-                          TrainRotationsDataParallel(*in.comm, in.source, plan(), *in.tokens, o));
+                          TrainRotationsDataParallel(*in.comm, in.source, plan_, *in.tokens, o));
     const size_t n = r.losses.size(), k = std::min<size_t>(10, n);
     double first = 0, last = 0;
     for (size_t i = 0; i < k; ++i) {
@@ -81,37 +103,6 @@ class SpinquantMethod final : public quarot::QuarotMethod {
     out["selected_step"] = at::tensor({r.selected_step});
     if (!r.validation.empty()) out["validation"] = ScoresTensor(r.validation);
     return out;
-  }
-
-  StatusOr<std::unique_ptr<Method>> BindPhaseProducts(
-      const std::map<std::string, PhaseProducts>& phases) const override {
-    auto it = phases.find(kRotationsPhase);
-    if (it == phases.end() || !it->second.count("r1") || !it->second.count("r2")) {
-      return absl::FailedPreconditionError(
-          "spinquant: the rotations phase's products (r1, r2) are missing");
-    }
-    qsim::RotationPlan learned = plan();
-    QCAL_RETURN_IF_ERROR(Annotate(
-        qsim::SetLearnedRotations(&learned, it->second.at("r1"), it->second.at("r2"),
-                                  config().num_hidden_layers),
-        "spinquant: the trained rotations"));
-    at::Tensor smooth;
-    auto sm = it->second.find("smooth");
-    if (s_->training.smooth) {
-      const int64_t layers = config().num_hidden_layers, n = qsim::SmoothingSize(config());
-      if (sm == it->second.end() || sm->second.dim() != 2 || sm->second.size(0) != layers ||
-          sm->second.size(1) != n) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "spinquant: the rotations phase's smoothing scales are missing or not [", layers,
-            ", ", n, "]"));
-      }
-      smooth = sm->second.to(at::kDouble).contiguous();
-    } else if (sm != it->second.end()) {
-      return absl::FailedPreconditionError(
-          "spinquant: the rotations phase has smoothing scales but the recipe trains none");
-    }
-    return std::unique_ptr<Method>(std::make_unique<SpinquantMethod>(
-        recipe(), config(), s_, std::move(learned), true, std::move(smooth)));
   }
 
   // A rotated weight [out, in] float32 rounded to nearest on the grid w (dequantized, float32).
@@ -189,20 +180,43 @@ class SpinquantMethod final : public quarot::QuarotMethod {
   }
 
  private:
-  Status CheckBound() const {
-    if (bound_) return Status();
-    return absl::FailedPreconditionError(
-        "spinquant: the learned rotations are not bound (the rotations phase must run first)");
-  }
-
+  const LlamaConfig config_;
   const SpinquantConfig* s_;  // owned by the recipe (shared, immutable)
-  const bool bound_;
-  const at::Tensor smooth_;   // [layers, SmoothingSize] float64 log-scales, or undefined
+  const qsim::RotationPlan plan_;
 };
+
+// The learned plan and smoothing scales from the rotations phase's products (validated).
+Status BindProducts(const PhaseProducts& products, const SpinquantConfig& s,
+                    const LlamaConfig& config, qsim::RotationPlan* learned, at::Tensor* smooth) {
+  if (!products.count("r1") || !products.count("r2")) {
+    return absl::FailedPreconditionError(
+        "spinquant: the rotations phase's products (r1, r2) are missing");
+  }
+  QCAL_RETURN_IF_ERROR(Annotate(
+      qsim::SetLearnedRotations(learned, products.at("r1"), products.at("r2"),
+                                config.num_hidden_layers),
+      "spinquant: the trained rotations"));
+  auto sm = products.find("smooth");
+  if (s.training.smooth) {
+    const int64_t layers = config.num_hidden_layers, n = qsim::SmoothingSize(config);
+    if (sm == products.end() || sm->second.dim() != 2 || sm->second.size(0) != layers ||
+        sm->second.size(1) != n) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "spinquant: the rotations phase's smoothing scales are missing or not [", layers,
+          ", ", n, "]"));
+    }
+    *smooth = sm->second.to(at::kDouble).contiguous();
+  } else if (sm != products.end()) {
+    return absl::FailedPreconditionError(
+        "spinquant: the rotations phase has smoothing scales but the recipe trains none");
+  }
+  return Status();
+}
 
 }  // namespace
 
-StatusOr<std::unique_ptr<Method>> Make(const Recipe& recipe, const LlamaConfig& config) {
+StatusOr<std::unique_ptr<Method>> Make(const Recipe& recipe, const LlamaConfig& config,
+                                       const PhaseProductsByName& products) {
   const auto* s = dynamic_cast<const SpinquantConfig*>(recipe.config.get());
   if (s == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("recipe '", recipe.name, "' has method ",
@@ -214,11 +228,24 @@ StatusOr<std::unique_ptr<Method>> Make(const Recipe& recipe, const LlamaConfig& 
         absl::StrCat("recipe '", recipe.name, "': spinquant needs R1 and R2, the plan has ",
                      plan.Describe()));
   }
-  QCAL_LOG_INFO("SpinQuant '{}': rotations {} (R1/R2 trained: {} steps, lr {}, W{} in training)",
-                recipe.name, plan.Describe(), s->training.steps, s->training.lr,
-                s->training.weight_bits);
-  return std::unique_ptr<Method>(
-      std::make_unique<SpinquantMethod>(recipe, config, s, std::move(plan), false));
+  auto phase = std::make_shared<RotationsPhase>(config, s, plan);
+  auto trained = products.find(kRotationsPhase);
+  const bool bound = trained != products.end();
+  at::Tensor smooth;
+  if (bound) {
+    QCAL_RETURN_IF_ERROR(BindProducts(trained->second, *s, config, &plan, &smooth));
+  } else {
+    QCAL_LOG_INFO(
+        "SpinQuant '{}': rotations {} (R1/R2 trained: {} steps, lr {}, W{} in training)",
+        recipe.name, plan.Describe(), s->training.steps, s->training.lr,
+        s->training.weight_bits);
+  }
+  // QuaRot's parts with the learned plan, behind the smoothing scales.
+  Method::Parts parts = quarot::MakeQuarotParts(recipe, config, std::move(plan));
+  parts.transform = std::make_shared<SpinquantTransform>(config, std::move(parts.transform),
+                                                         bound, std::move(smooth));
+  parts.phases[kRotationsPhase] = std::move(phase);
+  return Method::Create(recipe, config, std::move(parts));
 }
 
 }  // namespace qcal::methods::spinquant

@@ -123,6 +123,12 @@ TEST_F(CliTest, QuantizeShowsProgressOffATerminal) {
   EXPECT_NE(r.out.find("\nphases: plan "), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("; calibrate "), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("\nblock tasks: read weights "), std::string::npos) << r.out;
+  // Parts of a phase in parentheses after it: GPTQ's factorization and rounding pass, the
+  // calibration walk's forward passes.
+  EXPECT_NE(r.out.find("(factor "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(", round "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\ncalibrate: tokens "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("forward "), std::string::npos) << r.out;
   // stdout alone has none of it: the --json result is all there is.
   Result j = RunQcal(args + " --json", "", /*stdout_only=*/true);
   ASSERT_EQ(j.exit_code, 0) << j.out;
@@ -142,14 +148,29 @@ TEST_F(CliTest, QuantizeJsonHasPhaseTimesAndPeaks) {
   ASSERT_EQ(r.exit_code, 0) << r.out;
   const nlohmann::json j = nlohmann::json::parse(r.out, nullptr, false);
   ASSERT_FALSE(j.is_discarded()) << r.out;
+  // Top-level phases, and the parts ("<phase>/<part>": measured inside a phase, no peak).
   auto names = [](const nlohmann::json& phases) {
     std::vector<std::string> out;
-    for (const auto& p : phases) out.push_back(p["name"].get<std::string>());
+    for (const auto& p : phases) {
+      const std::string name = p["name"].get<std::string>();
+      if (name.find('/') == std::string::npos) out.push_back(name);
+    }
     return out;
+  };
+  auto part = [](const nlohmann::json& phases, const std::string& name) -> double {
+    for (const auto& p : phases) {
+      if (p["name"] == name) {
+        EXPECT_TRUE(p["peak_host_bytes"].is_null()) << p;
+        return p["seconds"].get<double>();
+      }
+    }
+    return -1;
   };
   EXPECT_EQ(names(j["phases"]), (std::vector<std::string>{"plan", "open", "calibrate", "quantize",
                                                            "finalize"}));
   EXPECT_EQ(names(j["calibrate_phases"]), (std::vector<std::string>{"tokens", "hessians"}));
+  EXPECT_GT(part(j["calibrate_phases"], "hessians/forward"), 0.0) << j["calibrate_phases"];
+  EXPECT_GT(part(j["calibrate_phases"], "hessians/read weights"), 0.0);
   double sum = 0;
   for (const auto& p : j["phases"]) {
     EXPECT_GE(p["seconds"].get<double>(), 0.0);
@@ -165,9 +186,21 @@ TEST_F(CliTest, QuantizeJsonHasPhaseTimesAndPeaks) {
                                                              "load calibration", "quantize",
                                                              "write"}))
         << b;
-    double block_sum = 0;
-    for (const auto& p : b["phases"]) block_sum += p["seconds"].get<double>();
+    double block_sum = 0, quantize = 0;
+    for (const auto& p : b["phases"]) {
+      if (p["name"].get<std::string>().find('/') != std::string::npos) continue;
+      block_sum += p["seconds"].get<double>();
+      if (p["name"] == "quantize") quantize = p["seconds"].get<double>();
+    }
     EXPECT_LE(block_sum, b["seconds"].get<double>() * 1.001 + 1e-6) << b;
+    // GPTQ's parts: the factorization, the pass, the proxy loss, all inside "quantize".
+    const double factor = part(b["phases"], "quantize/factor");
+    const double round = part(b["phases"], "quantize/round");
+    const double proxy = part(b["phases"], "quantize/proxy loss");
+    EXPECT_GT(factor, 0.0) << b;
+    EXPECT_GT(round, 0.0) << b;
+    EXPECT_GT(proxy, 0.0) << b;
+    EXPECT_LE(factor + round + proxy, quantize * 1.001 + 1e-6) << b;
   }
 }
 

@@ -140,7 +140,7 @@ TEST_F(PrefixquantTest, PrefixIsThePlantedTokensWithTheFloatModelsKvAndTheJobRes
   auto ckpt = CheckpointReader::OpenShards(out, shards);
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
   for (int64_t l = 0; l < config->num_hidden_layers; ++l) {
-    auto w = (*method)->LoadBlock(**ckpt, l);
+    auto w = (*method)->block_format().LoadBlock(**ckpt, l);
     ASSERT_TRUE(w.ok()) << w.status();
     auto prefix = pq::PrefixFromExtras(*w, *config, l);
     ASSERT_TRUE(prefix.ok() && *prefix) << prefix.status();
@@ -155,7 +155,7 @@ TEST_F(PrefixquantTest, PrefixIsThePlantedTokensWithTheFloatModelsKvAndTheJobRes
     SafetensorsWriter writer;
     writer.SetMetadata("format", "pt");
     writer.SetMetadata("qcal_block", std::to_string(l));
-    ASSERT_TRUE((*method)->AppendBlockTensors(l, *w, &writer).ok());
+    ASSERT_TRUE((*method)->block_format().AppendBlockTensors(l, *w, &writer).ok());
     const std::string again = *root_ + "/again.safetensors";
     ASSERT_TRUE(writer.Write(again).ok());
     EXPECT_EQ(*ReadFile(again), *ReadFile(out + "/" + shards[l])) << "block " << l;

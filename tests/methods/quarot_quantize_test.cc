@@ -304,8 +304,8 @@ TEST_F(QuarotQuantizeTest, JobCheckpointStoresThePackedLayout) {
 
 // Through the method's parts, as a block task and a reader run them: block 0 prepared and
 // quantized (on the embedded calibration tokens), with its inference installed, computes bit for
-// bit what the same block written (AppendBlockTensors) and read back (LoadBlock +
-// InstallInference) computes: packed codes, F32 scales, static ranges, online Hadamards and the
+// bit what the same block written (BlockFormat::AppendBlockTensors) and read back (LoadBlock +
+// Inference::Install) computes: packed codes, F32 scales, static ranges, online Hadamards and the
 // K-sort permutation survive the shard.
 TEST_F(QuarotQuantizeTest, AQuantizedBlockReadBackComputesTheSameBits) {
   for (const char* name : {"quarot-w4a4kv4", "quarot-w8a8-wtensor-atensor-static", "quarot-kv4"}) {
@@ -318,10 +318,10 @@ TEST_F(QuarotQuantizeTest, AQuantizedBlockReadBackComputesTheSameBits) {
     ASSERT_TRUE(method.ok()) << method.status();
     auto weights = (*source)->LoadBlockWeights(0);
     ASSERT_TRUE(weights.ok()) << weights.status();
-    ASSERT_TRUE((*method)->PrepareBlock(0, &*weights).ok());
+    ASSERT_TRUE((*method)->transform().PrepareBlock(0, &*weights).ok());
     auto embedded = (*source)->Embed(*calib_);
     ASSERT_TRUE(embedded.ok()) << embedded.status();
-    auto x = (*method)->PrepareEmbeddingRows(*embedded);
+    auto x = (*method)->transform().PrepareEmbeddingRows(*embedded);
     ASSERT_TRUE(x.ok()) << x.status();
     const at::Tensor h = x->narrow(0, 0, 2).clone();  // the inputs both blocks are run on
     methods::BlockInputs in;
@@ -329,22 +329,22 @@ TEST_F(QuarotQuantizeTest, AQuantizedBlockReadBackComputesTheSameBits) {
     in.rope = &(*source)->rope();
     in.batch = 8;
     if ((*method)->needs().sequential) in.x = &*x;
-    auto quantized = (*method)->QuantizeBlock(std::move(*weights), in);
+    auto quantized = (*method)->quantizer().QuantizeBlock(std::move(*weights), in);
     ASSERT_TRUE(quantized.ok()) << quantized.status();
 
     const std::string dir = testing::MakeTempDir("quarot_block");
     SafetensorsWriter writer;
-    ASSERT_TRUE((*method)->AppendBlockTensors(0, quantized->weights, &writer).ok());
+    ASSERT_TRUE((*method)->block_format().AppendBlockTensors(0, quantized->weights, &writer).ok());
     ASSERT_TRUE(writer.Write(dir + "/model.safetensors").ok());
     model::DecoderBlock computed(config, std::move(quantized->weights));
-    ASSERT_TRUE((*method)->InstallInference(&computed, 0).ok());
+    ASSERT_TRUE((*method)->inference().Install(&computed, 0).ok());
 
     auto ckpt = CheckpointReader::Open(dir);
     ASSERT_TRUE(ckpt.ok()) << ckpt.status();
-    auto back = (*method)->LoadBlock(**ckpt, 0);
+    auto back = (*method)->block_format().LoadBlock(**ckpt, 0);
     ASSERT_TRUE(back.ok()) << back.status();
     model::DecoderBlock read_back(config, std::move(*back));
-    ASSERT_TRUE((*method)->InstallInference(&read_back, 0).ok());
+    ASSERT_TRUE((*method)->inference().Install(&read_back, 0).ok());
     at::NoGradGuard no_grad;
     EXPECT_TRUE(at::equal(computed.Forward(h, (*source)->rope()),
                           read_back.Forward(h, (*source)->rope())));
@@ -360,7 +360,7 @@ TEST_F(QuarotQuantizeTest, SequentialCalibrationRunsOnTheQuantizedBlocksOutputs)
   auto quantized = QuantizeWithJob(*float_dir_, recipe, &out);
   ASSERT_TRUE(quantized.ok()) << quantized.status();
   const auto& seq = dynamic_cast<const quant::ScalarQuantLinear&>(
-      qsim::WeightCarrier((*quantized)->block(4).weights().linear(model::LinearKind::kQ)));
+      (*quantized)->block(4).weights().linear(model::LinearKind::kQ).stored());
   auto ref = model::LlamaModel::Load(*float_dir_);
   ASSERT_TRUE(ref.ok());
   auto plan = qsim::PlanRotations(recipe.method_config<QuarotConfig>().rotation, (*ref)->config());
@@ -374,10 +374,10 @@ TEST_F(QuarotQuantizeTest, SequentialCalibrationRunsOnTheQuantizedBlocksOutputs)
     x = *y;
   }
   auto float_calibrated = quarot::QuantizeRotatedBlock((*ref)->mutable_block(4), (*ref)->rope(),
-                                                       recipe, *plan, 4, &x, 8, false);
+                                                       recipe, *plan, 4, &x, 8, false, nullptr);
   ASSERT_TRUE(float_calibrated.ok()) << float_calibrated.status();
   const auto& flt = dynamic_cast<const quant::ScalarQuantLinear&>(
-      qsim::WeightCarrier((*ref)->block(4).weights().linear(model::LinearKind::kQ)));
+      (*ref)->block(4).weights().linear(model::LinearKind::kQ).stored());
   EXPECT_EQ(seq.data().bits, 4);
   EXPECT_NE(seq.data().codes, flt.data().codes);
 }

@@ -590,14 +590,19 @@ TEST(SpinquantTest, UnboundMethodRefusesToPrepareAndBindingChecksTheProducts) {
   ASSERT_TRUE(method.ok()) << method.status();
   auto block = (*source)->LoadBlockWeights(0);
   ASSERT_TRUE(block.ok());
-  Status s = (*method)->PrepareBlock(0, &*block);
+  Status s = (*method)->transform().PrepareBlock(0, &*block);
   EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
   EXPECT_NE(s.message().find("not bound"), std::string::npos) << s;
-  auto rows = (*method)->PrepareEmbeddingRows(at::zeros({2, c.hidden_size}));
+  auto rows = (*method)->transform().PrepareEmbeddingRows(at::zeros({2, c.hidden_size}));
   EXPECT_TRUE(absl::IsFailedPrecondition(rows.status())) << rows.status();
 
-  std::map<std::string, methods::PhaseProducts> phases;
-  auto none = (*method)->BindPhaseProducts(phases);
+  // Made with the products (as a job makes it once the phase has run).
+  auto bind = [&](const Recipe& r, const methods::PhaseProductsByName& p) {
+    return methods::MakeMethod(r, c, p);
+  };
+  methods::PhaseProductsByName phases;
+  phases[sq::kRotationsPhase] = {};
+  auto none = bind(*recipe, phases);
   EXPECT_TRUE(absl::IsFailedPrecondition(none.status())) << none.status();
   EXPECT_NE(std::string(none.status().message()).find("(r1, r2) are missing"), std::string::npos);
   at::manual_seed(5);
@@ -607,40 +612,40 @@ TEST(SpinquantTest, UnboundMethodRefusesToPrepareAndBindingChecksTheProducts) {
       at::eye(c.head_dim, at::kDouble).expand({c.num_hidden_layers, c.head_dim, c.head_dim})
           .contiguous();
   phases[sq::kRotationsPhase] = {{"r1", t1 * 1.01}, {"r2", t2}};  // not orthogonal
-  auto skewed = (*method)->BindPhaseProducts(phases);
+  auto skewed = bind(*recipe, phases);
   EXPECT_FALSE(skewed.ok());
   EXPECT_NE(std::string(skewed.status().message()).find("trained rotations"), std::string::npos)
       << skewed.status();
   // The shipped recipe trains smoothing scales: binding needs them, of the right shape.
   phases[sq::kRotationsPhase] = {{"r1", t1}, {"r2", t2}};
-  auto unsmoothed = (*method)->BindPhaseProducts(phases);
+  auto unsmoothed = bind(*recipe, phases);
   EXPECT_TRUE(absl::IsFailedPrecondition(unsmoothed.status())) << unsmoothed.status();
   EXPECT_NE(std::string(unsmoothed.status().message()).find("smoothing scales"),
             std::string::npos) << unsmoothed.status();
   const int64_t ns = qsim::SmoothingSize(c);
   phases[sq::kRotationsPhase]["smooth"] = at::zeros({c.num_hidden_layers, ns + 1}, at::kDouble);
-  EXPECT_FALSE((*method)->BindPhaseProducts(phases).ok());
+  EXPECT_FALSE(bind(*recipe, phases).ok());
   const at::Tensor a = at::randn({c.num_hidden_layers, ns}, at::kDouble) * 0.5;
   phases[sq::kRotationsPhase]["smooth"] = a;
-  auto bound = (*method)->BindPhaseProducts(phases);
+  auto bound = bind(*recipe, phases);
   ASSERT_TRUE(bound.ok()) << bound.status();
   ASSERT_NE(bound->get(), nullptr);
   // Block 1 prepared with the scales = its weights with block 1's scales fused, prepared with
   // none (zeros).
   phases[sq::kRotationsPhase]["smooth"] = at::zeros({c.num_hidden_layers, ns}, at::kDouble);
-  auto plain = (*method)->BindPhaseProducts(phases);
+  auto plain = bind(*recipe, phases);
   ASSERT_TRUE(plain.ok()) << plain.status();
   auto b1 = (*source)->LoadBlockWeights(1);
   auto b1_smoothed = (*source)->LoadBlockWeights(1);
   ASSERT_TRUE(b1.ok() && b1_smoothed.ok());
-  ASSERT_TRUE((*bound)->PrepareBlock(1, &*b1).ok());
+  ASSERT_TRUE((*bound)->transform().PrepareBlock(1, &*b1).ok());
   ASSERT_TRUE(qsim::SmoothBlockWeights(c, a[1], &*b1_smoothed).ok());
-  ASSERT_TRUE((*plain)->PrepareBlock(1, &*b1_smoothed).ok());
+  ASSERT_TRUE((*plain)->transform().PrepareBlock(1, &*b1_smoothed).ok());
   for (model::LinearKind k : model::kAllLinears) {
     EXPECT_TRUE(at::equal(b1->linear(k).DenseWeight(), b1_smoothed->linear(k).DenseWeight()))
         << static_cast<int>(k);
   }
-  ASSERT_TRUE((*bound)->PrepareBlock(0, &*block).ok());
+  ASSERT_TRUE((*bound)->transform().PrepareBlock(0, &*block).ok());
   // A recipe that trains no scales refuses a phase that brings some (other training settings).
   auto plain_recipe = ParseRecipe(
       "method: spinquant\nweights: gptq\nbits: 4\nactivations: {bits: 4}\nkv_cache: {bits: 4}\n",
@@ -648,16 +653,16 @@ TEST(SpinquantTest, UnboundMethodRefusesToPrepareAndBindingChecksTheProducts) {
   ASSERT_TRUE(plain_recipe.ok()) << plain_recipe.status();
   auto plain_method = methods::MakeMethod(*plain_recipe, c);
   ASSERT_TRUE(plain_method.ok()) << plain_method.status();
-  auto stray = (*plain_method)->BindPhaseProducts(phases);
+  auto stray = bind(*plain_recipe, phases);
   EXPECT_TRUE(absl::IsFailedPrecondition(stray.status())) << stray.status();
   EXPECT_NE(std::string(stray.status().message()).find("the recipe trains none"),
             std::string::npos) << stray.status();
   phases[sq::kRotationsPhase].erase("smooth");
-  EXPECT_TRUE((*plain_method)->BindPhaseProducts(phases).ok());
+  EXPECT_TRUE(bind(*plain_recipe, phases).ok());
   // The bound embedding rows are E·T1ᵀ.
   const at::Tensor ids = at::arange(0, 4, at::kLong);
   auto e = (*source)->Embed(ids);
-  auto rotated = (*bound)->PrepareEmbeddingRows(*e);
+  auto rotated = (*bound)->transform().PrepareEmbeddingRows(*e);
   ASSERT_TRUE(rotated.ok()) << rotated.status();
   EXPECT_LT(testing::RelMaxDiff(at::matmul(e->to(at::kDouble), t1.t()), rotated->to(at::kDouble)),
             1e-6);

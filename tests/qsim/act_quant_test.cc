@@ -320,7 +320,7 @@ TEST(ActQuantLinearTest, RotationQuantizationAndDenseWeight) {
   const at::Tensor want = at::matmul((*q)->Apply((*h)->Apply(x)), fused->t());
   EXPECT_TRUE(at::equal(quantized.Forward(x), want));
   EXPECT_EQ(observer->hi(), (*h)->Apply(x).max().item<double>());
-  EXPECT_EQ(&qsim::WeightCarrier(quantized), &quantized.inner());
+  EXPECT_EQ(&quantized.stored(), &quantized.inner());
   // Rotation flattens the outliers: smaller 4-bit error after the Hadamard (QuaRot's point).
   const at::Tensor xr = (*h)->Apply(x);
   const double err_plain = (qsim::FakeQuantizeLastDim(x, {4, true, 1.0}) - x).norm().item<double>();

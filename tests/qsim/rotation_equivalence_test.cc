@@ -262,8 +262,8 @@ model::BlockWeights DenseCopy(const model::BlockWeights& w) {
 }
 
 TEST(SyntheticRotationTest, QuarotBlockTaskNeedsARotatedBlock) {
-  // Through the method seam (methods/method.h): QuantizeBlock refuses a block that did not go
-  // through PrepareBlock, and quantizes it once it has.
+  // Through the method's parts (methods/parts.h): its quantizer refuses a block that did not go
+  // through its transform, and quantizes it once it has.
   auto m = RandomModel(24, 4, 2, 6, 22, 3);
   auto recipe = ParseRecipe(
       "name: t\nmethod: quarot\nweights: rtn\nbits: 4\n"
@@ -276,14 +276,14 @@ TEST(SyntheticRotationTest, QuarotBlockTaskNeedsARotatedBlock) {
   methods::BlockInputs in;
   in.layer = 0;
   in.rope = &rope;
-  auto refused = (*method)->QuantizeBlock(DenseCopy(m->block(0).weights()), in);
+  auto refused = (*method)->quantizer().QuantizeBlock(DenseCopy(m->block(0).weights()), in);
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
   model::BlockWeights prepared = DenseCopy(m->block(0).weights());
-  ASSERT_TRUE((*method)->PrepareBlock(0, &prepared).ok());
+  ASSERT_TRUE((*method)->transform().PrepareBlock(0, &prepared).ok());
   const at::Tensor flags = prepared.extra.at(qsim::kRotationsKey);
   EXPECT_TRUE(at::equal(flags, at::tensor({1.0, 1.0, 0.0, 0.0}, at::kDouble)));  // R3/R4 off
-  auto done = (*method)->QuantizeBlock(std::move(prepared), in);
+  auto done = (*method)->quantizer().QuantizeBlock(std::move(prepared), in);
   ASSERT_TRUE(done.ok()) << done.status();
   EXPECT_EQ(done->linears.size(), 7u);
 }

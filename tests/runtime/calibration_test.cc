@@ -333,7 +333,7 @@ TEST_F(CalibrationRanksTest, DeviceReducedHessiansWriteTheHostReducedBytes) {
   const std::string dir1 = *root_ + "/device-one";
   calib::CalibrationResult one = Run(1, dir1);
   ASSERT_EQ(static_cast<int64_t>(one.hessians.size()), blocks);
-  ASSERT_EQ(kernels::SetActiveGpuBackend(std::make_unique<HostDeviceBackend>()), nullptr);
+  HostDeviceBackend backend;  // the ranks' backend, passed to the calibration
   // 22 sequences in chunks of 4: 6 chunks; 7 ranks leave rank 6 without any.
   for (int ranks : {2, 7}) {
     for (bool keep : {false, true}) {
@@ -348,6 +348,7 @@ TEST_F(CalibrationRanksTest, DeviceReducedHessiansWriteTheHostReducedBytes) {
             ranks, dir, std::numeric_limits<int64_t>::max(),
             [&](calib::CalibrationOptions& o, comm::Comm& comm) {
               o.keep_hessians = keep;
+              o.gpu = &backend;
               if (all_have_sum || comm.rank() == 0) {
                 o.device_sum = [&comm](int64_t* data, size_t count) {
                   return comm.AllReduceSum(data, count);
@@ -381,10 +382,11 @@ TEST_F(CalibrationRanksTest, DeviceReducedHessiansWriteTheHostReducedBytes) {
   // Without a device all-reduce, or without a backend, the device reduction says what is missing.
   auto self = comm::MakeSelfComm();
   calib::BlockHessians h;
+  h.backend = &backend;
   Status s = calib::AllReduceDeviceHessians(*self, nullptr, true, &h);
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(s.message().find("no device all-reduce"), std::string::npos) << s;
-  kernels::SetActiveGpuBackend(nullptr);
+  h.backend = nullptr;
   s = calib::AllReduceDeviceHessians(
       *self, [](int64_t*, size_t) { return absl::OkStatus(); }, true, &h);
   EXPECT_NE(s.message().find("no GPU backend"), std::string::npos) << s;

@@ -34,6 +34,8 @@
 #include "methods/quip/quip_linear.h"
 #include "methods/registry.h"
 #include "methods/method_factory.h"
+#include "methods/per_linear.h"
+#include "methods/quip/quip_method.h"
 #include "runner/quantize_job.h"
 #include "engine/model/model_source.h"
 #include "engine/quant/block_task.h"
@@ -104,8 +106,10 @@ class FinetuneTest : public ::testing::Test {
     recipe_ = new Recipe(MakeRecipe(*calib_file_));
     auto method = methods::MakeMethod(*recipe_, model_->config());
     ASSERT_TRUE(method.ok()) << method.status();
-    method_ = dynamic_cast<methods::PerLinearMethod*>(method->release());
-    ASSERT_NE(method_, nullptr);
+    method_ = method->release();
+    auto rounding = methods::quip::Rounding(*recipe_);
+    ASSERT_TRUE(rounding.ok()) << rounding.status();
+    rounding_ = new std::shared_ptr<const methods::LinearRounding>(*rounding);
     auto noft = methods::MakeMethod(MakeRecipe(*calib_file_, false), model_->config());
     ASSERT_TRUE(noft.ok()) << noft.status();
     noft_method_ = noft->release();
@@ -134,6 +138,7 @@ class FinetuneTest : public ::testing::Test {
     delete tokens_;
     delete recipe_;
     delete method_;
+    delete rounding_;
     delete noft_method_;
     delete eval_tokens_;
     delete calib_file_;
@@ -163,12 +168,15 @@ class FinetuneTest : public ::testing::Test {
       const quant::FinetuneOptions* options = nullptr) {
     const quant::FinetuneOptions o =
         options ? *options : method_->FinetuneOptionsFor(recipe_->finetune.block);
-    return quant::QuantizeBlockWithFinetune(
-        o, model_->config(), l, model_->block(l).weights(), &(*hessians_)[l],
-        [l](model::LinearKind k, const at::Tensor& w, const at::Tensor& h) {
-          return method_->QuantizeLinear(l, k, w, h);
-        },
-        model_->rope(), (*acts_)[l], targets);
+    // The block task of the recipe's method with options `o`.
+    methods::PerLinearQuantizer quantizer(model_->config(), /*finetune=*/true, o, *rounding_);
+    methods::BlockInputs in;
+    in.layer = l;
+    in.rope = &model_->rope();
+    in.hessians = &(*hessians_)[l];
+    in.ft_inputs = &(*acts_)[l];
+    in.ft_targets = &targets;
+    return quantizer.QuantizeBlock(CopyBlock(model_->block(l).weights()), in);
   }
 
   // The float model's final hidden states on the calibration tokens (in chunks of the e2e
@@ -198,7 +206,8 @@ class FinetuneTest : public ::testing::Test {
   static std::vector<at::Tensor>* acts_;
   static at::Tensor* tokens_;
   static Recipe* recipe_;
-  static methods::PerLinearMethod* method_;
+  static methods::Method* method_;
+  static std::shared_ptr<const methods::LinearRounding>* rounding_;
   static methods::Method* noft_method_;
   static std::vector<int32_t>* eval_tokens_;
 };
@@ -211,7 +220,8 @@ std::vector<calib::BlockHessians>* FinetuneTest::hessians_ = nullptr;
 std::vector<at::Tensor>* FinetuneTest::acts_ = nullptr;
 at::Tensor* FinetuneTest::tokens_ = nullptr;
 Recipe* FinetuneTest::recipe_ = nullptr;
-methods::PerLinearMethod* FinetuneTest::method_ = nullptr;
+methods::Method* FinetuneTest::method_ = nullptr;
+std::shared_ptr<const methods::LinearRounding>* FinetuneTest::rounding_ = nullptr;
 methods::Method* FinetuneTest::noft_method_ = nullptr;
 std::vector<int32_t>* FinetuneTest::eval_tokens_ = nullptr;
 
@@ -245,7 +255,7 @@ TEST_F(FinetuneTest, BlockAndEndToEndFinetuningBeatNoFt) {
     in.rope = &model_->rope();
     calib::BlockHessians consumed = (*hessians_)[l];  // QuantizeBlock may consume its Hessians
     in.hessians = &consumed;
-    auto base = noft_method_->QuantizeBlock(CopyBlock(model_->block(l).weights()), in);
+    auto base = noft_method_->quantizer().QuantizeBlock(CopyBlock(model_->block(l).weights()), in);
     ASSERT_TRUE(base.ok()) << base.status();
     auto tuned = Finetune(l, (*acts_)[l + 1]);
     ASSERT_TRUE(tuned.ok()) << tuned.status();

@@ -20,6 +20,7 @@
 #include "tests/test_util.h"
 #include "engine/eval/perplexity.h"
 #include "methods/quip/quip_linear.h"
+#include "methods/quip/quip_method.h"
 #include "methods/registry.h"
 #include "methods/method_factory.h"
 #include "runner/quantize_job.h"
@@ -155,7 +156,7 @@ TEST_F(QuantizeJobTest, CheckpointRoundTripsAndJobResumes) {
   ASSERT_TRUE(tok.ok());
   auto method = methods::CheckpointMethod(*config, opt.out_dir);
   ASSERT_TRUE(method.ok()) << method.status();
-  auto loaded = (*method)->LoadBlock(**ckpt, 1);
+  auto loaded = (*method)->block_format().LoadBlock(**ckpt, 1);
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   model::DecoderBlock from_disk(*config, std::move(*loaded));
   at::manual_seed(7);
@@ -272,17 +273,15 @@ TEST(QuantizeLinearTest, LayerWeightsMatchReportedProxyLoss) {
           Recipe r = MakeRecipe("x", "quip", bits, codebook,
                                 absl::StrCat("incoherence: ", incoherence ? "true" : "false",
                                              "\nscale: ", scale_mode, "\n"));
-          auto method = methods::MakeMethod(r, LlamaConfig());
-          ASSERT_TRUE(method.ok()) << method.status();
-          auto* per_linear = dynamic_cast<const methods::PerLinearMethod*>(method->get());
-          ASSERT_NE(per_linear, nullptr);
+          auto rounding = methods::quip::Rounding(r);
+          ASSERT_TRUE(rounding.ok()) << rounding.status();
           at::Tensor w = at::randn({out, in});
           if (std::string(scale_mode) == "row") {
             w = w * at::linspace(0.1, 3.0, out).unsqueeze(1);  // rows of different norms
           }
           at::Tensor a = at::randn({in, 4 * in}, at::kDouble);
           at::Tensor h = at::matmul(a, a.t()) / (4.0 * in);
-          auto q = per_linear->QuantizeLinear(0, model::LinearKind::kQ, w, h);
+          auto q = (*rounding)->Round(0, model::LinearKind::kQ, w, h, /*gpu=*/nullptr);
           ASSERT_TRUE(q.ok()) << q.status();
           auto* quip = dynamic_cast<methods::quip::QuipLinear*>(q->layer.get());
           ASSERT_NE(quip, nullptr);

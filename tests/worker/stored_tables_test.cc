@@ -217,8 +217,8 @@ TEST(StoredTablesTest, TransformedTablesStreamedInChunksEqualTheWholeTableTransf
   ASSERT_TRUE(method.ok()) << method.status();
   auto nb = (*source)->LoadNonBlock();
   ASSERT_TRUE(nb.ok()) << nb.status();
-  auto embed = (*method)->PrepareEmbeddingRows(nb->embed);
-  auto head = (*method)->PrepareHeadRows(nb->head, nb->final_norm);
+  auto embed = (*method)->transform().PrepareEmbeddingRows(nb->embed);
+  auto head = (*method)->transform().PrepareHeadRows(nb->head, nb->final_norm);
   ASSERT_TRUE(embed.ok() && head.ok());
   EXPECT_FALSE(at::equal(*embed, nb->embed));  // R1 changed them
   auto ckpt = CheckpointReader::Open(out);

@@ -1,0 +1,182 @@
+// The parts a quantization method is made of (methods/method.h), one contract each:
+//
+//   ModelTransform     function-preserving transforms of the float model as it streams in
+//                      (QuaRot's norm fusion and rotations, learned rotations, K-sort)
+//   GlobalPhase        a collective step after calibration, before the block tasks (rotation
+//                      training, PrefixQuant's prefix search); its products are saved in the job
+//                      directory and given to the method at construction (MakeMethod)
+//   BlockQuantizer     one block task: a prepared float block and what MethodNeeds asked for in,
+//                      the quantized block and its metrics out
+//   SequentialForward  sequential methods: the calibration inputs carried from block to block,
+//                      and how to rebuild them after a resume
+//   BlockFormat        a quantized block in its shard and read back (LayerFormats for linears)
+//   Inference          what inference computes with beyond the stored weights (online
+//                      Hadamards, activation and KV-cache quantizers)
+//
+// A method has the parts its MethodNeeds declare; Method::Create checks that it does.
+// Thread-safety: parts are immutable; their const functions may run concurrently on different
+// blocks.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+
+#include <ATen/core/Tensor.h>
+
+#include "common/recipe.h"
+#include "common/safetensors.h"
+#include "common/status.h"
+#include "engine/calib/hessian.h"
+#include "engine/comm/comm.h"
+#include "engine/model/llama.h"
+#include "engine/model/model_source.h"
+#include "engine/quant/block_task.h"
+#include "kernels/gpu_backend.h"
+#include "methods/layer_format.h"
+
+namespace qcal::methods {
+
+// A global phase's products: named tensors, saved in the job directory
+// (job_dir/phases/<phase>.safetensors). All of a job's, by phase name.
+using PhaseProducts = std::map<std::string, at::Tensor>;
+using PhaseProductsByName = std::map<std::string, PhaseProducts>;
+
+class ModelTransform {
+ public:
+  virtual ~ModelTransform() = default;
+  // Float block `layer`, transformed in place.
+  virtual Status PrepareBlock(int64_t layer, model::BlockWeights* weights) const = 0;
+  // The non-block weights, each row on its own (a 128k-row table is never whole in memory; a
+  // method that changes them says so with MethodNeeds::transforms_non_block):
+  // rows of the float embedding table ([..., hidden]) as the prepared table holds them;
+  virtual StatusOr<at::Tensor> PrepareEmbeddingRows(const at::Tensor& rows) const = 0;
+  // the prepared final norm's weights [hidden], given the float ones;
+  virtual at::Tensor PrepareFinalNorm(const at::Tensor& final_norm) const = 0;
+  // rows [n, hidden] of the float head as the prepared (untied) head holds them, given the
+  // float final norm's weights.
+  virtual StatusOr<at::Tensor> PrepareHeadRows(const at::Tensor& rows,
+                                               const at::Tensor& final_norm) const = 0;
+};
+
+// What a global phase gets. Collective: every rank of `comm` runs the phase with the same
+// inputs and must return the same products.
+struct GlobalPhaseInputs {
+  comm::Comm* comm = nullptr;
+  model::ModelSource* source = nullptr;  // the float model, streamed (not prepared)
+  const at::Tensor* tokens = nullptr;    // the calibration tokens [N, S] int64, BOS first
+  int64_t batch = 8;                     // sequences per forward pass (the canonical chunks)
+  int32_t bos_id = 1;
+  int64_t max_memory = 0;  // the rank's memory budget in bytes (0: no limit given)
+  // Where a long phase keeps resumable state (job_dir/phases), and the key its state must carry
+  // to be reused (the calibration key: other tokens or another model make it stale).
+  std::string state_dir;
+  std::string state_key;
+};
+
+class GlobalPhase {
+ public:
+  virtual ~GlobalPhase() = default;
+  virtual StatusOr<PhaseProducts> Run(const GlobalPhaseInputs& inputs) const = 0;
+};
+
+// What a block task hands BlockQuantizer::QuantizeBlock besides the float block: exactly what
+// the method's MethodNeeds ask for (CheckBlockInputs, which the runner calls, holds that; a
+// part does not check again). Pointers are owned by the caller and valid during the call.
+struct BlockInputs {
+  int64_t layer = 0;
+  const model::Rope* rope = nullptr;  // always set
+  int64_t batch = 8;                  // sequences per forward pass
+  kernels::GpuBackend* gpu = nullptr;  // the rank's GPU backend (null: the CPU)
+  // needs().float_hessians: the block's Hessians on the float model. The quantizer may consume
+  // them (calib::HessianMeans releases each kind's sums once its mean exists).
+  calib::BlockHessians* hessians = nullptr;
+  // needs().float_activations (within-block fine-tuning): the float model's inputs to this block
+  // and the float block's outputs, [N, S, hidden].
+  const at::Tensor* ft_inputs = nullptr;
+  const at::Tensor* ft_targets = nullptr;
+  // needs().sequential: this block's calibration inputs [N, S, hidden] (the outputs of the
+  // quantized blocks before it); with `propagate` the quantizer replaces them by the quantized
+  // block's outputs.
+  at::Tensor* x = nullptr;
+  bool propagate = false;
+  // needs().sequential_float: the float model's inputs to this block [N, S, hidden] (the float
+  // blocks before it, as SequentialForward::PropagateFloatBlock runs them); with `propagate`
+  // replaced by the float block's outputs.
+  at::Tensor* x_float = nullptr;
+};
+
+// OK when `inputs` holds what `needs` asks for; InvalidArgument naming the block and what is
+// missing otherwise.
+Status CheckBlockInputs(const BlockInputs& inputs, const MethodNeeds& needs);
+
+class BlockQuantizer {
+ public:
+  virtual ~BlockQuantizer() = default;
+  // Quantizes prepared float block inputs.layer.
+  virtual StatusOr<quant::BlockTaskResult> QuantizeBlock(model::BlockWeights float_weights,
+                                                         const BlockInputs& inputs) const = 0;
+};
+
+class SequentialForward {
+ public:
+  virtual ~SequentialForward() = default;
+  // How many leading positions of every calibration sequence the block tasks drop (a prefix
+  // that ends with BOS replaces the sequence's own BOS).
+  virtual int64_t DroppedCalibrationPositions() const { return 0; }
+  // The outputs of finished block `layer` (as BlockFormat::LoadBlock reads it) on its
+  // calibration inputs x, as QuantizeBlock propagates them: rebuilds inputs a resumed job lost.
+  virtual StatusOr<at::Tensor> PropagateFinishedBlock(model::BlockWeights weights, int64_t layer,
+                                                      const at::Tensor& x,
+                                                      const model::Rope& rope,
+                                                      int64_t batch) const = 0;
+  // needs().sequential_float: float block `layer` (prepared by the ModelTransform) applied to
+  // the float inputs x, as QuantizeBlock propagates x_float. Unimplemented by default.
+  virtual StatusOr<at::Tensor> PropagateFloatBlock(model::BlockWeights prepared, int64_t layer,
+                                                   const at::Tensor& x, const model::Rope& rope,
+                                                   int64_t batch) const;
+};
+
+class BlockFormat {
+ public:
+  virtual ~BlockFormat() = default;
+  // The tensors of quantized block `layer` in its shard.
+  virtual Status AppendBlockTensors(int64_t layer, const model::BlockWeights& weights,
+                                    SafetensorsWriter* writer) const = 0;
+  // Block `layer` read back from a checkpoint written with AppendBlockTensors, as stored.
+  virtual StatusOr<model::BlockWeights> LoadBlock(CheckpointReader& ckpt,
+                                                  int64_t layer) const = 0;
+};
+
+class Inference {
+ public:
+  virtual ~Inference() = default;
+  // What inference computes with, installed on a block BlockFormat::LoadBlock read.
+  virtual Status Install(model::DecoderBlock* block, int64_t layer) const = 0;
+  // Whether a checkpoint computes exactly what its stored linears compute in a plain Llama
+  // forward pass (float activations and KV cache, no online transforms), so that its weights
+  // can be exported to formats inference engines load. FailedPrecondition saying what such a
+  // forward cannot express otherwise.
+  virtual Status CheckPlainForward() const = 0;
+};
+
+// The block format every method without extra per-block tensors uses: both RMSNorm weights
+// (F32) and each linear in its layer format (LayerFormats), the linears' shapes checked against
+// the config on reading. Methods with extras build on it.
+class StandardBlockFormat : public BlockFormat {
+ public:
+  // `quantized`: the format name quantized linears are read with (quantization_config "format").
+  StandardBlockFormat(LlamaConfig config, std::shared_ptr<const LayerFormats> formats,
+                      std::string quantized);
+  Status AppendBlockTensors(int64_t layer, const model::BlockWeights& weights,
+                            SafetensorsWriter* writer) const override;
+  StatusOr<model::BlockWeights> LoadBlock(CheckpointReader& ckpt, int64_t layer) const override;
+
+ private:
+  const LlamaConfig config_;
+  const std::shared_ptr<const LayerFormats> formats_;
+  const std::string quantized_;
+};
+
+}  // namespace qcal::methods

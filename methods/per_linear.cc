@@ -1,0 +1,126 @@
+#include "methods/per_linear.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include <ATen/ATen.h>
+
+#include "absl/strings/str_cat.h"
+#include "engine/quant/finetune.h"
+
+namespace qcal::methods {
+namespace {
+
+class ScalarGrid final : public LinearRounding {
+ public:
+  ScalarGrid(std::string method, quant::ScalarQuantizeOptions options)
+      : method_(std::move(method)), options_(std::move(options)) {}
+  StatusOr<quant::QuantizedLinear> Round(int64_t layer, model::LinearKind kind,
+                                         const at::Tensor& weight, const at::Tensor& hessian,
+                                         kernels::GpuBackend* gpu) const override {
+    QCAL_ASSIGN_OR_RETURN(quant::LinearProblem p,
+                          quant::PrepareLinear(layer, kind, weight, hessian, method_.c_str(),
+                                               /*needs_hessian=*/options_.gptq));
+    quant::ScalarQuantizeOptions options = options_;
+    options.gpu = gpu;
+    return quant::FinishLinear(
+        p, quant::QuantizeScalarLinear(options, p.weight(), p.out, p.in, p.hessian()));
+  }
+
+ private:
+  const std::string method_;
+  const quant::ScalarQuantizeOptions options_;
+};
+
+}  // namespace
+
+std::shared_ptr<const LinearRounding> ScalarGridRounding(std::string method,
+                                                         quant::ScalarQuantizeOptions options) {
+  return std::make_shared<ScalarGrid>(std::move(method), std::move(options));
+}
+
+PerLinearQuantizer::PerLinearQuantizer(LlamaConfig config, bool finetune,
+                                       quant::FinetuneOptions options,
+                                       std::shared_ptr<const LinearRounding> rounding)
+    : config_(std::move(config)),
+      finetune_(finetune),
+      options_(std::move(options)),
+      rounding_(std::move(rounding)) {}
+
+StatusOr<quant::BlockTaskResult> PerLinearQuantizer::QuantizeBlock(
+    model::BlockWeights float_weights, const BlockInputs& in) const {
+  if (finetune_) return QuantizeWithFinetune(std::move(float_weights), in);
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t layer = in.layer;
+  quant::BlockTaskResult result;
+  result.layer = layer;
+  result.weights.input_norm = float_weights.input_norm.clone();
+  result.weights.post_norm = float_weights.post_norm.clone();
+  calib::HessianMeans means(in.hessians);  // consumes the accumulators kind by kind
+  for (model::LinearKind kind : model::kAllLinears) {
+    const at::Tensor h = means.For(kind);
+    QCAL_ASSIGN_OR_RETURN(quant::QuantizedLinear q,
+                          rounding_->Round(layer, kind, float_weights.linear(kind).DenseWeight(),
+                                           h, in.gpu));
+    result.weights.linears[static_cast<int>(kind)] = std::move(q.layer);
+    result.linears.push_back(q.metrics);
+    // The float linear is done with: at a 70B shape the others' fp32 weights (2.5 GB) would
+    // otherwise sit beside down_proj's Hessian and GPTQ's work matrices.
+    float_weights.linears[static_cast<int>(kind)].reset();
+  }
+  result.seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return result;
+}
+
+// QuIP# Algorithm 5 within the block: the groups rounded in order, the block tuned after each.
+StatusOr<quant::BlockTaskResult> PerLinearQuantizer::QuantizeWithFinetune(
+    model::BlockWeights float_weights, const BlockInputs& in) const {
+  const int64_t layer = in.layer;
+  auto hessian_of = [&](model::LinearKind k) {
+    return in.hessians ? in.hessians->Mean(calib::HessianKindOf(k)) : at::Tensor();
+  };
+  QCAL_ASSIGN_OR_RETURN(std::unique_ptr<quant::BlockTuner> tuner,
+                        quant::BlockTuner::Start(options_, config_, layer, float_weights,
+                                                 *in.rope, *in.ft_inputs, *in.ft_targets));
+  const auto& groups = quant::BlockTuner::Groups();
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (model::LinearKind k : groups[g]) {
+      QCAL_ASSIGN_OR_RETURN(quant::QuantizedLinear q,
+                            rounding_->Round(layer, k, tuner->Weight(k), hessian_of(k), in.gpu));
+      tuner->Install(k, std::move(q));
+    }
+    if (g == 0) {
+      // The no-FT baseline: every other linear rounded from the float weights.
+      std::vector<std::unique_ptr<model::Linear>> others(7);
+      for (model::LinearKind k : model::kAllLinears) {
+        if (std::find(groups[0].begin(), groups[0].end(), k) != groups[0].end()) continue;
+        QCAL_ASSIGN_OR_RETURN(
+            quant::QuantizedLinear q,
+            rounding_->Round(layer, k, float_weights.linear(k).DenseWeight(), hessian_of(k),
+                             in.gpu));
+        others[static_cast<int>(k)] = std::move(q.layer);
+      }
+      QCAL_RETURN_IF_ERROR(tuner->MeasureBaseline(std::move(others)));
+    }
+    QCAL_RETURN_IF_ERROR(tuner->TuneGroup(g));
+  }
+  return tuner->Finish();
+}
+
+StatusOr<std::unique_ptr<Method>> MakePerLinearMethod(
+    const Recipe& recipe, const LlamaConfig& config, std::shared_ptr<const LinearRounding> rounding,
+    std::shared_ptr<const LayerFormats> formats, double tunable_lr_multiplier) {
+  quant::FinetuneOptions block;
+  block.stage = recipe.finetune.block;
+  block.seed = recipe.seed;
+  block.sign_lr_multiplier = tunable_lr_multiplier;
+  Method::Parts parts;
+  parts.quantizer = std::make_shared<PerLinearQuantizer>(config, recipe.finetune.enabled, block,
+                                                         std::move(rounding));
+  parts.layer_formats = std::move(formats);
+  parts.tunable_lr_multiplier = tunable_lr_multiplier;
+  return Method::Create(recipe, config, std::move(parts));
+}
+
+}  // namespace qcal::methods

@@ -1,0 +1,61 @@
+// The block quantizer of methods that round every linear on its own from its float weights and
+// the float model's Hessian (quip, rtn, gptq), with QuIP#'s within-block fine-tuning
+// (engine/quant/finetune.h BlockTuner) when the recipe enables it. A method of this kind is its
+// LinearRounding, its layer formats and the parts below (PerLinearParts).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "common/hf_config.h"
+#include "common/recipe.h"
+#include "common/status.h"
+#include "engine/quant/block_task.h"
+#include "engine/quant/scalar_quantize.h"
+#include "methods/method.h"
+
+namespace qcal::methods {
+
+class LinearRounding {
+ public:
+  virtual ~LinearRounding() = default;
+  // Rounds one linear of block `layer`: weight [out, in] float, hessian [in, in] fp64 mean
+  // (undefined when the method needs none), on the rank's backend `gpu` (null: the CPU).
+  virtual StatusOr<quant::QuantizedLinear> Round(int64_t layer, model::LinearKind kind,
+                                                 const at::Tensor& weight,
+                                                 const at::Tensor& hessian,
+                                                 kernels::GpuBackend* gpu) const = 0;
+};
+
+class PerLinearQuantizer final : public BlockQuantizer {
+ public:
+  // `finetune`: the recipe's finetune.block stage as FinetuneOptions (Method::FinetuneOptionsFor),
+  // used when the recipe enables fine-tuning.
+  PerLinearQuantizer(LlamaConfig config, bool finetune, quant::FinetuneOptions options,
+                     std::shared_ptr<const LinearRounding> rounding);
+  StatusOr<quant::BlockTaskResult> QuantizeBlock(model::BlockWeights float_weights,
+                                                 const BlockInputs& inputs) const override;
+
+ private:
+  StatusOr<quant::BlockTaskResult> QuantizeWithFinetune(model::BlockWeights float_weights,
+                                                        const BlockInputs& inputs) const;
+  const LlamaConfig config_;
+  const bool finetune_;
+  const quant::FinetuneOptions options_;
+  const std::shared_ptr<const LinearRounding> rounding_;
+};
+
+// Rounding on a scalar grid (rtn, gptq): quant::QuantizeScalarLinear with `options` (GPTQ with
+// the float model's Hessian when options.gptq, else round-to-nearest); `method` names the
+// method in errors.
+std::shared_ptr<const LinearRounding> ScalarGridRounding(std::string method,
+                                                         quant::ScalarQuantizeOptions options);
+
+// A per-linear method: `rounding` and, for a method with a layer format of its own, `formats`
+// (null: "dense" and "scalar"); the tunable vectors of its layers tuned with
+// `tunable_lr_multiplier` × the stage's learning rate.
+StatusOr<std::unique_ptr<Method>> MakePerLinearMethod(
+    const Recipe& recipe, const LlamaConfig& config, std::shared_ptr<const LinearRounding> rounding,
+    std::shared_ptr<const LayerFormats> formats = nullptr, double tunable_lr_multiplier = 1.0);
+
+}  // namespace qcal::methods
