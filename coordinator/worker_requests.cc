@@ -1,0 +1,295 @@
+// JobManager's WorkerService calls (job_manager.h): register, next task, progress, results
+// (CompleteTask in three steps, file work outside the lock), failures, heartbeats.
+#include "coordinator/job_manager.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/log.h"
+#include "rpc/job_state.h"
+
+namespace qcal::coordinator {
+
+StatusOr<v1::RegisterWorkerResponse> JobManager::RegisterWorker(
+    const v1::RegisterWorkerRequest& request) {
+  Lock lock(mu_);
+  std::shared_ptr<JobRuntime> rt = FindLocked(request.job_id());
+  if (!rt) return absl::NotFoundError(absl::StrCat("unknown job '", request.job_id(), "'"));
+  if (IsFinalState(rt->job.state())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job ", request.job_id(), " is ", JobStateName(rt->job.state()), "; no workers needed"));
+  }
+  if (request.world_size() != rt->job.spec().workers()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "job ", request.job_id(), " runs ", rt->job.spec().workers(),
+        " rank(s) but this worker is in a world of ", request.world_size()));
+  }
+  QCAL_ASSIGN_OR_RETURN(WorkerInfo w, workers_.Register(request));
+  rt->job.set_workers_alive(workers_.AliveCount(w.job_id));
+  EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG,
+             absl::StrCat("rank ", w.rank, " registered: ", w.worker_id, ", pid ", w.pid, " on ",
+                          w.hostname, w.device.empty() ? "" : ", " + w.device));
+  v1::RegisterWorkerResponse response;
+  response.set_worker_id(w.worker_id);
+  response.set_heartbeat_interval_ms(options_.heartbeat_interval_ms);
+  *response.mutable_spec() = rt->job.spec();
+  response.set_inputs_key(rt->inputs_key);
+  return response;
+}
+
+StatusOr<v1::Task> JobManager::NextTask(const std::string& worker_id) {
+  Lock lock(mu_);
+  QCAL_ASSIGN_OR_RETURN(auto wj, WorkerAndJobLocked(worker_id));
+  auto& [w, rt] = wj;
+  if (IsFinalState(rt->job.state())) return ShutdownTask(*rt);
+  if (!rt->scheduler || rt->scheduler->done()) {
+    v1::Task t;  // still planning, or finalizing: the job is not over yet
+    t.set_kind(v1::TASK_KIND_WAIT);
+    t.set_job_id(rt->job.id());
+    t.set_retry_after_ms(options_.wait_ms);
+    return t;
+  }
+  const auto before = rt->scheduler->running();
+  v1::Task task = rt->scheduler->Next(w.worker_id, w.rank);
+  auto held = before.find(w.worker_id);
+  if (held != before.end()) {
+    EmitLocked(*rt, v1::JOB_EVENT_KIND_WARNING,
+               absl::StrCat("rank ", w.rank, " asked for a new task while holding ", held->second,
+                            "; that task returns to the queue"));
+  }
+  ApplySchedulerErrorLocked(*rt);
+  if (IsFinalState(rt->job.state())) return ShutdownTask(*rt);
+  if (task.kind() == v1::TASK_KIND_FINETUNE_E2E) {
+    for (const auto& [layer, result] : rt->finished) *task.add_finished_blocks() = result;
+  }
+  if (task.kind() == v1::TASK_KIND_QUANTIZE_BLOCK && task.attempt() > 1) {
+    EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG,
+               absl::StrCat("block ", task.block(), " attempt ", task.attempt(), " -> rank ",
+                            w.rank));
+  }
+  return task;
+}
+
+StatusOr<bool> JobManager::ReportProgress(const v1::ReportProgressRequest& request) {
+  Lock lock(mu_);
+  QCAL_ASSIGN_OR_RETURN(auto wj, WorkerAndJobLocked(request.worker_id()));
+  auto& [w, rt] = wj;
+  const bool stop = IsFinalState(rt->job.state()) && rt->job.state() != v1::JOB_STATE_SUCCEEDED;
+  if (IsFinalState(rt->job.state())) return stop;
+  v1::JobEvent& e = EmitLocked(
+      *rt, v1::JOB_EVENT_KIND_PROGRESS,
+      request.message().empty() ? absl::StrCat("rank ", w.rank, ": ", request.phase())
+                                : absl::StrCat("rank ", w.rank, ": ", request.message()));
+  if (!request.phase().empty()) e.set_phase(request.phase());
+  e.set_done(request.done());
+  e.set_total(request.total());
+  // ETA within a phase reported in steps (calibration): rate so far times what is left.
+  if (request.total() > 0 && request.done() > 0 && rt->job.phase() == kPhaseCalibrate) {
+    const double elapsed = clock_->MonotonicSeconds() - rt->phase_started_at;
+    e.set_eta_seconds(elapsed / request.done() * (request.total() - request.done()));
+  }
+  return stop;
+}
+
+namespace {
+
+// The work a task stands for, whatever its attempt: two attempts of one block share it.
+std::string WorkKey(const JobScheduler::TaskInfo& info) {
+  return absl::StrCat(static_cast<int>(info.kind), ":", info.index);
+}
+
+// A worker's result checked against its task's kind and index (no I/O); the staged files it
+// names, when it has any.
+Status CheckResultShape(const v1::CompleteTaskRequest& request, const JobScheduler::TaskInfo& info,
+                        std::vector<v1::WrittenFile>* files) {
+  switch (info.kind) {
+    case v1::TASK_KIND_CALIBRATE:
+      if (!request.has_calibrate()) return absl::InvalidArgumentError("no calibration result");
+      return absl::OkStatus();
+    case v1::TASK_KIND_QUANTIZE_BLOCK:
+      if (!request.has_block()) return absl::InvalidArgumentError("no block result");
+      if (request.block().layer() != info.index) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "the result is for block ", request.block().layer(), ", not ", info.index));
+      }
+      *files = FilesOf(request.block());
+      return absl::OkStatus();
+    case v1::TASK_KIND_FINETUNE_E2E:
+      if (!request.has_finetune()) return absl::InvalidArgumentError("no fine-tuning result");
+      files->assign(request.finetune().shards().begin(), request.finetune().shards().end());
+      return absl::OkStatus();
+    case v1::TASK_KIND_EVALUATE:
+      if (!request.has_eval()) return absl::InvalidArgumentError("no evaluation result");
+      return absl::OkStatus();
+    default:
+      return absl::InvalidArgumentError("unknown task kind");
+  }
+}
+
+}  // namespace
+
+Status JobManager::RejectResultLocked(JobRuntime& rt, const WorkerInfo& w,
+                                      const std::string& task_id, const Status& why) {
+  const std::string msg = absl::StrCat("invalid result for ", task_id, ": ", why.message());
+  StatusOr<std::vector<JobScheduler::Requeue>> requeues =
+      rt.scheduler->Fail(w.worker_id, w.rank, task_id, msg, /*retryable=*/true);
+  if (requeues.ok()) {
+    WarnRequeuesLocked(rt, *requeues, absl::StrCat("rank ", w.rank, " returned an ", msg));
+  }
+  ApplySchedulerErrorLocked(rt);
+  return absl::InvalidArgumentError(msg);
+}
+
+// In three steps, so that no file work happens under the manager's lock:
+//   1. (locked) the worker, the task and the result's shape; the one attempt that may commit
+//      this work is chosen (JobRuntime::committing);
+//   2. (unlocked; the job's files_mu) its staged files checked, renamed into the output and
+//      journaled (block_done / e2e_done), fsynced;
+//   3. (locked) the scheduler and the job's record updated.
+// A shard is in place and journaled before the scheduler counts it, so the driver, which
+// finalizes once the scheduler has every block, never sees a block it cannot read.
+Status JobManager::CompleteTask(const v1::CompleteTaskRequest& request) {
+  const std::string& task_id = request.task_id();
+  WorkerInfo w;
+  std::shared_ptr<JobRuntime> rt;
+  std::vector<v1::WrittenFile> files;
+  std::string work;
+  {
+    Lock lock(mu_);
+    QCAL_ASSIGN_OR_RETURN(auto wj, WorkerAndJobLocked(request.worker_id()));
+    w = wj.first;
+    rt = wj.second;
+    if (IsFinalState(rt->job.state()) || !rt->scheduler) return absl::OkStatus();  // nothing to record
+
+    const StatusOr<JobScheduler::TaskInfo> info = rt->scheduler->Lookup(task_id);
+    if (!info.ok()) return info.status();
+    // A superseded attempt whose work another attempt finished: its files are never committed.
+    if (info->done) {
+      QCAL_RETURN_IF_ERROR(rt->scheduler->Complete(w.worker_id, w.rank, task_id).status());
+      EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG,
+                 absl::StrCat("rank ", w.rank, " also completed ", task_id, " (ignored)"));
+      return absl::OkStatus();
+    }
+    // Check the typed result against the task before accepting it; a bad result counts as a
+    // failed attempt (the work returns to the queue).
+    const Status shape = CheckResultShape(request, *info, &files);
+    if (!shape.ok()) return RejectResultLocked(*rt, w, task_id, shape);
+    // A result without files (calibration, evaluation) is recorded at once.
+    if (files.empty()) return RecordCompletionLocked(rt.get(), w, request);
+    work = WorkKey(*info);
+    if (!rt->committing.insert(work).second) {
+      // Another attempt of the same work is committing its (identical) files; its completion
+      // retires this attempt too.
+      EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG,
+                 absl::StrCat("rank ", w.rank, " also completed ", task_id,
+                              " (ignored: another attempt is being committed)"));
+      return absl::OkStatus();
+    }
+  }
+
+  // Accept the attempt: its staged files become the output, then the journal records them.
+  Status valid, committed, appended;
+  {
+    std::lock_guard<std::mutex> file_lock(rt->files_mu);
+    valid = request.has_block() ? rt->workspace->CheckBlock(request.block())
+                                : rt->workspace->CheckFiles(files);
+    if (valid.ok()) committed = rt->workspace->Commit(files);
+    if (valid.ok() && committed.ok()) {
+      appended = rt->workspace->Append(request.has_block() ? BlockDoneEntry(request.block())
+                                                           : E2eDoneEntry(request.finetune()));
+    }
+  }
+  Lock lock(mu_);
+  if (!valid.ok()) {
+    rt->committing.erase(work);
+    if (IsFinalState(rt->job.state())) return absl::OkStatus();
+    return RejectResultLocked(*rt, w, task_id, valid);
+  }
+  if (!committed.ok()) {
+    FailLocked(*rt, absl::StrCat("committing ", task_id, ": ", committed.message()));
+    return committed;
+  }
+  if (!appended.ok()) {
+    FailLocked(*rt, absl::StrCat("journal: ", appended.message()));
+    return appended;
+  }
+  return RecordCompletionLocked(rt.get(), w, request);
+}
+
+Status JobManager::RecordCompletionLocked(JobRuntime* rt, const WorkerInfo& w,
+                                          const v1::CompleteTaskRequest& request) {
+  const std::string& task_id = request.task_id();
+  // The job may have ended while the files were committed: they and their journal entry are
+  // kept (a resume counts them); there is nothing more to record.
+  if (IsFinalState(rt->job.state())) return absl::OkStatus();
+  QCAL_ASSIGN_OR_RETURN(JobScheduler::Completion c,
+                        rt->scheduler->Complete(w.worker_id, w.rank, task_id));
+  if (c.kind == v1::TASK_KIND_CALIBRATE) {
+    EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG,
+               absl::StrCat("rank ", w.rank, " finished calibration (",
+                            rt->scheduler->calibrate_ranks_done(), " of ",
+                            rt->job.spec().workers(), ")"));
+  } else if (c.kind == v1::TASK_KIND_QUANTIZE_BLOCK) {
+    rt->finished[c.block] = request.block();
+    v1::BlockMetrics* b = rt->job.add_blocks();
+    b->set_block(c.block);
+    b->set_seconds(request.block().seconds());
+    *b->mutable_result() = request.block();
+    b->set_rank(w.rank);
+    rt->job.set_blocks_done(rt->job.blocks_done() + 1);
+    ++rt->blocks_done_this_run;
+    UpdateEtaLocked(*rt);
+    v1::JobEvent& e = EmitLocked(
+        *rt, v1::JOB_EVENT_KIND_BLOCK_DONE,
+        absl::StrFormat("block %d done by rank %d in %.2f s", c.block, w.rank, b->seconds()));
+    *e.mutable_block() = *b;
+    SaveLocked(*rt);
+  } else if (c.kind == v1::TASK_KIND_FINETUNE_E2E) {
+    EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG,
+               absl::StrCat("end-to-end fine-tuning done by rank ", w.rank));
+  } else if (c.kind == v1::TASK_KIND_EVALUATE) {
+    const v1::EvalResult& r = request.eval();
+    rt->eval_results[c.eval] = r;
+    rt->job.clear_evals();
+    for (const v1::EvalResult& done : rt->eval_results) {
+      if (done.has_params()) *rt->job.add_evals() = done;
+    }
+    EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG,
+               absl::StrFormat("perplexity of the %s model on %s: %.4f (%d tokens, rank %d)",
+                               r.params().model(), r.params().label(), r.perplexity(),
+                               r.scored(), w.rank));
+    SaveLocked(*rt);
+  }
+  if (c.phase_finished && !rt->scheduler->done() && !rt->scheduler->awaiting_finalize()) {
+    SetPhaseLocked(*rt, rt->scheduler->phase());
+  }
+  if (rt->scheduler->done() || rt->scheduler->awaiting_finalize()) {
+    rt->cv.notify_all();  // the driver finalizes / finishes
+  }
+  return absl::OkStatus();
+}
+
+Status JobManager::FailTask(const v1::FailTaskRequest& request) {
+  Lock lock(mu_);
+  QCAL_ASSIGN_OR_RETURN(auto wj, WorkerAndJobLocked(request.worker_id()));
+  auto& [w, rt] = wj;
+  if (IsFinalState(rt->job.state()) || !rt->scheduler) return absl::OkStatus();
+  QCAL_LOG_WARN("job {}: rank {} failed task {}: {}", rt->job.id(), w.rank, request.task_id(),
+                request.error());
+  QCAL_ASSIGN_OR_RETURN(std::vector<JobScheduler::Requeue> requeues,
+                        rt->scheduler->Fail(w.worker_id, w.rank, request.task_id(),
+                                            request.error(), request.retryable()));
+  WarnRequeuesLocked(*rt, requeues,
+                     absl::StrCat("rank ", w.rank, " failed ", request.task_id(), " (",
+                                  request.error(), ")"));
+  ApplySchedulerErrorLocked(*rt);
+  return absl::OkStatus();
+}
+
+StatusOr<bool> JobManager::Heartbeat(const std::string& worker_id) {
+  Lock lock(mu_);
+  QCAL_ASSIGN_OR_RETURN(auto wj, WorkerAndJobLocked(worker_id));
+  const v1::JobState state = wj.second->job.state();
+  return IsFinalState(state) && state != v1::JOB_STATE_SUCCEEDED;
+}
+
+}  // namespace qcal::coordinator
