@@ -273,6 +273,11 @@ void JobWatcher::Show(const v1::JobEvent& e) {
       }
       break;
     case v1::JOB_EVENT_KIND_PROGRESS:
+      if (e.phase() == "block") {
+        // Inside a running block (its quantizer's steps): a note on the quantize bar.
+        if (bar_) bar_->Note(absl::StrCat(e.message(), " (", e.done(), "/", e.total(), ")"));
+        break;
+      }
       if (e.total() > 0) {
         if (!bar_ || bar_phase_ != e.phase()) {
           if (bar_) bar_->Finish();

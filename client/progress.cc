@@ -37,33 +37,52 @@ ProgressBar::~ProgressBar() { Finish(); }
 void ProgressBar::Update(int64_t done) {
   if (finished_) return;
   const auto now = std::chrono::steady_clock::now();
-  const double frac = total_ > 0 ? static_cast<double>(done) / total_ : 1.0;
-  const double elapsed = std::chrono::duration<double>(now - start_).count();
-  const double eta = frac > 0 ? elapsed * (1 - frac) / frac : 0;
+  if (done != done_) note_.clear();  // the note was about the step before
+  done_ = done;
   if (!tty_) {
     if (!lines_) return;
     // A log or a batch job's output: a plain line when a phase is done, and at most every
     // kLineEvery while it runs, so a long phase is never silent.
     const bool complete = total_ > 0 && done >= total_;
     if (done == last_done_ || (!complete && now - last_draw_ < kLineEvery)) return;
-    last_draw_ = now;
-    last_done_ = done;
-    std::fprintf(stderr, "%s %lld/%lld, %s elapsed%s\n", label_.c_str(),
-                 static_cast<long long>(done), static_cast<long long>(total_),
+  } else if (done < total_ && now - last_draw_ < std::chrono::milliseconds(100)) {
+    return;
+  }
+  Draw(done, now);
+}
+
+void ProgressBar::Note(const std::string& note) {
+  if (finished_) return;
+  note_ = note;
+  const auto now = std::chrono::steady_clock::now();
+  const auto every = tty_ ? std::chrono::milliseconds(100) : kLineEvery;
+  if (now - last_draw_ < every) return;
+  Draw(done_, now);
+}
+
+void ProgressBar::Draw(int64_t done, std::chrono::steady_clock::time_point now) {
+  const double frac = total_ > 0 ? static_cast<double>(done) / total_ : 1.0;
+  const double elapsed = std::chrono::duration<double>(now - start_).count();
+  const double eta = frac > 0 ? elapsed * (1 - frac) / frac : 0;
+  const bool complete = total_ > 0 && done >= total_;
+  last_draw_ = now;
+  last_done_ = done;
+  const std::string note = note_.empty() ? "" : ", " + note_;
+  if (!tty_) {
+    std::fprintf(stderr, "%s %lld/%lld%s, %s elapsed%s\n", label_.c_str(),
+                 static_cast<long long>(done), static_cast<long long>(total_), note.c_str(),
                  Duration(elapsed).c_str(),
                  complete || frac <= 0 ? "" : (", ETA " + Duration(eta)).c_str());
     std::fflush(stderr);
     return;
   }
-  if (done < total_ && now - last_draw_ < std::chrono::milliseconds(100)) return;
-  last_draw_ = now;
   constexpr int kWidth = 30;
   const int filled = static_cast<int>(frac * kWidth);
   std::string bar(filled, '#');
   bar.resize(kWidth, '.');
-  std::fprintf(stderr, "\r%s [%s] %lld/%lld  %.0fs elapsed, ETA %.0fs ", label_.c_str(),
+  std::fprintf(stderr, "\r\033[K%s [%s] %lld/%lld  %.0fs elapsed, ETA %.0fs%s ", label_.c_str(),
                bar.c_str(), static_cast<long long>(done), static_cast<long long>(total_), elapsed,
-               eta);
+               eta, note.c_str());
   std::fflush(stderr);
 }
 

@@ -21,15 +21,23 @@ class ProgressBar {
     total_ = total;
     Update(done);
   }
+  // What the running step is doing ("block 3: mlp.down_proj (7/7)"): shown after the count on a
+  // terminal; off a terminal a line at most every kLineEvery (whatever `lines`), so a step that
+  // takes minutes is never silent.
+  void Note(const std::string& note);
   void Finish();
 
  private:
+  void Draw(int64_t done, std::chrono::steady_clock::time_point now);
+
   std::string label_;
   int64_t total_;
   static constexpr std::chrono::seconds kLineEvery{10};
   bool tty_, lines_;
   bool finished_ = false;
   int64_t last_done_ = -1;
+  int64_t done_ = 0;
+  std::string note_;
   std::chrono::steady_clock::time_point start_;
   std::chrono::steady_clock::time_point last_draw_;
 };

@@ -82,6 +82,10 @@ int RunQuantize(const QuantizeOptions& o_in) {
   std::unique_ptr<ProgressBar> bar;
   std::string phase;
   auto result = job::RunQuantizeJob(*recipe, o.job, [&](const job::JobEvent& e) {
+    if (e.phase == "block") {  // inside the running block: a note on the quantize bar
+      if (bar) bar->Note(absl::StrCat(e.message, " (", e.done, "/", e.total, ")"));
+      return;
+    }
     if (e.phase != phase) {
       if (bar) bar->Finish();
       phase = e.phase;

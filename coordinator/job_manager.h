@@ -45,13 +45,20 @@
 #include "coordinator/clock.h"
 #include "coordinator/job_store.h"
 #include "coordinator/launcher.h"
-#include "coordinator/scheduler.h"
 #include "coordinator/worker_pool.h"
-#include "coordinator/workspace.h"
 #include "proto/qcal.pb.h"
 #include "rpc/job_state.h"
+#include "runner/scheduler.h"
+#include "runner/workspace.h"
 
 namespace qcal::coordinator {
+
+// The job runner's torch-free parts (runner/): the task scheduler and the job directory.
+using job::JobScheduler;
+using job::JobWorkspace;
+using job::MakeDiskWorkspace;
+using job::WorkspaceFactory;
+using job::JobDirOf;
 
 struct ManagerOptions {
   std::string auth_token_file;        // handed to the workers (--auth-token-file)

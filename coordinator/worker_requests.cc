@@ -6,6 +6,7 @@
 #include "absl/strings/str_format.h"
 #include "common/log.h"
 #include "rpc/job_state.h"
+#include "runner/task_results.h"
 
 namespace qcal::coordinator {
 
@@ -90,43 +91,6 @@ StatusOr<bool> JobManager::ReportProgress(const v1::ReportProgressRequest& reque
   return stop;
 }
 
-namespace {
-
-// The work a task stands for, whatever its attempt: two attempts of one block share it.
-std::string WorkKey(const JobScheduler::TaskInfo& info) {
-  return absl::StrCat(static_cast<int>(info.kind), ":", info.index);
-}
-
-// A worker's result checked against its task's kind and index (no I/O); the staged files it
-// names, when it has any.
-Status CheckResultShape(const v1::CompleteTaskRequest& request, const JobScheduler::TaskInfo& info,
-                        std::vector<v1::WrittenFile>* files) {
-  switch (info.kind) {
-    case v1::TASK_KIND_CALIBRATE:
-      if (!request.has_calibrate()) return absl::InvalidArgumentError("no calibration result");
-      return absl::OkStatus();
-    case v1::TASK_KIND_QUANTIZE_BLOCK:
-      if (!request.has_block()) return absl::InvalidArgumentError("no block result");
-      if (request.block().layer() != info.index) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "the result is for block ", request.block().layer(), ", not ", info.index));
-      }
-      *files = FilesOf(request.block());
-      return absl::OkStatus();
-    case v1::TASK_KIND_FINETUNE_E2E:
-      if (!request.has_finetune()) return absl::InvalidArgumentError("no fine-tuning result");
-      files->assign(request.finetune().shards().begin(), request.finetune().shards().end());
-      return absl::OkStatus();
-    case v1::TASK_KIND_EVALUATE:
-      if (!request.has_eval()) return absl::InvalidArgumentError("no evaluation result");
-      return absl::OkStatus();
-    default:
-      return absl::InvalidArgumentError("unknown task kind");
-  }
-}
-
-}  // namespace
-
 Status JobManager::RejectResultLocked(JobRuntime& rt, const WorkerInfo& w,
                                       const std::string& task_id, const Status& why) {
   const std::string msg = absl::StrCat("invalid result for ", task_id, ": ", why.message());
@@ -171,11 +135,12 @@ Status JobManager::CompleteTask(const v1::CompleteTaskRequest& request) {
     }
     // Check the typed result against the task before accepting it; a bad result counts as a
     // failed attempt (the work returns to the queue).
-    const Status shape = CheckResultShape(request, *info, &files);
-    if (!shape.ok()) return RejectResultLocked(*rt, w, task_id, shape);
+    StatusOr<std::vector<v1::WrittenFile>> named = job::ResultFiles(request, *info);
+    if (!named.ok()) return RejectResultLocked(*rt, w, task_id, named.status());
+    files = std::move(*named);
     // A result without files (calibration, evaluation) is recorded at once.
     if (files.empty()) return RecordCompletionLocked(rt.get(), w, request);
-    work = WorkKey(*info);
+    work = job::WorkKey(*info);
     if (!rt->committing.insert(work).second) {
       // Another attempt of the same work is committing its (identical) files; its completion
       // retires this attempt too.
@@ -187,30 +152,20 @@ Status JobManager::CompleteTask(const v1::CompleteTaskRequest& request) {
   }
 
   // Accept the attempt: its staged files become the output, then the journal records them.
-  Status valid, committed, appended;
+  job::Acceptance accepted;
   {
     std::lock_guard<std::mutex> file_lock(rt->files_mu);
-    valid = request.has_block() ? rt->workspace->CheckBlock(request.block())
-                                : rt->workspace->CheckFiles(files);
-    if (valid.ok()) committed = rt->workspace->Commit(files);
-    if (valid.ok() && committed.ok()) {
-      appended = rt->workspace->Append(request.has_block() ? BlockDoneEntry(request.block())
-                                                           : E2eDoneEntry(request.finetune()));
-    }
+    accepted = job::AcceptResultFiles(*rt->workspace, request, files);
   }
   Lock lock(mu_);
-  if (!valid.ok()) {
+  if (!accepted.check.ok()) {
     rt->committing.erase(work);
     if (IsFinalState(rt->job.state())) return absl::OkStatus();
-    return RejectResultLocked(*rt, w, task_id, valid);
+    return RejectResultLocked(*rt, w, task_id, accepted.check);
   }
-  if (!committed.ok()) {
-    FailLocked(*rt, absl::StrCat("committing ", task_id, ": ", committed.message()));
-    return committed;
-  }
-  if (!appended.ok()) {
-    FailLocked(*rt, absl::StrCat("journal: ", appended.message()));
-    return appended;
+  if (!accepted.commit.ok()) {
+    FailLocked(*rt, absl::StrCat("committing ", task_id, ": ", accepted.commit.message()));
+    return accepted.commit;
   }
   return RecordCompletionLocked(rt.get(), w, request);
 }

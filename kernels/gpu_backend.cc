@@ -53,10 +53,7 @@ StatusOr<VectorRoundingResult> RunBlockLdlq(GpuBackend* gpu, const double* w, in
   if (gpu == nullptr || codebook.name() != "e8p") {
     return BlockLdlqConsumingHessian(w, rows, cols, std::move(h), codebook, config);
   }
-  if (static_cast<int64_t>(h.size()) != cols * cols) {
-    return absl::InvalidArgumentError(absl::StrCat("block ldlq: the Hessian holds ", h.size(),
-                                                   " values, not cols*cols = ", cols * cols));
-  }
+  QCAL_RETURN_IF_ERROR(CheckHessianValues(h.size(), cols, "block ldlq"));
   VectorRoundingConfig device_config = config;
   device_config.refine_sweeps = 0;
   auto t = std::chrono::steady_clock::now();
@@ -67,13 +64,7 @@ StatusOr<VectorRoundingResult> RunBlockLdlq(GpuBackend* gpu, const double* w, in
   if (config.refine_sweeps <= 0) return res;
   // The sweeps see W with its dead input columns zeroed, as the pass treated them.
   std::vector<double> live;
-  const double* W = w;
-  for (int64_t j = 0; j < cols; ++j) {
-    if (h[j * cols + j] != 0.0) continue;
-    if (live.empty()) live.assign(w, w + rows * cols);
-    for (int64_t r = 0; r < rows; ++r) live[r * cols + j] = 0.0;
-    W = live.data();
-  }
+  const double* W = ZeroDeadColumns(w, rows, cols, h.data(), &live);
   t = std::chrono::steady_clock::now();
   QCAL_RETURN_IF_ERROR(RefineAfterBlockLdlq(W, h.data(), codebook, config, &res));
   res.times.refine = std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();

@@ -797,15 +797,30 @@ StatusOr<VectorRoundingResult> BlockLdlq(const double* w, int64_t m, int64_t n, 
   return res;
 }
 
+Status CheckHessianValues(size_t values, int64_t cols, const char* what) {
+  if (static_cast<int64_t>(values) == cols * cols) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(what, ": the Hessian holds ", values,
+                                                 " values, not cols*cols = ", cols * cols));
+}
+
+const double* ZeroDeadColumns(const double* w, int64_t rows, int64_t cols, const double* h,
+                              std::vector<double>* copy) {
+  const double* out = w;
+  for (int64_t j = 0; j < cols; ++j) {
+    if (h[j * cols + j] != 0.0) continue;
+    if (out == w) copy->assign(w, w + rows * cols);
+    for (int64_t r = 0; r < rows; ++r) (*copy)[r * cols + j] = 0.0;
+    out = copy->data();
+  }
+  return out;
+}
+
 StatusOr<VectorRoundingResult> BlockLdlqConsumingHessian(const double* w, int64_t m, int64_t n,
                                                          std::vector<double> h,
                                                          const VectorCodebook& cb,
                                                          const VectorRoundingConfig& config) {
   const char* what = "block ldlq";
-  if (static_cast<int64_t>(h.size()) != n * n) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": the Hessian holds ", h.size(),
-                                                   " values, not cols*cols = ", n * n));
-  }
+  QCAL_RETURN_IF_ERROR(CheckHessianValues(h.size(), n, what));
   QCAL_RETURN_IF_ERROR(ValidateBlockLdlq(w, m, n, h.data(), cb, config, what));
   QCAL_ASSIGN_OR_RETURN(const double scale, ResolveScale(w, m * n, cb, config.scale, what));
   // Prepare() without act order, in place: dead inputs (zero diagonal) get diagonal 1 and zero
@@ -815,13 +830,9 @@ StatusOr<VectorRoundingResult> BlockLdlqConsumingHessian(const double* w, int64_
   std::vector<double> h_undamped;
   if (config.refine_sweeps > 0) h_undamped = h;
   std::vector<double> w_dead;
-  const double* W = w;
+  const double* W = ZeroDeadColumns(w, m, n, h.data(), &w_dead);
   for (int64_t j = 0; j < n; ++j) {
-    if (h[j * n + j] != 0.0) continue;
-    if (w_dead.empty()) w_dead.assign(w, w + m * n);
-    for (int64_t r = 0; r < m; ++r) w_dead[r * n + j] = 0.0;
-    h[j * n + j] = 1.0;
-    W = w_dead.data();
+    if (h[j * n + j] == 0.0) h[j * n + j] = 1.0;
   }
   auto added = DampHessian(h.data(), n, config.damp);
   if (!added.ok()) return Annotate(added.status(), what);

@@ -203,6 +203,14 @@ StatusOr<VectorRoundingResult> BlockLdlqConsumingHessian(const double* w, int64_
                                                          const VectorCodebook& codebook,
                                                          const VectorRoundingConfig& config);
 
+// InvalidArgument ("<what>: the Hessian holds ...") unless `values` is cols*cols.
+Status CheckHessianValues(size_t values, int64_t cols, const char* what);
+
+// W [rows, cols] as a BlockLDLQ pass treats it: its dead input columns (zero diagonal of the
+// Hessian h) zeroed. Returns `w` itself when no column is dead, else *copy, filled.
+const double* ZeroDeadColumns(const double* w, int64_t rows, int64_t cols, const double* h,
+                              std::vector<double>* copy);
+
 // The refinement sweeps that follow a BlockLDLQ pass, wherever the pass ran (the CPU's
 // BlockLdlqConsumingHessian and a device pass alike): config.refine_sweeps of RefineRounding on
 // `res`. w [rows, cols]: the matrix the pass rounded, its dead input columns (zero diagonal of h)

@@ -94,10 +94,19 @@ StatusOr<model::BlockWeights> StandardBlockFormat::LoadBlock(CheckpointReader& c
 
 // ---------------------------------------------------------------------------------------------
 
-std::string QuantizedLayerFormat(const Recipe& recipe) {
+namespace {
+
+// The recipe's method fields of quantization_config.
+nlohmann::json QuantizationFieldsOf(const Recipe& recipe) {
   nlohmann::json q = nlohmann::json::object();
   if (recipe.config) recipe.config->AddToQuantizationConfig(&q);
-  return q.value("format", "");
+  return q;
+}
+
+}  // namespace
+
+std::string QuantizedLayerFormat(const Recipe& recipe) {
+  return QuantizationFieldsOf(recipe).value("format", "");
 }
 
 Method::Method(Recipe recipe, LlamaConfig config, Parts parts)
@@ -129,11 +138,7 @@ StatusOr<std::unique_ptr<Method>> Method::Create(Recipe recipe, LlamaConfig conf
       new Method(std::move(recipe), std::move(config), std::move(parts)));
 }
 
-nlohmann::json Method::QuantizationFields() const {
-  nlohmann::json q = nlohmann::json::object();
-  if (recipe_.config) recipe_.config->AddToQuantizationConfig(&q);
-  return q;
-}
+nlohmann::json Method::QuantizationFields() const { return QuantizationFieldsOf(recipe_); }
 
 StatusOr<const GlobalPhase*> Method::phase(const std::string& name) const {
   auto it = parts_.phases.find(name);

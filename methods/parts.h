@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -84,6 +85,11 @@ class GlobalPhase {
 // What a block task hands BlockQuantizer::QuantizeBlock besides the float block: exactly what
 // the method's MethodNeeds ask for (CheckBlockInputs, which the runner calls, holds that; a
 // part does not check again). Pointers are owned by the caller and valid during the call.
+// Progress inside a block task: `done` of `total` steps of the quantizer finished, the last one
+// named by `step` ("self_attn.q_proj", "fine-tune after (gate, up)"). Called on the task's thread.
+using BlockProgressFn =
+    std::function<void(int64_t done, int64_t total, const std::string& step)>;
+
 struct BlockInputs {
   int64_t layer = 0;
   const model::Rope* rope = nullptr;  // always set
@@ -105,7 +111,16 @@ struct BlockInputs {
   // blocks before it, as SequentialForward::PropagateFloatBlock runs them); with `propagate`
   // replaced by the float block's outputs.
   at::Tensor* x_float = nullptr;
+  // Optional: where the quantizer is inside the block (the job's progress shows it, so a block
+  // that takes minutes is not silent). Quantizers call it through ReportBlockStep.
+  BlockProgressFn progress;
 };
+
+// inputs.progress(done, total, step) when set.
+inline void ReportBlockStep(const BlockInputs& inputs, int64_t done, int64_t total,
+                            const std::string& step) {
+  if (inputs.progress) inputs.progress(done, total, step);
+}
 
 // OK when `inputs` holds what `needs` asks for; InvalidArgument naming the block and what is
 // missing otherwise.

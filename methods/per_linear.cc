@@ -57,6 +57,8 @@ StatusOr<quant::BlockTaskResult> PerLinearQuantizer::QuantizeBlock(
   result.weights.input_norm = float_weights.input_norm.clone();
   result.weights.post_norm = float_weights.post_norm.clone();
   calib::HessianMeans means(in.hessians);  // consumes the accumulators kind by kind
+  const int64_t steps = static_cast<int64_t>(std::size(model::kAllLinears));
+  int64_t done = 0;
   for (model::LinearKind kind : model::kAllLinears) {
     const at::Tensor h = means.For(kind);
     QCAL_ASSIGN_OR_RETURN(quant::QuantizedLinear q,
@@ -67,6 +69,7 @@ StatusOr<quant::BlockTaskResult> PerLinearQuantizer::QuantizeBlock(
     // The float linear is done with: at a 70B shape the others' fp32 weights (2.5 GB) would
     // otherwise sit beside down_proj's Hessian and GPTQ's work matrices.
     float_weights.linears[static_cast<int>(kind)].reset();
+    ReportBlockStep(in, ++done, steps, model::LinearName(kind));
   }
   result.seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -84,11 +87,17 @@ StatusOr<quant::BlockTaskResult> PerLinearQuantizer::QuantizeWithFinetune(
                         quant::BlockTuner::Start(options_, config_, layer, float_weights,
                                                  *in.rope, *in.ft_inputs, *in.ft_targets));
   const auto& groups = quant::BlockTuner::Groups();
+  // Steps: each linear rounded, the no-FT baseline, each group's tuning.
+  const int64_t steps = static_cast<int64_t>(std::size(model::kAllLinears) + 1 + groups.size());
+  int64_t done = 0;
   for (size_t g = 0; g < groups.size(); ++g) {
+    std::string group;
     for (model::LinearKind k : groups[g]) {
       QCAL_ASSIGN_OR_RETURN(quant::QuantizedLinear q,
                             rounding_->Round(layer, k, tuner->Weight(k), hessian_of(k), in.gpu));
       tuner->Install(k, std::move(q));
+      ReportBlockStep(in, ++done, steps, model::LinearName(k));
+      group += group.empty() ? model::LinearName(k) : std::string(", ") + model::LinearName(k);
     }
     if (g == 0) {
       // The no-FT baseline: every other linear rounded from the float weights.
@@ -102,8 +111,10 @@ StatusOr<quant::BlockTaskResult> PerLinearQuantizer::QuantizeWithFinetune(
         others[static_cast<int>(k)] = std::move(q.layer);
       }
       QCAL_RETURN_IF_ERROR(tuner->MeasureBaseline(std::move(others)));
+      ReportBlockStep(in, ++done, steps, "the baseline without fine-tuning");
     }
     QCAL_RETURN_IF_ERROR(tuner->TuneGroup(g));
+    ReportBlockStep(in, ++done, steps, "fine-tuning after " + group);
   }
   return tuner->Finish();
 }

@@ -535,7 +535,8 @@ std::string SequentialFloatInputsPath(const std::string& job_dir, int64_t layer)
 }
 
 StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
-                                            const std::string& attempt) {
+                                            const std::string& attempt,
+                                            const JobEventFn& on_event) {
   const auto t0 = Clock::now();
   const LlamaConfig& config = ctx->config;
   const int64_t blocks = config.num_hidden_layers;
@@ -579,6 +580,11 @@ StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
   in.rope = &ctx->source->rope();
   in.batch = ctx->options.calib_batch;
   in.gpu = ctx->gpu;
+  if (on_event) {
+    in.progress = [&on_event, layer](int64_t done, int64_t total, const std::string& step) {
+      Emit(on_event, "block", done, total, absl::StrCat("block ", layer, ": ", step));
+    };
+  }
   calib::BlockHessians hessians;
   if (needs.float_hessians) {
     // Mapped: each kind's mean is made from the file when its first linear asks for it.

@@ -60,7 +60,7 @@ struct QuantizeJobOptions {
 };
 
 struct JobEvent {
-  std::string phase;  // "calibrate", "activations", "quantize", "finetune", "finalize", "eval"
+  std::string phase;  // "calibrate", "activations", "quantize", "block", "finetune", ...
   int64_t done = 0, total = 0;
   std::string message;
 };
@@ -117,9 +117,12 @@ StatusOr<v1::CalibrateResult> CalibrateStep(comm::Comm& comm, JobContext* ctx,
 // calibration tokens, prepared by the method), writes block l+1's and deletes block l-1's, so
 // block l-1 must be done first (the scheduler hands these blocks out in order); lost inputs are
 // rebuilt from the committed shards of the blocks before. A method that transforms the non-block
-// weights has block 0 write shard 0 too (BlockResult.also_wrote).
+// weights has block 0 write shard 0 too (BlockResult.also_wrote). Events: "block" (step, steps)
+// with "block <l>: <step>" as the method's quantizer finishes each step (a linear, a fine-tuning
+// group; methods::BlockInputs::progress).
 StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
-                                            const std::string& attempt);
+                                            const std::string& attempt,
+                                            const JobEventFn& on_event = nullptr);
 
 // job_dir/phases/<phase>.safetensors: a global phase's products, every tensor F64 (exact for
 // float32 values and whole numbers below 2^53), metadata calibration_key and phase, with the

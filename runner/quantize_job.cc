@@ -14,6 +14,10 @@
 #include "common/phase_trace.h"
 #include "common/task_plan.h"
 #include "engine/comm/comm.h"
+#include "runner/scheduler.h"
+#include "runner/task_executor.h"
+#include "runner/task_results.h"
+#include "runner/workspace.h"
 
 namespace qcal::job {
 namespace {
@@ -39,10 +43,18 @@ std::vector<quant::LinearMetrics> MetricsOf(const v1::BlockResult& r) {
   return out;
 }
 
-// The job, once its inputs are checked and its job and output directories are locked.
-StatusOr<QuantizeJobResult> RunLockedJob(const Recipe& recipe, const QuantizeJobOptions& opt,
-                                         JobPlan plan, const JobEventFn& on_event,
-                                         PhaseTrace* trace) {
+// The in-process executor's one worker (a world of one rank).
+constexpr char kWorkerId[] = "in-process";
+
+// The job once its inputs are checked and `workspace` is open (directories locked, plan made,
+// journal open): the same task plan the coordinator schedules for its workers
+// (runner/scheduler.h), executed here one task at a time by the workers' executor
+// (runner/task_executor.h) and accepted as the coordinator accepts a worker's result
+// (runner/task_results.h: staged files checked, committed, journaled).
+StatusOr<QuantizeJobResult> RunPlannedJob(const Recipe& recipe, const QuantizeJobOptions& opt,
+                                          const v1::JobSpec& spec, JobPlan plan,
+                                          JobWorkspace& workspace, const JobEventFn& on_event,
+                                          PhaseTrace* trace) {
   const auto t0 = Clock::now();
   trace->Begin("open");
   auto emit = [&](const std::string& phase, int64_t done, int64_t total, std::string msg = "") {
@@ -52,84 +64,115 @@ StatusOr<QuantizeJobResult> RunLockedJob(const Recipe& recipe, const QuantizeJob
   with_key.inputs_key = plan.inputs.key;  // the steps key their caches by it
   QCAL_ASSIGN_OR_RETURN(std::unique_ptr<JobContext> ctx, OpenJob(recipe, with_key));
   const int64_t blocks = plan.num_blocks;
-  QCAL_ASSIGN_OR_RETURN(Journal journal, Journal::Open(opt.job_dir + "/journal.jsonl"));
-  QCAL_RETURN_IF_ERROR(journal.Append(JobStartEntry(recipe, plan, opt.model_dir, opt.out_dir)));
   QuantizeJobResult result;
   result.out_dir = opt.out_dir;
   std::map<int64_t, nlohmann::json>& done = plan.block_done;  // finished layers' entries
-  // The tasks the coordinator would hand its workers for this plan, run here in order.
+  std::map<int64_t, v1::BlockResult> finished;                // what end-to-end tuning reads
+  std::map<int64_t, std::vector<v1::PhaseTiming>> block_phases;
+  for (const auto& [layer, entry] : done) finished[layer] = BlockResultFromEntry(entry);
+
   const TaskPlan tasks = MakeTaskPlan(recipe, plan);
-
-  // ---- Calibrate (a world of one: the same code the service runs on every rank).
-  if (tasks.calibrate) {
-    trace->Begin("calibrate");
-    const v1::CalibrateParams& params = tasks.calibrate_params;
-    auto self = comm::MakeSelfComm();
-    QCAL_ASSIGN_OR_RETURN(v1::CalibrateResult calib,
-                          CalibrateStep(*self, ctx.get(), params, on_event));
-    result.calib_tokens = calib.tokens();
-    result.calib_seconds = calib.seconds();
-    result.hessians_from_cache = params.hessians() && calib.hessians_from_cache();
-    result.activations_from_cache = params.activations() && calib.activations_from_cache();
-    result.calibrate_phases.assign(calib.phases().begin(), calib.phases().end());
+  JobScheduler scheduler(kWorkerId, /*world_size=*/1, tasks, /*max_attempts=*/1, /*wait_ms=*/0);
+  auto self = comm::MakeSelfComm();
+  std::string traced = "open";
+  while (!scheduler.done()) {
+    if (scheduler.awaiting_finalize()) {
+      // Shard 0 (unless end-to-end fine-tuning or the method wrote it), index, config.json,
+      // tokenizer files, job_done.
+      trace->Begin("finalize");
+      emit("finalize", 0, 1);
+      QCAL_RETURN_IF_ERROR(workspace.Finalize(recipe, spec).status());
+      emit("finalize", 1, 1);
+      scheduler.FinalizeDone();
+      continue;
+    }
+    const std::string phase = scheduler.phase();
+    v1::Task task = scheduler.Next(kWorkerId, 0);
+    if (!scheduler.error().empty()) return absl::InternalError(scheduler.error());
+    if (task.kind() == v1::TASK_KIND_WAIT || task.kind() == v1::TASK_KIND_SHUTDOWN) {
+      return absl::InternalError(absl::StrCat("the job's one rank was given no task in phase ",
+                                              phase));
+    }
+    if (traced != phase) {
+      trace->Begin(traced = phase);
+      if (phase == kPhaseQuantize) {
+        emit("quantize", static_cast<int64_t>(finished.size()), blocks);  // the resumed ones
+      }
+    }
+    if (task.kind() == v1::TASK_KIND_FINETUNE_E2E) {
+      for (const auto& [layer, block] : finished) *task.add_finished_blocks() = block;
+    }
+    QCAL_ASSIGN_OR_RETURN(v1::CompleteTaskRequest outcome,
+                          ExecuteTask(*self, ctx.get(), task, on_event));
+    QCAL_ASSIGN_OR_RETURN(JobScheduler::TaskInfo info, scheduler.Lookup(task.task_id()));
+    QCAL_ASSIGN_OR_RETURN(std::vector<v1::WrittenFile> files, ResultFiles(outcome, info));
+    if (!files.empty()) {
+      const Acceptance accepted = AcceptResultFiles(workspace, outcome, files);
+      QCAL_RETURN_IF_ERROR(accepted.check);
+      QCAL_RETURN_IF_ERROR(accepted.commit);
+    }
+    QCAL_RETURN_IF_ERROR(scheduler.Complete(kWorkerId, 0, task.task_id()).status());
+    switch (task.kind()) {
+      case v1::TASK_KIND_CALIBRATE: {
+        const v1::CalibrateParams& params = task.calibrate();
+        const v1::CalibrateResult& calib = outcome.calibrate();
+        result.calib_tokens = calib.tokens();
+        result.calib_seconds = calib.seconds();
+        result.hessians_from_cache = params.hessians() && calib.hessians_from_cache();
+        result.activations_from_cache = params.activations() && calib.activations_from_cache();
+        result.calibrate_phases.assign(calib.phases().begin(), calib.phases().end());
+        break;
+      }
+      case v1::TASK_KIND_QUANTIZE_BLOCK: {
+        const int64_t l = task.block();
+        block_phases[l].assign(outcome.block().phases().begin(), outcome.block().phases().end());
+        done[l] = BlockDoneEntry(outcome.block());
+        finished[l] = BlockResultFromEntry(done[l]);
+        emit("quantize", static_cast<int64_t>(finished.size()), blocks, absl::StrCat("block ", l));
+        break;
+      }
+      case v1::TASK_KIND_FINETUNE_E2E: {
+        const v1::FinetuneResult& e2e = outcome.finetune();
+        result.e2e_kl_before = e2e.kl_before();
+        result.e2e_kl_after = e2e.kl_after();
+        result.finetune_phases.assign(e2e.phases().begin(), e2e.phases().end());
+        break;
+      }
+      default:
+        break;
+    }
   }
+  trace->End();
 
-  // ---- Quantize, block by block; each finished block is committed, then journaled.
-  if (!tasks.blocks.empty()) trace->Begin("quantize");
   for (int64_t l = 0; l < blocks; ++l) {
     BlockSummary summary;
     summary.layer = l;
-    if (std::find(tasks.blocks.begin(), tasks.blocks.end(), l) == tasks.blocks.end()) {
+    auto ran = block_phases.find(l);
+    if (ran == block_phases.end()) {
       summary.resumed = true;
       ++result.blocks_resumed;
     } else {
-      QCAL_ASSIGN_OR_RETURN(v1::BlockResult block,
-                            QuantizeBlockStep(ctx.get(), l, absl::StrCat("block-", l)));
-      summary.phases.assign(block.phases().begin(), block.phases().end());
-      QCAL_RETURN_IF_ERROR(CommitFiles(opt.out_dir, FilesOf(block)));
-      nlohmann::json entry = BlockDoneEntry(block);
-      QCAL_RETURN_IF_ERROR(journal.Append(entry));
-      done[l] = std::move(entry);
+      summary.phases = ran->second;
     }
-    const v1::BlockResult block = BlockResultFromEntry(done[l]);
+    auto it = finished.find(l);
+    if (it == finished.end()) {
+      return absl::InternalError(absl::StrCat("block ", l, " was neither resumed nor quantized"));
+    }
+    const v1::BlockResult& block = it->second;
     summary.linears = MetricsOf(block);
     summary.seconds = block.seconds();
     summary.mse_before_ft = block.mse_before_ft();
     summary.mse_after_ft = block.mse_after_ft();
     result.blocks.push_back(std::move(summary));
-    emit("quantize", l + 1, blocks, absl::StrCat("block ", l));
   }
   const BitsPerWeight bits = AggregateBits(plan.config, done);
   result.code_bits = bits.code_bits;
   result.stored_bits = bits.stored_bits;
-
-  // ---- End-to-end fine-tuning: tune the quantized model (read back from its shards, so a
-  // resumed job tunes exactly what an uninterrupted one would) against the float model.
-  if (tasks.finetune_e2e) {
-    trace->Begin("finetune");
-    std::vector<v1::BlockResult> finished;
-    for (const auto& [layer, entry] : done) finished.push_back(BlockResultFromEntry(entry));
-    QCAL_ASSIGN_OR_RETURN(v1::FinetuneResult e2e,
-                          FinetuneE2EStep(ctx.get(), finished, "e2e", on_event));
-    QCAL_RETURN_IF_ERROR(CommitFiles(
-        opt.out_dir, std::vector<v1::WrittenFile>(e2e.shards().begin(), e2e.shards().end())));
-    QCAL_RETURN_IF_ERROR(journal.Append(E2eDoneEntry(e2e)));
-    result.e2e_kl_before = e2e.kl_before();
-    result.e2e_kl_after = e2e.kl_after();
-    result.finetune_phases.assign(e2e.phases().begin(), e2e.phases().end());
-  } else if (plan.e2e_finished) {
+  if (!tasks.finetune_e2e && plan.e2e_finished) {
     result.e2e_resumed = true;
     result.e2e_kl_before = NumberOrNan(plan.e2e_done, "kl_before");
     result.e2e_kl_after = NumberOrNan(plan.e2e_done, "kl_after");
   }
-
-  // ---- Finalize: shard 0 (unless end-to-end fine-tuning or the method wrote it), index,
-  // config.json, tokenizer files, job_done.
-  trace->Begin("finalize");
-  emit("finalize", 0, 1);
-  QCAL_RETURN_IF_ERROR(FinalizeJob(recipe, opt.model_dir, opt.out_dir, &journal).status());
-  emit("finalize", 1, 1);
-  trace->End();
   result.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   return result;
 }
@@ -151,31 +194,36 @@ StatusOr<QuantizeJobResult> RunQuantizeJob(const Recipe& recipe, const QuantizeJ
   inputs.recipe_source = opt.recipe_source;
   QCAL_RETURN_IF_ERROR(CheckJobInputs(recipe, inputs).status());
 
-  // ---- Hold the job directory (one driver: a second run on it is refused, naming this one),
-  // plan (creates the directories; fingerprints the inputs), then hold the output directory.
+  // ---- The job directory, as the coordinator opens it for a service job: held (one driver: a
+  // second run on it is refused, naming this one), planned (creates the directories;
+  // fingerprints the inputs), the output directory held, the journal opened.
+  v1::JobSpec spec;
+  spec.set_recipe_path(opt.recipe_source);
+  spec.set_model_dir(opt.model_dir);
+  spec.set_out_dir(opt.out_dir);
+  spec.set_job_dir(opt.job_dir);
+  spec.set_data_root(opt.data_root);
+  spec.set_workers(1);
   std::error_code ec;
   const bool out_existed = std::filesystem::exists(opt.out_dir, ec);
   const bool job_existed = std::filesystem::exists(opt.job_dir, ec);
-  bool locked = false;
+  std::unique_ptr<JobWorkspace> workspace =
+      MakeDiskWorkspace(absl::StrCat("qcal quantize --out ", opt.out_dir));
   StatusOr<QuantizeJobResult> result = [&]() -> StatusOr<QuantizeJobResult> {
-    QCAL_ASSIGN_OR_RETURN(
-        JobDirLock job_lock,
-        JobDirLock::Acquire(opt.job_dir, absl::StrCat("qcal quantize --out ", opt.out_dir)));
-    locked = true;
     PhaseTrace trace;
     trace.Begin("plan");
-    QCAL_ASSIGN_OR_RETURN(JobPlan plan, PlanJob(recipe, opt.model_dir, opt.out_dir, opt.job_dir,
-                                                opt.data_root));
-    QCAL_ASSIGN_OR_RETURN(OutputDirLock lock, OutputDirLock::Acquire(opt.out_dir));
+    QCAL_ASSIGN_OR_RETURN(JobPlan plan, workspace->Open(recipe, spec));
     QCAL_ASSIGN_OR_RETURN(QuantizeJobResult done,
-                          RunLockedJob(recipe, opt, std::move(plan), on_event, &trace));
-    trace.End();
+                          RunPlannedJob(recipe, opt, spec, std::move(plan), *workspace, on_event,
+                                        &trace));
     done.phases = trace.phases();
     for (const v1::PhaseTiming& p : done.phases) {
       done.peak_host_bytes = std::max(done.peak_host_bytes, p.peak_host_bytes());
     }
     return done;
   }();
+  const bool locked = workspace->HoldsJobDir();
+  workspace->Close();
   // A job refused before it produced anything leaves nothing behind: the directories it created
   // are removed. Anything produced (a shard, a cached Hessian) is kept for a resume, whatever
   // failed (a full disk included). A job refused for another holder's lock touches nothing.

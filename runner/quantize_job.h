@@ -1,10 +1,12 @@
-// A whole quantization job in one process, as a sequence of block tasks: plan → calibrate
-// (Hessians, cached in the job directory) → quantize each block into its own shard → finalize
-// (index, config.json, tokenizer). The steps live in runner/job_steps.h and the job
-// directory / journal / finalization code in common/job_layout.h; the service worker
-// (worker/task_loop.h) runs the same steps on MPI ranks, so a service job writes the same
-// bytes (this is a world of one: comm::SelfComm). This process is the job's single writer: it
-// commits each step's staged files into the output directory, then journals the result.
+// A whole quantization job in one process: the job runner of the service with one in-process
+// executor. The job directory is opened as the coordinator opens it (runner/workspace.h: locks,
+// PlanJob, journal), the same task plan is pulled from the same scheduler (runner/scheduler.h:
+// calibrate → quantize each block into its own shard → end-to-end fine-tuning → finalize), each
+// task runs through the workers' executor (runner/task_executor.h) in a world of one rank
+// (comm::SelfComm), and each result is accepted as the coordinator accepts a worker's
+// (runner/task_results.h: staged files checked, committed into the output, then journaled). So a
+// service job writes the same bytes. A failed task fails the job (no retries in process); what
+// was committed stays for a resume.
 //
 // Resume: the job directory's journal.jsonl records each finished block (shard name, size,
 // checksum, metrics). A rerun with the same recipe skips every block whose shard is intact, and

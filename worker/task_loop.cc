@@ -8,11 +8,11 @@
 #include <mutex>
 #include <thread>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 #include "methods/registry.h"
 #include "runner/job_steps.h"
+#include "runner/task_executor.h"
 
 namespace qcal::worker {
 namespace {
@@ -210,75 +210,34 @@ class Worker {
     };
   }
 
-  StatusOr<v1::CalibrateResult> Calibrate(const v1::Task& task) {
-    // Collective: every rank must reach CalibrateStep's collectives, or agree to give up.
-    QCAL_RETURN_IF_ERROR(AgreeOk(comm_, EnsureContext(), "calibration"));
-    return job::CalibrateStep(comm_, ctx_.get(), task.calibrate(),
-                              Progress(task, comm_.rank() == 0));
-  }
-
   Status Execute(const v1::Task& task) {
     const auto t0 = std::chrono::steady_clock::now();
-    v1::CompleteTaskRequest done;
-    done.set_worker_id(result_.worker_id);
-    done.set_task_id(task.task_id());
-    // The staged files of this attempt carry its token (the coordinator's, else the task id).
-    const std::string attempt =
-        task.attempt_token().empty() ? task.task_id() : task.attempt_token();
-    Status status;
-    std::string what;
-    switch (task.kind()) {
-      case v1::TASK_KIND_CALIBRATE: {
-        what = "calibration";
-        auto r = Calibrate(task);
-        status = r.status();
-        if (r.ok()) *done.mutable_calibrate() = *r;
-        break;
+    const std::string what = job::TaskWhat(task);
+    StatusOr<v1::CompleteTaskRequest> done = [&]() -> StatusOr<v1::CompleteTaskRequest> {
+      if (task.kind() == v1::TASK_KIND_CALIBRATE) {
+        // Collective: every rank must reach CalibrateStep's collectives, or agree to give up.
+        QCAL_RETURN_IF_ERROR(AgreeOk(comm_, EnsureContext(), "calibration"));
+      } else {
+        QCAL_RETURN_IF_ERROR(EnsureContext());
       }
-      case v1::TASK_KIND_QUANTIZE_BLOCK: {
-        what = absl::StrCat("block ", task.block());
-        status = EnsureContext();
-        if (!status.ok()) break;
-        auto r = job::QuantizeBlockStep(ctx_.get(), task.block(), attempt);
-        status = r.status();
-        if (r.ok()) *done.mutable_block() = *r;
-        break;
-      }
-      case v1::TASK_KIND_FINETUNE_E2E: {
-        what = "end-to-end fine-tuning";
-        status = EnsureContext();
-        if (!status.ok()) break;
-        const std::vector<v1::BlockResult> blocks(task.finished_blocks().begin(),
-                                                  task.finished_blocks().end());
-        auto r = job::FinetuneE2EStep(ctx_.get(), blocks, attempt, Progress(task, true));
-        status = r.status();
-        if (r.ok()) *done.mutable_finetune() = *r;
-        break;
-      }
-      default: {
-        what = absl::StrCat("evaluation of the ", task.eval().model(), " model on ",
-                            task.eval().label());
-        status = EnsureContext();
-        if (!status.ok()) break;
-        auto r = job::EvaluateStep(ctx_.get(), task.eval(), Progress(task, true));
-        status = r.status();
-        if (r.ok()) *done.mutable_eval() = *r;
-        break;
-      }
-    }
+      // Calibration reports from rank 0 only (every rank runs the same walk).
+      const bool report = task.kind() != v1::TASK_KIND_CALIBRATE || comm_.rank() == 0;
+      return job::ExecuteTask(comm_, ctx_.get(), task, Progress(task, report));
+    }();
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (status.ok()) {
+    if (done.ok()) {
       QCAL_LOG_INFO("worker {}: {} done in {:.1f} s", result_.worker_id, what, secs);
       ++result_.tasks_completed;
       if (task.kind() == v1::TASK_KIND_QUANTIZE_BLOCK) ++result_.blocks_quantized;
-      return client_.CompleteTask(done);
+      done->set_worker_id(result_.worker_id);
+      return client_.CompleteTask(*done);
     }
-    const Status failure = AnnotateTaskError(status, what);
+    const Status failure = job::AnnotateTaskError(done.status(), what);
     QCAL_LOG_ERROR("worker {}: {}", result_.worker_id, failure.ToString());
     ++result_.tasks_failed;
     return client_.FailTask(result_.worker_id, task.task_id(), std::string(failure.message()),
-                            IsRetryable(status));
+                            job::IsRetryable(done.status()));
   }
 
   CoordinatorClient& client_;
@@ -292,27 +251,6 @@ class Worker {
 };
 
 }  // namespace
-
-Status AnnotateTaskError(const Status& status, const std::string& what) {
-  const bool named = absl::StartsWith(status.message(), what + ":") ||
-                     absl::StartsWith(status.message(), what + ",");
-  return named ? status : Annotate(status, what);
-}
-
-bool IsRetryable(const Status& status) {
-  switch (status.code()) {
-    case absl::StatusCode::kInvalidArgument:
-    case absl::StatusCode::kFailedPrecondition:
-    case absl::StatusCode::kNotFound:
-    case absl::StatusCode::kDataLoss:
-    case absl::StatusCode::kOutOfRange:
-    case absl::StatusCode::kPermissionDenied:
-    case absl::StatusCode::kUnimplemented:
-      return false;
-    default:
-      return true;
-  }
-}
 
 StatusOr<TaskLoopResult> RunTaskLoop(CoordinatorClient& client, comm::Comm& comm,
                                      const TaskLoopOptions& options) {

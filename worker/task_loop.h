@@ -1,14 +1,10 @@
 // The worker's task loop: one rank of a job's MPI world (or one thread-rank in tests) registers
 // with the coordinator, keeps a heartbeat, and executes tasks until told to shut down:
 //
-//   CALIBRATE       collective (every rank gets it): job steps' CalibrateStep over `comm` with
-//                   the task's CalibrateParams (Hessians and activations into the job
-//                   directory), then CompleteTask with a CalibrateResult
-//   QUANTIZE_BLOCK  QuantizeBlockStep: the block's shard as this attempt's staged file;
-//                   CompleteTask with the BlockResult (the coordinator commits and journals it)
-//   FINETUNE_E2E    FinetuneE2EStep on the task's finished blocks; CompleteTask with the
-//                   FinetuneResult (every shard staged again)
-//   EVALUATE        EvaluateStep: perplexity of the float or quantized model on one file
+//   CALIBRATE, QUANTIZE_BLOCK, FINETUNE_E2E, EVALUATE
+//                   runner/task_executor.h ExecuteTask (the executor `qcal quantize` runs in
+//                   process too; calibration is collective over `comm`), then CompleteTask with
+//                   its result (the coordinator commits and journals the staged files)
 //   WAIT            sleep retry_after_ms, ask again
 //   SHUTDOWN        return
 //
@@ -61,13 +57,5 @@ struct TaskLoopResult {
 // Task failures are reported to the coordinator and do not end the loop.
 StatusOr<TaskLoopResult> RunTaskLoop(CoordinatorClient& client, comm::Comm& comm,
                                      const TaskLoopOptions& options);
-
-// Whether a task failure is worth retrying elsewhere (false for bad input).
-bool IsRetryable(const Status& status);
-
-// A task's error prefixed with the task ("block 3: ..."), unless the message already starts with
-// it ("calibration: no files given", "calibration, block 2: ..." are not made "calibration:
-// calibration...").
-Status AnnotateTaskError(const Status& status, const std::string& what);
 
 }  // namespace qcal::worker

@@ -17,27 +17,22 @@
 #include "engine/model/tensor_io.h"
 
 namespace qcal::calib {
+namespace {
 
-StatusOr<CalibrationResult> Calibrate(comm::Comm& comm, model::ModelSource& source,
-                                      const at::Tensor& tokens, const std::string& job_dir,
-                                      const std::string& key, const CalibrationOptions& options,
-                                      const std::function<void(int64_t, int64_t)>& progress) {
-  const auto t0 = std::chrono::steady_clock::now();
-  if (options.batch < 1) return absl::InvalidArgumentError("calibration batch must be >= 1");
-  if (tokens.dim() != 2) {
-    return absl::InvalidArgumentError("calibration tokens must be [sequences, seq_len]");
-  }
-  CalibrationResult result;
-  const LlamaConfig& config = source.config();
-  const int64_t blocks = config.num_hidden_layers;
-  const int64_t num_seqs = tokens.size(0), seq_len = tokens.size(1);
-  const std::vector<int64_t> act_shape = {num_seqs, seq_len, config.hidden_size};
-  const bool root = comm.rank() == 0;
+// Which products the job directory already holds for this key: rank 0 looks, every rank learns,
+// so every rank takes the same path.
+struct CachedProducts {
+  bool hessians = false;
+  bool activations = false;
+};
 
-  // Rank 0 looks at the caches and tells everybody, so every rank takes the same path.
+StatusOr<CachedProducts> AgreeOnCache(comm::Comm& comm, int64_t blocks,
+                                      const std::string& job_dir, const std::string& key,
+                                      const CalibrationOptions& options,
+                                      const std::vector<int64_t>& act_shape) {
   int64_t cached[2] = {0, 0};  // hessians, activations
   Status local;
-  if (root) {
+  if (comm.rank() == 0) {
     local = [&]() -> Status {
       QCAL_RETURN_IF_ERROR(MakeDirs(job_dir + "/hessians"));
       if (options.activations) QCAL_RETURN_IF_ERROR(MakeDirs(job_dir + "/activations"));
@@ -64,193 +59,278 @@ StatusOr<CalibrationResult> Calibrate(comm::Comm& comm, model::ModelSource& sour
   }
   QCAL_RETURN_IF_ERROR(AgreeOk(comm, local, "calibration setup"));
   QCAL_RETURN_IF_ERROR(comm.Broadcast(cached, sizeof(cached), 0));
-  const bool walk_hessians = options.hessians && !cached[0];
-  const bool walk_activations = options.activations && !cached[1];
-  result.from_cache = options.hessians && cached[0];
-  result.activations_from_cache = options.activations && cached[1];
+  return CachedProducts{cached[0] != 0, cached[1] != 0};
+}
 
-  if (walk_hessians || walk_activations) {
-    // This rank's canonical chunks: sequences [s0, s1) in chunks of options.batch.
-    const int64_t chunks = (num_seqs + options.batch - 1) / options.batch;
-    const comm::Range mine = comm::SliceForRank(chunks, comm.rank(), comm.size());
-    std::vector<std::vector<int64_t>> shapes;
-    std::vector<int64_t> first_seq;
+// One walk over the float model's blocks, on this rank's canonical chunks: the chunks' hidden
+// states (embedded first) go through each block in turn; on the way each block's Hessian sums
+// are gathered (replicated and reduced, or sharded into bands) and saved, and each block
+// boundary's activations are written (every rank its own rows). Every call is collective.
+class Walk {
+ public:
+  Walk(comm::Comm& comm, model::ModelSource& source, const at::Tensor& tokens,
+       const std::string& job_dir, const std::string& key, const CalibrationOptions& options,
+       bool hessians, bool activations, CalibrationResult* result)
+      : comm_(comm),
+        source_(source),
+        tokens_(tokens),
+        job_dir_(job_dir),
+        key_(key),
+        options_(options),
+        hessians_(hessians),
+        activations_(activations),
+        sharded_(hessians && options.shard_hessians),
+        result_(result),
+        blocks_(source.config().num_hidden_layers),
+        num_seqs_(tokens.size(0)),
+        seq_len_(tokens.size(1)),
+        hidden_(source.config().hidden_size),
+        chunks_((num_seqs_ + options.batch - 1) / options.batch) {}
+
+  // This rank's chunks in the activation store (spilled to the job directory above the memory
+  // budget), embedded; whether the Hessian sums are reduced on the devices.
+  Status Start() {
+    const comm::Range mine = comm::SliceForRank(chunks_, comm_.rank(), comm_.size());
     for (int64_t c = mine.begin; c < mine.end; ++c) {
-      const int64_t a = c * options.batch, b = std::min(num_seqs, a + options.batch);
-      shapes.push_back({b - a, seq_len, config.hidden_size});
-      first_seq.push_back(a);
+      const int64_t a = c * options_.batch, b = std::min(num_seqs_, a + options_.batch);
+      shapes_.push_back({b - a, seq_len_, hidden_});
+      first_seq_.push_back(a);
     }
-    // The walk's activations: this rank's chunks, spilled to the job directory above the budget.
-    local = MakeDirs(job_dir + "/spill");
-    QCAL_RETURN_IF_ERROR(AgreeOk(comm, local, "calibration"));
+    QCAL_RETURN_IF_ERROR(AgreeOk(comm_, MakeDirs(job_dir_ + "/spill"), "calibration"));
     auto store_or = model::ActivationStore::Create(
-        shapes, options.memory_budget_bytes,
-        absl::StrCat(job_dir, "/spill/calibration-rank", comm.rank(), ".f32"));
-    QCAL_RETURN_IF_ERROR(AgreeOk(comm, store_or.status(), "calibration"));
-    model::ActivationStore& store = **store_or;
-    if (store.spilled()) {
+        shapes_, options_.memory_budget_bytes,
+        absl::StrCat(job_dir_, "/spill/calibration-rank", comm_.rank(), ".f32"));
+    QCAL_RETURN_IF_ERROR(AgreeOk(comm_, store_or.status(), "calibration"));
+    store_ = std::move(*store_or);
+    if (store_->spilled()) {
       QCAL_LOG_INFO("calibration: {:.2f} GiB of activations on this rank over the {:.2f} GiB "
                     "budget: spilled to the job directory",
-                    store.total_bytes() / 1073741824.0,
-                    options.memory_budget_bytes / 1073741824.0);
+                    store_->total_bytes() / 1073741824.0,
+                    options_.memory_budget_bytes / 1073741824.0);
     }
-    at::NoGradGuard no_grad;
-    local = [&]() -> Status {
-      for (int64_t i = 0; i < store.chunks(); ++i) {
+    const Status embedded = [&]() -> Status {
+      for (int64_t i = 0; i < store_->chunks(); ++i) {
         QCAL_ASSIGN_OR_RETURN(at::Tensor x,
-                              source.Embed(tokens.narrow(0, first_seq[i], shapes[i][0])));
-        QCAL_RETURN_IF_ERROR(store.Put(i, x));
+                              source_.Embed(tokens_.narrow(0, first_seq_[i], shapes_[i][0])));
+        QCAL_RETURN_IF_ERROR(store_->Put(i, x));
       }
       return Status();
     }();
-    QCAL_RETURN_IF_ERROR(AgreeOk(comm, Annotate(local, "calibration, embedding"), "calibration"));
-    if (walk_hessians && options.keep_hessians) result.hessians.assign(blocks, BlockHessians{});
-    // Saves boundary l (the inputs of block l; l = blocks: the last block's outputs).
-    auto save_boundary = [&](int64_t l) -> Status {
-      QCAL_ASSIGN_OR_RETURN(auto file,
-                            BeginActivationFile(comm, ActivationPath(job_dir, l), key, act_shape));
-      Status rows;
-      for (int64_t i = 0; i < store.chunks() && rows.ok(); ++i) {
-        auto x = store.Get(i);
-        rows = x.ok() ? WriteActivationRows(*file, first_seq[i], *x) : x.status();
-      }
-      QCAL_RETURN_IF_ERROR(AgreeOk(comm, rows, ActivationPath(job_dir, l)));
-      return file->Finish(comm);
-    };
-    // Sharded Hessians: each rank sums every rank's inputs into its band of each triangle (all
-    // ranks step through their chunks together; a rank past its last chunk contributes none).
-    const bool sharded = walk_hessians && options.shard_hessians;
-    const int64_t steps = comm::SliceForRank(chunks, 0, comm.size()).size();
-    auto walk_block_sharded = [&](int64_t l, const std::string& where,
-                                  BlockHessians* h) -> Status {
-      std::unique_ptr<model::DecoderBlock> block;
-      local = [&]() -> Status {
-        QCAL_ASSIGN_OR_RETURN(block, source.LoadBlock(l));
-        for (model::LinearKind k : model::kAllLinears) {
-          const int64_t n = block->weights().linear(k).in_features();
-          const HessianRows band =
-              HessianBandForRank(n, comm.rank(), comm.size(), options.hessian_strip_rows);
-          QCAL_ASSIGN_OR_RETURN(h->at(HessianKindOf(k)),
-                                HessianAccumulator::Band(n, band, options.hessian_strip_rows));
-        }
-        return Status();
-      }();
-      QCAL_RETURN_IF_ERROR(AgreeOk(comm, Annotate(local, where), where));
-      for (int64_t step = 0; step < steps; ++step) {
-        std::array<at::Tensor, 4> inputs;
-        local = [&]() -> Status {
-          if (step >= store.chunks()) {
-            for (HessianKind k : kAllHessianKinds) {
-              inputs[static_cast<int>(k)] = at::empty({0, seq_len, h->at(k).dim()}, at::kFloat);
-            }
-            return Status();
-          }
-          QCAL_ASSIGN_OR_RETURN(at::Tensor x, store.Get(step));
-          QCAL_ASSIGN_OR_RETURN(at::Tensor y, ForwardCapturingInputs(*block, x, source.rope(),
-                                                                     options.batch, &inputs));
-          return store.Put(step, y);
-        }();
-        QCAL_RETURN_IF_ERROR(AgreeOk(comm, Annotate(local, where), where));
-        for (HessianKind k : kAllHessianKinds) {
-          at::Tensor& mine = inputs[static_cast<int>(k)];
-          QCAL_ASSIGN_OR_RETURN(at::Tensor all, GatherSequences(comm, mine));
-          mine = at::Tensor();
-          local = all.size(0) > 0 ? h->at(k).Add(all) : Status();
-          const std::string input = absl::StrCat(where, ", ", HessianKindName(k), " input");
-          QCAL_RETURN_IF_ERROR(AgreeOk(comm, Annotate(local, input), input));
-        }
-      }
-      return Status();
-    };
+    QCAL_RETURN_IF_ERROR(
+        AgreeOk(comm_, Annotate(embedded, "calibration, embedding"), "calibration"));
+    if (hessians_ && options_.keep_hessians) result_->hessians.assign(blocks_, BlockHessians{});
     // GPU ranks reduce the sums on their devices when all of them can (every rank has a GPU
     // backend and a device reduction); otherwise every rank downloads and reduces on the host.
-    bool reduce_on_device = false;
-    if (walk_hessians && !sharded && comm.size() > 1) {
-      int64_t can = options.device_sum && options.gpu != nullptr ? 1 : 0;
-      QCAL_RETURN_IF_ERROR(comm.AllReduceSum(&can, 1));
-      reduce_on_device = can == comm.size();
+    if (hessians_ && !sharded_ && comm_.size() > 1) {
+      int64_t can = options_.device_sum && options_.gpu != nullptr ? 1 : 0;
+      QCAL_RETURN_IF_ERROR(comm_.AllReduceSum(&can, 1));
+      reduce_on_device_ = can == comm_.size();
     }
-    // Where the walk's time goes (CalibrationResult::read_seconds, ...).
-    auto t = std::chrono::steady_clock::now();
-    auto lap = [&t](double* into) {
-      const auto now = std::chrono::steady_clock::now();
-      *into += std::chrono::duration<double>(now - t).count();
-      t = now;
-    };
-    for (int64_t l = 0; l < blocks; ++l) {
-      const std::string where = absl::StrCat("calibration, block ", l);
-      lap(&result.forward_seconds);  // (the progress callback, if any)
-      if (walk_activations) QCAL_RETURN_IF_ERROR(Annotate(save_boundary(l), where));
-      lap(&result.save_seconds);
-      BlockHessians h;
-      h.backend = options.gpu;
-      if (sharded) {
-        QCAL_RETURN_IF_ERROR(walk_block_sharded(l, where, &h));
-        lap(&result.forward_seconds);  // sharded: the gathers of the inputs included
+    lap_ = std::chrono::steady_clock::now();
+    return Status();
+  }
+
+  // Block l: its input boundary saved (activations), then its forward over the chunks with its
+  // Hessians summed, reduced and saved.
+  Status Block(int64_t l) {
+    const std::string where = absl::StrCat("calibration, block ", l);
+    Lap(&result_->forward_seconds);  // (the progress callback, if any)
+    if (activations_) QCAL_RETURN_IF_ERROR(Annotate(SaveBoundary(l), where));
+    Lap(&result_->save_seconds);
+    return sharded_ ? ShardedBlock(l, where) : ReplicatedBlock(l, where);
+  }
+
+  // The last block's outputs (activations).
+  Status Finish() {
+    if (!activations_) return Status();
+    Lap(&result_->forward_seconds);
+    QCAL_RETURN_IF_ERROR(Annotate(SaveBoundary(blocks_), "calibration, final activations"));
+    Lap(&result_->save_seconds);
+    return Status();
+  }
+
+ private:
+  // Adds the seconds since the last lap to *into (CalibrationResult::read_seconds, ...).
+  void Lap(double* into) {
+    const auto now = std::chrono::steady_clock::now();
+    *into += std::chrono::duration<double>(now - lap_).count();
+    lap_ = now;
+  }
+
+  // Boundary l (the inputs of block l; l = blocks: the last block's outputs), every rank its rows.
+  Status SaveBoundary(int64_t l) {
+    const std::vector<int64_t> act_shape = {num_seqs_, seq_len_, hidden_};
+    QCAL_ASSIGN_OR_RETURN(
+        auto file, BeginActivationFile(comm_, ActivationPath(job_dir_, l), key_, act_shape));
+    Status rows;
+    for (int64_t i = 0; i < store_->chunks() && rows.ok(); ++i) {
+      auto x = store_->Get(i);
+      rows = x.ok() ? WriteActivationRows(*file, first_seq_[i], *x) : x.status();
+    }
+    QCAL_RETURN_IF_ERROR(AgreeOk(comm_, rows, ActivationPath(job_dir_, l)));
+    return file->Finish(comm_);
+  }
+
+  // Replicated sums: every rank sums its own chunks into whole accumulators (on a GPU they stay
+  // on the device for the whole block), then the ranks reduce them and rank 0 saves them.
+  Status ReplicatedBlock(int64_t l, const std::string& where) {
+    BlockHessians h;
+    h.backend = options_.gpu;
+    const Status forward = [&]() -> Status {
+      QCAL_ASSIGN_OR_RETURN(std::unique_ptr<model::DecoderBlock> block, source_.LoadBlock(l));
+      Lap(&result_->read_seconds);
+      if (hessians_ && options_.hessian_strip_rows != kHessianStripRows) {
+        for (model::LinearKind k : model::kAllLinears) {
+          const int64_t n = block->weights().linear(k).in_features();
+          h.at(HessianKindOf(k)) = HessianAccumulator(n, options_.hessian_strip_rows);
+        }
+      }
+      if (store_->chunks() == 0 && hessians_) {
+        // A rank without sequences still reduces: its accumulators get the block's sizes.
+        const at::Tensor none = at::empty({0, seq_len_, hidden_}, at::kFloat);
         QCAL_RETURN_IF_ERROR(
-            Annotate(SaveShardedBlockHessians(comm, HessianPath(job_dir, l), h, key), where));
-        lap(&result.save_seconds);
-        result.tokens = h.at(HessianKind::kQkv).count();
-        h = BlockHessians{};  // the bands are in the file
-        if (options.keep_hessians) {
-          StatusOr<BlockHessians> whole = LoadBlockHessians(HessianPath(job_dir, l), key);
-          QCAL_RETURN_IF_ERROR(AgreeOk(comm, Annotate(whole.status(), where), where));
-          result.hessians[l] = std::move(*whole);
-        }
-        if (progress) progress(l + 1, blocks);
-        continue;
+            ForwardCollectingHessians(*block, none, source_.rope(), options_.batch, &h).status());
       }
+      for (int64_t i = 0; i < store_->chunks(); ++i) {
+        QCAL_ASSIGN_OR_RETURN(at::Tensor x, store_->Get(i));
+        QCAL_ASSIGN_OR_RETURN(at::Tensor y,
+                              ForwardCollectingHessians(*block, x, source_.rope(), options_.batch,
+                                                        hessians_ ? &h : nullptr,
+                                                        /*flush_device=*/false));
+        QCAL_RETURN_IF_ERROR(store_->Put(i, y));
+      }
+      return reduce_on_device_ ? Status() : FlushDeviceHessians(&h);
+    }();
+    QCAL_RETURN_IF_ERROR(AgreeOk(comm_, Annotate(forward, where), where));
+    Lap(&result_->forward_seconds);
+    if (!hessians_) return Status();
+    if (reduce_on_device_) {
+      QCAL_RETURN_IF_ERROR(Annotate(
+          AllReduceDeviceHessians(comm_, options_.device_sum,
+                                  comm_.rank() == 0 || options_.keep_hessians, &h,
+                                  &result_->tokens),
+          where));
+    } else {
+      QCAL_RETURN_IF_ERROR(Annotate(AllReduceHessians(comm_, &h), where));
+      result_->tokens = h.at(HessianKind::kQkv).count();
+    }
+    Lap(&result_->reduce_seconds);
+    Status saved;
+    if (comm_.rank() == 0) {
+      saved = Annotate(SaveBlockHessians(HessianPath(job_dir_, l), h, key_), where);
+    }
+    QCAL_RETURN_IF_ERROR(AgreeOk(comm_, saved, where));
+    Lap(&result_->save_seconds);
+    if (options_.keep_hessians) result_->hessians[l] = std::move(h);
+    return Status();
+  }
+
+  // Sharded sums: each rank sums every rank's inputs into its band of each triangle (all ranks
+  // step through their chunks together; a rank past its last chunk contributes none), and the
+  // bands are written in place into the block's file.
+  Status ShardedBlock(int64_t l, const std::string& where) {
+    BlockHessians h;
+    h.backend = options_.gpu;
+    std::unique_ptr<model::DecoderBlock> block;
+    Status local = [&]() -> Status {
+      QCAL_ASSIGN_OR_RETURN(block, source_.LoadBlock(l));
+      for (model::LinearKind k : model::kAllLinears) {
+        const int64_t n = block->weights().linear(k).in_features();
+        const HessianRows band =
+            HessianBandForRank(n, comm_.rank(), comm_.size(), options_.hessian_strip_rows);
+        QCAL_ASSIGN_OR_RETURN(h.at(HessianKindOf(k)),
+                              HessianAccumulator::Band(n, band, options_.hessian_strip_rows));
+      }
+      return Status();
+    }();
+    QCAL_RETURN_IF_ERROR(AgreeOk(comm_, Annotate(local, where), where));
+    const int64_t steps = comm::SliceForRank(chunks_, 0, comm_.size()).size();
+    for (int64_t step = 0; step < steps; ++step) {
+      std::array<at::Tensor, 4> inputs;
       local = [&]() -> Status {
-        QCAL_ASSIGN_OR_RETURN(std::unique_ptr<model::DecoderBlock> block, source.LoadBlock(l));
-        lap(&result.read_seconds);
-        if (walk_hessians && options.hessian_strip_rows != kHessianStripRows) {
-          for (model::LinearKind k : model::kAllLinears) {
-            const int64_t n = block->weights().linear(k).in_features();
-            h.at(HessianKindOf(k)) = HessianAccumulator(n, options.hessian_strip_rows);
+        if (step >= store_->chunks()) {
+          for (HessianKind k : kAllHessianKinds) {
+            inputs[static_cast<int>(k)] = at::empty({0, seq_len_, h.at(k).dim()}, at::kFloat);
           }
+          return Status();
         }
-        if (store.chunks() == 0 && walk_hessians) {
-          // A rank without sequences still reduces: its accumulators get the block's sizes.
-          const at::Tensor none = at::empty({0, seq_len, config.hidden_size}, at::kFloat);
-          QCAL_RETURN_IF_ERROR(
-              ForwardCollectingHessians(*block, none, source.rope(), options.batch, &h).status());
-        }
-        // On a GPU the sums stay on the device for the whole block (flushed once below).
-        for (int64_t i = 0; i < store.chunks(); ++i) {
-          QCAL_ASSIGN_OR_RETURN(at::Tensor x, store.Get(i));
-          QCAL_ASSIGN_OR_RETURN(at::Tensor y,
-                                ForwardCollectingHessians(*block, x, source.rope(), options.batch,
-                                                          walk_hessians ? &h : nullptr,
-                                                          /*flush_device=*/false));
-          QCAL_RETURN_IF_ERROR(store.Put(i, y));
-        }
-        return reduce_on_device ? Status() : FlushDeviceHessians(&h);
+        QCAL_ASSIGN_OR_RETURN(at::Tensor x, store_->Get(step));
+        QCAL_ASSIGN_OR_RETURN(at::Tensor y, ForwardCapturingInputs(*block, x, source_.rope(),
+                                                                   options_.batch, &inputs));
+        return store_->Put(step, y);
       }();
-      QCAL_RETURN_IF_ERROR(AgreeOk(comm, Annotate(local, where), where));
-      lap(&result.forward_seconds);
-      if (walk_hessians) {
-        if (reduce_on_device) {
-          QCAL_RETURN_IF_ERROR(Annotate(
-              AllReduceDeviceHessians(comm, options.device_sum, root || options.keep_hessians,
-                                      &h, &result.tokens),
-              where));
-        } else {
-          QCAL_RETURN_IF_ERROR(Annotate(AllReduceHessians(comm, &h), where));
-          result.tokens = h.at(HessianKind::kQkv).count();
-        }
-        lap(&result.reduce_seconds);
-        if (root) local = Annotate(SaveBlockHessians(HessianPath(job_dir, l), h, key), where);
-        QCAL_RETURN_IF_ERROR(AgreeOk(comm, local, where));
-        lap(&result.save_seconds);
-        if (options.keep_hessians) result.hessians[l] = std::move(h);
+      QCAL_RETURN_IF_ERROR(AgreeOk(comm_, Annotate(local, where), where));
+      for (HessianKind k : kAllHessianKinds) {
+        at::Tensor& mine = inputs[static_cast<int>(k)];
+        QCAL_ASSIGN_OR_RETURN(at::Tensor all, GatherSequences(comm_, mine));
+        mine = at::Tensor();
+        local = all.size(0) > 0 ? h.at(k).Add(all) : Status();
+        const std::string input = absl::StrCat(where, ", ", HessianKindName(k), " input");
+        QCAL_RETURN_IF_ERROR(AgreeOk(comm_, Annotate(local, input), input));
       }
+    }
+    Lap(&result_->forward_seconds);  // sharded: the gathers of the inputs included
+    QCAL_RETURN_IF_ERROR(
+        Annotate(SaveShardedBlockHessians(comm_, HessianPath(job_dir_, l), h, key_), where));
+    Lap(&result_->save_seconds);
+    result_->tokens = h.at(HessianKind::kQkv).count();
+    h = BlockHessians{};  // the bands are in the file
+    if (options_.keep_hessians) {
+      StatusOr<BlockHessians> whole = LoadBlockHessians(HessianPath(job_dir_, l), key_);
+      QCAL_RETURN_IF_ERROR(AgreeOk(comm_, Annotate(whole.status(), where), where));
+      result_->hessians[l] = std::move(*whole);
+    }
+    return Status();
+  }
+
+  comm::Comm& comm_;
+  model::ModelSource& source_;
+  const at::Tensor& tokens_;
+  const std::string& job_dir_;
+  const std::string& key_;
+  const CalibrationOptions& options_;
+  const bool hessians_, activations_, sharded_;
+  CalibrationResult* result_;
+  const int64_t blocks_, num_seqs_, seq_len_, hidden_, chunks_;
+  std::vector<std::vector<int64_t>> shapes_;  // this rank's chunks
+  std::vector<int64_t> first_seq_;
+  std::unique_ptr<model::ActivationStore> store_;
+  bool reduce_on_device_ = false;
+  std::chrono::steady_clock::time_point lap_;
+};
+
+}  // namespace
+
+StatusOr<CalibrationResult> Calibrate(comm::Comm& comm, model::ModelSource& source,
+                                      const at::Tensor& tokens, const std::string& job_dir,
+                                      const std::string& key, const CalibrationOptions& options,
+                                      const std::function<void(int64_t, int64_t)>& progress) {
+  const auto t0 = std::chrono::steady_clock::now();
+  if (options.batch < 1) return absl::InvalidArgumentError("calibration batch must be >= 1");
+  if (tokens.dim() != 2) {
+    return absl::InvalidArgumentError("calibration tokens must be [sequences, seq_len]");
+  }
+  CalibrationResult result;
+  const LlamaConfig& config = source.config();
+  const int64_t blocks = config.num_hidden_layers;
+  const std::vector<int64_t> act_shape = {tokens.size(0), tokens.size(1), config.hidden_size};
+  QCAL_ASSIGN_OR_RETURN(const CachedProducts cached,
+                        AgreeOnCache(comm, blocks, job_dir, key, options, act_shape));
+  const bool walk_hessians = options.hessians && !cached.hessians;
+  const bool walk_activations = options.activations && !cached.activations;
+  result.from_cache = options.hessians && cached.hessians;
+  result.activations_from_cache = options.activations && cached.activations;
+
+  if (walk_hessians || walk_activations) {
+    at::NoGradGuard no_grad;
+    Walk walk(comm, source, tokens, job_dir, key, options, walk_hessians, walk_activations,
+              &result);
+    QCAL_RETURN_IF_ERROR(walk.Start());
+    for (int64_t l = 0; l < blocks; ++l) {
+      QCAL_RETURN_IF_ERROR(walk.Block(l));
       if (progress) progress(l + 1, blocks);
     }
-    if (walk_activations) {
-      lap(&result.forward_seconds);
-      QCAL_RETURN_IF_ERROR(Annotate(save_boundary(blocks), "calibration, final activations"));
-      lap(&result.save_seconds);
-    }
+    QCAL_RETURN_IF_ERROR(walk.Finish());
   }
   if (result.from_cache && options.keep_hessians) {
     for (int64_t l = 0; l < blocks; ++l) {

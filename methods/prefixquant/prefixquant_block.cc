@@ -197,9 +197,15 @@ StatusOr<quant::BlockTaskResult> QuantizePrefixquantBlock(
     model::BlockWeights weights, const LlamaConfig& config, const model::Rope& rope,
     const PrefixquantConfig& q, const qsim::RotationPlan& plan,
     std::shared_ptr<const model::PrefixKv> prefix, int64_t layer, at::Tensor* x,
-    at::Tensor* x_float, int64_t batch, bool propagate) {
+    at::Tensor* x_float, int64_t batch, bool propagate,
+    const std::function<void(int64_t, int64_t, const std::string&)>& progress) {
   const auto t0 = Clock::now();
   const bool ft = q.block_ft.enabled;
+  const int64_t total_steps = 3 + (ft ? 1 : 0) + (propagate ? 1 : 0);
+  int64_t steps_done = 0;
+  auto report = [&](const std::string& step) {
+    if (progress) progress(++steps_done, total_steps, step);
+  };
   if (ft && (x_float == nullptr || !x_float->defined() || x_float->sizes() != x->sizes())) {
     return absl::InvalidArgumentError(absl::StrCat(
         "block ", layer, ": block-wise fine-tuning needs the float model's inputs, as many as the "
@@ -281,6 +287,7 @@ StatusOr<quant::BlockTaskResult> QuantizePrefixquantBlock(
     at::Tensor y_float;
     if (x_float != nullptr && x_float->defined()) y_float = ChunkedForward(block, *x_float, rope, batch);
     at::Tensor float_w[7], weight_step[7];
+    report("float statistics");
 
     // ---- 2. Weights, per output channel, by layer-output error.
     quant::BlockTaskResult result;
@@ -331,6 +338,7 @@ StatusOr<quant::BlockTaskResult> QuantizePrefixquantBlock(
       result.linears.push_back(m);
     }
     gram[0] = gram[1] = gram[2] = gram[3] = at::Tensor();
+    report("weight steps and rounding");
 
     // ---- 3. Activation and KV steps.
     auto k_step = std::make_shared<Step>(), v_step = std::make_shared<Step>();
@@ -399,6 +407,7 @@ StatusOr<quant::BlockTaskResult> QuantizePrefixquantBlock(
     search_act(1);  // o input
     search_act(2);  // gate_up input
     search_act(3);  // down input (after R4)
+    report("activation and KV steps");
 
     // ---- 4. Block-wise fine-tuning.
     if (ft) {
@@ -464,6 +473,7 @@ StatusOr<quant::BlockTaskResult> QuantizePrefixquantBlock(
       for (auto* st : {k_step.get(), v_step.get()}) {
         if (st->value.defined()) st->value = st->value.detach().clone();
       }
+      report("block-wise fine-tuning");
     }
     const double mse = block_mse();
 
@@ -483,6 +493,7 @@ StatusOr<quant::BlockTaskResult> QuantizePrefixquantBlock(
     if (propagate) {
       *x = ChunkedForward(block, *x, rope, batch);
       if (y_float.defined()) *x_float = std::move(y_float);
+      report("propagation");
     }
     result.weights = std::move(block.mutable_weights());
     result.seconds = Seconds(t0);

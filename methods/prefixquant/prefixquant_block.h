@@ -27,7 +27,9 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <string>
 
 #include <ATen/core/Tensor.h>
 
@@ -70,12 +72,14 @@ Status InstallStaticInference(model::DecoderBlock& block, const LlamaConfig& con
 // inputs [N, S, hidden]; with `propagate` replaced by the quantized block's outputs. x_float: the
 // float model's inputs [N, S, hidden] (needed with block_ft, else may be null), replaced by the
 // float block's outputs with `propagate`. The result holds the quantized weights with the steps
-// and prefix in extras (and the held-out MSE before / after fine-tuning).
+// and prefix in extras (and the held-out MSE before / after fine-tuning). `progress` (optional):
+// (done, total, step) after each of the steps above.
 StatusOr<quant::BlockTaskResult> QuantizePrefixquantBlock(
     model::BlockWeights weights, const LlamaConfig& config, const model::Rope& rope,
     const PrefixquantConfig& q, const qsim::RotationPlan& plan,
     std::shared_ptr<const model::PrefixKv> prefix, int64_t layer, at::Tensor* x,
-    at::Tensor* x_float, int64_t batch, bool propagate);
+    at::Tensor* x_float, int64_t batch, bool propagate,
+    const std::function<void(int64_t, int64_t, const std::string&)>& progress = nullptr);
 
 // The float block (prepared weights, online rotations, `prefix` in front) on x.
 StatusOr<at::Tensor> FloatBlockForward(model::BlockWeights prepared, const LlamaConfig& config,

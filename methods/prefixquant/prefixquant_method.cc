@@ -54,7 +54,7 @@ class PrefixquantParts final : public ModelTransform,
     QCAL_ASSIGN_OR_RETURN(std::shared_ptr<const model::PrefixKv> prefix, PrefixOf(in.layer));
     return QuantizePrefixquantBlock(std::move(float_weights), config_, *in.rope, *q_, plan_,
                                     std::move(prefix), in.layer, in.x, in.x_float, in.batch,
-                                    in.propagate);
+                                    in.propagate, in.progress);
   }
 
   // --- SequentialForward

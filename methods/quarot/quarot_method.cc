@@ -37,7 +37,7 @@ StatusOr<quant::BlockTaskResult> QuarotParts::QuantizeBlock(model::BlockWeights 
   QCAL_RETURN_IF_ERROR(qsim::InstallOnlineRotations(block, plan_));
   QCAL_ASSIGN_OR_RETURN(quant::BlockTaskResult result,
                         QuantizeRotatedBlock(block, *in.rope, recipe_, plan_, in.layer, in.x,
-                                             in.batch, in.propagate, in.gpu));
+                                             in.batch, in.propagate, in.gpu, in.progress));
   result.weights = std::move(block.mutable_weights());
   return result;
 }

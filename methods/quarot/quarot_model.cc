@@ -263,14 +263,20 @@ Status InstallQuantizedInference(model::DecoderBlock& block, const LlamaConfig& 
   return Status();
 }
 
-StatusOr<quant::BlockTaskResult> QuantizeRotatedBlock(model::DecoderBlock& block,
-                                                      const model::Rope& rope,
-                                                      const Recipe& recipe,
-                                                      const RotationPlan& plan, int64_t layer,
-                                                      at::Tensor* x, int64_t batch,
-                                                      bool propagate, kernels::GpuBackend* gpu) {
+StatusOr<quant::BlockTaskResult> QuantizeRotatedBlock(
+    model::DecoderBlock& block, const model::Rope& rope, const Recipe& recipe,
+    const RotationPlan& plan, int64_t layer, at::Tensor* x, int64_t batch, bool propagate,
+    kernels::GpuBackend* gpu,
+    const std::function<void(int64_t, int64_t, const std::string&)>& progress) {
   QCAL_ASSIGN_OR_RETURN(const QuarotConfig* q, QuarotSettings(recipe));
   const bool calibrate = q->sequential();
+  const bool record = q->static_activations() || q->static_kv();
+  const bool forward_after = calibrate && (propagate || record);
+  const int64_t steps = (q->gptq() ? 1 : 0) + 1 + (forward_after ? 1 : 0);
+  int64_t done = 0;
+  auto report = [&](const std::string& step) {
+    if (progress) progress(++done, steps, step);
+  };
   if (calibrate && (x == nullptr || !x->defined())) {
     return absl::InvalidArgumentError(absl::StrCat(
         "block ", layer, ": recipe '", recipe.name, "' needs the block's calibration inputs"));
@@ -280,15 +286,16 @@ StatusOr<quant::BlockTaskResult> QuantizeRotatedBlock(model::DecoderBlock& block
   if (q->gptq()) {
     QCAL_RETURN_IF_ERROR(
         calib::ForwardCollectingHessians(block, *x, rope, batch, &hessians).status());
+    report("Hessians of the rotated block");
   }
   QCAL_ASSIGN_OR_RETURN(quant::BlockTaskResult result,
                         RoundRotatedBlock(*q, layer, block.weights(),
                                           q->gptq() ? &hessians : nullptr, gpu));
   block.mutable_weights() = std::move(result.weights);
+  report(q->gptq() ? "GPTQ rounding" : "rounding");
   // Propagate the calibration activations through the quantized block (recording static ranges
   // on the way), unless nothing needs them any more.
-  const bool record = q->static_activations() || q->static_kv();
-  if (calibrate && (propagate || record)) {
+  if (forward_after) {
     std::shared_ptr<RangeObserver> observers[4];
     std::shared_ptr<RecordingKvQuantizer> kv_recorder;
     if (record) {
@@ -323,6 +330,7 @@ StatusOr<quant::BlockTaskResult> QuantizeRotatedBlock(model::DecoderBlock& block
       }
     }
     QCAL_RETURN_IF_ERROR(InstallFloatOnline(block, plan, nullptr, nullptr));
+    report(record ? "propagation and static ranges" : "propagation");
   }
   return result;
 }

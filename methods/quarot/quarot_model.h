@@ -69,13 +69,13 @@ Status InstallQuantizedInference(model::DecoderBlock& block, const LlamaConfig& 
 // block's outputs (float activations, as QuaRot calibrates). x may be null when
 // the recipe needs no calibration (QuarotConfig::sequential() false: no GPTQ, no static ranges). The result's metrics are filled; its weights are empty
 // (they are in the block). `gpu`: the rank's backend (null: the CPU) for the Hessians and GPTQ.
-StatusOr<quant::BlockTaskResult> QuantizeRotatedBlock(model::DecoderBlock& block,
-                                                      const model::Rope& rope,
-                                                      const Recipe& recipe,
-                                                      const qsim::RotationPlan& plan,
-                                                      int64_t layer, at::Tensor* x,
-                                                      int64_t batch, bool propagate,
-                                                      kernels::GpuBackend* gpu = nullptr);
+// `progress` (optional): (done, total, step) after each of its steps (the Hessians, the
+// rounding, the propagation).
+StatusOr<quant::BlockTaskResult> QuantizeRotatedBlock(
+    model::DecoderBlock& block, const model::Rope& rope, const Recipe& recipe,
+    const qsim::RotationPlan& plan, int64_t layer, at::Tensor* x, int64_t batch, bool propagate,
+    kernels::GpuBackend* gpu = nullptr,
+    const std::function<void(int64_t, int64_t, const std::string&)>& progress = nullptr);
 
 // The outputs of a block whose weights are final (rounded, read back from a shard) for inputs
 // x, as the sequential loop propagates them (float activations, online Hadamards installed).

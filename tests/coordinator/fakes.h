@@ -15,9 +15,12 @@
 #include "coordinator/clock.h"
 #include "coordinator/launcher.h"
 #include "coordinator/state_fs.h"
-#include "coordinator/workspace.h"
+#include "runner/workspace.h"
 
 namespace qcal::coordinator::testing {
+
+using job::JobDirOf;
+using job::JobWorkspace;
 
 class FakeClock : public Clock {
  public:

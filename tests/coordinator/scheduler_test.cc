@@ -1,9 +1,9 @@
 // The scheduler: collective calibration, pull-based block hand-out, requeue on failure or loss.
-#include "coordinator/scheduler.h"
+#include "runner/scheduler.h"
 
 #include <gtest/gtest.h>
 
-namespace qcal::coordinator {
+namespace qcal::job {
 namespace {
 
 TaskPlan Plan(int64_t blocks, bool calibrate, bool e2e = false) {
@@ -270,4 +270,4 @@ TEST(SchedulerTest, EvaluationFollowsFinalizeAndResultsAreKnownByTheirRecord) {
 }
 
 }  // namespace
-}  // namespace qcal::coordinator
+}  // namespace qcal::job

@@ -6,7 +6,7 @@
 
 #include <gtest/gtest.h>
 
-#include "coordinator/workspace.h"
+#include "runner/workspace.h"
 #include "tests/coordinator/test_env.h"
 
 namespace qcal::coordinator {
@@ -134,6 +134,10 @@ TEST(ValidationTest, OutputMustBeCreatable) {
 
 namespace qcal::coordinator {
 namespace {
+
+using job::JobWorkspace;
+using job::MakeDiskWorkspace;
+using job::JobDirOf;
 
 // Issue 18: one output directory, one job, across processes: a service job's workspace holds
 // the output directory's lock from Open until the job ends (Close), so a `qcal quantize` on the

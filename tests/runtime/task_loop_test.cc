@@ -14,6 +14,7 @@
 
 #include "common/atomic_file.h"
 #include "methods/registry.h"
+#include "runner/task_executor.h"
 #include "tests/runtime/fake_coordinator_client.h"
 #include "tests/model_fixtures.h"
 #include "tests/test_util.h"
@@ -231,25 +232,25 @@ TEST_F(TaskLoopTest, MissingCalibrationDataFailsTheTaskNamingTheFile) {
 }
 
 TEST(TaskLoopRetryTest, BadInputIsNotRetryable) {
-  EXPECT_FALSE(worker::IsRetryable(absl::NotFoundError("x")));
-  EXPECT_FALSE(worker::IsRetryable(absl::InvalidArgumentError("x")));
-  EXPECT_FALSE(worker::IsRetryable(absl::DataLossError("x")));
-  EXPECT_TRUE(worker::IsRetryable(absl::InternalError("x")));
-  EXPECT_TRUE(worker::IsRetryable(absl::ResourceExhaustedError("x")));
+  EXPECT_FALSE(job::IsRetryable(absl::NotFoundError("x")));
+  EXPECT_FALSE(job::IsRetryable(absl::InvalidArgumentError("x")));
+  EXPECT_FALSE(job::IsRetryable(absl::DataLossError("x")));
+  EXPECT_TRUE(job::IsRetryable(absl::InternalError("x")));
+  EXPECT_TRUE(job::IsRetryable(absl::ResourceExhaustedError("x")));
 }
 
 // Issue 18: "calibration: calibration: ..." is said once.
 TEST(TaskLoopRetryTest, TaskErrorsNameTheTaskOnce) {
-  EXPECT_EQ(worker::AnnotateTaskError(absl::InvalidArgumentError("no files given"),
+  EXPECT_EQ(job::AnnotateTaskError(absl::InvalidArgumentError("no files given"),
                                        "calibration").message(),
             "calibration: no files given");
-  EXPECT_EQ(worker::AnnotateTaskError(absl::InvalidArgumentError("calibration: no files given"),
+  EXPECT_EQ(job::AnnotateTaskError(absl::InvalidArgumentError("calibration: no files given"),
                                        "calibration").message(),
             "calibration: no files given");
-  EXPECT_EQ(worker::AnnotateTaskError(absl::InternalError("calibration, block 2: out of range"),
+  EXPECT_EQ(job::AnnotateTaskError(absl::InternalError("calibration, block 2: out of range"),
                                        "calibration").message(),
             "calibration, block 2: out of range");
-  const Status s = worker::AnnotateTaskError(absl::DataLossError("x.safetensors: bad"), "block 3");
+  const Status s = job::AnnotateTaskError(absl::DataLossError("x.safetensors: bad"), "block 3");
   EXPECT_EQ(s.message(), "block 3: x.safetensors: bad");
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
 }

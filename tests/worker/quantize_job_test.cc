@@ -5,6 +5,7 @@
 #include <fstream>
 #include <map>
 #include <string>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -135,8 +136,31 @@ TEST_F(QuantizeJobTest, PerplexityOrderingsHold) {
 TEST_F(QuantizeJobTest, CheckpointRoundTripsAndJobResumes) {
   Recipe recipe = MakeRecipe("roundtrip", "quip", 2, "e8p");
   auto opt = Options("roundtrip");
-  auto first = job::RunQuantizeJob(recipe, opt);
+  std::vector<job::JobEvent> events;
+  auto record = [&events](const job::JobEvent& e) { events.push_back(e); };
+  auto first = job::RunQuantizeJob(recipe, opt, record);
   ASSERT_TRUE(first.ok()) << first.status();
+  // Progress: the quantize phase counts blocks from 0, and inside each block every linear is a
+  // step ("block l: <linear>" l/7), so a long block is not silent.
+  std::vector<int64_t> quantize_done;
+  std::map<int64_t, std::vector<std::string>> steps;  // block -> its steps, in order
+  for (const job::JobEvent& e : events) {
+    if (e.phase == "quantize") quantize_done.push_back(e.done);
+    if (e.phase != "block") continue;
+    int layer = -1;
+    ASSERT_EQ(std::sscanf(e.message.c_str(), "block %d:", &layer), 1) << e.message;
+    EXPECT_EQ(e.total, 7) << e.message;
+    steps[layer].push_back(e.message.substr(e.message.find(": ") + 2));
+    EXPECT_EQ(e.done, static_cast<int64_t>(steps[layer].size())) << e.message;
+  }
+  EXPECT_EQ(quantize_done, (std::vector<int64_t>{0, 1, 2, 3, 4, 5}));
+  ASSERT_EQ(steps.size(), 5u);
+  for (const auto& [layer, names] : steps) {
+    EXPECT_EQ(names, (std::vector<std::string>{"self_attn.q_proj", "self_attn.k_proj",
+                                               "self_attn.v_proj", "self_attn.o_proj",
+                                               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}))
+        << "block " << layer;
+  }
   EXPECT_FALSE(first->hessians_from_cache);
   EXPECT_EQ(first->blocks_resumed, 0);
   // Every linear is exactly 2 bits except down_proj, whose 172 inputs are padded to 176.
@@ -180,8 +204,14 @@ TEST_F(QuantizeJobTest, CheckpointRoundTripsAndJobResumes) {
   ASSERT_TRUE(before.ok());
   ASSERT_EQ(std::remove(shard2.c_str()), 0);
   ASSERT_EQ(std::remove((opt.out_dir + "/config.json").c_str()), 0);
-  auto second = job::RunQuantizeJob(recipe, opt);
+  events.clear();
+  auto second = job::RunQuantizeJob(recipe, opt, record);
   ASSERT_TRUE(second.ok()) << second.status();
+  quantize_done.clear();
+  for (const job::JobEvent& e : events) {
+    if (e.phase == "quantize") quantize_done.push_back(e.done);
+  }
+  EXPECT_EQ(quantize_done, (std::vector<int64_t>{4, 5}));  // the 4 resumed blocks, then block 2
   EXPECT_TRUE(second->hessians_from_cache);
   EXPECT_EQ(second->blocks_resumed, blocks - 1);
   auto after = ReadFile(shard2);

@@ -1,26 +1,30 @@
-#include "coordinator/workspace.h"
+#include "runner/workspace.h"
 
 #include <optional>
 
 #include "absl/strings/str_cat.h"
 
-namespace qcal::coordinator {
+namespace qcal::job {
 namespace {
 
 class DiskWorkspace : public JobWorkspace {
  public:
+  explicit DiskWorkspace(std::string holder) : holder_(std::move(holder)) {}
+
   StatusOr<JobPlan> Open(const Recipe& recipe, const v1::JobSpec& spec) override {
-    QCAL_ASSIGN_OR_RETURN(
-        job_lock_, JobDirLock::Acquire(JobDirOf(spec), absl::StrCat("qcal-coordinator, job for ",
-                                                                     spec.out_dir())));
+    const std::string holder =
+        holder_.empty() ? absl::StrCat("qcal-coordinator, job for ", spec.out_dir()) : holder_;
+    QCAL_ASSIGN_OR_RETURN(job_lock_, JobDirLock::Acquire(JobDirOf(spec), holder));
+    job_lock_held_ = true;
     QCAL_ASSIGN_OR_RETURN(JobPlan plan, PlanJob(recipe, spec.model_dir(), spec.out_dir(),
-                                                spec.job_dir(), spec.data_root()));
+                                                JobDirOf(spec), spec.data_root()));
     QCAL_ASSIGN_OR_RETURN(lock_, OutputDirLock::Acquire(spec.out_dir()));
     QCAL_ASSIGN_OR_RETURN(Journal journal, Journal::Open(plan.job_dir + "/journal.jsonl"));
     journal_.emplace(std::move(journal));
     out_dir_ = spec.out_dir();
     num_blocks_ = plan.num_blocks;
-    QCAL_RETURN_IF_ERROR(journal_->Append(JobStartEntry(recipe, plan, spec.model_dir(), spec.out_dir())));
+    QCAL_RETURN_IF_ERROR(
+        journal_->Append(JobStartEntry(recipe, plan, spec.model_dir(), spec.out_dir())));
     return plan;
   }
 
@@ -41,6 +45,8 @@ class DiskWorkspace : public JobWorkspace {
     return journal_->Append(entry);
   }
 
+  bool HoldsJobDir() const override { return job_lock_held_; }
+
   void Close() override {
     lock_ = OutputDirLock();
     job_lock_ = JobDirLock();
@@ -52,6 +58,8 @@ class DiskWorkspace : public JobWorkspace {
   }
 
  private:
+  const std::string holder_;
+  bool job_lock_held_ = false;
   std::optional<Journal> journal_;
   OutputDirLock lock_;
   JobDirLock job_lock_;
@@ -61,10 +69,12 @@ class DiskWorkspace : public JobWorkspace {
 
 }  // namespace
 
-std::unique_ptr<JobWorkspace> MakeDiskWorkspace() { return std::make_unique<DiskWorkspace>(); }
+std::unique_ptr<JobWorkspace> MakeDiskWorkspace(std::string holder) {
+  return std::make_unique<DiskWorkspace>(std::move(holder));
+}
 
 std::string JobDirOf(const v1::JobSpec& spec) {
   return spec.job_dir().empty() ? spec.out_dir() + ".job" : spec.job_dir();
 }
 
-}  // namespace qcal::coordinator
+}  // namespace qcal::job

@@ -1,11 +1,12 @@
-// The job directory side of a service job, behind an interface so the JobManager is testable
-// without real checkpoints (tests/coordinator/fakes.h). The disk implementation is
-// common/job_layout: the same planning, journal and finalization as the single-process
-// `qcal quantize`, so both write identical checkpoints.
+// The job directory side of a job, behind an interface so the coordinator's JobManager is
+// testable without real checkpoints (tests/coordinator/fakes.h). The disk implementation is
+// common/job_layout: planning, journal, staged files and their commit, finalization. Both drivers
+// of a job's task plan use it (runner/run_job.h: `qcal quantize` in process, the coordinator with
+// remote workers), so both write identical checkpoints.
 //
-// One workspace per job. The JobManager never calls it concurrently: Open before any worker
-// exists, Check*/Commit/Append while tasks complete (under the manager's lock), Finalize after
-// the last block task.
+// One workspace per job, never called concurrently: Open before any task runs, Check*/Commit/
+// Append as tasks complete (the coordinator serializes them with the job's file mutex, outside
+// its global lock), Finalize after the last block task.
 #pragma once
 
 #include <functional>
@@ -20,7 +21,7 @@
 #include "common/status.h"
 #include "proto/qcal.pb.h"
 
-namespace qcal::coordinator {
+namespace qcal::job {
 
 class JobWorkspace {
  public:
@@ -33,6 +34,9 @@ class JobWorkspace {
   virtual StatusOr<JobPlan> Open(const Recipe& recipe, const v1::JobSpec& spec) = 0;
   // The job reached a final state: releases the output and job directories' locks.
   virtual void Close() {}
+  // Whether Open got as far as holding the job directory (a job refused for another holder's
+  // lock does not, and must touch nothing).
+  virtual bool HoldsJobDir() const { return false; }
   // Checks a worker's block result before it is accepted: the block's shard name, staged files
   // present with the sizes claimed (nothing is read: the checksum was computed as the worker
   // wrote them, and finalize verifies every shard against the journal).
@@ -51,10 +55,11 @@ class JobWorkspace {
 
 using WorkspaceFactory = std::function<std::unique_ptr<JobWorkspace>()>;
 
-// common/job_layout on the local (shared) filesystem.
-std::unique_ptr<JobWorkspace> MakeDiskWorkspace();
+// common/job_layout on the local (shared) filesystem. `holder` names the driver in the job
+// directory's lock (a second driver's refusal quotes it); empty: "qcal-coordinator, job for OUT".
+std::unique_ptr<JobWorkspace> MakeDiskWorkspace(std::string holder = "");
 
 // The job directory a spec resolves to (job_dir, or out_dir + ".job").
 std::string JobDirOf(const v1::JobSpec& spec);
 
-}  // namespace qcal::coordinator
+}  // namespace qcal::job

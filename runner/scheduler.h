@@ -39,7 +39,7 @@
 #include "common/task_plan.h"
 #include "proto/qcal.pb.h"
 
-namespace qcal::coordinator {
+namespace qcal::job {
 
 class JobScheduler {
  public:
@@ -161,4 +161,4 @@ class JobScheduler {
   std::map<std::string, Assignment> handed_;    // every task id ever handed out
 };
 
-}  // namespace qcal::coordinator
+}  // namespace qcal::job

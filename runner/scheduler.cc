@@ -1,10 +1,10 @@
-#include "coordinator/scheduler.h"
+#include "runner/scheduler.h"
 
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
 
-namespace qcal::coordinator {
+namespace qcal::job {
 namespace {
 
 constexpr char kCalibrateTaskId[] = "calibrate";
@@ -357,4 +357,4 @@ std::vector<JobScheduler::Requeue> JobScheduler::GroupLost(const std::string& re
   return out;
 }
 
-}  // namespace qcal::coordinator
+}  // namespace qcal::job
