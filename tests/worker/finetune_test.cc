@@ -378,13 +378,27 @@ TEST_F(FinetuneTest, QuantizeJobFinetunesResumesAndReproduces) {
   opt.data_root = "/";
   opt.threads = 1;
   std::vector<std::string> phases;
+  std::vector<std::string> block0_steps;  // "block" events: steps inside a block task
   auto first = job::RunQuantizeJob(recipe, opt, [&](const job::JobEvent& e) {
+    if (e.phase == "block") {
+      if (e.message.rfind("block 0: ", 0) == 0) block0_steps.push_back(e.message.substr(9));
+      return;
+    }
     if (phases.empty() || phases.back() != e.phase) phases.push_back(e.phase);
   });
   ASSERT_TRUE(first.ok()) << first.status();
   const std::vector<std::string> expected_phases = {"calibrate", "activations", "quantize",
                                                     "finetune", "finalize"};
   EXPECT_EQ(phases, expected_phases);
+  // With fine-tuning a block is 12 steps: 7 roundings, the no-FT baseline, 4 tunings.
+  const std::vector<std::string> expected_steps = {
+      "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+      "the baseline without fine-tuning",
+      "fine-tuning after self_attn.q_proj, self_attn.k_proj, self_attn.v_proj",
+      "self_attn.o_proj", "fine-tuning after self_attn.o_proj",
+      "mlp.gate_proj", "mlp.up_proj", "fine-tuning after mlp.gate_proj, mlp.up_proj",
+      "mlp.down_proj", "fine-tuning after mlp.down_proj"};
+  EXPECT_EQ(block0_steps, expected_steps);
   const int64_t blocks = model_->num_blocks();
   ASSERT_EQ(first->blocks.size(), static_cast<size_t>(blocks));
   for (const auto& b : first->blocks) {
