@@ -84,7 +84,13 @@ json InputsFingerprint::FilesJson() const {
   return j;
 }
 
-std::string RecipeHash(const Recipe& recipe) { return Fnv1aHex(recipe.ToJson().dump()); }
+std::string RecipeHash(const Recipe& recipe) {
+  json j = recipe.ToJson();
+  // calibration.precision fp32 is what every recipe meant before the key existed: left out of
+  // the hash, so a job started by an earlier qcal resumes (its journal and caches keep their keys).
+  if (j["calibration"].value("precision", "fp32") == "fp32") j["calibration"].erase("precision");
+  return Fnv1aHex(j.dump());
+}
 
 StatusOr<std::string> FileContentHash(const std::string& path) {
   io::ScopedFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));

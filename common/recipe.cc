@@ -84,7 +84,7 @@ std::vector<std::string> MethodNames(const std::vector<const MethodSpec*>& metho
 Status ReadCalibration(const RecipeSection& top, CalibrationSpec* spec) {
   QCAL_ASSIGN_OR_RETURN(
       RecipeSection calibration,
-      top.ReadSection("calibration", {"files", "num_sequences", "seq_len", "seed"}));
+      top.ReadSection("calibration", {"files", "num_sequences", "seq_len", "seed", "precision"}));
   spec->files = {kDefaultCalibrationFile};
   if (const RecipeSection::Entry* files = calibration.Find("files")) {
     if (!files->value.IsSequence()) {
@@ -118,6 +118,7 @@ Status ReadCalibration(const RecipeSection& top, CalibrationSpec* spec) {
       absl::StrCat("such that num_sequences × seq_len is at most ", kMaxCalibrationTokens,
                    " tokens"),
       absl::StrCat(spec->num_sequences, " × ", spec->seq_len)));
+  QCAL_RETURN_IF_ERROR(calibration.ReadChoice("precision", {"fp32", "bf16"}, &spec->precision));
   return calibration.ReadUint("seed", &spec->seed);
 }
 
@@ -267,7 +268,8 @@ nlohmann::json Recipe::ToJson() const {
   j["calibration"] = {{"files", calibration.files},
                       {"num_sequences", calibration.num_sequences},
                       {"seq_len", calibration.seq_len},
-                      {"seed", calibration.seed}};
+                      {"seed", calibration.seed},
+                      {"precision", calibration.precision}};
   j["finetune"] = {{"enabled", finetune.enabled},
                    {"block", StageJson(finetune.block, /*with_enabled=*/false)},
                    {"end_to_end", StageJson(finetune.end_to_end, /*with_enabled=*/true)}};

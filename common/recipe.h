@@ -41,6 +41,11 @@ struct CalibrationSpec {
   int64_t num_sequences = 64;
   int64_t seq_len = 128;  // tokens per sequence including BOS; capped at the model's max
   uint64_t seed = 0;
+  // The arithmetic of the calibration forward's linears where a GPU rank runs it (the device
+  // block forward, kernels/block_forward_cuda.h): "fp32" (default; the CPU's arithmetic up to
+  // summation order) or "bf16" (bf16 inputs and weights, fp32 accumulation on tensor cores). A CPU
+  // rank computes in fp32 and refuses "bf16". docs/algorithms.md "Calibration precision".
+  std::string precision = "fp32";
 };
 
 struct FinetuneStage {

@@ -244,20 +244,30 @@ StatusOr<std::unique_ptr<BlockForwardCuda>> BlockForwardCuda::Create(
 
 namespace {
 
-// y [rows, out] = x [rows, in] · Wᵀ, W [out, in] row-major (column-major: y is [out, rows]).
+// y [seqs·t, out] = x [seqs·t, in] · Wᵀ, W [out, in] row-major (column-major: y is [out, rows]),
+// one GEMM of the same shape (out × t × in) per sequence. cuBLAS picks its kernel (tiles, split-K)
+// by the problem's shape, so a single GEMM over all the pass's rows would sum a row's products in
+// an order that depends on how many sequences share the pass; per sequence, every row of every
+// chunking goes through the same kernel and gets the same bits (batch invariance: the forward,
+// and the Hessians of its outputs, do not depend on the calibration batch or on the ranks).
 Status LinearForward(cublasHandle_t handle, BlockForwardPrecision precision, const void* w,
-                     int64_t out, int64_t in, const void* x, int64_t rows, float* y) {
+                     int64_t out, int64_t in, const void* x, int64_t seqs, int64_t t, float* y) {
   const float one = 1.f, zero = 0.f;
-  const int o = static_cast<int>(out), r = static_cast<int>(rows), i = static_cast<int>(in);
-  if (precision == BlockForwardPrecision::kFloat32) {
-    QCAL_CUBLAS_RETURN_IF_ERROR(cublasSgemm(handle, CUBLAS_OP_T, CUBLAS_OP_N, o, r, i, &one,
-                                            static_cast<const float*>(w), i,
-                                            static_cast<const float*>(x), i, &zero, y, o));
-  } else {
-    QCAL_CUBLAS_RETURN_IF_ERROR(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, o, r, i, &one, w,
-                                             CUDA_R_16BF, i, x, CUDA_R_16BF, i, &zero, y,
-                                             CUDA_R_32F, o, CUBLAS_COMPUTE_32F,
-                                             CUBLAS_GEMM_DEFAULT));
+  const int o = static_cast<int>(out), r = static_cast<int>(t), i = static_cast<int>(in);
+  for (int64_t q = 0; q < seqs; ++q) {
+    float* yq = y + q * t * out;
+    if (precision == BlockForwardPrecision::kFloat32) {
+      const float* xq = static_cast<const float*>(x) + q * t * in;
+      QCAL_CUBLAS_RETURN_IF_ERROR(cublasSgemm(handle, CUBLAS_OP_T, CUBLAS_OP_N, o, r, i, &one,
+                                              static_cast<const float*>(w), i, xq, i, &zero, yq,
+                                              o));
+    } else {
+      const __nv_bfloat16* xq = static_cast<const __nv_bfloat16*>(x) + q * t * in;
+      QCAL_CUBLAS_RETURN_IF_ERROR(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, o, r, i, &one, w,
+                                               CUDA_R_16BF, i, xq, CUDA_R_16BF, i, &zero, yq,
+                                               CUDA_R_32F, o, CUBLAS_COMPUTE_32F,
+                                               CUBLAS_GEMM_DEFAULT));
+    }
   }
   return absl::OkStatus();
 }
@@ -328,7 +338,7 @@ Status BlockForwardCuda::Forward(const float* x, int64_t seqs, int64_t t, const 
     };
     auto linear = [&](int k, const void* in, float* y) {
       return LinearForward(im.cublas, precision_, im.w[k].get(), im.out_features[k],
-                           im.in_features[k], in, rows, y);
+                           im.in_features[k], in, ns, t, y);
     };
     QCAL_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(im.x.get(), x + s0 * t * s.hidden,
                                               rows * s.hidden * 4, cudaMemcpyHostToDevice, st));

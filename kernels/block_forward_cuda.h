@@ -14,7 +14,9 @@
 // Linears run through cuBLAS: in fp32 (CUBLAS_PEDANTIC_MATH, no TF32: the CPU path's arithmetic
 // up to summation order) or with bf16 weights and activations and fp32 accumulation on tensor
 // cores (kBf16: a linear's input is rounded to bf16 before its product, and its Hessian is that of
-// the bf16 values, whose products are exact in fp32). RMSNorm, RoPE, SwiGLU and the residual adds
+// the bf16 values, whose products are exact in fp32). Each linear is one GEMM per sequence, all of
+// the same shape, so a sequence's outputs do not depend on which sequences share its pass: the
+// forward and its Hessians are the same bits for any chunking of the calibration set. RMSNorm, RoPE, SwiGLU and the residual adds
 // are elementwise kernels in fp32. Attention is one tiled kernel: a thread block holds 8 queries
 // of one head (a warp each) and streams the keys and values of their causal range through shared
 // memory in tiles of 32, with an online softmax in fp32 (no [t, t] score matrix). head_dim at

@@ -99,7 +99,8 @@ class GpuBackend {
   // Uploads a plain decoder block (no hooks, dense fp32 weights) for its calibration forward.
   // Unimplemented (the default): the caller runs the CPU forward and feeds NewHessian's sums.
   virtual StatusOr<std::unique_ptr<DeviceBlock>> NewBlock(const BlockForwardShape& shape,
-                                                          const BlockForwardWeights& weights) {
+                                                          const BlockForwardWeights& weights,
+                                                          BlockForwardPrecision precision) {
     return absl::UnimplementedError("this backend has no device block forward");
   }
 };

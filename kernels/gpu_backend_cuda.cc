@@ -104,23 +104,6 @@ class CudaBlock final : public DeviceBlock {
   std::unique_ptr<BlockForwardCuda> block_;
 };
 
-// QCAL_GPU_FORWARD: bf16 (default: tensor cores, fp32 accumulation), fp32 (pedantic, no TF32),
-// or cpu (the calibration forward stays on the CPU; Hessians are still summed on the device).
-StatusOr<BlockForwardPrecision> ForwardPrecisionFromEnv(bool* on_cpu) {
-  const char* v = std::getenv("QCAL_GPU_FORWARD");
-  *on_cpu = false;
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "bf16") == 0) {
-    return BlockForwardPrecision::kBf16;
-  }
-  if (std::strcmp(v, "fp32") == 0) return BlockForwardPrecision::kFloat32;
-  if (std::strcmp(v, "cpu") == 0) {
-    *on_cpu = true;
-    return BlockForwardPrecision::kFloat32;
-  }
-  return absl::InvalidArgumentError(
-      absl::StrCat("QCAL_GPU_FORWARD=", v, ": expected bf16, fp32 or cpu"));
-}
-
 class CudaBackend final : public GpuBackend {
  public:
   CudaBackend(int index, std::string description)
@@ -147,10 +130,8 @@ class CudaBackend final : public GpuBackend {
   }
 
   StatusOr<std::unique_ptr<DeviceBlock>> NewBlock(const BlockForwardShape& shape,
-                                                  const BlockForwardWeights& weights) override {
-    bool on_cpu = false;
-    QCAL_ASSIGN_OR_RETURN(BlockForwardPrecision precision, ForwardPrecisionFromEnv(&on_cpu));
-    if (on_cpu) return absl::UnimplementedError("QCAL_GPU_FORWARD=cpu");
+                                                  const BlockForwardWeights& weights,
+                                                  BlockForwardPrecision precision) override {
     QCAL_CUDA_RETURN_IF_ERROR(cudaSetDevice(index_));
     QCAL_ASSIGN_OR_RETURN(std::unique_ptr<BlockForwardCuda> block,
                           BlockForwardCuda::Create(shape, weights, precision, nullptr));

@@ -292,6 +292,12 @@ StatusOr<std::unique_ptr<JobContext>> OpenJob(const Recipe& recipe,
   ctx->config = ctx->source->config();
   QCAL_ASSIGN_OR_RETURN(ctx->method, methods::MakeMethod(recipe, ctx->config));
   ctx->gpu = kernels::ActiveGpuBackend();
+  if (ctx->gpu == nullptr && recipe.calibration.precision != "fp32") {
+    return absl::FailedPreconditionError(absl::StrCat(
+        options.recipe_source, ": calibration.precision ", recipe.calibration.precision,
+        " is the arithmetic of the GPU's calibration forward, and this rank has no GPU (the CPU "
+        "computes in fp32: use --device cuda, or precision fp32)"));
+  }
   model::SetComputeThreads(options.threads > 0 ? options.threads
                                                : model::AutoComputeThreads(ctx->config));
   std::string capped;
@@ -493,6 +499,7 @@ Status CalibrationWalk(comm::Comm& comm, JobContext* ctx, bool hessians, bool ac
   options.memory_budget_bytes = ActivationBudget(*ctx);
   options.device_sum = ctx->options.device_sum;
   options.gpu = ctx->gpu;
+  options.precision = calib::ForwardPrecision(ctx->recipe.calibration);
   if (options.hessians) {
     QCAL_ASSIGN_OR_RETURN(options.shard_hessians, ShardHessians(comm, *ctx));
   }

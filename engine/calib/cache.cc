@@ -57,6 +57,8 @@ std::string CalibrationKey(const std::string& inputs_key, const LlamaConfig& con
   std::string canon = absl::StrCat("inputs=", inputs_key, "|", LlamaConfigToJson(config).dump());
   for (const std::string& f : spec.files) absl::StrAppend(&canon, "|data:", f);
   absl::StrAppend(&canon, "|n=", spec.num_sequences, "|len=", seq_len, "|seed=", spec.seed);
+  // fp32 is what every key meant before the precision was a recipe key: its caches stay valid.
+  if (spec.precision != "fp32") absl::StrAppend(&canon, "|precision=", spec.precision);
   return Fnv1aHex(canon);
 }
 

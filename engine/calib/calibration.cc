@@ -176,6 +176,7 @@ class Walk {
   Status ReplicatedBlock(int64_t l, const std::string& where) {
     BlockHessians h;
     h.backend = options_.gpu;
+    h.forward_precision = options_.precision;
     const Status forward = [&]() -> Status {
       QCAL_ASSIGN_OR_RETURN(std::unique_ptr<model::DecoderBlock> block, source_.LoadBlock(l));
       Lap(&result_->read_seconds);
@@ -231,6 +232,7 @@ class Walk {
   Status ShardedBlock(int64_t l, const std::string& where) {
     BlockHessians h;
     h.backend = options_.gpu;
+    h.forward_precision = options_.precision;
     std::unique_ptr<model::DecoderBlock> block;
     Status local = [&]() -> Status {
       QCAL_ASSIGN_OR_RETURN(block, source_.LoadBlock(l));
@@ -300,6 +302,11 @@ class Walk {
 };
 
 }  // namespace
+
+kernels::BlockForwardPrecision ForwardPrecision(const CalibrationSpec& spec) {
+  return spec.precision == "bf16" ? kernels::BlockForwardPrecision::kBf16
+                                  : kernels::BlockForwardPrecision::kFloat32;
+}
 
 StatusOr<CalibrationResult> Calibrate(comm::Comm& comm, model::ModelSource& source,
                                       const at::Tensor& tokens, const std::string& job_dir,

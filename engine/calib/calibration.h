@@ -57,7 +57,12 @@ struct CalibrationOptions {
   kernels::DeviceInt64Sum device_sum;
   // The rank's GPU backend (null: the CPU): the block forward and the Hessian sums run there.
   kernels::GpuBackend* gpu = nullptr;
+  // The device block forward's arithmetic (CalibrationSpec::precision; the CPU's is fp32).
+  kernels::BlockForwardPrecision precision = kernels::BlockForwardPrecision::kFloat32;
 };
+
+// The device block forward's arithmetic a recipe asks for (CalibrationSpec::precision).
+kernels::BlockForwardPrecision ForwardPrecision(const CalibrationSpec& spec);
 
 struct CalibrationResult {
   std::vector<BlockHessians> hessians;  // one per block when kept (the reduced totals)

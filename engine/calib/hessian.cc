@@ -389,7 +389,8 @@ StatusOr<bool> DeviceForward(model::DecoderBlock& block, const at::Tensor& x,
   if (t > rope.max_positions()) return false;  // the CPU forward reports it
   if (hessians->device_block == nullptr || hessians->device_block_key != bw.linears[0]) {
     hessians->device_block.reset();
-    StatusOr<std::unique_ptr<kernels::DeviceBlock>> b = gpu->NewBlock(shape, bw);
+    StatusOr<std::unique_ptr<kernels::DeviceBlock>> b =
+        gpu->NewBlock(shape, bw, hessians->forward_precision);
     if (!b.ok()) {
       if (b.status().code() == absl::StatusCode::kUnimplemented) return false;
       return Annotate(b.status(), "device block forward");

@@ -153,6 +153,8 @@ struct BlockHessians {
   // The rank's GPU backend the sums are collected on (ForwardCollectingHessians) and reduced on
   // (reduce.h AllReduceDeviceHessians); null: the CPU.
   kernels::GpuBackend* backend = nullptr;
+  // The arithmetic of the device block forward's linears (CalibrationSpec::precision).
+  kernels::BlockForwardPrecision forward_precision = kernels::BlockForwardPrecision::kFloat32;
   // With a GPU backend: the device's sums not yet merged into h (see ForwardCollectingHessians
   // and FlushDeviceHessians). Null otherwise. Shared by copies (flush before copying).
   std::array<std::shared_ptr<kernels::DeviceHessian>, 4> device;

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "engine/calib/calibration.h"
 #include "engine/calib/hessian.h"
 #include "engine/qsim/act_quant.h"
 #include "engine/qsim/bfp_kv.h"
@@ -283,6 +284,7 @@ StatusOr<quant::BlockTaskResult> QuantizeRotatedBlock(
   }
   calib::BlockHessians hessians;
   hessians.backend = gpu;
+  hessians.forward_precision = calib::ForwardPrecision(recipe.calibration);
   if (q->gptq()) {
     QCAL_RETURN_IF_ERROR(
         calib::ForwardCollectingHessians(block, *x, rope, batch, &hessians).status());

@@ -87,6 +87,7 @@ void ExpectSameRecipe(const Recipe& a, const Recipe& b, const std::string& what)
   EXPECT_EQ(a.calibration.num_sequences, b.calibration.num_sequences);
   EXPECT_EQ(a.calibration.seq_len, b.calibration.seq_len);
   EXPECT_EQ(a.calibration.seed, b.calibration.seed);
+  EXPECT_EQ(a.calibration.precision, b.calibration.precision);
   EXPECT_EQ(a.finetune.enabled, b.finetune.enabled);
   for (const auto& [sa, sb] : {std::make_pair(&a.finetune.block, &b.finetune.block),
                                std::make_pair(&a.finetune.end_to_end, &b.finetune.end_to_end)}) {
@@ -345,7 +346,16 @@ TEST(RecipeDefaults, JsonIsCompleteForQuip) {
   EXPECT_EQ(j["finetune"]["enabled"], true);
   EXPECT_EQ(j["finetune"]["block"].size(), 4u) << j;  // enabled lives at finetune.enabled
   EXPECT_EQ(j["finetune"]["end_to_end"].size(), 5u) << j;
-  EXPECT_EQ(j["calibration"].size(), 4u) << j;
+  EXPECT_EQ(j["calibration"].size(), 5u) << j;
+  EXPECT_EQ(j["calibration"]["precision"], "fp32") << j;  // recorded even when not written
+}
+
+TEST(RecipeDefaults, CalibrationPrecisionIsFp32OrBf16) {
+  const Recipe r = MustParse("method: quip\ncalibration: {precision: bf16}\n");
+  EXPECT_EQ(r.calibration.precision, "bf16");
+  ExpectRoundTrip(r, "bf16");
+  ExpectError("method: quip\ncalibration: {precision: fp16}\n",
+              {"key 'calibration.precision'", "must be fp32 or bf16, got 'fp16'"});
 }
 
 TEST(RecipeDefaults, QuipScaleModes) {

@@ -18,6 +18,7 @@
 #include "common/hash.h"
 #include "common/safetensors.h"
 #include <sys/stat.h>
+#include "common/input_fingerprint.h"
 #include "common/io_util.h"
 #include "methods/registry.h"
 #include "tests/test_util.h"
@@ -431,6 +432,21 @@ TEST(InputFingerprintTest, KeyFollowsContentAndTheJournalOnlyResumesSameInputs) 
   auto other = FingerprintInputs(TinyRecipe("rtn", 3), model, "", "");
   ASSERT_TRUE(other.ok());
   EXPECT_NE(other->key, key);
+}
+
+// A job journaled by an earlier qcal resumes: calibration.precision fp32 (the default, what every
+// recipe meant before the key existed) leaves the recipe hash as it was. The value is the
+// recipe_hash that main 8ffa820 (before the key) journaled for jobs/quip-e8p-2bit.yaml.
+TEST(InputFingerprintTest, RecipeHashOfAnFp32RecipeIsTheOneBeforeThePrecisionKey) {
+  auto text = ReadFile(testing::SourceDir() + "/jobs/quip-e8p-2bit.yaml");
+  ASSERT_TRUE(text.ok()) << text.status();
+  auto fp32 = ParseRecipe(*text, "quip-e8p-2bit.yaml");
+  ASSERT_TRUE(fp32.ok()) << fp32.status();
+  EXPECT_EQ(fp32->ToJson()["calibration"]["precision"], "fp32");
+  EXPECT_EQ(RecipeHash(*fp32), "229b6bcb3f1b1376");
+  Recipe bf16 = *fp32;
+  bf16.calibration.precision = "bf16";
+  EXPECT_NE(RecipeHash(bf16), RecipeHash(*fp32));
 }
 
 // One driver per job directory: the second is refused naming the first; the lock goes with its

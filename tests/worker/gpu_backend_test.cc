@@ -12,6 +12,7 @@
 #include <cstring>
 #include <filesystem>
 #include <string>
+#include <vector>
 
 #include "common/atomic_file.h"
 #include "common/hf_config.h"
@@ -75,6 +76,7 @@ class FakeBackend : public kernels::GpuBackend {
 };
 
 std::atomic<int> g_new_blocks{0};
+std::vector<kernels::BlockForwardPrecision> g_precisions;  // NewBlock's, in order
 std::atomic<int> g_block_forwards{0};
 
 // The CPU forward behind the device-block interface: a DecoderBlock over copies of the uploaded
@@ -151,8 +153,10 @@ class FakeBlockBackend final : public FakeBackend {
  public:
   explicit FakeBlockBackend(LlamaConfig config) : config_(std::move(config)) {}
   StatusOr<std::unique_ptr<kernels::DeviceBlock>> NewBlock(
-      const kernels::BlockForwardShape& shape, const kernels::BlockForwardWeights& w) override {
+      const kernels::BlockForwardShape& shape, const kernels::BlockForwardWeights& w,
+      kernels::BlockForwardPrecision precision) override {
     ++g_new_blocks;
+    g_precisions.push_back(precision);
     return std::unique_ptr<kernels::DeviceBlock>(
         std::make_unique<FakeDeviceBlock>(config_, shape, w));
   }
@@ -226,6 +230,7 @@ TEST(GpuBackendTest, BlockForwardOnTheDeviceWritesTheCpuJobsBytes) {
   g_hessian_adds = 0;
   g_new_hessians = 0;
   g_new_blocks = 0;
+  g_precisions.clear();
   g_block_forwards = 0;
   g_roundings = 0;
   ExpectSameBytesThroughTheBackend(
@@ -234,10 +239,52 @@ TEST(GpuBackendTest, BlockForwardOnTheDeviceWritesTheCpuJobsBytes) {
   // Each of the 5 blocks is uploaded once and runs its 2 chunks of 8 sequences on the device,
   // its 4 linear inputs going to the device Hessians there.
   EXPECT_EQ(g_new_blocks.load(), 5);
+  EXPECT_EQ(g_precisions, std::vector<kernels::BlockForwardPrecision>(
+                              5, kernels::BlockForwardPrecision::kFloat32));  // the default
   EXPECT_EQ(g_block_forwards.load(), 5 * 2);
   EXPECT_EQ(g_hessian_adds.load(), 5 * 4 * 2);
   EXPECT_EQ(g_new_hessians.load(), 5 * 4);
   EXPECT_EQ(g_roundings.load(), 5 * 7);
+}
+
+// calibration.precision is the recipe's, not the process's: bf16 reaches the device block
+// forward of every block, and a rank without a GPU refuses it (naming the key) rather than
+// computing something the checkpoint would not say.
+TEST(GpuBackendTest, TheRecipeChoosesTheDeviceForwardsPrecision) {
+  model::SetComputeThreads(1);
+  const std::string root = testing::MakeTempDir("gpu_backend_precision");
+  auto recipe = ParseRecipe(
+      std::string("name: quip-bf16\nmethod: quip\nbits: 2\ncodebook: e8p\n"
+                  "calibration: {files: [data/wikitext2/wiki.valid.tokens], num_sequences: 16, "
+                  "seq_len: 128, precision: bf16}\n"),
+      "quip-bf16.yaml");
+  ASSERT_TRUE(recipe.ok()) << recipe.status();
+  EXPECT_EQ(recipe->ToJson()["calibration"]["precision"], "bf16");
+  job::QuantizeJobOptions o;
+  o.model_dir = testing::RealModelDir("stories260K");
+  o.data_root = testing::SharedDir();
+  o.threads = 1;
+  o.recipe_source = "quip-bf16.yaml";
+  o.out_dir = root + "/cpu";
+  auto refused = job::RunQuantizeJob(*recipe, o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("quip-bf16.yaml: calibration.precision bf16"),
+            std::string::npos)
+      << refused.status();
+
+  auto config = LoadLlamaConfig(testing::RealModelDir("stories260K") + "/config.json");
+  ASSERT_TRUE(config.ok()) << config.status();
+  ASSERT_EQ(kernels::SetActiveGpuBackend(std::make_unique<FakeBlockBackend>(*config)), nullptr);
+  g_precisions.clear();
+  o.out_dir = root + "/gpu";
+  auto done = job::RunQuantizeJob(*recipe, o);
+  kernels::SetActiveGpuBackend(nullptr);
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_EQ(g_precisions, std::vector<kernels::BlockForwardPrecision>(
+                              5, kernels::BlockForwardPrecision::kBf16));
+  auto written = LoadLlamaConfig(o.out_dir + "/config.json");
+  ASSERT_TRUE(written.ok()) << written.status();
+  EXPECT_EQ(written->raw["quantization_config"]["recipe"]["calibration"]["precision"], "bf16");
 }
 
 TEST(GpuBackendTest, GptqJobsThroughTheBackendWriteTheCpuJobsBytes) {
