@@ -12,6 +12,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -395,8 +396,25 @@ TEST_F(QuarotQuantizeTest, JobRedoesALostShardAndTheBlocksAfterItBitForBit) {
   opt.data_root = testing::SharedDir();
   opt.calib_batch = 8;
   opt.threads = 1;
-  auto first = job::RunQuantizeJob(recipe, opt);
+  // Progress inside each block: the Hessians of the rotated block, the GPTQ rounding, then (when
+  // a later block needs the outputs) the propagation, counted 1, 2[, 3].
+  std::map<std::string, std::vector<std::string>> steps;  // "block l" -> its steps
+  auto first = job::RunQuantizeJob(recipe, opt, [&](const job::JobEvent& e) {
+    if (e.phase != "block") return;
+    const size_t colon = e.message.find(": ");
+    std::vector<std::string>& mine = steps[e.message.substr(0, colon)];
+    mine.push_back(e.message.substr(colon + 2));
+    EXPECT_EQ(e.done, static_cast<int64_t>(mine.size())) << e.message;
+    EXPECT_LE(e.done, e.total) << e.message;
+  });
   ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_EQ(steps.size(), first->blocks.size());
+  for (const auto& [block, names] : steps) {
+    ASSERT_GE(names.size(), 2u) << block;
+    EXPECT_EQ(names[0], "Hessians of the rotated block") << block;
+    EXPECT_EQ(names[1], "GPTQ rounding") << block;
+  }
+  EXPECT_EQ(steps["block 0"].size(), 3u);  // propagated to block 1
   EXPECT_EQ(first->blocks_resumed, 0);
   EXPECT_NEAR(first->code_bits, 4.0, 1e-9);
 
