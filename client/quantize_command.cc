@@ -31,14 +31,15 @@ struct QuantizeOptions {
   bool json = false;
 };
 
-// Phases summed by name (seconds, largest peak), in first-seen order.
+// Phases summed by name (seconds, largest host and device peaks), in first-seen order.
 class PhaseSums {
  public:
   void Add(const v1::PhaseTiming& p) {
-    auto [it, fresh] = sums_.try_emplace(p.name(), 0.0, int64_t{-1});
+    auto [it, fresh] = sums_.try_emplace(p.name());
     if (fresh) order_.push_back(p.name());
-    it->second.first += p.seconds();
-    it->second.second = std::max(it->second.second, p.peak_host_bytes());
+    it->second.seconds += p.seconds();
+    it->second.host = std::max(it->second.host, p.peak_host_bytes());
+    it->second.device = std::max(it->second.device, p.peak_device_bytes());
   }
   // "read weights 0.01 s; quantize 1.10 s, peak 0.50 GiB (factor 0.20 s, round 0.80 s); ...":
   // a part "<parent>/<part>" goes in parentheses after its parent.
@@ -46,14 +47,17 @@ class PhaseSums {
     std::string line;
     for (const std::string& name : order_) {
       if (name.find('/') != std::string::npos && sums_.count(Parent(name))) continue;
-      const auto& [seconds, peak] = sums_.at(name);
-      absl::StrAppendFormat(&line, "%s%s %.2f s", line.empty() ? "" : "; ", name, seconds);
-      if (peak >= 0) absl::StrAppendFormat(&line, ", peak %.2f GiB", peak / 1073741824.0);
+      const Sum& sum = sums_.at(name);
+      absl::StrAppendFormat(&line, "%s%s %.2f s", line.empty() ? "" : "; ", name, sum.seconds);
+      if (sum.host >= 0) absl::StrAppendFormat(&line, ", peak %.2f GiB", sum.host / 1073741824.0);
+      if (sum.device >= 0) {
+        absl::StrAppendFormat(&line, ", device peak %.2f GiB", sum.device / 1073741824.0);
+      }
       std::string parts;
       for (const std::string& part : order_) {
         if (part.find('/') == std::string::npos || Parent(part) != name) continue;
         absl::StrAppendFormat(&parts, "%s%s %.2f s", parts.empty() ? "" : ", ",
-                              part.substr(name.size() + 1), sums_.at(part).first);
+                              part.substr(name.size() + 1), sums_.at(part).seconds);
       }
       if (!parts.empty()) absl::StrAppend(&line, " (", parts, ")");
     }
@@ -62,8 +66,13 @@ class PhaseSums {
 
  private:
   static std::string Parent(const std::string& name) { return name.substr(0, name.find('/')); }
+  struct Sum {
+    double seconds = 0;
+    int64_t host = -1;
+    int64_t device = -1;
+  };
   std::vector<std::string> order_;
-  std::map<std::string, std::pair<double, int64_t>> sums_;
+  std::map<std::string, Sum> sums_;
 };
 
 int RunQuantize(const QuantizeOptions& o_in) {
@@ -139,6 +148,9 @@ int RunQuantize(const QuantizeOptions& o_in) {
                         {"peak_host_bytes", result->peak_host_bytes >= 0
                                                 ? nlohmann::json(result->peak_host_bytes)
                                                 : nlohmann::json()},
+                        {"peak_device_bytes", result->peak_device_bytes >= 0
+                                                  ? nlohmann::json(result->peak_device_bytes)
+                                                  : nlohmann::json()},
                         {"blocks", blocks}};
     std::printf("%s\n", j.dump().c_str());
     return 0;

@@ -8,14 +8,17 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <utility>
 
 namespace qcal {
 namespace {
 
-// The process's open phases (every trace's running one): id -> the largest mark read for it.
+// The process's open phases (every trace's running one): id -> the largest marks read for it.
 struct OpenPhases {
   std::mutex mu;
   std::map<int64_t, int64_t> peak;
+  std::map<int64_t, int64_t> device_peak;
+  DevicePeakProbe device_probe;
   int64_t next_id = 1;
 };
 
@@ -50,11 +53,15 @@ bool ResetResidentPeak() {
   return ok;
 }
 
-// Reads the mark into every open phase, then resets it. Under Open().mu.
+// Reads the marks into every open phase, then resets them. Under Open().mu.
 void FoldAndReset(OpenPhases& open) {
   const int64_t mark = ResidentPeakBytes();
   for (auto& [id, peak] : open.peak) peak = std::max(peak, mark);
   ResetResidentPeak();
+  if (open.device_probe) {
+    const int64_t device_mark = open.device_probe();
+    for (auto& [id, peak] : open.device_peak) peak = std::max(peak, device_mark);
+  }
 }
 
 }  // namespace
@@ -62,6 +69,14 @@ void FoldAndReset(OpenPhases& open) {
 int64_t ResidentPeakBytes() {
   const int64_t kb = ReadStatusKb("VmHWM");
   return kb < 0 ? -1 : kb * 1024;
+}
+
+DevicePeakProbe SetDevicePeakProbe(DevicePeakProbe probe) {
+  OpenPhases& open = Open();
+  std::lock_guard<std::mutex> lock(open.mu);
+  FoldAndReset(open);
+  std::swap(open.device_probe, probe);
+  return probe;
 }
 
 PhaseTrace::~PhaseTrace() { End(); }
@@ -74,6 +89,8 @@ void PhaseTrace::Begin(const std::string& name) {
     FoldAndReset(open);
     open_id_ = open.next_id++;
     open.peak[open_id_] = ResidentPeakBytes();  // the resident size now, after the reset
+    // The device's use now, after the fold (-1 without a probe).
+    open.device_peak[open_id_] = open.device_probe ? open.device_probe() : -1;
   }
   v1::PhaseTiming t;
   t.set_name(name);
@@ -94,6 +111,9 @@ void PhaseTrace::End() {
   auto it = open.peak.find(open_id_);
   t.set_peak_host_bytes(it == open.peak.end() ? -1 : it->second);
   if (it != open.peak.end()) open.peak.erase(it);
+  auto dev = open.device_peak.find(open_id_);
+  t.set_peak_device_bytes(dev == open.device_peak.end() ? -1 : dev->second);
+  if (dev != open.device_peak.end()) open.device_peak.erase(dev);
 }
 
 void PhaseTrace::AppendTo(google::protobuf::RepeatedPtrField<v1::PhaseTiming>* out) const {

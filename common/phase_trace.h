@@ -10,11 +10,17 @@
 // the process reached while it was open. Where the kernel offers no mark (not Linux), the peak is
 // -1; where it cannot be reset, a phase's peak is the process's since it started.
 //
+// Device memory works the same way when the device layer installs a probe (SetDevicePeakProbe:
+// kernels' GPU backend does when a job selects a device): every Begin and End takes the device's
+// high-water mark since the probe's last call into every open phase. Without a probe a phase's
+// device peak is -1.
+//
 // Thread-safe; a PhaseTrace itself is used by one thread.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -24,6 +30,14 @@ namespace qcal {
 
 // The process's resident high-water mark in bytes (-1 when unknown).
 int64_t ResidentPeakBytes();
+
+// The device's memory high-water mark in bytes since the probe's previous call (the first call:
+// since the probe started), -1 when unknown; each call starts a new mark from the memory in use
+// now. Called with the process's phase lock held, from any thread.
+using DevicePeakProbe = std::function<int64_t()>;
+// Installs the process's device probe (nullptr: none) and returns the previous one. Installing a
+// probe takes the previous probe's mark first, so no phase loses a peak.
+DevicePeakProbe SetDevicePeakProbe(DevicePeakProbe probe);
 
 // Appends a part of phase `parent` measured inside it, named "<parent>/<part>" ("quantize/factor":
 // a sum over the block's linears): its seconds, no peaks of its own (-1; the parent's cover it).

@@ -103,6 +103,10 @@ class GpuBackend {
                                                           BlockForwardPrecision precision) {
     return absl::UnimplementedError("this backend has no device block forward");
   }
+  // The device memory high-water mark in bytes since the previous call (the first: since the
+  // backend started), then a new mark from the memory in use now; -1 when unknown (the default).
+  // The job's phase traces read it (common/phase_trace.h's device probe). Any thread.
+  virtual int64_t TakePeakDeviceBytes() { return -1; }
 };
 
 // Kernel dispatch: a rounding kernel on `gpu` (the rank's backend, passed down by its caller;

@@ -3,8 +3,13 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -104,11 +109,68 @@ class CudaBlock final : public DeviceBlock {
   std::unique_ptr<BlockForwardCuda> block_;
 };
 
+// The device's memory in use (cudaMemGetInfo: total - free, so the CUDA context and any other
+// process on the device count too), sampled every kSamplePeriod on a thread of its own; its
+// high-water mark between two Take calls. Kernels' work spaces live for at least a kernel's
+// duration, far above the period, so the peak a phase reports is the rounding's or the forward's.
+class DeviceMemorySampler {
+ public:
+  static constexpr std::chrono::milliseconds kSamplePeriod{5};
+
+  explicit DeviceMemorySampler(int device) : device_(device) {
+    mark_ = Used();
+    thread_ = std::thread([this] { Run(); });
+  }
+  ~DeviceMemorySampler() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    thread_.join();
+  }
+
+  int64_t Take() {
+    const int64_t used = Used();
+    const int64_t peak = mark_.exchange(used);
+    return used < 0 && peak < 0 ? -1 : std::max(peak, used);
+  }
+
+ private:
+  int64_t Used() const {
+    size_t free = 0, total = 0;
+    if (cudaSetDevice(device_) != cudaSuccess || cudaMemGetInfo(&free, &total) != cudaSuccess) {
+      return -1;
+    }
+    return static_cast<int64_t>(total - free);
+  }
+
+  void Run() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stop_) {
+      const int64_t used = Used();
+      int64_t mark = mark_.load();
+      while (used > mark && !mark_.compare_exchange_weak(mark, used)) {
+      }
+      wake_.wait_for(lock, kSamplePeriod, [this] { return stop_; });
+    }
+  }
+
+  const int device_;
+  std::atomic<int64_t> mark_{-1};
+  std::mutex mu_;
+  std::condition_variable wake_;
+  bool stop_ = false;  // under mu_
+  std::thread thread_;
+};
+
 class CudaBackend final : public GpuBackend {
  public:
   CudaBackend(int index, std::string description)
-      : index_(index), description_(std::move(description)) {}
+      : index_(index), description_(std::move(description)), memory_(index) {}
   std::string description() const override { return description_; }
+
+  int64_t TakePeakDeviceBytes() override { return memory_.Take(); }
 
   StatusOr<std::unique_ptr<DeviceHessian>> NewHessian(int64_t n) override {
     QCAL_CUDA_RETURN_IF_ERROR(cudaSetDevice(index_));
@@ -141,6 +203,7 @@ class CudaBackend final : public GpuBackend {
  private:
   int index_;
   std::string description_;
+  DeviceMemorySampler memory_;
 };
 
 }  // namespace

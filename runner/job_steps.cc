@@ -292,6 +292,17 @@ StatusOr<std::unique_ptr<JobContext>> OpenJob(const Recipe& recipe,
   ctx->config = ctx->source->config();
   QCAL_ASSIGN_OR_RETURN(ctx->method, methods::MakeMethod(recipe, ctx->config));
   ctx->gpu = kernels::ActiveGpuBackend();
+  // Every phase of the job records the device's peak memory beside the host's (-1 on a CPU
+  // rank). The probe asks the process's backend when it runs, so a backend a test swaps later
+  // is never called after it is gone.
+  if (ctx->gpu != nullptr) {
+    SetDevicePeakProbe([] {
+      kernels::GpuBackend* gpu = kernels::ActiveGpuBackend();
+      return gpu != nullptr ? gpu->TakePeakDeviceBytes() : int64_t{-1};
+    });
+  } else {
+    SetDevicePeakProbe(nullptr);
+  }
   if (ctx->gpu == nullptr && recipe.calibration.precision != "fp32") {
     return absl::FailedPreconditionError(absl::StrCat(
         options.recipe_source, ": calibration.precision ", recipe.calibration.precision,

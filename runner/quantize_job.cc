@@ -219,6 +219,7 @@ StatusOr<QuantizeJobResult> RunQuantizeJob(const Recipe& recipe, const QuantizeJ
     done.phases = trace.phases();
     for (const v1::PhaseTiming& p : done.phases) {
       done.peak_host_bytes = std::max(done.peak_host_bytes, p.peak_host_bytes());
+      done.peak_device_bytes = std::max(done.peak_device_bytes, p.peak_device_bytes());
     }
     return done;
   }();

@@ -77,6 +77,7 @@ struct QuantizeJobResult {
   std::vector<v1::PhaseTiming> calibrate_phases;
   std::vector<v1::PhaseTiming> finetune_phases;
   int64_t peak_host_bytes = -1;  // the largest of the phases' peaks
+  int64_t peak_device_bytes = -1;  // the same on the rank's GPU (-1: a CPU rank)
 };
 
 StatusOr<QuantizeJobResult> RunQuantizeJob(const Recipe& recipe, const QuantizeJobOptions& options,

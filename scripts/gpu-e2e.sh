@@ -30,6 +30,7 @@ case "${1:-}" in
     strip --strip-debug "$stage/qcal" "$stage/worker_gpu_block_forward_test"
     mkdir -p "$stage/shared/models" "$stage/shared/data/wikitext2" "$stage/shared/data/tinystories"
     cp -r "$shared/models/stories260K" "$stage/shared/models/"
+    cp -r "$shared/models/llama3-tokenizer" "$stage/shared/models/"  # bench/gpu-scale.sh
     cp "$shared/data/wikitext2/wiki.valid.tokens" "$stage/shared/data/wikitext2/"
     cp "$shared/data/tinystories/TinyStories-valid.sample30k.txt" "$stage/shared/data/tinystories/"
     mkdir -p .device && rm -f .device/qcal.part.*

@@ -154,9 +154,9 @@ at::Tensor OrthogonalTransformOp::ApplyRfft(const at::Tensor& x, bool inverse) c
   at::Tensor z = at::view_as_complex(xc.view(pair_shape));
   const at::Tensor phases = Like(phases128_, phases64_, x);
   if (!inverse) {
-    z = at::fft_fft(z * phases, c10::nullopt, -1, "ortho");
+    z = at::fft_fft(z * phases, /*n=*/{}, -1, "ortho");
   } else {
-    z = at::fft_ifft(z, c10::nullopt, -1, "ortho") * phases.conj();
+    z = at::fft_ifft(z, /*n=*/{}, -1, "ortho") * phases.conj();
   }
   return at::view_as_real(z).reshape(x.sizes());
 }

@@ -178,7 +178,9 @@ TEST_F(CliTest, QuantizeJsonHasPhaseTimesAndPeaks) {
     ASSERT_TRUE(p["peak_host_bytes"].is_number()) << p;  // Linux: VmHWM
     EXPECT_GT(p["peak_host_bytes"].get<int64_t>(), 0);
     EXPECT_LE(p["peak_host_bytes"].get<int64_t>(), j["peak_host_bytes"].get<int64_t>());
+    EXPECT_TRUE(p["peak_device_bytes"].is_null()) << "a CPU job has no device peak: " << p;
   }
+  EXPECT_TRUE(j.contains("peak_device_bytes") && j["peak_device_bytes"].is_null()) << j;
   EXPECT_GE(sum, j["seconds"].get<double>() * 0.999);  // the job's wall time is within them
   ASSERT_EQ(j["blocks"].size(), 5u);
   for (const auto& b : j["blocks"]) {

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <memory>
@@ -64,6 +65,55 @@ TEST(PhaseTraceTest, PeaksFollowTheResidentSetAndNest) {
   later.End();
   EXPECT_LT(later.phases()[0].peak_host_bytes(), big - static_cast<int64_t>(kBig) / 2)
       << "the kernel did not reset the high-water mark (/proc/self/clear_refs)";
+}
+
+// A device the test drives by hand: `used` is the memory in use, `mark` its high-water mark since
+// the probe's last call, as a GPU backend's sampler keeps them.
+struct FakeDevice {
+  int64_t used = 0;
+  int64_t mark = 0;
+  int calls = 0;
+  void Use(int64_t bytes) {
+    used = bytes;
+    mark = std::max(mark, used);
+  }
+  int64_t Take() {
+    ++calls;
+    const int64_t peak = std::max(mark, used);
+    mark = used;
+    return peak;
+  }
+};
+
+TEST(PhaseTraceTest, DevicePeaksComeFromTheProbeAndNest) {
+  FakeDevice device;
+  device.Use(100);
+  SetDevicePeakProbe([&device] { return device.Take(); });
+  PhaseTrace outer, inner;
+  outer.Begin("job");
+  inner.Begin("upload");
+  device.Use(1000);  // weights uploaded
+  inner.Begin("round");
+  device.Use(5000);  // work space of the rounding kernel, freed before the phase ends
+  device.Use(1000);
+  inner.Begin("free");
+  device.Use(100);
+  inner.End();
+  outer.End();
+  EXPECT_GT(device.calls, 0);
+  DevicePeakProbe previous = SetDevicePeakProbe(nullptr);
+  EXPECT_TRUE(previous) << "the installed probe is handed back";
+  const auto& in = inner.phases();
+  ASSERT_EQ(in.size(), 3u);
+  EXPECT_EQ(in[0].peak_device_bytes(), 1000);
+  EXPECT_EQ(in[1].peak_device_bytes(), 5000) << "a peak inside the phase, gone at its end";
+  EXPECT_EQ(in[2].peak_device_bytes(), 1000) << "began while 1000 bytes were in use";
+  EXPECT_EQ(outer.phases()[0].peak_device_bytes(), 5000) << "the enclosing phase saw it";
+  // Without a probe the device peak is unknown again.
+  PhaseTrace after;
+  after.Begin("cpu");
+  after.End();
+  EXPECT_EQ(after.phases()[0].peak_device_bytes(), -1);
 }
 
 }  // namespace

@@ -73,6 +73,12 @@ class FakeBackend : public kernels::GpuBackend {
     ++g_gptq;
     return kernels::Gptq(w, m, n, h, config);
   }
+  // A device whose memory use peaks at peak_ bytes (the CUDA backend samples cudaMemGetInfo).
+  int64_t TakePeakDeviceBytes() override { return peak_; }
+  void set_peak(int64_t bytes) { peak_ = bytes; }
+
+ private:
+  int64_t peak_ = -1;
 };
 
 std::atomic<int> g_new_blocks{0};
@@ -300,6 +306,46 @@ TEST(GpuBackendTest, GptqJobsThroughTheBackendWriteTheCpuJobsBytes) {
                   "scalar: {group_size: 32, symmetric: false}\n") + kCalib,
       "gptq_group");
   EXPECT_EQ(g_gptq.load(), 2 * 5 * 7);
+}
+
+// Every phase of a job on a GPU rank carries the device's peak memory beside the host's (the
+// backend's mark, through common/phase_trace.h's probe), and `qcal quantize --json` its largest;
+// a CPU job's are unknown (-1).
+TEST(GpuBackendTest, PhasesCarryTheDevicesPeakMemory) {
+  model::SetComputeThreads(1);
+  const std::string root = testing::MakeTempDir("gpu_backend_peaks");
+  auto recipe = ParseRecipe(
+      std::string("name: gptq-peaks\nmethod: gptq\nbits: 4\n") + kCalib, "gptq-peaks.yaml");
+  ASSERT_TRUE(recipe.ok()) << recipe.status();
+  job::QuantizeJobOptions o;
+  o.model_dir = testing::RealModelDir("stories260K");
+  o.data_root = testing::SharedDir();
+  o.threads = 1;
+  constexpr int64_t kPeak = int64_t{3} << 30;
+  auto backend = std::make_unique<FakeBackend>();
+  backend->set_peak(kPeak);
+  ASSERT_EQ(kernels::SetActiveGpuBackend(std::move(backend)), nullptr);
+  o.out_dir = root + "/gpu";
+  auto gpu = job::RunQuantizeJob(*recipe, o);
+  kernels::SetActiveGpuBackend(nullptr);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  EXPECT_EQ(gpu->peak_device_bytes, kPeak);
+  // The job's phases after the job opened its rank's device ("plan" and "open" run before).
+  int with_peak = 0;
+  for (const v1::PhaseTiming& p : gpu->phases) with_peak += p.peak_device_bytes() == kPeak;
+  EXPECT_GE(with_peak, 3) << "calibrate, quantize, finalize";
+  ASSERT_EQ(gpu->blocks.size(), 5u);
+  for (const job::BlockSummary& b : gpu->blocks) {
+    for (const v1::PhaseTiming& p : b.phases) {
+      if (p.name().find('/') != std::string::npos) continue;  // parts carry no peaks
+      EXPECT_EQ(p.peak_device_bytes(), kPeak) << "block " << b.layer << ": " << p.name();
+    }
+  }
+  o.out_dir = root + "/cpu";
+  auto cpu = job::RunQuantizeJob(*recipe, o);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  EXPECT_EQ(cpu->peak_device_bytes, -1);
+  for (const v1::PhaseTiming& p : cpu->phases) EXPECT_EQ(p.peak_device_bytes(), -1) << p.name();
 }
 
 TEST(DeviceSelectTest, ChoicesAndErrors) {
