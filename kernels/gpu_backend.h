@@ -87,6 +87,9 @@ class GpuBackend {
   virtual ~GpuBackend() = default;
   // "cuda:0 (NVIDIA H100 80GB HBM3, 79.2 GiB)".
   virtual std::string description() const = 0;
+  // The CUDA device index the backend computes on (LibTorch's work on the rank goes there when
+  // LibTorch has CUDA); -1 (the default) for a backend that is not a CUDA device.
+  virtual int cuda_device() const { return -1; }
   virtual StatusOr<std::unique_ptr<DeviceHessian>> NewHessian(int64_t n) = 0;
   // BlockLDLQ with the E8P codebook (BlockLdlq's contract for codebook "e8p"; refine_sweeps 0).
   virtual StatusOr<VectorRoundingResult> BlockLdlqE8p(const double* w, int64_t m, int64_t n,

@@ -169,6 +169,7 @@ class CudaBackend final : public GpuBackend {
   CudaBackend(int index, std::string description)
       : index_(index), description_(std::move(description)), memory_(index) {}
   std::string description() const override { return description_; }
+  int cuda_device() const override { return index_; }
 
   int64_t TakePeakDeviceBytes() override { return memory_.Take(); }
 

@@ -95,6 +95,9 @@ struct BlockInputs {
   const model::Rope* rope = nullptr;  // always set
   int64_t batch = 8;                  // sequences per forward pass
   kernels::GpuBackend* gpu = nullptr;  // the rank's GPU backend (null: the CPU)
+  // Where the block's LibTorch work (fine-tuning) runs: the rank's GPU when this build's
+  // LibTorch has CUDA and the rank has a GPU, else the CPU (runner/job_steps.cc OpenJob).
+  at::Device device = at::kCPU;
   // needs().float_hessians: the block's Hessians on the float model. The quantizer may consume
   // them (calib::HessianMeans releases each kind's sums once its mean exists).
   calib::BlockHessians* hessians = nullptr;

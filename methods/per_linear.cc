@@ -83,8 +83,10 @@ StatusOr<quant::BlockTaskResult> PerLinearQuantizer::QuantizeWithFinetune(
   auto hessian_of = [&](model::LinearKind k) {
     return in.hessians ? in.hessians->Mean(calib::HessianKindOf(k)) : at::Tensor();
   };
+  quant::FinetuneOptions options = options_;
+  options.device = in.device;
   QCAL_ASSIGN_OR_RETURN(std::unique_ptr<quant::BlockTuner> tuner,
-                        quant::BlockTuner::Start(options_, config_, layer, float_weights,
+                        quant::BlockTuner::Start(options, config_, layer, float_weights,
                                                  *in.rope, *in.ft_inputs, *in.ft_targets));
   const auto& groups = quant::BlockTuner::Groups();
   // Steps: each linear rounded, the no-FT baseline, each group's tuning.
@@ -94,8 +96,9 @@ StatusOr<quant::BlockTaskResult> PerLinearQuantizer::QuantizeWithFinetune(
     std::string group;
     for (model::LinearKind k : groups[g]) {
       QCAL_ASSIGN_OR_RETURN(quant::QuantizedLinear q,
-                            rounding_->Round(layer, k, tuner->Weight(k), hessian_of(k), in.gpu));
-      tuner->Install(k, std::move(q));
+                            rounding_->Round(layer, k, tuner->Weight(k).to(at::kCPU),
+                                             hessian_of(k), in.gpu));
+      QCAL_RETURN_IF_ERROR(tuner->Install(k, std::move(q)));
       ReportBlockStep(in, ++done, steps, model::LinearName(k));
       group += group.empty() ? model::LinearName(k) : std::string(", ") + model::LinearName(k);
     }

@@ -295,7 +295,16 @@ StatusOr<std::unique_ptr<JobContext>> OpenJob(const Recipe& recipe,
   // Every phase of the job records the device's peak memory beside the host's (-1 on a CPU
   // rank). The probe asks the process's backend when it runs, so a backend a test swaps later
   // is never called after it is gone.
+  // LibTorch's work (fine-tuning) goes where the rank's GPU is when this build's LibTorch can
+  // reach it (a CUDA LibTorch: scripts/device-build.sh); Debian's LibTorch has no CUDA, so there
+  // a GPU rank fine-tunes on the host as before.
+  ctx->torch_device = at::Device(at::kCPU);
+  if (ctx->gpu != nullptr && ctx->gpu->cuda_device() >= 0 && at::hasCUDA()) {
+    ctx->torch_device =
+        at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(ctx->gpu->cuda_device()));
+  }
   if (ctx->gpu != nullptr) {
+    QCAL_LOG_INFO("LibTorch work (fine-tuning) on {}", ctx->torch_device.str());
     SetDevicePeakProbe([] {
       kernels::GpuBackend* gpu = kernels::ActiveGpuBackend();
       return gpu != nullptr ? gpu->TakePeakDeviceBytes() : int64_t{-1};
@@ -598,6 +607,7 @@ StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
   in.rope = &ctx->source->rope();
   in.batch = ctx->options.calib_batch;
   in.gpu = ctx->gpu;
+  in.device = ctx->torch_device;
   if (on_event) {
     in.progress = [&on_event, layer](int64_t done, int64_t total, const std::string& step) {
       Emit(on_event, "block", done, total, absl::StrCat("block ", layer, ": ", step));

@@ -75,6 +75,9 @@ struct JobContext {
   // The rank's GPU backend (null: the CPU), as the process's device selection installed it
   // (kernels::ActiveGpuBackend, read here once); passed to every kernel that can use it.
   kernels::GpuBackend* gpu = nullptr;
+  // Where the rank's LibTorch work runs (BlockInputs::device): the backend's CUDA device when
+  // this build's LibTorch has CUDA, else the CPU.
+  at::Device torch_device = at::kCPU;
   std::unique_ptr<model::ModelSource> source;  // the float model, streamed
   std::string calib_key;  // CalibrationKey of the recipe's data
   int64_t seq_len = 0;    // calibration sequence length (capped)

@@ -88,6 +88,19 @@ inline at::Tensor WithBos(const std::vector<int32_t>& tokens, int64_t n, int32_t
   return at::from_blob(ids.data(), {1, static_cast<int64_t>(ids.size())}, at::kLong).clone();
 }
 
+// A float copy of a block's weights, every linear dense (a method consumes the weights it
+// quantizes).
+inline model::BlockWeights CopyBlock(const model::BlockWeights& w) {
+  model::BlockWeights c;
+  c.input_norm = w.input_norm.clone();
+  c.post_norm = w.post_norm.clone();
+  for (model::LinearKind k : model::kAllLinears) {
+    c.linears[static_cast<int>(k)] =
+        std::make_unique<model::DenseLinear>(w.linear(k).DenseWeight().clone());
+  }
+  return c;
+}
+
 // max |a - b| / max |a|.
 inline double RelMaxDiff(const at::Tensor& a, const at::Tensor& b) {
   return (a - b).abs().max().item<double>() / a.abs().max().item<double>();

@@ -33,7 +33,9 @@ at::Tensor LinearRows(const at::Tensor& x, const at::Tensor& weight) {
   std::vector<int64_t> out_sizes(x.sizes().begin(), x.sizes().end());
   out_sizes.back() = weight.size(0);
   // (A shape mismatch is reported by at::mm on the calling thread.)
-  if (rows <= kLinearChunkRows || weight.dim() != 2 || weight.size(1) != in) {
+  // One GEMM on a device (its library splits the work), or for a small input.
+  if (rows <= kLinearChunkRows || weight.dim() != 2 || weight.size(1) != in ||
+      !x2.device().is_cpu()) {
     return at::mm(x2, weight.t()).view(out_sizes);
   }
   at::Tensor out = at::empty({rows, weight.size(0)}, x2.options());
@@ -54,6 +56,8 @@ at::Tensor LinearRows(const at::Tensor& x, const at::Tensor& weight) {
 }
 
 double SumToDouble(const at::Tensor& t) {
+  // On a device the chunk sums run there and only they come to the host (one copy per call).
+  const bool host = t.device().is_cpu();
   const at::Tensor flat = t.reshape({-1}).to(at::kDouble).contiguous();
   const int64_t n = flat.numel();
   constexpr int64_t kChunk = 4096;
@@ -64,11 +68,13 @@ double SumToDouble(const at::Tensor& t) {
     // arithmetic whichever thread takes it, where a whole-tensor sum() splits the elements by
     // the thread count.
     const at::Tensor partial = flat.narrow(0, 0, full * kChunk).view({full, kChunk}).sum(1)
-                                   .contiguous();
+                                   .to(at::kCPU).contiguous();
     const double* p = partial.data_ptr<double>();
     for (int64_t i = 0; i < full; ++i) sum += p[i];
   }
-  const double* rest = flat.data_ptr<double>() + full * kChunk;
+  const at::Tensor tail =
+      host ? flat : flat.narrow(0, full * kChunk, n - full * kChunk).to(at::kCPU).contiguous();
+  const double* rest = tail.data_ptr<double>() + (host ? full * kChunk : 0);
   for (int64_t i = 0; i < n - full * kChunk; ++i) sum += rest[i];
   return sum;
 }
@@ -76,6 +82,17 @@ Status Linear::AppendTensors(const std::string& prefix, SafetensorsWriter*) cons
   return absl::UnimplementedError(
       absl::StrCat(prefix, ": this layer has no stored format (", layer_format() ? layer_format() : "none",
                    ")"));
+}
+
+Status Linear::MoveTo(const at::Device& device) {
+  return absl::UnimplementedError(absl::StrCat("this layer (format ",
+                                               layer_format() ? layer_format() : "none",
+                                               ") cannot move to ", device.str()));
+}
+
+Status DenseLinear::MoveTo(const at::Device& device) {
+  if (weight_.device() != device) weight_ = weight_.to(device);
+  return Status();
 }
 
 Status DenseLinear::AppendTensors(const std::string& prefix, SafetensorsWriter* writer) const {

@@ -42,6 +42,12 @@ class Linear {
   // Real-valued parameters of a quantized layer that fine-tuning may tune while its codes stay
   // fixed (QuIP#'s sign vectors su/sv): handles to the tensors Forward uses. Empty by default.
   virtual std::vector<at::Tensor> TunableVectors() { return {}; }
+  // Moves the tensors Forward computes with to `device` (a GPU rank's LibTorch work keeps a
+  // block resident there; the results come back to the CPU for writing). Handles returned by
+  // TunableVectors before the move are stale after it. Nothing changes when they are there
+  // already, so on the CPU it is free and exact. Unimplemented (the default) for a layer that
+  // cannot move; Forward then still runs on a device input, copying its weights every call.
+  virtual Status MoveTo(const at::Device& device);
 
   // --- storage (the layer formats of docs/formats.md; methods/layer_format.h reads them back)
   // The layer that holds the weights: itself, or for a wrapper that adds an online transform or
@@ -64,6 +70,7 @@ class DenseLinear final : public Linear {
   int64_t in_features() const override;
   int64_t out_features() const override;
   at::Tensor DenseWeight() const override { return weight_; }
+  Status MoveTo(const at::Device& device) override;
   // "<prefix>.weight" [out, in] F32.
   const char* layer_format() const override { return "dense"; }
   Status AppendTensors(const std::string& prefix, SafetensorsWriter* writer) const override;

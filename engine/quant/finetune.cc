@@ -142,7 +142,7 @@ double BlockMse(const model::DecoderBlock& block, const model::Rope& rope,
   int64_t count = 0;
   const int64_t n = static_cast<int64_t>(idx.size());
   for (int64_t b = 0; b < n; b += batch) {
-    const at::Tensor i = IndexTensor(idx, b, std::min(n, b + batch));
+    const at::Tensor i = IndexTensor(idx, b, std::min(n, b + batch)).to(inputs.device());
     const at::Tensor d =
         (block.Forward(inputs.index_select(0, i), rope) - targets.index_select(0, i))
             .to(at::kDouble);
@@ -240,13 +240,14 @@ StatusOr<std::unique_ptr<BlockTuner>> BlockTuner::Start(const FinetuneOptions& o
         where, ": fine-tuning needs inputs and targets of the same shape [N >= 1, S <= ",
         rope.max_positions(), ", ", config.hidden_size, "]"));
   }
+  const at::Device device = options.device;
   at::Tensor float_w[7];
   model::BlockWeights start;
-  start.input_norm = float_weights.input_norm.detach().to(at::kFloat).clone();
-  start.post_norm = float_weights.post_norm.detach().to(at::kFloat).clone();
+  start.input_norm = float_weights.input_norm.detach().to(device, at::kFloat).clone();
+  start.post_norm = float_weights.post_norm.detach().to(device, at::kFloat).clone();
   for (LinearKind k : model::kAllLinears) {
     const int i = static_cast<int>(k);
-    float_w[i] = float_weights.linear(k).DenseWeight().detach().to(at::kFloat).clone();
+    float_w[i] = float_weights.linear(k).DenseWeight().detach().to(device, at::kFloat).clone();
     start.linears[i] = std::make_unique<model::DenseLinear>(float_w[i]);
   }
   auto s = std::make_unique<State>(config, std::move(start));
@@ -256,8 +257,12 @@ StatusOr<std::unique_ptr<BlockTuner>> BlockTuner::Start(const FinetuneOptions& o
   s->layer = layer;
   s->float_weights = &float_weights;
   s->rope = &rope;
-  s->inputs = inputs_in.detach().to(at::kFloat).contiguous();
-  s->targets = targets_in.detach().to(at::kFloat).contiguous();
+  s->inputs = inputs_in.detach().to(device, at::kFloat).contiguous();
+  s->targets = targets_in.detach().to(device, at::kFloat).contiguous();
+  if (!device.is_cpu()) {
+    QCAL_LOG_INFO("block {}: fine-tuning on {} ({} sequences)", layer, device.str(),
+                  s->inputs.size(0));
+  }
   s->split = SplitSequences(s->inputs.size(0), options.stage.holdout, options.seed);
   for (int i = 0; i < 7; ++i) s->float_w[i] = float_w[i];
   s->result.layer = layer;
@@ -268,12 +273,15 @@ const at::Tensor& BlockTuner::Weight(LinearKind kind) const {
   return s_->float_w[static_cast<int>(kind)];
 }
 
-void BlockTuner::Install(LinearKind kind, QuantizedLinear rounded) {
+Status BlockTuner::Install(LinearKind kind, QuantizedLinear rounded) {
   const int i = static_cast<int>(kind);
+  QCAL_RETURN_IF_ERROR(Annotate(rounded.layer->MoveTo(s_->options.device),
+                                absl::StrCat("block ", s_->layer, " ", model::LinearName(kind))));
   s_->result.linears.push_back(rounded.metrics);
   s_->block.mutable_weights().linears[i] = std::move(rounded.layer);
   s_->quantized[i] = true;
   s_->float_w[i] = at::Tensor();
+  return Status();
 }
 
 Status BlockTuner::MeasureBaseline(std::vector<std::unique_ptr<model::Linear>> others) {
@@ -282,8 +290,8 @@ Status BlockTuner::MeasureBaseline(std::vector<std::unique_ptr<model::Linear>> o
   State& s = *s_;
   model::BlockWeights& w = s.block.mutable_weights();
   model::BlockWeights base;
-  base.input_norm = s.float_weights->input_norm.detach().to(at::kFloat);
-  base.post_norm = s.float_weights->post_norm.detach().to(at::kFloat);
+  base.input_norm = s.float_weights->input_norm.detach().to(s.options.device, at::kFloat);
+  base.post_norm = s.float_weights->post_norm.detach().to(s.options.device, at::kFloat);
   for (LinearKind k : model::kAllLinears) {
     const int i = static_cast<int>(k);
     if (s.quantized[i]) {
@@ -294,6 +302,9 @@ Status BlockTuner::MeasureBaseline(std::vector<std::unique_ptr<model::Linear>> o
             "block ", s.layer, ": the fine-tuning baseline has no rounded ",
             model::LinearName(k)));
       }
+      QCAL_RETURN_IF_ERROR(Annotate(others[i]->MoveTo(s.options.device),
+                                    absl::StrCat("block ", s.layer, " baseline ",
+                                                 model::LinearName(k))));
       base.linears[i] = std::move(others[i]);
     }
   }
@@ -325,7 +336,8 @@ Status BlockTuner::TuneGroup(size_t g) {
   const TrainOutcome outcome = TrainKeepBest(
       params, lr, sign_lr, stage, s.split.train,
       DeriveSeed(s.options.seed, kBlockStream, static_cast<uint64_t>(s.layer) * 8 + g),
-      [&](const at::Tensor& i) {
+      [&](const at::Tensor& host_i) {
+        const at::Tensor i = host_i.to(s.inputs.device());
         return (s.block.Forward(s.inputs.index_select(0, i), *s.rope) -
                 s.targets.index_select(0, i))
             .pow(2)
@@ -342,8 +354,18 @@ Status BlockTuner::TuneGroup(size_t g) {
   return Status();
 }
 
-BlockTaskResult BlockTuner::Finish() {
-  s_->result.weights = std::move(s_->block.mutable_weights());
+StatusOr<BlockTaskResult> BlockTuner::Finish() {
+  model::BlockWeights& w = s_->block.mutable_weights();
+  if (!s_->options.device.is_cpu()) {
+    const at::Device cpu(at::kCPU);
+    w.input_norm = w.input_norm.detach().to(cpu);
+    w.post_norm = w.post_norm.detach().to(cpu);
+    for (LinearKind k : model::kAllLinears) {
+      QCAL_RETURN_IF_ERROR(Annotate(w.linears[static_cast<int>(k)]->MoveTo(cpu),
+                                    absl::StrCat("block ", s_->layer, " ", model::LinearName(k))));
+    }
+  }
+  s_->result.weights = std::move(w);
   s_->result.seconds = Seconds(s_->t0);
   return std::move(s_->result);
 }

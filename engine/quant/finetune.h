@@ -54,6 +54,12 @@ struct FinetuneOptions {
   FinetuneStage stage;              // the recipe's finetune.block or finetune.end_to_end
   uint64_t seed = 0;                // the recipe's seed: split and shuffles
   double sign_lr_multiplier = 1.0;  // learning rate of tunable vectors ÷ stage.lr
+  // Where BlockTuner keeps the block, its data and its trainables and runs the forward, the
+  // backward and Adam: the rank's LibTorch device (runner/job_steps.cc OpenJob: the rank's GPU
+  // when the build's LibTorch has CUDA, else the CPU). The tuned block comes back to the CPU.
+  // On the CPU the arithmetic is the same as before this option existed; on a GPU it is the
+  // device's (results within a tolerance of the CPU's, not equal: docs/algorithms.md).
+  at::Device device = at::kCPU;
 };
 
 // A deterministic split of n sequences into training and held-out indices (each sorted):
@@ -75,7 +81,9 @@ SequenceSplit SplitSequences(int64_t n, double holdout, uint64_t seed);
 //     if (g == 0) tuner->MeasureBaseline(every other linear rounded from the float weights);
 //     tuner->TuneGroup(g);
 //   }
-//   BlockTaskResult result = tuner->Finish();
+//   QCAL_ASSIGN_OR_RETURN(BlockTaskResult result, tuner->Finish());
+// Weight(k) is on options.device (copy it to the host for a CPU rounding); installed layers and
+// the baseline's are moved there (Linear::MoveTo: every stored format can move).
 // Every group is rounded with the block's float-model Hessians, including groups whose weights
 // were tuned first (as in QuIP#).
 //   float_weights: the float block (read only; copied).
@@ -109,8 +117,9 @@ class BlockTuner {
   // The weight linear `kind` is to be rounded from: [out, in] float32, tuned by the groups
   // before its own. Precondition: not installed yet.
   const at::Tensor& Weight(model::LinearKind kind) const;
-  // Puts kind's rounded layer into the block (its metrics join the result's, in install order).
-  void Install(model::LinearKind kind, QuantizedLinear rounded);
+  // Puts kind's rounded layer into the block (its metrics join the result's, in install order),
+  // on options.device. Errors: the layer cannot move there.
+  Status Install(model::LinearKind kind, QuantizedLinear rounded);
   // After the first group is installed: measures the no-FT baseline with every other linear
   // rounded from the float weights (`others`, indexed by LinearKind; the first group's entries
   // are ignored).
@@ -118,8 +127,8 @@ class BlockTuner {
   // Tunes the block after group g's linears are installed: Adam on the still-float weights, the
   // installed layers' tunable vectors and both norms, keeping the best epoch.
   Status TuneGroup(size_t g);
-  // The tuned block and its metrics.
-  BlockTaskResult Finish();
+  // The tuned block (on the CPU) and its metrics.
+  StatusOr<BlockTaskResult> Finish();
 
  private:
   struct State;

@@ -136,6 +136,10 @@ StatusOr<std::unique_ptr<ScalarQuantLinear>> ScalarQuantLinear::Create(ScalarLin
 at::Tensor ScalarQuantLinear::Forward(const at::Tensor& x) const {
   return model::LinearRows(x, WeightLike(impl_->weight, x));
 }
+Status ScalarQuantLinear::MoveTo(const at::Device& device) {
+  if (impl_->weight.device() != device) impl_->weight = impl_->weight.to(device);
+  return Status();
+}
 int64_t ScalarQuantLinear::in_features() const { return impl_->data.in_features; }
 int64_t ScalarQuantLinear::out_features() const { return impl_->data.out_features; }
 at::Tensor ScalarQuantLinear::DenseWeight() const { return impl_->weight; }

@@ -66,6 +66,7 @@ class ScalarQuantLinear final : public model::Linear {
   int64_t in_features() const override;
   int64_t out_features() const override;
   at::Tensor DenseWeight() const override;  // [out, in] float32, scale·(code − zero)
+  Status MoveTo(const at::Device& device) override;  // the dequantized W
   const ScalarLinearData& data() const;
 
   // The GPTQ layout (see GptqTensors). InvalidArgument for bits other than 2, 3, 4, 8 or when

@@ -183,6 +183,14 @@ at::Tensor QuipLinear::Forward(const at::Tensor& x) const {
   return y;
 }
 
+Status QuipLinear::MoveTo(const at::Device& device) {
+  Impl& m = *impl_;
+  if (m.weight.device() != device) m.weight = m.weight.to(device);
+  if (m.su.device() != device) m.su = m.su.detach().to(device);
+  if (m.sv.device() != device) m.sv = m.sv.detach().to(device);
+  return Status();
+}
+
 int64_t QuipLinear::in_features() const { return impl_->data.in_features; }
 int64_t QuipLinear::out_features() const { return impl_->data.out_features; }
 

@@ -54,6 +54,8 @@ class QuipLinear final : public model::Linear {
   int64_t out_features() const override;
   at::Tensor DenseWeight() const override;  // [out, in] float32, = diag(su)·T_uᵀ·S·Ŵ·T_v·diag(sv)
   std::vector<at::Tensor> TunableVectors() override { return {su(), sv()}; }
+  // Ŵ, su and sv (the transforms' small tables follow the input on every call).
+  Status MoveTo(const at::Device& device) override;
 
   // Fine-tuning (QuIP# §5): the sign vectors as real-valued leaf tensors (requires_grad off
   // until the caller sets it; assigning a new tensor of the same shape is allowed). su/sv are

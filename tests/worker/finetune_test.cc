@@ -68,18 +68,6 @@ Recipe MakeRecipe(const std::string& calib_file, bool finetune = true, int64_t s
   return *r;
 }
 
-// A float copy of a block's weights (a method consumes the weights it quantizes).
-model::BlockWeights CopyBlock(const model::BlockWeights& w) {
-  model::BlockWeights c;
-  c.input_norm = w.input_norm.clone();
-  c.post_norm = w.post_norm.clone();
-  for (model::LinearKind k : model::kAllLinears) {
-    c.linears[static_cast<int>(k)] =
-        std::make_unique<model::DenseLinear>(w.linear(k).DenseWeight().clone());
-  }
-  return c;
-}
-
 class FinetuneTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -176,7 +164,7 @@ class FinetuneTest : public ::testing::Test {
     in.hessians = &(*hessians_)[l];
     in.ft_inputs = &(*acts_)[l];
     in.ft_targets = &targets;
-    return quantizer.QuantizeBlock(CopyBlock(model_->block(l).weights()), in);
+    return quantizer.QuantizeBlock(testing::CopyBlock(model_->block(l).weights()), in);
   }
 
   // The float model's final hidden states on the calibration tokens (in chunks of the e2e
@@ -255,7 +243,7 @@ TEST_F(FinetuneTest, BlockAndEndToEndFinetuningBeatNoFt) {
     in.rope = &model_->rope();
     calib::BlockHessians consumed = (*hessians_)[l];  // QuantizeBlock may consume its Hessians
     in.hessians = &consumed;
-    auto base = noft_method_->quantizer().QuantizeBlock(CopyBlock(model_->block(l).weights()), in);
+    auto base = noft_method_->quantizer().QuantizeBlock(testing::CopyBlock(model_->block(l).weights()), in);
     ASSERT_TRUE(base.ok()) << base.status();
     auto tuned = Finetune(l, (*acts_)[l + 1]);
     ASSERT_TRUE(tuned.ok()) << tuned.status();
