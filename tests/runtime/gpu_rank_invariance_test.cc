@@ -167,10 +167,10 @@ TEST(GpuRankInvarianceTest, RanksAndChunkingGiveTheSameBytesOnTheDevice) {
 }
 
 // Rank counts on the CPU (and this test's own logic, wherever it runs). Chunking is left out on
-// the CPU: there the block forward of a sequence can change in the last bits with the other
-// sequences of its batch (stories260K, batches of 3 against 4: outputs up to 5e-7 apart, so the
-// fixed-point Hessian sums of every kind after the first differ; docs/algorithms.md
-// "Determinism"), which the device forward's one GEMM per sequence rules out there.
+// the CPU: OpenBLAS's Haswell sgemm gives a row results that depend on the call's row count, and
+// with 64-token sequences batches of 3 and 4 make calls of 192 and 256 rows (outputs up to 5e-7
+// apart, so the Hessian sums after the first kind differ; docs/algorithms.md "Across rank
+// counts"). The device forward's one GEMM per sequence rules that out there.
 TEST(GpuRankInvarianceTest, RanksGiveTheSameBytesOnTheCpu) {
   ExpectRanksAndChunkingAgree(nullptr, {kernels::BlockForwardPrecision::kFloat32},
                               {{1, 4}, {2, 4}, {3, 4}}, "cpu_rank_invariance");
