@@ -58,6 +58,19 @@ int RunEval(const EvalOptions& o) {
   if (!model.ok()) return Fail(model.status());
   model::SetComputeThreads(o.threads > 0 ? o.threads
                                          : model::AutoComputeThreads((*model)->config()));
+  auto device = model::ResolveTorchDevice(o.device);
+  if (!device.ok()) return Fail(device.status());
+  // On a device when both models can move there; otherwise both stay on the CPU.
+  auto place = [&](model::LlamaModel& m, const std::string& what) {
+    if (device->is_cpu()) return true;
+    const Status moved = m.MoveTo(*device);
+    if (!moved.ok()) {
+      QCAL_LOG_WARN("evaluating on the CPU: {} cannot move to {}: {}", what, device->str(),
+                    moved.ToString());
+    }
+    return moved.ok();
+  };
+  if (!place(**model, o.model_dir)) *device = at::Device(at::kCPU);
   auto tokenizer = LoadTokenizerFromModelDir(o.model_dir);
   if (!tokenizer.ok()) return Fail(tokenizer.status());
   auto text = ReadTextFile(o.data_path);
@@ -77,6 +90,10 @@ int RunEval(const EvalOptions& o) {
   if (!o.reference_dir.empty()) {
     auto reference = methods::LoadModel(o.reference_dir);
     if (!reference.ok()) return Fail(reference.status());
+    if (!device->is_cpu() && !place(**reference, o.reference_dir)) {
+      (*model)->MoveTo(at::kCPU).IgnoreError();
+      *device = at::Device(at::kCPU);
+    }
     ProgressBar bar("perplexity + KL", 0);
     auto c = tools::CompareToReference(
         **reference, **model, tokens, opt,
@@ -90,7 +107,8 @@ int RunEval(const EvalOptions& o) {
                           {"tokens", c->tokens_scored}, {"windows", c->windows},
                           {"mean_nll", c->nll_model}, {"perplexity", c->ppl_model},
                           {"reference_perplexity", c->ppl_reference},
-                          {"mean_kl", c->mean_kl},    {"seconds", c->seconds + tokenize_s}};
+                          {"mean_kl", c->mean_kl},    {"seconds", c->seconds + tokenize_s},
+                          {"device", device->str()}};
       std::printf("%s\n", j.dump().c_str());
     } else {
       std::printf("model       %s\n", o.model_dir.c_str());
@@ -121,7 +139,8 @@ int RunEval(const EvalOptions& o) {
                         {"mean_nll", result->mean_nll},
                         {"perplexity", result->perplexity},
                         {"seconds", seconds},
-                        {"tokens_per_s", result->tokens_per_s}};
+                        {"tokens_per_s", result->tokens_per_s},
+                        {"device", device->str()}};
     std::printf("%s\n", j.dump().c_str());
   } else {
     std::printf("model       %s\n", o.model_dir.c_str());
@@ -227,6 +246,10 @@ void AddModelCommands(CLI::App& app, int* exit_code) {
                  "reference (float) model: also report its perplexity on the same tokens and "
                  "the mean KL(reference || model)")
       ->check(CLI::ExistingDirectory);
+  ev->add_option("--device", eo->device,
+                 "where LibTorch evaluates: auto (a GPU when this build's LibTorch has CUDA, else "
+                 "the CPU), cpu, cuda, cuda:N")
+      ->capture_default_str();
   ev->add_flag("--json", eo->json, "print one JSON object on the last line");
   ev->callback([eo, exit_code] { *exit_code = RunEval(*eo); });
 

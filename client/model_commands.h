@@ -39,6 +39,9 @@ struct EvalOptions {
   // A reference model (the float one): also its perplexity on the same tokens and the mean
   // KL(reference || model) of the next-token distributions (tools::CompareToReference).
   std::string reference_dir;
+  // Where LibTorch evaluates (model::ResolveTorchDevice): auto picks a GPU when this build's
+  // LibTorch has CUDA. A model with a layer that cannot move is evaluated on the CPU (said).
+  std::string device = "auto";
 };
 
 struct GenerateOptions {

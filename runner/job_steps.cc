@@ -852,6 +852,7 @@ StatusOr<v1::EvalResult> EvaluateStep(JobContext* ctx, const v1::EvalParams& par
   opt.bos_id = tokenizer->bos_id();
   eval::StreamOptions stream;
   stream.memory_budget_bytes = ActivationBudget(*ctx);
+  stream.device = ctx->torch_device;
   QCAL_RETURN_IF_ERROR(MakeDirs(ctx->options.job_dir + "/spill"));
   stream.spill_path = absl::StrCat(ctx->options.job_dir, "/spill/eval-", params.model(), "-",
                                    params.label(), ".f32");

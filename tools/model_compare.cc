@@ -94,9 +94,10 @@ StatusOr<ModelComparison> CompareToReference(const model::LlamaModel& ref,
       const at::Tensor lp = at::log_softmax(model.Forward(x)[0].to(at::kDouble), -1);
       return lp.narrow(0, skip - (drop ? 1 : 0), len - skip);
     };
+    // On the reference's device (both models' when they share one; no copy on the CPU).
     at::Tensor lp_ref = log_probs(ref, drop_ref);
-    at::Tensor lp = log_probs(m, drop_m);
-    tg = tg.narrow(0, skip, len - skip);
+    at::Tensor lp = log_probs(m, drop_m).to(lp_ref.device());
+    tg = tg.narrow(0, skip, len - skip).to(lp_ref.device());
     nll_ref -= model::SumToDouble(lp_ref.gather(1, tg));
     nll -= model::SumToDouble(lp.gather(1, tg));
     kl += model::SumToDouble(lp_ref.exp() * (lp_ref - lp));

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/model/activation_store.h"
+#include "common/log.h"
 #include "engine/model/llama.h"
 
 namespace qcal::eval {
@@ -131,7 +132,8 @@ StatusOr<Plan> PlanBatches(const std::vector<int32_t>& text_tokens, const Perple
 // Negative log-likelihood of the targets under the logits [nb, T, V], summed in double.
 double BatchNll(const at::Tensor& logits, const at::Tensor& targets) {
   at::Tensor logp = at::log_softmax(logits, -1);
-  at::Tensor picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1);  // [nb, T]
+  at::Tensor picked =
+      logp.gather(-1, targets.to(logits.device()).unsqueeze(-1)).squeeze(-1);  // [nb, T]
   return -model::SumToDouble(picked);
 }
 
@@ -205,14 +207,33 @@ StatusOr<PerplexityResult> EvaluatePerplexityStreamed(model::ModelSource& source
       QCAL_ASSIGN_OR_RETURN(at::Tensor x, source.Embed(plan.batches[i].inputs));
       QCAL_RETURN_IF_ERROR(store->Put(static_cast<int64_t>(i), x));
     }
+    bool warned = false;
     for (int64_t l = 0; l < blocks; ++l) {
       std::unique_ptr<model::DecoderBlock> block = std::move(first);
       if (l > 0) {
         QCAL_ASSIGN_OR_RETURN(block, source.LoadBlock(l));
       }
+      bool on_device = false;
+      if (!stream.device.is_cpu()) {
+        const Status moved = block->MoveTo(stream.device);
+        on_device = moved.ok();
+        if (!on_device && !warned) {
+          QCAL_LOG_WARN("evaluation: block {} runs on the CPU: {}", l, moved.ToString());
+          warned = true;
+        }
+        if (!on_device) block = nullptr;  // partly moved: read it again
+        if (block == nullptr) {
+          QCAL_ASSIGN_OR_RETURN(block, source.LoadBlock(l));
+        }
+      }
       for (int64_t i = 0; i < store->chunks(); ++i) {
         QCAL_ASSIGN_OR_RETURN(at::Tensor x, store->Get(i));
-        QCAL_RETURN_IF_ERROR(store->Put(i, block->Forward(x, source.rope())));
+        if (on_device) {
+          x = block->Forward(x.to(stream.device), source.rope()).to(at::kCPU);
+        } else {
+          x = block->Forward(x, source.rope());
+        }
+        QCAL_RETURN_IF_ERROR(store->Put(i, x));
       }
       if (stream.block_progress) stream.block_progress(l + 1, blocks);
     }

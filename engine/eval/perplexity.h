@@ -58,6 +58,9 @@ struct StreamOptions {
   int64_t memory_budget_bytes = std::numeric_limits<int64_t>::max();
   std::string spill_path;
   std::function<void(int64_t block, int64_t blocks)> block_progress;
+  // Where each block runs (the activations stay on the host between blocks); a block that cannot
+  // move there (Linear::MoveTo) runs on the host, said once. The head runs on the host.
+  at::Device device = at::kCPU;
 };
 
 // The same result, bit for bit, with one block of the model in memory at a time: every window

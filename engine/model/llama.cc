@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/cpu.h"
@@ -53,6 +54,25 @@ at::Tensor LinearRows(const at::Tensor& x, const at::Tensor& weight) {
     at::mm_out(dst, x2.narrow(0, r0, n), wt);
   });
   return out.view(out_sizes);
+}
+
+StatusOr<at::Device> ResolveTorchDevice(const std::string& requested) {
+  const bool cuda = at::hasCUDA();
+  if (requested == "cpu" || (requested == "auto" && !cuda)) return at::Device(at::kCPU);
+  if (requested == "auto") return at::Device(at::kCUDA, 0);
+  int index = 0;
+  if (requested != "cuda" &&
+      !(requested.rfind("cuda:", 0) == 0 && absl::SimpleAtoi(requested.substr(5), &index) &&
+        index >= 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--device: '", requested, "' is not one of auto, cpu, cuda, cuda:N"));
+  }
+  if (!cuda) {
+    return absl::UnavailableError(absl::StrCat(
+        "--device ", requested, ": this build's LibTorch has no CUDA (Debian's LibTorch 1.13 is "
+        "CPU-only; build against a CUDA LibTorch: docs/getting-started.md)"));
+  }
+  return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
 }
 
 double SumToDouble(const at::Tensor& t) {
@@ -397,7 +417,41 @@ StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& dir) {
 }
 
 at::Tensor LlamaModel::Embed(const at::Tensor& ids) const {
-  return at::embedding(embed_, ids);
+  return at::embedding(embed_, ids.device() == embed_.device() ? ids : ids.to(embed_.device()));
+}
+
+Status DecoderBlock::MoveTo(const at::Device& device) {
+  if (hooks_.kv_cache) {
+    return absl::UnimplementedError(absl::StrCat(
+        "a block with a quantized KV cache cannot move to ", device.str(),
+        " (the cache's simulation runs on the host)"));
+  }
+  for (LinearKind k : kAllLinears) {
+    QCAL_RETURN_IF_ERROR(Annotate(weights_.linears[static_cast<int>(k)]->MoveTo(device),
+                                  LinearName(k)));
+  }
+  weights_.input_norm = weights_.input_norm.to(device);
+  weights_.post_norm = weights_.post_norm.to(device);
+  if (weights_.rope_perm.defined()) weights_.rope_perm = weights_.rope_perm.to(device);
+  return Status();
+}
+
+Status LlamaModel::MoveTo(const at::Device& device) {
+  const at::Device from = embed_.device();
+  if (from == device) return Status();
+  // Blocks first: a layer that cannot move is usually met before anything big moved.
+  auto move = [&](const at::Device& to) -> Status {
+    for (size_t l = 0; l < blocks_.size(); ++l) {
+      QCAL_RETURN_IF_ERROR(Annotate(blocks_[l].MoveTo(to), absl::StrCat("block ", l)));
+    }
+    QCAL_RETURN_IF_ERROR(Annotate(head_->MoveTo(to), "lm_head"));
+    embed_ = embed_.to(to);
+    final_norm_ = final_norm_.to(to);
+    return Status();
+  };
+  const Status moved = move(device);
+  if (!moved.ok()) move(from).IgnoreError();
+  return moved;
 }
 
 at::Tensor LlamaModel::Head(const at::Tensor& hidden) const {

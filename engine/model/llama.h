@@ -201,6 +201,11 @@ class DecoderBlock {
   const BlockWeights& weights() const { return weights_; }
   BlockWeights& mutable_weights() { return weights_; }
   const BlockHooks& hooks() const { return hooks_; }
+  // Moves the block's norms, linears (Linear::MoveTo) and K-sort permutation to `device`; the
+  // hooks' tables (R3, a prefix's K/V) follow the input on every call. Errors: a linear that
+  // cannot move, or a quantized KV cache (its simulation runs on the host). A failed move may
+  // leave some tensors moved: move back to where they were before using the block.
+  Status MoveTo(const at::Device& device);
   void set_hooks(BlockHooks hooks) { hooks_ = std::move(hooks); }
   int64_t head_dim() const { return head_dim_; }
   int64_t heads() const { return heads_; }
@@ -254,8 +259,13 @@ class LlamaModel {
   at::Tensor Embed(const at::Tensor& ids) const;
   // Final RMSNorm + head: [batch, seq, hidden] -> logits [batch, seq, vocab].
   at::Tensor Head(const at::Tensor& hidden) const;
-  // Whole model: ids [batch, seq] int64 -> logits [batch, seq, vocab] float32.
+  // Whole model: ids [batch, seq] int64 -> logits [batch, seq, vocab] float32, on the
+  // model's device (ids may be anywhere).
   at::Tensor Forward(const at::Tensor& ids) const;
+  // Moves every tensor the forward uses (embeddings, blocks, final norm, head) to `device`, all
+  // or nothing: on an error the model is moved back where it was.
+  Status MoveTo(const at::Device& device);
+  at::Device device() const { return embed_.device(); }
 
   // The non-block weights, for whole-model transforms (QuaRot's norm fusion and rotation).
   const at::Tensor& embed_weight() const { return embed_; }  // [vocab, hidden]
@@ -306,6 +316,12 @@ void SetComputeThreads(int threads);
 // the weight requiring grad) it is at::matmul on one BLAS thread.
 inline constexpr int64_t kLinearChunkRows = 256;
 at::Tensor LinearRows(const at::Tensor& x, const at::Tensor& weight);
+
+// Where LibTorch computes for `requested` ("auto", "cpu", "cuda", "cuda:N", as --device takes
+// it): auto is cuda:0 when this build's LibTorch has CUDA and sees a device, else the CPU.
+// Unavailable when CUDA is asked for and this LibTorch has none (Debian's 1.13 is CPU-only),
+// InvalidArgument for anything else.
+StatusOr<at::Device> ResolveTorchDevice(const std::string& requested);
 
 // Σ t in double, the same bits for any thread count (LibTorch's whole-tensor sum() splits the
 // elements by the thread count once there are more than 32768).

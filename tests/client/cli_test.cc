@@ -107,6 +107,31 @@ TEST_F(CliTest, EvalJsonHasTheDocumentedKeys) {
   EXPECT_NEAR(std::exp(j["mean_nll"].get<double>()), j["perplexity"].get<double>(), 1e-6);
 }
 
+// --device: where LibTorch evaluates, said in the JSON; CUDA is refused with the reason by a
+// build whose LibTorch has none (Debian's), and used by one that has it.
+TEST_F(CliTest, EvalDeviceIsChosenAndReported) {
+  const std::string args = "eval --model " + dir_ + " --data " + shared_ +
+                           "/data/tinystories/TinyStories-valid.sample30k.txt --ctx 256 "
+                           "--max-tokens 2000 --json --device ";
+  Result cpu = RunQcal(args + "cpu");
+  ASSERT_EQ(cpu.exit_code, 0) << cpu.out;
+  auto j = nlohmann::json::parse(LastLine(cpu.out), nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << cpu.out;
+  EXPECT_EQ(j["device"], "cpu");
+  Result bad = RunQcal(args + "gpu");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.out.find("'gpu' is not one of auto, cpu, cuda, cuda:N"), std::string::npos)
+      << bad.out;
+  Result cuda = RunQcal(args + "cuda");
+  if (cuda.exit_code == 0) {
+    auto c = nlohmann::json::parse(LastLine(cuda.out), nullptr, false);
+    EXPECT_EQ(c["device"], "cuda:0") << cuda.out;
+    EXPECT_NEAR(c["perplexity"].get<double>() / j["perplexity"].get<double>(), 1.0, 1e-4);
+  } else {
+    EXPECT_NE(cuda.out.find("this build's LibTorch has no CUDA"), std::string::npos) << cuda.out;
+  }
+}
+
 // Off a terminal (a log, a Slurm job's output) `qcal quantize` still says where it is: a plain
 // line per phase when it is done (and every 10 s while it runs), on stderr, never on stdout.
 TEST_F(CliTest, QuantizeShowsProgressOffATerminal) {

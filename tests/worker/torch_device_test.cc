@@ -1,12 +1,13 @@
-// Fine-tuning on the rank's LibTorch device (issue 38, deliverable 3: BlockTuner keeps the
-// block, its data and its trainables on FinetuneOptions::device and brings the tuned block back
-// to the CPU).
+// LibTorch's work on the rank's device (issue 38, deliverable 3): fine-tuning (BlockTuner keeps
+// the block, its data and its trainables on FinetuneOptions::device and brings the tuned block
+// back to the CPU) and evaluation (LlamaModel::MoveTo, `qcal eval --device`).
 //  * Always: every stored layer format moves (Linear::MoveTo) — on the CPU without a copy, so
 //    the CPU path is exactly what it was — and after a move to another device (LibTorch's
 //    "meta" device, which every LibTorch has) Forward computes there: no weight is left behind on
 //    the host. A layer that cannot move says so.
 //  * With a CUDA LibTorch and a GPU (scripts/device-build.sh builds one on a lent machine): the
-//    QuIP# block task with in-block fine-tuning on cuda:0 against the same task on the CPU.
+//    QuIP# block task with in-block fine-tuning on cuda:0 against the same task on the CPU, and
+//    perplexity and KL on cuda:0 against the CPU's.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -30,6 +31,8 @@
 #include "methods/registry.h"
 #include "tests/model_fixtures.h"
 #include "tests/test_util.h"
+#include "tools/model_compare.h"
+#include "engine/eval/perplexity.h"
 
 namespace qcal {
 namespace {
@@ -214,6 +217,106 @@ TEST(FinetuneDeviceTest, BlockTaskOnCudaMatchesTheCpu) {
                         cpu->weights.linears[i]->DenseWeight().norm()).item<double>();
     EXPECT_LT(rel, 0.05) << model::LinearName(model::kAllLinears[i]);
   }
+}
+
+// --device for LibTorch's work: cpu always; auto is the CPU exactly when this LibTorch has no
+// CUDA; cuda without one is refused with the reason; anything else is not a device.
+TEST(TorchDeviceTest, DeviceNamesResolve) {
+  auto cpu = model::ResolveTorchDevice("cpu");
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  EXPECT_TRUE(cpu->is_cpu());
+  auto a = model::ResolveTorchDevice("auto");
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->is_cuda(), at::hasCUDA());
+  auto cuda = model::ResolveTorchDevice("cuda:1");
+  if (at::hasCUDA()) {
+    ASSERT_TRUE(cuda.ok()) << cuda.status();
+    EXPECT_EQ(cuda->index(), 1);
+  } else {
+    EXPECT_EQ(cuda.status().code(), absl::StatusCode::kUnavailable);
+    EXPECT_NE(cuda.status().message().find("no CUDA"), std::string::npos) << cuda.status();
+  }
+  for (const char* bad : {"gpu", "cuda:", "cuda:-1", "cuda:x"}) {
+    EXPECT_EQ(model::ResolveTorchDevice(bad).status().code(), absl::StatusCode::kInvalidArgument)
+        << bad;
+  }
+}
+
+// The whole model moves: after a move to the meta device every block and the head compute
+// there (every tensor they read moved; the embedding lookup has no meta kernel in LibTorch 1.13,
+// so the embeddings are checked moved), and a model with one layer that cannot move is put back
+// where it was, computing what it did.
+TEST(TorchDeviceTest, TheModelMovesAllOrNothing) {
+  const std::string dir = testing::RealModelDir("stories260K");
+  const at::Tensor ids = at::arange(1, 33, at::kLong).unsqueeze(0);
+  auto m = testing::LoadModelOrDie(dir);
+  const at::Tensor before = m->Forward(ids);
+  ASSERT_TRUE(m->MoveTo(at::kCPU).ok());
+  EXPECT_TRUE(at::equal(m->Forward(ids), before)) << "a move to the CPU is no move";
+  ASSERT_TRUE(m->MoveTo(at::kMeta).ok());
+  EXPECT_TRUE(m->device().is_meta());
+  EXPECT_TRUE(m->embed_weight().is_meta());
+  at::Tensor h = at::empty({1, ids.size(1), m->config().hidden_size}, at::kFloat).to(at::kMeta);
+  for (int64_t l = 0; l < m->num_blocks(); ++l) h = m->block(l).Forward(h, m->rope());
+  const at::Tensor y = m->Head(h);
+  EXPECT_TRUE(y.is_meta());
+  EXPECT_EQ(y.sizes(), before.sizes());
+
+  struct Stuck final : model::Linear {
+    explicit Stuck(std::unique_ptr<model::Linear> inner) : inner_(std::move(inner)) {}
+    at::Tensor Forward(const at::Tensor& x) const override { return inner_->Forward(x); }
+    int64_t in_features() const override { return inner_->in_features(); }
+    int64_t out_features() const override { return inner_->out_features(); }
+    at::Tensor DenseWeight() const override { return inner_->DenseWeight(); }
+    std::unique_ptr<model::Linear> inner_;
+  };
+  auto stuck = testing::LoadModelOrDie(dir);
+  // The first layer a move reaches (a meta tensor cannot move back, so a partial move to meta
+  // could not be undone; on a GPU it can).
+  auto& slot = stuck->mutable_block(0).mutable_weights().linears[static_cast<int>(
+      model::LinearKind::kQ)];
+  slot = std::make_unique<Stuck>(std::move(slot));
+  const Status s = stuck->MoveTo(at::kMeta);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented);
+  EXPECT_NE(s.message().find("block 0"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("self_attn.q_proj"), std::string::npos) << s;
+  EXPECT_TRUE(stuck->device().is_cpu());
+  EXPECT_TRUE(at::equal(stuck->Forward(ids), before));
+}
+
+// Perplexity and KL on cuda:0 against the CPU: the same windows through the fp32 forward in
+// another summation order, so 1e-4 relative (the NLL sums are in double).
+TEST(TorchDeviceTest, EvaluationOnCudaMatchesTheCpu) {
+  if (!at::hasCUDA()) {
+    GTEST_SKIP() << "no CUDA LibTorch: this build's LibTorch has no CUDA, or no device is "
+                    "visible (scripts/device-build.sh builds against a CUDA LibTorch)";
+  }
+  const std::string dir = testing::RealModelDir("stories260K");
+  auto tok = LoadTokenizerFromModelDir(dir);
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  auto text =
+      ReadTextFile(testing::SharedDir() + "/data/tinystories/TinyStories-valid.sample30k.txt");
+  ASSERT_TRUE(text.ok()) << text.status();
+  const std::vector<int32_t> tokens = (*tok)->Encode(*text);
+  eval::PerplexityOptions opt;
+  opt.ctx = 256;
+  opt.bos_per_window = true;
+  opt.max_tokens = 4000;
+  auto cpu_model = testing::LoadModelOrDie(dir);
+  auto cpu = eval::EvaluatePerplexity(*cpu_model, tokens, opt);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  auto gpu_model = testing::LoadModelOrDie(dir);
+  ASSERT_TRUE(gpu_model->MoveTo(at::Device(at::kCUDA, 0)).ok());
+  auto gpu = eval::EvaluatePerplexity(*gpu_model, tokens, opt);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  std::printf("perplexity cpu %.6f cuda %.6f\n", cpu->perplexity, gpu->perplexity);
+  EXPECT_NEAR(gpu->perplexity / cpu->perplexity, 1.0, 1e-4);
+  // KL of the model on the device to itself on the CPU: the forward's rounding only.
+  auto kl = tools::CompareToReference(*cpu_model, *gpu_model, tokens, opt, nullptr);
+  ASSERT_TRUE(kl.ok()) << kl.status();
+  std::printf("KL(cpu || cuda) %.3g nats/token\n", kl->mean_kl);
+  EXPECT_LT(kl->mean_kl, 1e-6);
+  EXPECT_NEAR(kl->ppl_model / kl->ppl_reference, 1.0, 1e-4);
 }
 
 }  // namespace
