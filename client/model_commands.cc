@@ -266,10 +266,12 @@ void AddModelCommands(CLI::App& app, int* exit_code) {
 
   auto* ex = app.add_subcommand(
       "export", "Write a quantized checkpoint in a format other programs load: gptq (the GPTQ "
-                "layout of transformers, AutoGPTQ and vLLM) or dense (dequantized float)");
+                "layout of transformers, AutoGPTQ and vLLM), compressed-tensors (pack-quantized, "
+                "as llm-compressor writes it for vLLM and transformers) or dense (dequantized "
+                "float)");
   auto xo = std::make_shared<ExportCommandOptions>();
-  ex->add_option("--format", xo->format, "gptq | dense")
-      ->check(CLI::IsMember({"gptq", "dense"}))
+  ex->add_option("--format", xo->format, "gptq | compressed-tensors | dense")
+      ->check(CLI::IsMember({"gptq", "compressed-tensors", "dense"}))
       ->capture_default_str();
   ex->add_option("in", xo->in_dir, "a finished qcal checkpoint")->required()->check(
       CLI::ExistingDirectory);

@@ -121,9 +121,9 @@ class BlockCache {
   Status NotOnAGrid(const std::string& prefix) const {
     return absl::FailedPreconditionError(absl::StrCat(
         ckpt_->dir(), ": ", prefix, " is stored in method ", method_->recipe().method,
-        "'s own layer format, not on a scalar integer grid: the GPTQ format holds integer codes "
-        "with per-group scales and zero points, and cannot express lattice codebook codes or "
-        "incoherence transforms (try --format dense)"));
+        "'s own layer format, not on a scalar integer grid: the GPTQ and compressed-tensors "
+        "formats hold integer codes with per-group scales and zero points, and cannot express "
+        "lattice codebook codes or incoherence transforms (try --format dense)"));
   }
 
  private:
@@ -160,14 +160,15 @@ class Exporter {
 
  private:
   Status Open() {
-    if (o_.format != "gptq" && o_.format != "dense") {
-      return absl::InvalidArgumentError(
-          absl::StrCat("export format '", o_.format, "' (supported: gptq, dense)"));
+    if (o_.format != "gptq" && o_.format != "dense" && o_.format != "compressed-tensors") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "export format '", o_.format, "' (supported: gptq, compressed-tensors, dense)"));
     }
     if (o_.max_shard_bytes <= 0) {
       return absl::InvalidArgumentError("--max-shard-size must be positive");
     }
     gptq_ = o_.format == "gptq";
+    ct_ = o_.format == "compressed-tensors";
     QCAL_ASSIGN_OR_RETURN(config_, LoadLlamaConfig(o_.in_dir));
     if (!config_.raw.contains("quantization_config")) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -272,15 +273,24 @@ class Exporter {
     g.group_size = grid->group_size;
     g.symmetric = grid->symmetric;
     g.groups = g.group_size == -1 ? 1 : (g.in + g.group_size - 1) / g.group_size;
-    if (g.bits != 2 && g.bits != 3 && g.bits != 4 && g.bits != 8) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          o_.in_dir, ": ", prefix, " has ", g.bits,
-          "-bit codes; the GPTQ format packs 2, 3, 4 or 8 bits"));
+    if (ct_) {
+      if (g.bits < 2 || g.bits > 8) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            o_.in_dir, ": ", prefix, " has ", g.bits,
+            "-bit codes; compressed-tensors' pack-quantized format packs 2 to 8 bits"));
+      }
+      QCAL_RETURN_IF_ERROR(CheckScalesExact(prefix, g));
+    } else {
+      if (g.bits != 2 && g.bits != 3 && g.bits != 4 && g.bits != 8) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            o_.in_dir, ": ", prefix, " has ", g.bits,
+            "-bit codes; the GPTQ format packs 2, 3, 4 or 8 bits"));
+      }
+      if ((g.in * g.bits) % 32 != 0 || (g.out * g.bits) % 32 != 0) {
+        padded_.push_back(absl::StrCat(prefix, " (", g.out, " x ", g.in, ")"));
+      }
+      QCAL_RETURN_IF_ERROR(CheckGptqExpressible(prefix, g));
     }
-    if ((g.in * g.bits) % 32 != 0 || (g.out * g.bits) % 32 != 0) {
-      padded_.push_back(absl::StrCat(prefix, " (", g.out, " x ", g.in, ")"));
-    }
-    QCAL_RETURN_IF_ERROR(CheckGptqExpressible(prefix, g));
     if (!grid_) {
       grid_ = g;
     } else if (grid_->bits != g.bits || grid_->group_size != g.group_size ||
@@ -290,9 +300,113 @@ class Exporter {
           g.symmetric ? ", symmetric" : ", asymmetric", "; the first linear has ", grid_->bits,
           " bits, group size ", grid_->group_size,
           grid_->symmetric ? ", symmetric" : ", asymmetric",
-          ": one GPTQ quantization_config cannot describe both"));
+          ": one ", o_.format, " quantization_config cannot describe both"));
     }
     return g;
+  }
+
+  // compressed-tensors stores the scales in the model's dtype (vLLM and transformers load them
+  // into parameters of that dtype): each must be exact there.
+  Status CheckScalesExact(const std::string& prefix, const GptqShape& g) {
+    if (dtype_ == DType::kF32) return absl::OkStatus();
+    QCAL_ASSIGN_OR_RETURN(std::vector<float> scales,
+                          model::ReadF32Checked(*ckpt_, prefix + ".scales", {g.out, g.groups}));
+    std::vector<uint8_t> narrow(scales.size() * DTypeSize(dtype_));
+    std::vector<float> back(scales.size());
+    ConvertFromF32(dtype_, scales.data(), scales.size(), narrow.data());
+    ConvertToF32(dtype_, narrow.data(), scales.size(), back.data());
+    for (size_t i = 0; i < scales.size(); ++i) {
+      if (back[i] != scales[i]) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            o_.in_dir, ": ", prefix, ": scale of output ", i / g.groups, " group ",
+            i % g.groups, " (", scales[i], ") is not exact in ", std::string(DTypeName(dtype_)),
+            ", the model's dtype, which compressed-tensors stores scales in"));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // Whether `prefix`'s stored g_idx assigns any column to a group other than column / group
+  // size (activation order): compressed-tensors' "actorder": "group" then carries it.
+  StatusOr<bool> HasActOrder(const std::string& prefix, const GptqShape& g) {
+    if (!ckpt_->Has(prefix + ".g_idx")) return false;
+    QCAL_ASSIGN_OR_RETURN(std::vector<int64_t> g_idx,
+                          model::ReadInts(*ckpt_, prefix + ".g_idx", {DType::kI32}, {g.in}));
+    for (int64_t j = 0; j < g.in; ++j) {
+      if (g_idx[j] != (g.group_size == -1 ? 0 : j / g.group_size)) return true;
+    }
+    return false;
+  }
+
+  // compressed-tensors' pack-quantized layout (its PackedQuantizationCompressor): signed codes q
+  // in [-2^(b-1), 2^(b-1)) (qcal's asymmetric code c and zero z become q = c - 2^(b-1) and
+  // zp = z - 2^(b-1), so q - zp = c - z), shifted to unsigned and packed 32/b to an int32 from
+  // the low bits, along the input dimension (weight_packed) or, for zero points, the output one.
+  void PlanCompressedLinear(const std::string& prefix, int64_t layer, int ki,
+                            const GptqShape& g) {
+    const int bits = g.bits, per_word = 32 / bits;
+    const int64_t words = (g.in + per_word - 1) / per_word;
+    auto data_of = [ki](const BlockCache::Block& b) -> StatusOr<const quant::ScalarLinearData*> {
+      const auto* s = dynamic_cast<const quant::ScalarQuantLinear*>(&b.weights.linear(
+          static_cast<LinearKind>(ki)));
+      if (s == nullptr) return absl::InternalError("not a scalar layer after its grid was read");
+      return &s->data();
+    };
+    PlanBlockTensor(prefix + ".weight_packed", DType::kI32, {g.out, words}, layer,
+                    [=](const BlockCache::Block& b, const Sink& sink) -> Status {
+                      QCAL_ASSIGN_OR_RETURN(const quant::ScalarLinearData* d, data_of(b));
+                      const int32_t shift = g.symmetric ? 1 << (bits - 1) : 0;
+                      std::vector<uint32_t> row(words);
+                      for (int64_t r = 0; r < g.out; ++r) {
+                        std::fill(row.begin(), row.end(), 0u);
+                        const int32_t* c = d->codes.data() + r * g.in;
+                        for (int64_t j = 0; j < g.in; ++j) {
+                          const uint32_t u = static_cast<uint32_t>(c[j] + shift);
+                          row[j / per_word] |= u << ((j % per_word) * bits);
+                        }
+                        QCAL_RETURN_IF_ERROR(sink(row.data(), row.size() * sizeof(uint32_t)));
+                      }
+                      return absl::OkStatus();
+                    });
+    const DType scale_dtype = dtype_;
+    PlanBlockTensor(prefix + ".weight_scale", scale_dtype, {g.out, g.groups}, layer,
+                    [=](const BlockCache::Block& b, const Sink& sink) -> Status {
+                      QCAL_ASSIGN_OR_RETURN(const quant::ScalarLinearData* d, data_of(b));
+                      return SinkAs(scale_dtype, d->scales.data(), d->scales.size(), sink);
+                    });
+    if (!g.symmetric) {
+      const int64_t zrows = (g.out + per_word - 1) / per_word;
+      PlanBlockTensor(prefix + ".weight_zero_point", DType::kI32, {zrows, g.groups}, layer,
+                      [=](const BlockCache::Block& b, const Sink& sink) -> Status {
+                        QCAL_ASSIGN_OR_RETURN(const quant::ScalarLinearData* d, data_of(b));
+                        std::vector<uint32_t> packed(zrows * g.groups, 0u);
+                        for (int64_t r = 0; r < g.out; ++r) {
+                          for (int64_t k = 0; k < g.groups; ++k) {
+                            const uint32_t u = static_cast<uint32_t>(d->zeros[r * g.groups + k]);
+                            packed[(r / per_word) * g.groups + k] |= u << ((r % per_word) * bits);
+                          }
+                        }
+                        return sink(packed.data(), packed.size() * sizeof(uint32_t));
+                      });
+    }
+    if (ct_actorder_) {
+      PlanBlockTensor(prefix + ".weight_g_idx", DType::kI32, {g.in}, layer,
+                      [=](const BlockCache::Block& b, const Sink& sink) -> Status {
+                        QCAL_ASSIGN_OR_RETURN(const quant::ScalarLinearData* d, data_of(b));
+                        std::vector<int32_t> g_idx(g.in);
+                        for (int64_t j = 0; j < g.in; ++j) {
+                          g_idx[j] = d->g_idx.empty()
+                                         ? static_cast<int32_t>(j / g.group_size)
+                                         : d->g_idx[j];
+                        }
+                        return sink(g_idx.data(), g_idx.size() * sizeof(int32_t));
+                      });
+    }
+    PlanBlockTensor(prefix + ".weight_shape", DType::kI64, {2}, layer,
+                    [=](const BlockCache::Block&, const Sink& sink) -> Status {
+                      const int64_t shape[2] = {g.out, g.in};
+                      return sink(shape, sizeof(shape));
+                    });
   }
 
   // What the v1 format cannot hold exactly, from the stored scales and zero points (checked
@@ -327,7 +441,7 @@ class Exporter {
   Status PlanLinear(int64_t layer, LinearKind k) {
     const std::string prefix = LinearPrefix(layer, k);
     const int ki = static_cast<int>(k);
-    if (!gptq_) {
+    if (!gptq_ && !ct_) {
       PlanBlockTensor(prefix + ".weight", DType::kF32, model::LinearShape(config_, k), layer,
                       [k](const BlockCache::Block& b, const Sink& sink) -> Status {
                         const at::Tensor w = b.weights.linear(k).DenseWeight().contiguous();
@@ -336,6 +450,10 @@ class Exporter {
       return absl::OkStatus();
     }
     QCAL_ASSIGN_OR_RETURN(const GptqShape g, GridOf(layer, k));
+    if (ct_) {
+      PlanCompressedLinear(prefix, layer, ki, g);
+      return absl::OkStatus();
+    }
     auto ints = [ki](std::vector<int32_t> quant::GptqTensors::*field) {
       return [ki, field](const BlockCache::Block& b, const Sink& sink) -> Status {
         const std::vector<int32_t>& v = b.gptq[ki].*field;
@@ -369,10 +487,25 @@ class Exporter {
     const int64_t hidden = config_.hidden_size;
     // The float tensors: the model's dtype for GPTQ (what engines run in); float32 for dense,
     // whose tables stay as stored (their values, whatever the dtype, are what qcal computed with).
-    const DType float_dtype = gptq_ ? dtype_ : DType::kF32;
+    const bool packed = gptq_ || ct_;
+    const DType float_dtype = packed ? dtype_ : DType::kF32;
+    if (ct_) {
+      // One config group describes every linear: activation order anywhere puts g_idx on all.
+      for (int64_t l = 0; l < config_.num_hidden_layers && !ct_actorder_; ++l) {
+        for (LinearKind k : model::kAllLinears) {
+          QCAL_ASSIGN_OR_RETURN(const GptqShape g, GridOf(l, k));
+          QCAL_ASSIGN_OR_RETURN(const bool ordered, HasActOrder(LinearPrefix(l, k), g));
+          if (ordered) {
+            if (g.group_size == -1) continue;  // one group per row: any order is the same
+            ct_actorder_ = true;
+            break;
+          }
+        }
+      }
+    }
     {
       QCAL_ASSIGN_OR_RETURN(auto found, ckpt_->Find(kEmbed));
-      QCAL_RETURN_IF_ERROR(PlanTable(kEmbed, gptq_ ? dtype_ : found.second->dtype));
+      QCAL_RETURN_IF_ERROR(PlanTable(kEmbed, packed ? dtype_ : found.second->dtype));
     }
     for (int64_t l = 0; l < config_.num_hidden_layers; ++l) {
       const std::string p = absl::StrCat("model.layers.", l, ".");
@@ -396,7 +529,7 @@ class Exporter {
     QCAL_RETURN_IF_ERROR(PlanSmall(kNorm, float_dtype));
     if (ckpt_->Has(kHead)) {
       QCAL_ASSIGN_OR_RETURN(auto found, ckpt_->Find(kHead));
-      QCAL_RETURN_IF_ERROR(PlanTable(kHead, gptq_ ? dtype_ : found.second->dtype));
+      QCAL_RETURN_IF_ERROR(PlanTable(kHead, packed ? dtype_ : found.second->dtype));
     }
     if (!padded_.empty()) {
       QCAL_LOG_WARN(
@@ -458,6 +591,35 @@ class Exporter {
       // AutoGPTQ / GPTQModel read the same fields from quantize_config.json.
       QCAL_RETURN_IF_ERROR(WriteFileAtomic(dir + "/quantize_config.json",
                                            result.quantization_config.dump(2) + "\n"));
+    } else if (ct_) {
+      nlohmann::json weights = {{"num_bits", grid_->bits},
+                                {"type", "int"},
+                                {"symmetric", grid_->symmetric},
+                                {"strategy", grid_->group_size == -1 ? "channel" : "group"},
+                                {"group_size", grid_->group_size == -1
+                                                   ? nlohmann::json()
+                                                   : nlohmann::json(grid_->group_size)},
+                                {"actorder", ct_actorder_ ? nlohmann::json("group")
+                                                          : nlohmann::json()},
+                                {"block_structure", nullptr},
+                                {"dynamic", false},
+                                {"observer", "minmax"},
+                                {"observer_kwargs", nlohmann::json::object()}};
+      result.quantization_config = {
+          {"quant_method", "compressed-tensors"},
+          {"format", "pack-quantized"},
+          {"quantization_status", "compressed"},
+          {"global_compression_ratio", nullptr},
+          {"kv_cache_scheme", nullptr},
+          {"ignore", {"lm_head"}},
+          {"config_groups",
+           {{"group_0",
+             {{"targets", {"Linear"}},
+              {"weights", weights},
+              {"input_activations", nullptr},
+              {"output_activations", nullptr},
+              {"format", "pack-quantized"}}}}}};
+      out.raw["quantization_config"] = result.quantization_config;
     } else {
       out.raw["torch_dtype"] = "float32";
     }
@@ -469,6 +631,8 @@ class Exporter {
 
   ExportOptions o_;
   bool gptq_ = false;
+  bool ct_ = false;           // compressed-tensors, pack-quantized
+  bool ct_actorder_ = false;  // its weights carry weight_g_idx ("actorder": "group")
   LlamaConfig config_;
   DType dtype_ = DType::kF32;
   std::unique_ptr<methods::Method> method_;

@@ -11,6 +11,15 @@
 //          without online transforms) and whose function a plain Llama forward computes
 //          (Method::CheckPlainForward) can be expressed; anything else is refused with the
 //          reason (lattice codes, online rotations, activation or KV-cache quantization).
+//   compressed-tensors
+//          the format llm-compressor writes and vLLM and transformers load ("quant_method":
+//          "compressed-tensors", "format": "pack-quantized"): per linear weight_packed (codes
+//          packed 32/bits to an int32 along the input dimension), weight_scale (the model's dtype),
+//          weight_zero_point (asymmetric grids, packed along the output dimension), weight_g_idx
+//          (activation order), weight_shape; one config group ("channel" or "group" strategy,
+//          symmetric or not, "actorder": "group" when any g_idx reorders), lm_head ignored. The
+//          same checkpoints as gptq can be expressed (2 to 8 bits; scales exact in the model's
+//          dtype; no zero-point restriction); the rest is refused with the reason.
 //   dense  a float checkpoint whose linears are the quantized checkpoint's dequantized weights
 //          (float32), for any method whose function a plain forward computes: what an engine
 //          without quantized kernels, or an independent check, runs.
@@ -31,7 +40,7 @@
 namespace qcal::exporter {
 
 struct ExportOptions {
-  std::string format;   // "gptq" | "dense"
+  std::string format;   // "gptq" | "compressed-tensors" | "dense"
   std::string in_dir;   // a finished qcal checkpoint
   std::string out_dir;  // must not exist, or be an empty directory
   // Shards hold at most this many bytes of tensor data, except a single larger tensor, which

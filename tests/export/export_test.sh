@@ -8,6 +8,8 @@
 #  * Refused, with the reason, exit 1, nothing left behind: lattice codes (QuIP#), QuaRot with
 #    online rotations and activation / KV quantization, float32 scales.
 #  * Dense export of QuIP# 2-bit evaluates like the quantized checkpoint (1e-4 relative).
+#  * compressed-tensors (pack-quantized) export of the same checkpoints: tests/reference/
+#    ct_dequant.py checks its layout and dequantizes it to the dense export bit for bit (issue 40).
 # Usage (ctest runs it): export_test.sh SOURCE_DIR BUILD_DIR
 set -euo pipefail
 src=$1 build=$2
@@ -114,5 +116,58 @@ refused dense "$work/quarot" "$work/quarot-dense" "4-bit activation quantization
 # 4. Dense export of QuIP# 2-bit: the decoded weights compute what the checkpoint computes.
 "$q" export --format dense "$work/quip2" "$work/quip2-dense" > /dev/null
 close "$(ppl "$work/quip2")" "$(ppl "$work/quip2-dense")" "QuIP# 2-bit: checkpoint vs dense export"
+
+# 5. compressed-tensors, pack-quantized (issue 40): tests/reference/ct_dequant.py, a numpy reader
+#    written from the format's description, checks every tensor's dtype and shape and dequantizes
+#    to exactly the dense export's weights; the perplexity matches the checkpoint's. Per channel
+#    symmetric (gptq-4bit), groups of 32 asymmetric with activation order (zero points packed
+#    along the outputs, actorder "group" with weight_g_idx), and float32 scales (exact in a
+#    float32 model's dtype, which GPTQ's fp16 scales refuse).
+ct="$src/tests/reference/ct_dequant.py"
+ct_exact() {  # ct_exact CT_EXPORT DENSE_EXPORT DEQUANT_OUT LABEL
+  if ! "$py" "$ct" check "$1" > "$3.check"; then
+    echo "FAIL $4: $(cat "$3.check")"; fail=1; return
+  fi
+  "$py" "$ct" dequant "$1" "$3" > /dev/null
+  if "$py" "$ref" compare "$3" "$2" > "$3.cmp"; then
+    echo "ok   $4: $(tail -1 "$3.check"); $(tail -1 "$3.cmp") (vs qcal export --format dense)"
+  else
+    echo "FAIL $4:"; cat "$3.cmp"; fail=1
+  fi
+}
+"$q" export --format compressed-tensors "$work/g4" "$work/g4-ct" > /dev/null 2>&1
+ct_exact "$work/g4-ct" "$work/g4-dense" "$work/g4-ctdeq" "compressed-tensors gptq-4bit"
+"$py" - "$work/g4-ct" <<'EOF' || fail=1
+import json, sys
+q = json.load(open(sys.argv[1] + "/config.json"))["quantization_config"]
+w = q["config_groups"]["group_0"]["weights"]
+want = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "channel",
+        "group_size": None, "actorder": None}
+bad = {k: (w.get(k), v) for k, v in want.items() if w.get(k) != v}
+if q.get("format") != "pack-quantized" or q.get("ignore") != ["lm_head"]:
+    bad["top"] = q
+print("FAIL compressed-tensors config" if bad else "ok   compressed-tensors config", bad or w)
+sys.exit(1 if bad else 0)
+EOF
+close "$(ppl "$work/g4")" "$(ppl "$work/g4-ctdeq")" "gptq-4bit: checkpoint vs its compressed-tensors export"
+"$q" export --format compressed-tensors "$work/g3" "$work/g3-ct" > /dev/null 2>&1
+grep -q '"actorder": "group"' "$work/g3-ct/config.json" && echo "ok   actorder group" ||
+  { echo "FAIL actorder is not group for act-order groups"; fail=1; }
+ct_exact "$work/g3-ct" "$work/g3-dense" "$work/g3-ctdeq" "compressed-tensors 3-bit asym g32"
+close "$(ppl "$work/g3")" "$(ppl "$work/g3-ctdeq")" "gptq 3-bit: checkpoint vs compressed-tensors export"
+"$q" export --format compressed-tensors "$work/rtn32" "$work/rtn32-ct" > /dev/null 2>&1
+"$q" export --format dense "$work/rtn32" "$work/rtn32-dense" > /dev/null
+ct_exact "$work/rtn32-ct" "$work/rtn32-dense" "$work/rtn32-ctdeq" "compressed-tensors float32 scales"
+# A servable rotated recipe (QuaRot R1/R2 fused, no online Hadamards) exports; its twin with R3/R4
+# online is refused above.
+quantize "$src/jobs/quarot-w4a16-r12.yaml" "$work/qr12"
+"$q" export --format compressed-tensors "$work/qr12" "$work/qr12-ct" > /dev/null 2>&1
+"$q" export --format dense "$work/qr12" "$work/qr12-dense" > /dev/null
+ct_exact "$work/qr12-ct" "$work/qr12-dense" "$work/qr12-ctdeq" "compressed-tensors quarot-w4a16-r12"
+close "$(ppl "$work/qr12")" "$(ppl "$work/qr12-ctdeq")" "quarot-w4a16-r12: checkpoint vs compressed-tensors export"
+refused compressed-tensors "$work/quip2" "$work/quip2-ct" "not on a scalar integer grid" \
+  "compressed-tensors: QuIP# lattice codes"
+refused compressed-tensors "$work/quarot" "$work/quarot-ct" "the online Hadamard R3" \
+  "compressed-tensors: QuaRot W4A4KV4"
 
 exit $fail
