@@ -861,6 +861,10 @@ TEST(QuarotRecipes, BundledRecipesComeInRotatedAndUnrotatedTwins) {
     EXPECT_EQ(rotated->method, "quarot");
     EXPECT_TRUE(Rotation(*rotated).any());
     std::string twin = stem.substr(7);
+    // A servable variant (R1/R2 only, "-r12") shares its full-rotation twin's unrotated one.
+    if (twin.size() > 4 && twin.compare(twin.size() - 4, 4, "-r12") == 0) {
+      twin.resize(twin.size() - 4);
+    }
     const size_t rtn = twin.rfind("-rtn");
     twin = rtn != std::string::npos && rtn + 4 == twin.size()
                ? twin.substr(0, rtn) + "-norot-rtn" : twin + "-norot";
