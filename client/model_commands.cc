@@ -1,5 +1,6 @@
 #include "client/model_commands.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 
@@ -12,6 +13,7 @@
 #include "common/llama2c.h"
 #include "common/log.h"
 #include "common/text.h"
+#include "report/report.h"
 #include "common/tokenizer.h"
 #include "engine/eval/perplexity.h"
 #include "export/export.h"
@@ -80,6 +82,15 @@ int RunEval(const EvalOptions& o) {
   std::vector<int32_t> tokens = (*tokenizer)->Encode(*text);
   const double tokenize_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+  if (!o.save_tokens.empty()) {
+    const size_t n = o.max_tokens >= 0 ? std::min(tokens.size(), static_cast<size_t>(o.max_tokens))
+                                       : tokens.size();
+    const Status saved = WriteFileAtomic(
+        o.save_tokens,
+        std::string_view(reinterpret_cast<const char*>(tokens.data()), n * sizeof(int32_t)));
+    if (!saved.ok()) return Fail(saved);
+  }
 
   eval::PerplexityOptions opt;
   opt.ctx = o.ctx;
@@ -216,6 +227,56 @@ int RunExport(const ExportCommandOptions& o) {
   return 0;
 }
 
+int RunReport(const ReportCommandOptions& o) {
+  auto in = report::ResolveJobDirs(o.dir);
+  if (!in.ok()) return Fail(in.status());
+  nlohmann::json evals = nlohmann::json::array();
+  if (!o.eval_paths.empty()) {
+    auto model_dir = report::JournaledModelDir(in->job_dir);
+    if (!model_dir.ok()) return Fail(model_dir.status());
+    auto reference = methods::LoadModel(*model_dir);
+    if (!reference.ok()) return Fail(reference.status());
+    auto model = methods::LoadModel(in->out_dir);
+    if (!model.ok()) return Fail(model.status());
+    model::SetComputeThreads(o.threads > 0 ? o.threads
+                                           : model::AutoComputeThreads((*model)->config()));
+    auto tokenizer = LoadTokenizerFromModelDir(in->out_dir);
+    if (!tokenizer.ok()) return Fail(tokenizer.status());
+    for (const std::string& path : o.eval_paths) {
+      auto text = ReadTextFile(path);
+      if (!text.ok()) return Fail(text.status());
+      const std::vector<int32_t> tokens = (*tokenizer)->Encode(*text);
+      eval::PerplexityOptions opt;
+      opt.ctx = o.ctx;
+      opt.bos_per_window = o.bos_per_window;
+      opt.max_tokens = o.max_tokens;
+      opt.bos_id = (*tokenizer)->bos_id();
+      ProgressBar bar("perplexity + KL", 0);
+      auto c = tools::CompareToReference(
+          **reference, **model, tokens, opt,
+          [&bar](int64_t done, int64_t total) { bar.Update(done, total); });
+      bar.Finish();
+      if (!c.ok()) return Fail(Annotate(c.status(), path));
+      in->evals.push_back({path, o.ctx, c->tokens_scored, c->ppl_reference, c->ppl_model,
+                           c->mean_kl});
+      evals.push_back({{"data", path}, {"perplexity", c->ppl_model},
+                       {"reference_perplexity", c->ppl_reference}, {"mean_kl", c->mean_kl}});
+    }
+  }
+  const std::string path = o.out.empty() ? in->job_dir + "/report.html" : o.out;
+  const Status written = report::WriteReport(*in, path);
+  if (!written.ok()) return Fail(written);
+  if (o.json) {
+    std::printf("%s\n", nlohmann::json({{"report", path}, {"job_dir", in->job_dir},
+                                        {"out_dir", in->out_dir}, {"evals", evals}})
+                            .dump()
+                            .c_str());
+  } else {
+    std::printf("report: %s\n", path.c_str());
+  }
+  return 0;
+}
+
 void AddModelCommands(CLI::App& app, int* exit_code) {
   auto* imp = app.add_subcommand("import", "Convert a checkpoint into a Hugging Face model dir");
   auto io = std::make_shared<ImportOptions>();
@@ -250,6 +311,9 @@ void AddModelCommands(CLI::App& app, int* exit_code) {
                  "where LibTorch evaluates: auto (a GPU when this build's LibTorch has CUDA, else "
                  "the CPU), cpu, cuda, cuda:N")
       ->capture_default_str();
+  ev->add_option("--save-tokens", eo->save_tokens,
+                 "also write the evaluated text tokens to this file (int32 little-endian; the "
+                 "windows are cut from them as --ctx / --bos-per-window say)");
   ev->add_flag("--json", eo->json, "print one JSON object on the last line");
   ev->callback([eo, exit_code] { *exit_code = RunEval(*eo); });
 
@@ -281,6 +345,29 @@ void AddModelCommands(CLI::App& app, int* exit_code) {
       ->capture_default_str();
   ex->add_flag("--json", xo->json, "print one JSON object");
   ex->callback([xo, exit_code] { *exit_code = RunExport(*xo); });
+
+  auto* rep = app.add_subcommand(
+      "report", "Write a job's report: one self-contained HTML page with plots (proxy loss by "
+                "linear, fine-tuning curves, block error, time per phase and block, peak memory "
+                "per rank; perplexity and KL against float with --eval)");
+  auto ro = std::make_shared<ReportCommandOptions>();
+  rep->add_option("dir", ro->dir, "a job directory, or a job's output directory (its job "
+                                  "directory is DIR.job)")
+      ->required()
+      ->check(CLI::ExistingDirectory);
+  rep->add_option("--eval", ro->eval_paths,
+                  "measure perplexity and KL(float || quantized) on this UTF-8 text (repeatable); "
+                  "the float model is the one the journal names")
+      ->check(CLI::ExistingFile);
+  rep->add_option("--ctx", ro->ctx, "window length in tokens for --eval")->capture_default_str();
+  rep->add_option("--max-tokens", ro->max_tokens, "use at most this many text tokens");
+  rep->add_flag("--bos-per-window", ro->bos_per_window,
+                "each window is BOS + ctx-1 text tokens (llama2.c convention)");
+  rep->add_option("--threads", ro->threads, "compute threads for --eval (0 = auto)")
+      ->check(CLI::Range(0, kMaxThreads));
+  rep->add_option("--out", ro->out, "the page's path (default: JOB_DIR/report.html)");
+  rep->add_flag("--json", ro->json, "print one JSON object");
+  rep->callback([ro, exit_code] { *exit_code = RunReport(*ro); });
 }
 
 }  // namespace qcal::client

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace CLI {
 class App;
@@ -42,6 +43,9 @@ struct EvalOptions {
   // Where LibTorch evaluates (model::ResolveTorchDevice): auto picks a GPU when this build's
   // LibTorch has CUDA. A model with a layer that cannot move is evaluated on the CPU (said).
   std::string device = "auto";
+  // Also write the evaluated text tokens (after --max-tokens) here, int32 little-endian, so
+  // that other programs score exactly the same windows (tests/reference/ct_dequant.py ppl).
+  std::string save_tokens;
 };
 
 struct GenerateOptions {
@@ -50,6 +54,17 @@ struct GenerateOptions {
   int64_t max_new_tokens = 64;
   bool json = false;
   int threads = 0;
+};
+
+struct ReportCommandOptions {
+  std::string dir;                      // a job directory or a job's output directory
+  std::vector<std::string> eval_paths;  // texts to measure perplexity and KL on (optional)
+  int64_t ctx = 512;
+  int64_t max_tokens = -1;
+  bool bos_per_window = false;
+  int threads = 0;
+  std::string out;  // default JOB/report.html
+  bool json = false;
 };
 
 // Registers the subcommands on `app`; the callbacks store their exit code in *exit_code.

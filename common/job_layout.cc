@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <limits>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
@@ -398,6 +399,17 @@ nlohmann::json BlockDoneEntry(const v1::BlockResult& r) {
     for (const v1::WrittenFile& f : r.also_wrote()) also[f.name()] = f.checksum();
     e["also_wrote"] = also;
   }
+  e["rank"] = r.rank();
+  if (r.ft_curves_size() > 0) {
+    nlohmann::json curves = nlohmann::json::array();
+    for (const v1::FinetuneCurve& c : r.ft_curves()) {
+      nlohmann::json heldout = nlohmann::json::array(), train = nlohmann::json::array();
+      for (double v : c.heldout()) heldout.push_back(FiniteOrNull(v));
+      for (double v : c.train()) train.push_back(FiniteOrNull(v));
+      curves.push_back({{"heldout", heldout}, {"train", train}});
+    }
+    e["ft_curves"] = curves;
+  }
   if (r.phases_size() > 0) {
     nlohmann::json phases = nlohmann::json::array();
     for (const v1::PhaseTiming& p : r.phases()) {
@@ -421,6 +433,20 @@ v1::BlockResult BlockResultFromEntry(const nlohmann::json& e) {
   r.set_seconds(NumberOrNan(e, "seconds"));
   r.set_mse_before_ft(NumberOrNan(e, "mse_before_ft"));
   r.set_mse_after_ft(NumberOrNan(e, "mse_after_ft"));
+  if (e.contains("rank") && e["rank"].is_number_integer()) r.set_rank(e["rank"].get<int32_t>());
+  if (e.contains("ft_curves") && e["ft_curves"].is_array()) {
+    for (const auto& j : e["ft_curves"]) {
+      if (!j.is_object()) continue;
+      v1::FinetuneCurve* c = r.add_ft_curves();
+      for (const char* key : {"heldout", "train"}) {
+        if (!j.contains(key) || !j[key].is_array()) continue;
+        auto* values = std::string(key) == "heldout" ? c->mutable_heldout() : c->mutable_train();
+        for (const auto& v : j[key]) {
+          values->Add(v.is_number() ? v.get<double>() : std::numeric_limits<double>::quiet_NaN());
+        }
+      }
+    }
+  }
   if (e.contains("metrics") && e["metrics"].is_array()) {
     for (const auto& j : e["metrics"]) {
       if (!j.is_object()) continue;

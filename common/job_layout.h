@@ -115,7 +115,8 @@ Status RemoveStaging(const std::string& out_dir);
 // ---- Results <-> journal entries
 
 // {"event":"block_done","layer","shard","bytes","checksum","seconds","mse_before_ft",
-//  "mse_after_ft","metrics":[...],"also_wrote":{name: checksum}} (non-finite numbers as null).
+//  "mse_after_ft","rank","ft_curves":[{"heldout":[...],"train":[...]}] (with fine-tuning),
+//  "metrics":[...],"also_wrote":{name: checksum},"phases":[...]} (non-finite numbers as null).
 nlohmann::json BlockDoneEntry(const v1::BlockResult& result);
 v1::BlockResult BlockResultFromEntry(const nlohmann::json& entry);
 // {"event":"e2e_done","checksums":{shard: checksum},"kl_before","kl_after","best_epoch",

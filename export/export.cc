@@ -175,8 +175,14 @@ class Exporter {
           o_.in_dir, "/config.json: a float model (no quantization_config): nothing to export"));
     }
     QCAL_ASSIGN_OR_RETURN(method_, methods::CheckpointMethod(config_, o_.in_dir));
-    QCAL_RETURN_IF_ERROR(Annotate(method_->inference().CheckPlainForward(),
+    const methods::Inference& inference = method_->inference();
+    QCAL_RETURN_IF_ERROR(Annotate(ct_ ? inference.CheckPlainForwardWithQuantizedInputs()
+                                      : inference.CheckPlainForward(),
                                   absl::StrCat(o_.in_dir, ": cannot export to ", o_.format)));
+    if (ct_) {
+      act_ = inference.LinearInputQuantization();
+      if (act_) QCAL_RETURN_IF_ERROR(CheckInputActivations(*act_));
+    }
     QCAL_ASSIGN_OR_RETURN(dtype_, ModelDType(config_, o_.in_dir));
     QCAL_ASSIGN_OR_RETURN(ckpt_, CheckpointReader::Open(o_.in_dir));
     // The output: a new directory (or an empty one), not inside the input.
@@ -338,6 +344,109 @@ class Exporter {
     return false;
   }
 
+  // What compressed-tensors' input_activations (and the engines that load them) compute must be
+  // what qcal's activation quantizer computes (engine/qsim/act_quant.h):
+  //  * dynamic per token, symmetric, clip 1: scale = max|x| / 127 per token, codes clamped to
+  //    [-128, 127] (vLLM's dynamic int8 quantization; strategy "token");
+  //  * static per tensor: the calibrated scale (clip folded in) and, asymmetric, zero point,
+  //    stored per linear as input_scale / input_zero_point (strategy "tensor").
+  Status CheckInputActivations(const ActivationQuantSpec& a) const {
+    auto refuse = [&](const std::string& why) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          o_.in_dir, ": cannot export to compressed-tensors: the recipe's activation quantizer (",
+          a.bits, "-bit, ", a.granularity, a.is_static ? ", static" : ", dynamic",
+          a.symmetric ? ", symmetric" : ", asymmetric", ", clip ", a.clip, ") ", why));
+    };
+    if (a.bits != 8) {
+      return refuse("is not 8-bit: the export writes int8 activations (W8A8), the integer "
+                    "activations vLLM's compressed-tensors kernels run");
+    }
+    if (a.is_static) {
+      if (a.granularity != "per_tensor") return refuse("is static but not per tensor");
+      return absl::OkStatus();
+    }
+    if (a.granularity != "per_token") {
+      return refuse("takes one scale per sequence, which the format's dynamic per-tensor "
+                    "strategy (one scale per forward call's tensor) computes only at batch 1");
+    }
+    if (!a.symmetric) {
+      return refuse("is asymmetric and dynamic: the format's dynamic asymmetric range is the "
+                    "token's [min, max], qcal's includes 0");
+    }
+    if (a.clip != 1.0) {
+      return refuse("clips the dynamic range: the format's dynamic scale is max|x| / 127, with "
+                    "no clipping ratio");
+    }
+    return absl::OkStatus();
+  }
+
+  // A static recipe's input_scale (float32, the dtype vLLM loads it in: a calibrated scale is
+  // not exact in 16 bits) and, asymmetric, input_zero_point (int8: zero - 128) of one linear.
+  void PlanStaticInput(const std::string& prefix, int64_t layer, LinearKind k) {
+    const methods::Inference* inference = &method_->inference();
+    auto params = [inference, layer, k](const BlockCache::Block& b) {
+      return inference->StaticLinearInputParams(b.weights, layer, k);
+    };
+    PlanBlockTensor(prefix + ".input_scale", DType::kF32, {1}, layer,
+                    [params](const BlockCache::Block& b, const Sink& sink) -> Status {
+                      QCAL_ASSIGN_OR_RETURN(const methods::StaticInputParams p, params(b));
+                      return sink(&p.scale, sizeof(float));
+                    });
+    if (!act_->symmetric) {
+      PlanBlockTensor(prefix + ".input_zero_point", DType::kI8, {1}, layer,
+                      [params](const BlockCache::Block& b, const Sink& sink) -> Status {
+                        QCAL_ASSIGN_OR_RETURN(const methods::StaticInputParams p, params(b));
+                        const int8_t zp = static_cast<int8_t>(p.zero - 128);
+                        return sink(&zp, 1);
+                      });
+    }
+  }
+
+  // compressed-tensors' int-quantized layout (its IntQuantizationCompressor), the weights of
+  // W8A8: weight [out, in] int8 holds the signed codes q (asymmetric: q = c - 2^(b-1), zero
+  // point zp = z - 2^(b-1) in weight_zero_point [out, groups] int8), weight_scale and
+  // weight_g_idx as for pack-quantized.
+  void PlanIntLinear(const std::string& prefix, int64_t layer, int ki, const GptqShape& g) {
+    const int32_t shift = g.symmetric ? 0 : -(1 << (g.bits - 1));
+    PlanBlockTensor(prefix + ".weight", DType::kI8, {g.out, g.in}, layer,
+                    [=](const BlockCache::Block& b, const Sink& sink) -> Status {
+                      QCAL_ASSIGN_OR_RETURN(const quant::ScalarLinearData* d, ScalarData(b, ki));
+                      std::vector<int8_t> row(g.in);
+                      for (int64_t r = 0; r < g.out; ++r) {
+                        const int32_t* c = d->codes.data() + r * g.in;
+                        for (int64_t j = 0; j < g.in; ++j) {
+                          row[j] = static_cast<int8_t>(c[j] + shift);
+                        }
+                        QCAL_RETURN_IF_ERROR(sink(row.data(), row.size()));
+                      }
+                      return absl::OkStatus();
+                    });
+    if (!g.symmetric) {
+      PlanBlockTensor(prefix + ".weight_zero_point", DType::kI8, {g.out, g.groups}, layer,
+                      [=](const BlockCache::Block& b, const Sink& sink) -> Status {
+                        QCAL_ASSIGN_OR_RETURN(const quant::ScalarLinearData* d,
+                                              ScalarData(b, ki));
+                        std::vector<int8_t> zp(d->zeros.size());
+                        for (size_t i = 0; i < zp.size(); ++i) {
+                          zp[i] = static_cast<int8_t>(d->zeros[i] + shift);
+                        }
+                        return sink(zp.data(), zp.size());
+                      });
+    }
+    PlanScaleAndGroups(prefix, layer, ki, g);
+  }
+
+  // W8A8 (8-bit weights, quantized inputs): int-quantized, the layout vLLM's int8 W8A8 kernels
+  // load; everything else: pack-quantized.
+  bool IntFormat(const GptqShape& g) const { return act_.has_value() && g.bits == 8; }
+
+  static StatusOr<const quant::ScalarLinearData*> ScalarData(const BlockCache::Block& b, int ki) {
+    const auto* s =
+        dynamic_cast<const quant::ScalarQuantLinear*>(&b.weights.linear(static_cast<LinearKind>(ki)));
+    if (s == nullptr) return absl::InternalError("not a scalar layer after its grid was read");
+    return &s->data();
+  }
+
   // compressed-tensors' pack-quantized layout (its PackedQuantizationCompressor): signed codes q
   // in [-2^(b-1), 2^(b-1)) (qcal's asymmetric code c and zero z become q = c - 2^(b-1) and
   // zp = z - 2^(b-1), so q - zp = c - z), shifted to unsigned and packed 32/b to an int32 from
@@ -346,12 +455,7 @@ class Exporter {
                             const GptqShape& g) {
     const int bits = g.bits, per_word = 32 / bits;
     const int64_t words = (g.in + per_word - 1) / per_word;
-    auto data_of = [ki](const BlockCache::Block& b) -> StatusOr<const quant::ScalarLinearData*> {
-      const auto* s = dynamic_cast<const quant::ScalarQuantLinear*>(&b.weights.linear(
-          static_cast<LinearKind>(ki)));
-      if (s == nullptr) return absl::InternalError("not a scalar layer after its grid was read");
-      return &s->data();
-    };
+    auto data_of = [ki](const BlockCache::Block& b) { return ScalarData(b, ki); };
     PlanBlockTensor(prefix + ".weight_packed", DType::kI32, {g.out, words}, layer,
                     [=](const BlockCache::Block& b, const Sink& sink) -> Status {
                       QCAL_ASSIGN_OR_RETURN(const quant::ScalarLinearData* d, data_of(b));
@@ -368,12 +472,6 @@ class Exporter {
                       }
                       return absl::OkStatus();
                     });
-    const DType scale_dtype = dtype_;
-    PlanBlockTensor(prefix + ".weight_scale", scale_dtype, {g.out, g.groups}, layer,
-                    [=](const BlockCache::Block& b, const Sink& sink) -> Status {
-                      QCAL_ASSIGN_OR_RETURN(const quant::ScalarLinearData* d, data_of(b));
-                      return SinkAs(scale_dtype, d->scales.data(), d->scales.size(), sink);
-                    });
     if (!g.symmetric) {
       const int64_t zrows = (g.out + per_word - 1) / per_word;
       PlanBlockTensor(prefix + ".weight_zero_point", DType::kI32, {zrows, g.groups}, layer,
@@ -389,6 +487,24 @@ class Exporter {
                         return sink(packed.data(), packed.size() * sizeof(uint32_t));
                       });
     }
+    PlanScaleAndGroups(prefix, layer, ki, g);
+    PlanBlockTensor(prefix + ".weight_shape", DType::kI64, {2}, layer,
+                    [=](const BlockCache::Block&, const Sink& sink) -> Status {
+                      const int64_t shape[2] = {g.out, g.in};
+                      return sink(shape, sizeof(shape));
+                    });
+  }
+
+  // weight_scale [out, groups] in the model's dtype and weight_g_idx [in] int32 (actorder
+  // "group"): the same in both layouts.
+  void PlanScaleAndGroups(const std::string& prefix, int64_t layer, int ki, const GptqShape& g) {
+    auto data_of = [ki](const BlockCache::Block& b) { return ScalarData(b, ki); };
+    const DType scale_dtype = dtype_;
+    PlanBlockTensor(prefix + ".weight_scale", scale_dtype, {g.out, g.groups}, layer,
+                    [=](const BlockCache::Block& b, const Sink& sink) -> Status {
+                      QCAL_ASSIGN_OR_RETURN(const quant::ScalarLinearData* d, data_of(b));
+                      return SinkAs(scale_dtype, d->scales.data(), d->scales.size(), sink);
+                    });
     if (ct_actorder_) {
       PlanBlockTensor(prefix + ".weight_g_idx", DType::kI32, {g.in}, layer,
                       [=](const BlockCache::Block& b, const Sink& sink) -> Status {
@@ -402,11 +518,6 @@ class Exporter {
                         return sink(g_idx.data(), g_idx.size() * sizeof(int32_t));
                       });
     }
-    PlanBlockTensor(prefix + ".weight_shape", DType::kI64, {2}, layer,
-                    [=](const BlockCache::Block&, const Sink& sink) -> Status {
-                      const int64_t shape[2] = {g.out, g.in};
-                      return sink(shape, sizeof(shape));
-                    });
   }
 
   // What the v1 format cannot hold exactly, from the stored scales and zero points (checked
@@ -451,7 +562,12 @@ class Exporter {
     }
     QCAL_ASSIGN_OR_RETURN(const GptqShape g, GridOf(layer, k));
     if (ct_) {
-      PlanCompressedLinear(prefix, layer, ki, g);
+      if (IntFormat(g)) {
+        PlanIntLinear(prefix, layer, ki, g);
+      } else {
+        PlanCompressedLinear(prefix, layer, ki, g);
+      }
+      if (act_ && act_->is_static) PlanStaticInput(prefix, layer, k);
       return absl::OkStatus();
     }
     auto ints = [ki](std::vector<int32_t> quant::GptqTensors::*field) {
@@ -605,9 +721,23 @@ class Exporter {
                                 {"dynamic", false},
                                 {"observer", "minmax"},
                                 {"observer_kwargs", nlohmann::json::object()}};
+      const std::string format = IntFormat(*grid_) ? "int-quantized" : "pack-quantized";
+      nlohmann::json inputs;  // null: float inputs
+      if (act_) {
+        inputs = {{"num_bits", act_->bits},
+                  {"type", "int"},
+                  {"symmetric", act_->symmetric},
+                  {"strategy", act_->is_static ? "tensor" : "token"},
+                  {"group_size", nullptr},
+                  {"block_structure", nullptr},
+                  {"dynamic", !act_->is_static},
+                  {"actorder", nullptr},
+                  {"observer", act_->is_static ? nlohmann::json("minmax") : nlohmann::json()},
+                  {"observer_kwargs", nlohmann::json::object()}};
+      }
       result.quantization_config = {
           {"quant_method", "compressed-tensors"},
-          {"format", "pack-quantized"},
+          {"format", format},
           {"quantization_status", "compressed"},
           {"global_compression_ratio", nullptr},
           {"kv_cache_scheme", nullptr},
@@ -616,9 +746,9 @@ class Exporter {
            {{"group_0",
              {{"targets", {"Linear"}},
               {"weights", weights},
-              {"input_activations", nullptr},
+              {"input_activations", inputs},
               {"output_activations", nullptr},
-              {"format", "pack-quantized"}}}}}};
+              {"format", format}}}}}};
       out.raw["quantization_config"] = result.quantization_config;
     } else {
       out.raw["torch_dtype"] = "float32";
@@ -633,6 +763,7 @@ class Exporter {
   bool gptq_ = false;
   bool ct_ = false;           // compressed-tensors, pack-quantized
   bool ct_actorder_ = false;  // its weights carry weight_g_idx ("actorder": "group")
+  std::optional<ActivationQuantSpec> act_;  // compressed-tensors: the linears' input quantizer
   LlamaConfig config_;
   DType dtype_ = DType::kF32;
   std::unique_ptr<methods::Method> method_;

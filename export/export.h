@@ -19,7 +19,10 @@
 //          (activation order), weight_shape; one config group ("channel" or "group" strategy,
 //          symmetric or not, "actorder": "group" when any g_idx reorders), lm_head ignored. The
 //          same checkpoints as gptq can be expressed (2 to 8 bits; scales exact in the model's
-//          dtype; no zero-point restriction); the rest is refused with the reason.
+//          dtype; no zero-point restriction), and also those whose linear inputs are quantized
+//          to int8 (Inference::CheckPlainForwardWithQuantizedInputs: W8A8 as "int-quantized",
+//          int8 weights in `weight`, and input_activations dynamic per token or static per
+//          tensor with an input_scale per linear); the rest is refused with the reason.
 //   dense  a float checkpoint whose linears are the quantized checkpoint's dequantized weights
 //          (float32), for any method whose function a plain forward computes: what an engine
 //          without quantized kernels, or an independent check, runs.

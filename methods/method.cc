@@ -51,6 +51,13 @@ StatusOr<at::Tensor> SequentialForward::PropagateFloatBlock(model::BlockWeights,
       absl::StrCat("this method does not propagate float blocks (block ", layer, ")"));
 }
 
+StatusOr<StaticInputParams> Inference::StaticLinearInputParams(const model::BlockWeights&,
+                                                              int64_t layer,
+                                                              model::LinearKind kind) const {
+  return absl::UnimplementedError(absl::StrCat("block ", layer, " ", model::LinearName(kind),
+                                               ": this method has no static input quantizers"));
+}
+
 StandardBlockFormat::StandardBlockFormat(LlamaConfig config,
                                          std::shared_ptr<const LayerFormats> formats,
                                          std::string quantized)

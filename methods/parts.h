@@ -22,10 +22,12 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include <ATen/core/Tensor.h>
 
+#include "common/quant_specs.h"
 #include "common/recipe.h"
 #include "common/safetensors.h"
 #include "common/status.h"
@@ -167,6 +169,12 @@ class BlockFormat {
                                                   int64_t layer) const = 0;
 };
 
+// A static input quantizer's parameters: value = (code - zero) · scale.
+struct StaticInputParams {
+  float scale = 1.0f;
+  int32_t zero = 0;
+};
+
 class Inference {
  public:
   virtual ~Inference() = default;
@@ -177,6 +185,20 @@ class Inference {
   // can be exported to formats inference engines load. FailedPrecondition saying what such a
   // forward cannot express otherwise.
   virtual Status CheckPlainForward() const = 0;
+
+  // For formats that also describe how each linear's input is quantized (compressed-tensors'
+  // input_activations): CheckPlainForward, except that quantizing the decoder linears' inputs
+  // is allowed. The default allows no more than CheckPlainForward.
+  virtual Status CheckPlainForwardWithQuantizedInputs() const { return CheckPlainForward(); }
+  // The quantizer of every decoder linear's input at inference time; nullopt: float inputs.
+  virtual std::optional<ActivationQuantSpec> LinearInputQuantization() const {
+    return std::nullopt;
+  }
+  // A static quantizer's scale and zero point (on qcal's code grid: ScalarCodeMin..Max) for the
+  // input of linear `kind` of block `layer`, from the block as BlockFormat::LoadBlock read it.
+  virtual StatusOr<StaticInputParams> StaticLinearInputParams(const model::BlockWeights& weights,
+                                                             int64_t layer,
+                                                             model::LinearKind kind) const;
 };
 
 // The block format every method without extra per-block tensors uses: both RMSNorm weights

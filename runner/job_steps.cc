@@ -714,6 +714,11 @@ StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
   result.set_seconds(Seconds(t0));
   result.set_mse_before_ft(task.mse_before_ft);
   result.set_mse_after_ft(task.mse_after_ft);
+  for (const quant::FinetuneCurve& c : task.ft_curves) {
+    v1::FinetuneCurve* curve = result.add_ft_curves();
+    curve->mutable_heldout()->Add(c.heldout.begin(), c.heldout.end());
+    curve->mutable_train()->Add(c.train.begin(), c.train.end());
+  }
   AddMetrics(task.linears, &result);
   return result;
 }

@@ -39,7 +39,10 @@ StatusOr<v1::CompleteTaskRequest> ExecuteTask(comm::Comm& comm, JobContext* ctx,
     case v1::TASK_KIND_QUANTIZE_BLOCK: {
       auto r = QuantizeBlockStep(ctx, task.block(), attempt, on_event);
       status = r.status();
-      if (r.ok()) *done.mutable_block() = std::move(*r);
+      if (r.ok()) {
+        r->set_rank(comm.rank());
+        *done.mutable_block() = std::move(*r);
+      }
       break;
     }
     case v1::TASK_KIND_FINETUNE_E2E: {

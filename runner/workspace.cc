@@ -3,6 +3,8 @@
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "report/report.h"
 
 namespace qcal::job {
 namespace {
@@ -54,7 +56,18 @@ class DiskWorkspace : public JobWorkspace {
 
   StatusOr<nlohmann::json> Finalize(const Recipe& recipe, const v1::JobSpec& spec) override {
     if (!journal_) return absl::FailedPreconditionError("the job's journal is not open");
-    return FinalizeJob(recipe, spec.model_dir(), spec.out_dir(), &*journal_);
+    QCAL_ASSIGN_OR_RETURN(nlohmann::json summary,
+                          FinalizeJob(recipe, spec.model_dir(), spec.out_dir(), &*journal_));
+    // The job report (report/report.h); the checkpoint is finished whether or not it is written.
+    const std::string job_dir = JobDirOf(spec);
+    const Status written = report::WriteReport({job_dir, spec.out_dir(), {}},
+                                               job_dir + "/report.html");
+    if (written.ok()) {
+      summary["report"] = job_dir + "/report.html";
+    } else {
+      QCAL_LOG_WARN("the job report was not written: {}", written.ToString());
+    }
+    return summary;
   }
 
  private:

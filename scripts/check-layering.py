@@ -24,7 +24,7 @@ INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"')
 LAYERS = [
     ("proto",),               # the messages (generated code)
     ("common",),              # formats, recipes, the job layout: torch-free foundations
-    ("kernels", "rpc"),       # numeric kernels (BLAS/LAPACK/CUDA); the control plane's ends
+    ("kernels", "rpc", "report"),  # numeric kernels; the control plane's ends; the job report
     ("engine",),              # the LibTorch layer: comm, model, eval, calib, quant, qsim
     ("methods", "tools"),     # the quantization methods; model tools (`qcal tool`)
     ("runner", "export"),     # job steps and the job runner; exporters of finished checkpoints

@@ -13,6 +13,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   python3-numpy
   slurmctld slurmd slurm-client munge  # the local test cluster (slurm/local-cluster.sh)
+  chromium  # renders the job report in a test (tests/report/report_test.sh)
 )
 
 missing=()

@@ -35,6 +35,13 @@ struct LinearMetrics {
   double proxy_seconds = 0;
 };
 
+// One fine-tuning run's learning curve: the held-out loss before training and after each epoch
+// (heldout[0] is before), and each epoch's mean training loss (train[e - 1] is epoch e's).
+struct FinetuneCurve {
+  std::vector<double> heldout;
+  std::vector<double> train;
+};
+
 struct BlockTaskResult {
   int64_t layer = 0;
   model::BlockWeights weights;  // norms copied, linears quantized
@@ -46,6 +53,8 @@ struct BlockTaskResult {
   double mse_after_ft = std::numeric_limits<double>::quiet_NaN();
   // Seconds spent tuning (within-block fine-tuning; 0 without).
   double finetune_seconds = 0;
+  // The fine-tuning runs' curves, in order (QuIP#: one per group of linears; empty without).
+  std::vector<FinetuneCurve> ft_curves;
 };
 
 struct QuantizedLinear {

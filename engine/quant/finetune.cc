@@ -84,6 +84,7 @@ struct TrainOutcome {
   double best = 0;     // evaluation loss of the restored parameters
   int64_t best_epoch = 0;
   int64_t steps = 0;
+  FinetuneCurve curve;  // evaluation loss after each epoch (epoch 0 first), mean training loss
 };
 
 // Adam over `params` for stage.epochs epochs of shuffled minibatches of `train`; after every
@@ -97,6 +98,7 @@ TrainOutcome TrainKeepBest(const TunableParams& params, double lr, double sign_l
                            const std::function<double()>& eval) {
   TrainOutcome out;
   out.initial = out.best = eval();
+  out.curve.heldout.push_back(out.initial);
   if (stage.epochs <= 0 || train.empty() || params.All().empty()) return out;
   SetTrainable(params, true);
   std::vector<at::Tensor> best = Snapshot(params);
@@ -114,14 +116,21 @@ TrainOutcome TrainKeepBest(const TunableParams& params, double lr, double sign_l
   const int64_t batch = std::max<int64_t>(1, stage.batch);
   for (int64_t epoch = 1; epoch <= stage.epochs; ++epoch) {
     Shuffle(&order, &rng);
+    at::Tensor loss_sum;  // summed where the losses are (no host sync per step)
+    int64_t batches = 0;
     for (int64_t b = 0; b < n; b += batch) {
       adam.zero_grad();
       at::Tensor loss = batch_loss(IndexTensor(order, b, std::min(n, b + batch)));
       loss.backward();
       adam.step();
       ++out.steps;
+      const at::Tensor l = loss.detach().to(at::kDouble);
+      loss_sum = loss_sum.defined() ? loss_sum + l : l;
+      ++batches;
     }
+    out.curve.train.push_back(loss_sum.item<double>() / static_cast<double>(batches));
     const double v = eval();
+    out.curve.heldout.push_back(v);
     if (v < out.best) {  // NaN never wins
       out.best = v;
       out.best_epoch = epoch;
@@ -350,6 +359,7 @@ Status BlockTuner::TuneGroup(size_t g) {
       s.layer, g + 1, Groups().size(), params.Values(), outcome.initial, outcome.best,
       outcome.best_epoch, stage.epochs, outcome.steps, Seconds(tg));
   if (g + 1 == Groups().size()) s.result.mse_after_ft = outcome.best;
+  s.result.ft_curves.push_back(outcome.curve);
   s.result.finetune_seconds += Seconds(tg);
   return Status();
 }

@@ -57,14 +57,18 @@ Status QuarotParts::Install(model::DecoderBlock* block, int64_t layer) const {
   return InstallQuantizedInference(*block, config_, layer, recipe_, plan_);
 }
 
-Status QuarotParts::CheckPlainForward() const {
+Status QuarotParts::CheckPlainForward() const { return CheckForward(false); }
+
+Status QuarotParts::CheckPlainForwardWithQuantizedInputs() const { return CheckForward(true); }
+
+Status QuarotParts::CheckForward(bool inputs_allowed) const {
   // R1 and R2 are fused into the stored weights (and R1 into the embedding and head): a plain
   // forward reproduces them. The rest runs at inference time.
   QCAL_ASSIGN_OR_RETURN(const QuarotConfig* q, QuarotSettings(recipe_));
   std::vector<std::string> online;
   if (plan_.r3) online.push_back("the online Hadamard R3 on queries and keys");
   if (plan_.r4) online.push_back("the online Hadamard R4 on the down_proj input");
-  if (q->activations.enabled()) {
+  if (q->activations.enabled() && !inputs_allowed) {
     online.push_back(absl::StrCat(q->activations.bits, "-bit activation quantization"));
   }
   if (q->kv_cache.enabled()) {
@@ -76,8 +80,23 @@ Status QuarotParts::CheckPlainForward() const {
   return absl::FailedPreconditionError(absl::StrCat(
       "recipe '", recipe_.name, "' (method ", recipe_.method, ") computes ",
       absl::StrJoin(online, ", "),
-      " at inference time, which a plain Llama forward pass (and so this format) cannot "
-      "express"));
+      " at inference time, which a plain Llama forward pass",
+      inputs_allowed ? " with quantized linear inputs" : "",
+      " (and so this format) cannot express"));
+}
+
+std::optional<ActivationQuantSpec> QuarotParts::LinearInputQuantization() const {
+  StatusOr<const QuarotConfig*> q = QuarotSettings(recipe_);
+  if (!q.ok() || !(*q)->activations.enabled()) return std::nullopt;
+  return (*q)->activations;
+}
+
+StatusOr<StaticInputParams> QuarotParts::StaticLinearInputParams(
+    const model::BlockWeights& weights, int64_t layer, model::LinearKind kind) const {
+  QCAL_ASSIGN_OR_RETURN(const QuarotConfig* q, QuarotSettings(recipe_));
+  QCAL_ASSIGN_OR_RETURN(qsim::FixedQuantParams p,
+                        StaticInputQuantParams(weights, *q, layer, kind));
+  return StaticInputParams{p.scale, p.zero};
 }
 
 StatusOr<at::Tensor> QuarotParts::PropagateFinishedBlock(model::BlockWeights weights, int64_t layer,

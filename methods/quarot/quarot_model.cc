@@ -202,6 +202,21 @@ Status PrepareModel(model::LlamaModel& model, const Recipe& recipe, const Rotati
   return RotateNonBlockWeights(model, plan);
 }
 
+StatusOr<qsim::FixedQuantParams> StaticInputQuantParams(const model::BlockWeights& weights,
+                                                        const QuarotConfig& q, int64_t layer,
+                                                        model::LinearKind kind) {
+  if (!q.static_activations()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block ", layer, ": the recipe's activation quantizers are not static"));
+  }
+  QCAL_ASSIGN_OR_RETURN(at::Tensor t, RangeTable(weights, kActRangesKey, 4, layer));
+  const int i = static_cast<int>(calib::HessianKindOf(kind));
+  QCAL_ASSIGN_OR_RETURN(std::shared_ptr<const ActivationQuantizer> a,
+                        ActivationQuantizer::CreateStatic(q.activations, t[i][0].item<double>(),
+                                                          t[i][1].item<double>()));
+  return a->static_params();
+}
+
 Status InstallQuantizedInference(model::DecoderBlock& block, const LlamaConfig& config,
                                  int64_t layer, const Recipe& recipe, const RotationPlan& plan) {
   QCAL_ASSIGN_OR_RETURN(const QuarotConfig* q, QuarotSettings(recipe));

@@ -29,6 +29,7 @@
 #include "common/status.h"
 #include "methods/quarot/quarot_spec.h"
 #include "engine/model/llama.h"
+#include "engine/qsim/act_quant.h"
 #include "engine/qsim/rotate.h"
 #include "kernels/gpu_backend.h"
 #include "engine/quant/block_task.h"
@@ -49,6 +50,13 @@ Status PrepareBlockWeights(model::BlockWeights& weights, const LlamaConfig& conf
 // (qsim::RotateNonBlockWeights), in place: the whole float model transformed.
 Status PrepareModel(model::LlamaModel& model, const Recipe& recipe,
                     const qsim::RotationPlan& plan);
+
+// The static activation quantizer's parameters of linear `kind`'s input in block `layer` (the
+// quantizer InstallQuantizedInference installs there). InvalidArgument when the recipe is not
+// static or the block has no calibrated ranges.
+StatusOr<qsim::FixedQuantParams> StaticInputQuantParams(const model::BlockWeights& weights,
+                                                        const QuarotConfig& q, int64_t layer,
+                                                        model::LinearKind kind);
 
 // Installs the inference-time pieces of a quarot recipe on a block whose weights are final
 // (rotated, rounded or float; down_proj may already carry its R4 ActQuantLinear): the R3 hook,

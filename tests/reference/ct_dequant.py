@@ -1,31 +1,52 @@
 #!/usr/bin/python3
-"""An independent reader of compressed-tensors' pack-quantized checkpoints (what
-`qcal export --format compressed-tensors` writes), written from the format's description
-(docs/formats.md, "compressed-tensors export"; compressed-tensors' PackedQuantizationCompressor:
-pack_to_int32 / unpack_from_int32 and dequantize), numpy only:
+"""An independent reader of the compressed-tensors checkpoints `qcal export --format
+compressed-tensors` writes (pack-quantized and int-quantized, with or without quantized inputs),
+written from the format's description (docs/formats.md, "compressed-tensors export";
+compressed-tensors' PackedQuantizationCompressor / IntQuantizationCompressor and its
+quantize / dequantize), numpy only:
 
   ct_dequant.py dequant EXPORT_DIR OUT_DIR   a float32 checkpoint with every linear dequantized
   ct_dequant.py check EXPORT_DIR             the config and every tensor's name, dtype and shape
+  ct_dequant.py ppl EXPORT_DIR TOKENS CTX    perplexity (one JSON line) of the export on the text
+                                             tokens in TOKENS (int32 little-endian, as `qcal eval
+                                             --save-tokens` writes them), windows of BOS + CTX-1
+                                             tokens (`qcal eval --bos-per-window`), with every
+                                             linear input quantized as input_activations says
+                                             (float64 elsewhere)
 
-Per linear: weight_packed [out, ceil(in / (32 // b))] int32 holds unsigned values u = q + 2^(b-1)
-of the signed codes q, 32 // b per word from the low bits, along the input dimension;
-weight_scale [out, groups]; weight_zero_point [ceil(out / (32 // b)), groups] int32 (asymmetric
-only) packs zp + 2^(b-1) along the output dimension; weight_g_idx [in] int32 (actorder "group")
-gives each column's group, else column // group_size (channel strategy: one group);
-weight_shape = [out, in]. W[r, c] = (q[r, c] - zp[r, g(c)]) * scale[r, g(c)], in the scale's dtype.
+Weights, per linear:
+  pack-quantized: weight_packed [out, ceil(in / (32 // b))] int32 holds unsigned values
+    u = q + 2^(b-1) of the signed codes q, 32 // b per word from the low bits, along the input
+    dimension; weight_zero_point [ceil(out / (32 // b)), groups] int32 (asymmetric only) packs
+    zp + 2^(b-1) along the output dimension; weight_shape = [out, in].
+  int-quantized: weight [out, in] int8 holds q; weight_zero_point [out, groups] int8 holds zp
+    (asymmetric only).
+  Both: weight_scale [out, groups]; weight_g_idx [in] int32 (actorder "group") gives each
+  column's group, else column // group_size (channel strategy: one group).
+  W[r, c] = (q[r, c] - zp[r, g(c)]) * scale[r, g(c)], in the scale's dtype.
+Inputs (input_activations, int, symmetric unless input_zero_point says otherwise):
+  strategy "token", dynamic: per token s = max|x| / (2^(b-1) - 1) (s = 1 for an all-zero token),
+    x -> clamp(round(x / s), -2^(b-1), 2^(b-1) - 1) * s;
+  strategy "tensor", static: s = input_scale [1] float32, zp = input_zero_point [1] int8 (or 0),
+    x -> (clamp(round(x / s) + zp, -2^(b-1), 2^(b-1) - 1) - zp) * s.
+  round is to nearest, ties to even (torch.round); scales are float32 and the dequantized value
+  is the float32 product, as the format's fake quantization computes it.
 """
 import json
+import math
 import os
-import shutil
 import sys
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gptq_dequant import read_checkpoint, to_float32, write_safetensors  # noqa: E402  (I/O only)
+from gptq_dequant import read_checkpoint, to_float32, write_float_model  # noqa: E402  (I/O only)
+from llama_reference import forward  # noqa: E402  (the Hugging Face Llama forward, float64)
 
-SUFFIXES = (".weight_packed", ".weight_scale", ".weight_zero_point", ".weight_g_idx",
-            ".weight_shape")
+FORMATS = ("pack-quantized", "int-quantized")
+WEIGHT_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_zero_point", ".weight_g_idx",
+                   ".weight_shape")
+INPUT_SUFFIXES = (".input_scale", ".input_zero_point")
 
 
 def unpack_rows(words, count, bits):
@@ -36,30 +57,48 @@ def unpack_rows(words, count, bits):
     return (w[:, j // per_word] >> ((j % per_word) * bits)) & ((1 << bits) - 1)
 
 
-def weights_args(qc):
+def scheme(qc):
+    """(format, weights args, input_activations args or None) of the one config group."""
     assert qc["quant_method"] == "compressed-tensors", qc
-    assert qc["format"] == "pack-quantized" and qc["quantization_status"] == "compressed", qc
+    assert qc["format"] in FORMATS and qc["quantization_status"] == "compressed", qc
     groups = qc["config_groups"]
     assert len(groups) == 1, groups
     group = next(iter(groups.values()))
-    assert group["targets"] == ["Linear"] and group.get("input_activations") is None, group
+    assert group["targets"] == ["Linear"] and group.get("output_activations") is None, group
+    assert group.get("format", qc["format"]) == qc["format"], group
     w = group["weights"]
     assert w["type"] == "int" and not w.get("dynamic"), w
     assert w["strategy"] in ("channel", "group"), w
-    return w
+    a = group.get("input_activations")
+    if a is not None:
+        assert a["type"] == "int", a
+        assert (a["strategy"], bool(a["dynamic"])) in (("token", True), ("tensor", False)), a
+        assert a["symmetric"] or not a["dynamic"], a
+    return qc["format"], w, a
 
 
-def dequant_linear(t, prefix, w):
+def linear_shape(t, prefix, fmt):
+    if fmt == "pack-quantized":
+        return tuple(int(v) for v in t[prefix + ".weight_shape"][1])
+    return tuple(t[prefix + ".weight"][1].shape)
+
+
+def dequant_linear(t, prefix, fmt, w):
     bits = w["num_bits"]
     offset = 1 << (bits - 1)
-    out_f, in_f = (int(v) for v in t[prefix + ".weight_shape"][1])
-    q = unpack_rows(t[prefix + ".weight_packed"][1], in_f, bits) - offset      # [out, in]
+    out_f, in_f = linear_shape(t, prefix, fmt)
     sdtype, scales = t[prefix + ".weight_scale"]
     scale = to_float32(sdtype, scales)                                        # [out, groups]
+    if fmt == "pack-quantized":
+        q = unpack_rows(t[prefix + ".weight_packed"][1], in_f, bits) - offset  # [out, in]
+    else:
+        q = t[prefix + ".weight"][1].astype(np.int64)
     if w["symmetric"]:
         zp = np.zeros(scale.shape, dtype=np.int64)
-    else:
+    elif fmt == "pack-quantized":
         zp = unpack_rows(t[prefix + ".weight_zero_point"][1].T, out_f, bits).T - offset
+    else:
+        zp = t[prefix + ".weight_zero_point"][1].astype(np.int64)
     if prefix + ".weight_g_idx" in t:
         g = t[prefix + ".weight_g_idx"][1].astype(np.int64)
     elif w["strategy"] == "group":
@@ -71,55 +110,62 @@ def dequant_linear(t, prefix, w):
     return diff * scale[rows, g[None, :]]                                     # one rounding
 
 
-def linears_of(t):
-    return sorted({name[:-len(s)] for name in t for s in SUFFIXES if name.endswith(s)})
+def linears_of(t, fmt):
+    if fmt == "pack-quantized":
+        return sorted(name[:-len(".weight_shape")] for name in t if name.endswith(".weight_shape"))
+    return sorted(name[:-len(".weight_scale")] for name in t if name.endswith(".weight_scale"))
+
+
+def load(src):
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    fmt, w, a = scheme(config["quantization_config"])
+    t = read_checkpoint(src)
+    return config, fmt, w, a, t, linears_of(t, fmt)
+
+
+def dense_weights(t, fmt, w, linears):
+    """Every tensor in float32, each quantized linear's dequantized as `.weight`."""
+    own = set()
+    for p in linears:
+        own.update(p + s for s in WEIGHT_SUFFIXES + INPUT_SUFFIXES + (".weight",))
+    out = {name: to_float32(dtype, arr) for name, (dtype, arr) in t.items() if name not in own}
+    for prefix in linears:
+        out[prefix + ".weight"] = dequant_linear(t, prefix, fmt, w)
+    return out
 
 
 def dequant(src, dst):
-    with open(os.path.join(src, "config.json")) as f:
-        config = json.load(f)
-    w = weights_args(config["quantization_config"])
-    t = read_checkpoint(src)
-    linears = linears_of(t)
-    out = {}
-    for name, (dtype, arr) in t.items():
-        if any(name.startswith(p + ".weight_") for p in linears):
-            continue
-        out[name] = to_float32(dtype, arr)
-    for prefix in linears:
-        out[prefix + ".weight"] = dequant_linear(t, prefix, w)
-    os.makedirs(dst, exist_ok=True)
-    write_safetensors(os.path.join(dst, "model.safetensors"), out)
-    del config["quantization_config"]
-    config["torch_dtype"] = "float32"
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json", "generation_config.json"):
-        if os.path.exists(os.path.join(src, name)):
-            shutil.copy(os.path.join(src, name), os.path.join(dst, name))
-    print(f"dequantized {len(linears)} linears ({w['num_bits']} bits, {w['strategy']}, "
+    config, fmt, w, a, t, linears = load(src)
+    write_float_model(src, dst, config, dense_weights(t, fmt, w, linears))
+    print(f"dequantized {len(linears)} linears ({fmt}, {w['num_bits']} bits, {w['strategy']}, "
           f"{'symmetric' if w['symmetric'] else 'asymmetric'}, actorder {w.get('actorder')}) "
-          f"of {src} into {dst}")
+          f"of {src} into {dst}" + (" (its input quantization is not in the float model)"
+                                    if a else ""))
 
 
 def check(src):
-    with open(os.path.join(src, "config.json")) as f:
-        config = json.load(f)
-    w = weights_args(config["quantization_config"])
-    t = read_checkpoint(src)
+    config, fmt, w, a, t, linears = load(src)
     bits, per_word = w["num_bits"], 32 // w["num_bits"]
     problems = []
-    linears = linears_of(t)
     for prefix in linears:
-        out_f, in_f = (int(v) for v in t[prefix + ".weight_shape"][1])
+        out_f, in_f = linear_shape(t, prefix, fmt)
         groups = 1 if w["strategy"] == "channel" else -(-in_f // w["group_size"])
-        want = {".weight_packed": ("I32", (out_f, -(-in_f // per_word))),
-                ".weight_scale": (None, (out_f, groups))}
-        if not w["symmetric"]:
-            want[".weight_zero_point"] = ("I32", (-(-out_f // per_word), groups))
+        want = {".weight_scale": (None, (out_f, groups))}
+        if fmt == "pack-quantized":
+            want[".weight_packed"] = ("I32", (out_f, -(-in_f // per_word)))
+            if not w["symmetric"]:
+                want[".weight_zero_point"] = ("I32", (-(-out_f // per_word), groups))
+        else:
+            want[".weight"] = ("I8", (out_f, in_f))
+            if not w["symmetric"]:
+                want[".weight_zero_point"] = ("I8", (out_f, groups))
         if w.get("actorder") == "group":
             want[".weight_g_idx"] = ("I32", (in_f,))
+        if a is not None and not a["dynamic"]:
+            want[".input_scale"] = ("F32", (1,))
+            if not a["symmetric"]:
+                want[".input_zero_point"] = ("I8", (1,))
         for suffix, (dtype, shape) in want.items():
             if prefix + suffix not in t:
                 problems.append(f"{prefix}{suffix} missing")
@@ -130,12 +176,63 @@ def check(src):
     if "lm_head" not in config["quantization_config"].get("ignore", []):
         problems.append("lm_head is not in ignore")
     if not linears:
-        problems.append("no quantized linear (no .weight_packed / .weight_shape tensors)")
+        problems.append("no quantized linear")
     for p in problems:
         print("FAIL", p)
-    print(f"{'FAIL' if problems else 'ok'}: {len(linears)} linears, {bits} bits, "
-          f"{w['strategy']}, group_size {w.get('group_size')}, actorder {w.get('actorder')}")
+    inputs = "float inputs" if a is None else (
+        f"int{a['num_bits']} inputs, {a['strategy']}, {'dynamic' if a['dynamic'] else 'static'}")
+    print(f"{'FAIL' if problems else 'ok'}: {len(linears)} linears, {fmt}, {bits} bits, "
+          f"{w['strategy']}, group_size {w.get('group_size')}, actorder {w.get('actorder')}, "
+          f"{inputs}")
     return 1 if problems else 0
+
+
+def input_quantizer(t, prefix, a):
+    """x (float64 rows) -> x as the format's input quantization leaves it."""
+    bits = a["num_bits"]
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    if a["dynamic"]:  # per token, symmetric
+        def quant(x):
+            m = np.abs(x).max(-1, keepdims=True)
+            s = (m / hi).astype(np.float32)
+            s[m == 0] = 1
+            q = np.clip(np.rint(x / s.astype(np.float64)), lo, hi)
+            return (q.astype(np.float32) * s).astype(np.float64)
+        return quant
+    s = np.float32(t[prefix + ".input_scale"][1].reshape(()))
+    zp = 0
+    if prefix + ".input_zero_point" in t:
+        zp = int(t[prefix + ".input_zero_point"][1].reshape(()))
+
+    def quant(x):
+        q = np.clip(np.rint(x / np.float64(s)) + zp, lo, hi) - zp
+        return (q.astype(np.float32) * s).astype(np.float64)
+    return quant
+
+
+def ppl(src, tokens_path, ctx):
+    config, fmt, w, a, t, linears = load(src)
+    weights = {k: v.astype(np.float64) for k, v in dense_weights(t, fmt, w, linears).items()}
+    quantizers = {p: input_quantizer(t, p, a) for p in linears} if a is not None else {}
+
+    def linear(name, x, W):
+        if name in quantizers:
+            x = quantizers[name](x)
+        return x @ W.T
+
+    tokens = np.fromfile(tokens_path, dtype="<i4").astype(np.int64)
+    bos = config.get("bos_token_id", 1)
+    nll, scored = 0.0, 0
+    for s in range(0, len(tokens), ctx - 1):
+        targets = tokens[s:s + ctx - 1]
+        inputs = np.concatenate([[bos], targets[:-1]])
+        logits = forward(config, weights, inputs, linear)
+        logits = logits - logits.max(-1, keepdims=True)
+        logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        nll -= logp[np.arange(len(targets)), targets].sum()
+        scored += len(targets)
+    print(json.dumps({"perplexity": math.exp(nll / scored), "tokens_scored": scored,
+                      "quantized_inputs": len(quantizers)}))
 
 
 if __name__ == "__main__":
@@ -143,5 +240,7 @@ if __name__ == "__main__":
         dequant(sys.argv[2], sys.argv[3])
     elif len(sys.argv) == 3 and sys.argv[1] == "check":
         sys.exit(check(sys.argv[2]))
+    elif len(sys.argv) == 5 and sys.argv[1] == "ppl":
+        ppl(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     else:
         sys.exit(__doc__)

@@ -120,9 +120,17 @@ def dequant(src, dst):
         n_in = t[prefix + ".g_idx"][1].shape[0]
         n_out = t[prefix + ".scales"][1].shape[1]
         out[prefix + ".weight"] = dequant_linear(t, prefix, bits, n_in, n_out)
+    write_float_model(src, dst, config, out)
+    print(f"dequantized {len(linears)} linears ({bits} bits) of {src} into {dst}")
+
+
+def write_float_model(src, dst, config, tensors):
+    """dst: a float32 model of `tensors` with src's config (less its quantization_config) and
+    tokenizer files."""
     os.makedirs(dst, exist_ok=True)
-    write_safetensors(os.path.join(dst, "model.safetensors"), out)
-    del config["quantization_config"]
+    write_safetensors(os.path.join(dst, "model.safetensors"), tensors)
+    config = dict(config)
+    config.pop("quantization_config", None)
     config["torch_dtype"] = "float32"
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
@@ -130,7 +138,6 @@ def dequant(src, dst):
                  "special_tokens_map.json", "generation_config.json"):
         if os.path.exists(os.path.join(src, name)):
             shutil.copy(os.path.join(src, name), os.path.join(dst, name))
-    print(f"dequantized {len(linears)} linears ({bits} bits) of {src} into {dst}")
 
 
 def compare(a_dir, b_dir):

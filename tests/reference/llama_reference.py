@@ -107,11 +107,13 @@ def rotate_half(x):
     return np.concatenate([-x[..., h:], x[..., :h]], -1)
 
 
-def logits(a):
-    with open(os.path.join(a.model, "config.json")) as f:
-        config = json.load(f)
-    w = read_safetensors(os.path.join(a.model, "model.safetensors"))
-    ids = np.array([int(t) for t in a.tokens.split(",")])
+def forward(config, w, ids, linear=None):
+    """Logits [len(ids), vocab] (float64) of the Llama `config` with float64 weights `w` (HF
+    names) for the token ids. linear(name, x, W), name the module ("model.layers.0.mlp.up_proj"),
+    computes a linear layer (default x @ W.T): readers of formats that quantize linear inputs
+    pass their quantizer through it."""
+    if linear is None:
+        linear = lambda name, x, W: x @ W.T  # noqa: E731
     heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
     hd = config.get("head_dim") or config["hidden_size"] // heads
     eps = config["rms_norm_eps"]
@@ -121,12 +123,13 @@ def logits(a):
     cos, sin = np.cos(emb)[:, None, :], np.sin(emb)[:, None, :]  # [s, 1, hd]
     mask = np.triu(np.full((s, s), -np.inf), 1)
     x = w["model.embed_tokens.weight"][ids]
+    lin = lambda p, x: linear(p, x, w[p + ".weight"])  # noqa: E731
     for l in range(config["num_hidden_layers"]):
         p = f"model.layers.{l}."
         h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
-        q = (h @ w[p + "self_attn.q_proj.weight"].T).reshape(s, heads, hd)
-        k = (h @ w[p + "self_attn.k_proj.weight"].T).reshape(s, kv, hd)
-        v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(s, kv, hd)
+        q = lin(p + "self_attn.q_proj", h).reshape(s, heads, hd)
+        k = lin(p + "self_attn.k_proj", h).reshape(s, kv, hd)
+        v = lin(p + "self_attn.v_proj", h).reshape(s, kv, hd)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         k = np.repeat(k, heads // kv, axis=1)
@@ -136,13 +139,21 @@ def logits(a):
         probs = np.exp(scores)
         probs /= probs.sum(-1, keepdims=True)
         attn = np.einsum("hqk,khd->qhd", probs, v).reshape(s, heads * hd)
-        x = x + attn @ w[p + "self_attn.o_proj.weight"].T
+        x = x + lin(p + "self_attn.o_proj", attn)
         h = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
-        gate = h @ w[p + "mlp.gate_proj.weight"].T
-        up = h @ w[p + "mlp.up_proj.weight"].T
-        x = x + (gate / (1 + np.exp(-gate)) * up) @ w[p + "mlp.down_proj.weight"].T
-    out = rms_norm(x, w["model.norm.weight"], eps) @ w["lm_head.weight"].T
-    out.astype("<f4").tofile(a.out)
+        gate = lin(p + "mlp.gate_proj", h)
+        up = lin(p + "mlp.up_proj", h)
+        x = x + lin(p + "mlp.down_proj", gate / (1 + np.exp(-gate)) * up)
+    head = w["lm_head.weight"] if "lm_head.weight" in w else w["model.embed_tokens.weight"]
+    return rms_norm(x, w["model.norm.weight"], eps) @ head.T
+
+
+def logits(a):
+    with open(os.path.join(a.model, "config.json")) as f:
+        config = json.load(f)
+    w = read_safetensors(os.path.join(a.model, "model.safetensors"))
+    ids = np.array([int(t) for t in a.tokens.split(",")])
+    forward(config, w, ids).astype("<f4").tofile(a.out)
 
 
 def main():
