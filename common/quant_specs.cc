@@ -87,13 +87,25 @@ Status ReadRotationSections(const RecipeSection& top, RotationSpec* rot,
   // --- rotation ---
   QCAL_ASSIGN_OR_RETURN(
       RecipeSection rotation,
-      top.ReadSection("rotation", {"enabled", "r1", "r2", "r3", "r4", "seed"}));
+      top.ReadSection("rotation", {"enabled", "r1", "r2", "r3", "r4", "r4_block", "seed"}));
   QCAL_RETURN_IF_ERROR(rotation.ReadBool("enabled", &rot->enabled));
   QCAL_RETURN_IF_ERROR(rotation.ReadBool("r1", &rot->r1));
   QCAL_RETURN_IF_ERROR(rotation.ReadBool("r2", &rot->r2));
   QCAL_RETURN_IF_ERROR(rotation.ReadBool("r3", &rot->r3));
   QCAL_RETURN_IF_ERROR(rotation.ReadBool("r4", &rot->r4));
   QCAL_RETURN_IF_ERROR(rotation.ReadUint("seed", &rot->seed));
+  if (rotation.Has("r4_block")) {
+    if (rotation.ReadInt("r4_block", &rot->r4_block).ok()) {
+      const int64_t b = rot->r4_block;
+      QCAL_RETURN_IF_ERROR(rotation.RequireRange(
+          "r4_block", b == 0 || (b >= 2 && (b & (b - 1)) == 0),
+          "0 (the whole Hadamard), a power of two >= 2 or auto", std::to_string(b)));
+    } else {
+      std::string word;
+      QCAL_RETURN_IF_ERROR(rotation.ReadChoice("r4_block", {"auto"}, &word));
+      rot->r4_block = RotationSpec::kR4BlockAuto;
+    }
+  }
 
   // --- activations ---
   QCAL_ASSIGN_OR_RETURN(
@@ -187,8 +199,12 @@ Status ReadRotationSections(const RecipeSection& top, RotationSpec* rot,
 }
 
 nlohmann::json RotationJson(const RotationSpec& r) {
-  return {{"enabled", r.enabled}, {"r1", r.r1}, {"r2", r.r2},
-          {"r3", r.r3},           {"r4", r.r4}, {"seed", r.seed}};
+  nlohmann::json j = {{"enabled", r.enabled}, {"r1", r.r1}, {"r2", r.r2},
+                      {"r3", r.r3},           {"r4", r.r4}, {"seed", r.seed}};
+  // Absent when 0: the recipes written before it hash the same.
+  if (r.r4_block == RotationSpec::kR4BlockAuto) j["r4_block"] = "auto";
+  if (r.r4_block > 0) j["r4_block"] = r.r4_block;
+  return j;
 }
 
 nlohmann::json ActivationsJson(const ActivationQuantSpec& a) {

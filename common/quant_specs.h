@@ -54,6 +54,13 @@ Status ReadRefineSweeps(const RecipeSection& top, int* sweeps);
 struct RotationSpec {
   bool enabled = true;  // false: no rotation at all (the unrotated twin of a recipe)
   bool r1 = true, r2 = true, r3 = true, r4 = true;
+  // R4's form: 0, QuaRot's Hadamard of the whole intermediate size (H_{2^k} ⊗ H_m); a power of
+  // two b dividing it: the block-diagonal Sylvester Hadamard with blocks of b (H_b/√b on each
+  // run of b inputs), the transform compressed-tensors' "hadamard" type with head_dim b
+  // describes, so that the recipe exports with R4 online (docs/formats.md); kR4BlockAuto
+  // ("auto" in a recipe): the largest such power of two, at most 4096.
+  static constexpr int64_t kR4BlockAuto = -1;
+  int64_t r4_block = 0;
   uint64_t seed = 0;    // random signs of R1
   bool any() const { return enabled && (r1 || r2 || r3 || r4); }
 };

@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_replace.h"
 #include "common/atomic_file.h"
 #include "common/dtype.h"
 #include "common/hf_config.h"
@@ -735,6 +736,25 @@ class Exporter {
                   {"observer", act_->is_static ? nlohmann::json("minmax") : nlohmann::json()},
                   {"observer_kwargs", nlohmann::json::object()}};
       }
+      // R4 in blocks: compressed-tensors' "hadamard" transform with head_dim = the block, online
+      // on the input and (inverse) already fused into the weight, as its TransformArgs say.
+      nlohmann::json transforms = nlohmann::json::object();
+      for (const methods::Inference::InputHadamard& h :
+           method_->inference().OnlineInputHadamards()) {
+        const std::string target = absl::StrCat(
+            "re:.*", absl::StrReplaceAll(model::LinearName(h.linear), {{".", "\\."}}), "$");
+        transforms[absl::StrCat("hadamard_", model::LinearName(h.linear))] = {
+            {"type", "hadamard"},
+            {"apply",
+             {{{"targets", {target}}, {"location", "input"}, {"inverse", false},
+               {"ignore", nlohmann::json::array()}},
+              {{"targets", {target}}, {"location", "weight_input"}, {"inverse", true},
+               {"ignore", nlohmann::json::array()}}}},
+            {"randomize", false},
+            {"requires_grad", false},
+            {"head_dim", h.block},
+            {"precision", "torch.float32"}};
+      }
       result.quantization_config = {
           {"quant_method", "compressed-tensors"},
           {"format", format},
@@ -749,6 +769,9 @@ class Exporter {
               {"input_activations", inputs},
               {"output_activations", nullptr},
               {"format", format}}}}}};
+      if (!transforms.empty()) {
+        result.quantization_config["transform_config"] = {{"config_groups", transforms}};
+      }
       out.raw["quantization_config"] = result.quantization_config;
     } else {
       out.raw["torch_dtype"] = "float32";

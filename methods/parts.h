@@ -24,6 +24,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -187,13 +188,21 @@ class Inference {
   virtual Status CheckPlainForward() const = 0;
 
   // For formats that also describe how each linear's input is quantized (compressed-tensors'
-  // input_activations): CheckPlainForward, except that quantizing the decoder linears' inputs
-  // is allowed. The default allows no more than CheckPlainForward.
+  // input_activations) and block-diagonal Hadamards on linear inputs (its transform_config):
+  // CheckPlainForward, except that those are allowed (OnlineInputHadamards lists the
+  // Hadamards). The default allows no more than CheckPlainForward.
   virtual Status CheckPlainForwardWithQuantizedInputs() const { return CheckPlainForward(); }
   // The quantizer of every decoder linear's input at inference time; nullopt: float inputs.
   virtual std::optional<ActivationQuantSpec> LinearInputQuantization() const {
     return std::nullopt;
   }
+  // The online transforms of linear inputs a format can describe as compressed-tensors'
+  // "hadamard" transform (the inverse already fused into the weight): QuaRot's R4 in blocks.
+  struct InputHadamard {
+    model::LinearKind linear = model::LinearKind::kDown;
+    int64_t block = 0;  // the block-diagonal Sylvester H_block / √block
+  };
+  virtual std::vector<InputHadamard> OnlineInputHadamards() const { return {}; }
   // A static quantizer's scale and zero point (on qcal's code grid: ScalarCodeMin..Max) for the
   // input of linear `kind` of block `layer`, from the block as BlockFormat::LoadBlock read it.
   virtual StatusOr<StaticInputParams> StaticLinearInputParams(const model::BlockWeights& weights,

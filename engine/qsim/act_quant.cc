@@ -230,7 +230,32 @@ StatusOr<std::shared_ptr<const OnlineHadamard>> OnlineHadamard::Create(int64_t n
   return std::shared_ptr<const OnlineHadamard>(std::move(h));
 }
 
+StatusOr<std::shared_ptr<const OnlineHadamard>> OnlineHadamard::CreateBlockDiagonal(
+    int64_t n, int64_t block) {
+  if (block < 2 || (block & (block - 1)) != 0 || block > kDenseLimit || n % block != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "online Hadamard: blocks of ", block, " for size ", n,
+        " (a power of two from 2 to ", kDenseLimit, " that divides the size)"));
+  }
+  std::shared_ptr<OnlineHadamard> h(new OnlineHadamard());
+  h->n_ = n;
+  h->block_ = block;
+  at::Tensor m = at::eye(block, at::kFloat).contiguous();
+  QCAL_RETURN_IF_ERROR(
+      HadamardTransformMatrix(m.data_ptr<float>(), block, block, MatrixAxis::kRows, false));
+  h->block_t_ = m;  // Sylvester H_b / √b: symmetric, so Tᵀ = T
+  return std::shared_ptr<const OnlineHadamard>(std::move(h));
+}
+
+at::Tensor OnlineHadamard::BlockProduct(const at::Tensor& x, const at::Tensor& m) const {
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = n_ / block_;
+  shape.push_back(block_);
+  return at::matmul(x.reshape(shape), m.to(x.device())).reshape(x.sizes());
+}
+
 at::Tensor OnlineHadamard::ApplyDifferentiable(const at::Tensor& x) const {
+  if (block_ > 0) return BlockProduct(x, block_t_);
   if (t_transposed_.defined() || !f1t_.defined()) return Apply(x);
   const int64_t f1 = f1t_.size(0), f2 = f2t_.size(0);
   std::vector<int64_t> shape = x.sizes().vec();
@@ -242,6 +267,7 @@ at::Tensor OnlineHadamard::ApplyDifferentiable(const at::Tensor& x) const {
 }
 
 at::Tensor OnlineHadamard::Apply(const at::Tensor& x) const {
+  if (block_ > 0) return BlockProduct(x, block_t_);
   if (t_transposed_.defined()) return at::matmul(x, t_transposed_.to(x.device()));
   at::Tensor c = x.to(at::kCPU, at::kFloat).contiguous().clone();
   const Status s = HadamardTransform(c.data_ptr<float>(), n_, c.numel() / n_, false);
@@ -250,6 +276,7 @@ at::Tensor OnlineHadamard::Apply(const at::Tensor& x) const {
 }
 
 at::Tensor OnlineHadamard::ApplyInverse(const at::Tensor& x) const {
+  if (block_ > 0) return BlockProduct(x, block_t_.t());
   if (t_transposed_.defined()) return at::matmul(x, t_transposed_.to(x.device()).t());
   at::Tensor c = x.to(at::kCPU, at::kFloat).contiguous().clone();
   const Status s = HadamardTransform(c.data_ptr<float>(), n_, c.numel() / n_, true);
@@ -264,7 +291,9 @@ StatusOr<at::Tensor> FuseInputHadamard(const at::Tensor& w, const OnlineHadamard
                                                    " inputs, transform of size ", t.dim()));
   }
   at::Tensor c = w.to(at::kFloat).contiguous().clone();
-  QCAL_RETURN_IF_ERROR(HadamardTransformMatrix(c.data_ptr<float>(), c.size(0), c.size(1),
+  // Block-diagonal: each row is n / b runs of b, each transformed alone.
+  const int64_t b = t.block() > 0 ? t.block() : c.size(1);
+  QCAL_RETURN_IF_ERROR(HadamardTransformMatrix(c.data_ptr<float>(), c.numel() / b, b,
                                                MatrixAxis::kRows, false));
   return c;
 }
@@ -276,10 +305,15 @@ StatusOr<at::Tensor> RotateHessian(const at::Tensor& h, const OnlineHadamard& t)
         absl::StrCat("RotateHessian: Hessian is not ", n, "x", n));
   }
   at::Tensor c = h.to(at::kDouble).contiguous().clone();
-  QCAL_RETURN_IF_ERROR(  // T·H
-      HadamardTransformMatrix(c.data_ptr<double>(), n, n, MatrixAxis::kColumns, false));
+  // Block-diagonal T: T·H transforms each slab of b rows along its columns, ·Tᵀ each run of b
+  // along the rows.
+  const int64_t b = t.block() > 0 ? t.block() : n;
+  for (int64_t r = 0; r < n; r += b) {  // T·H
+    QCAL_RETURN_IF_ERROR(HadamardTransformMatrix(c.data_ptr<double>() + r * n, b, n,
+                                                 MatrixAxis::kColumns, false));
+  }
   QCAL_RETURN_IF_ERROR(  // ·Tᵀ
-      HadamardTransformMatrix(c.data_ptr<double>(), n, n, MatrixAxis::kRows, false));
+      HadamardTransformMatrix(c.data_ptr<double>(), n * n / b, b, MatrixAxis::kRows, false));
   return c;
 }
 

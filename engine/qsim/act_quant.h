@@ -105,10 +105,15 @@ class OnlineHadamard {
  public:
   // InvalidArgument unless PlanHadamard(n).IsHadamard().
   static StatusOr<std::shared_ptr<const OnlineHadamard>> Create(int64_t n);
+  // The block-diagonal T whose n / block diagonal blocks are the Sylvester H_block / √block
+  // (block a power of two dividing n, at most kDenseLimit): compressed-tensors' "hadamard"
+  // transform with head_dim = block. InvalidArgument otherwise.
+  static StatusOr<std::shared_ptr<const OnlineHadamard>> CreateBlockDiagonal(int64_t n,
+                                                                             int64_t block);
   at::Tensor Apply(const at::Tensor& x) const;  // x [..., n] float32 -> x·Tᵀ
   at::Tensor ApplyInverse(const at::Tensor& x) const;  // x [..., n] float32 -> x·T
   // Tᵀ [n, n] float32 (dense; built for n <= kDenseLimit, undefined above, where Apply runs the
-  // fast transform on the CPU).
+  // fast transform on the CPU). Block-diagonal: undefined (block_matrix_transposed() has it).
   const at::Tensor& transposed_matrix() const { return t_transposed_; }
   // x·Tᵀ with LibTorch operations only, so autograd passes through it (block-wise fine-tuning):
   // Apply for n <= kDenseLimit; above, T = F1 ⊗ F2 applied as two small dense products (F1, F2
@@ -116,11 +121,17 @@ class OnlineHadamard {
   // Apply uses, checked at creation). Equal to Apply up to float rounding.
   at::Tensor ApplyDifferentiable(const at::Tensor& x) const;
   int64_t dim() const { return n_; }
+  int64_t block() const { return block_; }  // 0: the whole Hadamard; else the diagonal blocks'
+  const at::Tensor& block_matrix_transposed() const { return block_t_; }  // [block, block]
   static constexpr int64_t kDenseLimit = 4096;
 
  private:
   OnlineHadamard() = default;
+  // Block-diagonal: x [..., n] viewed as [..., n / block, block] times `m` [block, block].
+  at::Tensor BlockProduct(const at::Tensor& x, const at::Tensor& m) const;
   int64_t n_ = 0;
+  int64_t block_ = 0;
+  at::Tensor block_t_;  // H_block / √block (symmetric), float32
   at::Tensor t_transposed_;
   // n > kDenseLimit: x viewed as [..., f1, f2] maps to F1·X·F2ᵀ; f1t = F1ᵀ, f2t = F2ᵀ.
   at::Tensor f1t_, f2t_;

@@ -75,7 +75,7 @@ std::string RotationPlan::Describe() const {
   if (r1) on.push_back("R1");
   if (r2) on.push_back("R2");
   if (r3) on.push_back("R3");
-  if (r4) on.push_back("R4");
+  if (r4) on.push_back(r4_block > 0 ? absl::StrCat("R4 (blocks of ", r4_block, ")") : "R4");
   std::string s = on.empty() ? "none" : absl::StrJoin(on, " ");
   if (r1_matrix.defined() || r2_matrices.defined()) {
     absl::StrAppend(&s, " (learned", r1_matrix.defined() ? " R1" : "",
@@ -119,7 +119,24 @@ StatusOr<RotationPlan> PlanRotations(const RotationSpec& spec, const LlamaConfig
     return false;
   };
   plan.r3 = online(spec.r3, plan.head_dim, "R3", "head_dim");
-  plan.r4 = online(spec.r4, plan.intermediate, "R4", "intermediate size");
+  if (spec.r4 && spec.r4_block != 0) {
+    // The block-diagonal Sylvester R4 exists whenever the block divides the size.
+    int64_t b = spec.r4_block;
+    if (b == RotationSpec::kR4BlockAuto) {
+      b = 1;
+      while (plan.intermediate % (2 * b) == 0 && 2 * b <= OnlineHadamard::kDenseLimit) b *= 2;
+    }
+    if (b < 2 || plan.intermediate % b != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rotation.r4_block ", spec.r4_block == RotationSpec::kR4BlockAuto ? "auto" : "",
+          b >= 2 ? absl::StrCat(b) : "", ": no block of a power of two >= 2 divides the "
+          "intermediate size ", plan.intermediate));
+    }
+    plan.r4 = true;
+    plan.r4_block = b;
+  } else {
+    plan.r4 = online(spec.r4, plan.intermediate, "R4", "intermediate size");
+  }
   for (const std::string& w : plan.warnings) QCAL_LOG_WARN("QuaRot: {}", w);
   return plan;
 }
@@ -220,10 +237,12 @@ Status RotateBlockWeights(model::BlockWeights& w, const LlamaConfig& config,
     o = od.view(o.sizes());
   }
   if (plan.r4) {
-    // W_down ← W_down·T4ᵀ with the T4 of OnlineHadamard (HadamardTransform, no transpose).
+    // W_down ← W_down·T4ᵀ with the T4 of OnlineHadamard (HadamardTransform, no transpose);
+    // block-diagonal: each run of r4_block inputs of a row alone.
     at::Tensor& down = at_kind(LinearKind::kDown);
     at::Tensor dd = down.to(at::kDouble).contiguous().clone();
-    QCAL_RETURN_IF_ERROR(HadamardTransformMatrix(dd.data_ptr<double>(), dd.size(0), dd.size(1),
+    const int64_t b = plan.r4_block > 0 ? plan.r4_block : dd.size(1);
+    QCAL_RETURN_IF_ERROR(HadamardTransformMatrix(dd.data_ptr<double>(), dd.numel() / b, b,
                                                  MatrixAxis::kRows, false));
     down = dd.to(at::kFloat);
   }
@@ -240,6 +259,11 @@ Status RotateBlockWeights(model::BlockWeights& w, const LlamaConfig& config,
   return Status();
 }
 
+StatusOr<std::shared_ptr<const OnlineHadamard>> R4Transform(const RotationPlan& plan) {
+  if (plan.r4_block > 0) return OnlineHadamard::CreateBlockDiagonal(plan.intermediate, plan.r4_block);
+  return OnlineHadamard::Create(plan.intermediate);
+}
+
 Status InstallOnlineRotations(model::DecoderBlock& block, const RotationPlan& plan) {
   model::BlockHooks hooks = block.hooks();
   if (plan.r3) {
@@ -248,7 +272,7 @@ Status InstallOnlineRotations(model::DecoderBlock& block, const RotationPlan& pl
   }
   block.set_hooks(std::move(hooks));
   if (plan.r4) {
-    QCAL_ASSIGN_OR_RETURN(auto t4, OnlineHadamard::Create(plan.intermediate));
+    QCAL_ASSIGN_OR_RETURN(auto t4, R4Transform(plan));
     auto& slot = block.mutable_weights().linears[static_cast<int>(LinearKind::kDown)];
     slot = std::make_unique<ActQuantLinear>(std::move(slot), t4, nullptr);
   }

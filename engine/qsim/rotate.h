@@ -28,6 +28,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -35,6 +36,7 @@
 #include "common/quant_specs.h"
 #include "common/status.h"
 #include "engine/model/llama.h"
+#include "engine/qsim/act_quant.h"
 
 namespace qcal::qsim {
 
@@ -55,6 +57,7 @@ inline constexpr char kRopePermKey[] = "quarot.rope_perm";
 // The rotations that apply to one model.
 struct RotationPlan {
   bool r1 = false, r2 = false, r3 = false, r4 = false;
+  int64_t r4_block = 0;  // RotationSpec::r4_block: 0, the whole Hadamard; else its blocks
   uint64_t seed = 0;
   int64_t hidden = 0, head_dim = 0, intermediate = 0;
   std::vector<std::string> warnings;  // fallbacks taken (also logged)
@@ -83,6 +86,9 @@ StatusOr<std::pair<at::Tensor, at::Tensor>> DenseRotations(const RotationPlan& p
 // |T·Tᵀ − I| <= 1e-6, and the plan applies R1 / R2 at all.
 Status SetLearnedRotations(RotationPlan* plan, const at::Tensor& r1, const at::Tensor& r2,
                            int64_t layers);
+
+// R4's transform for the plan (OnlineHadamard::Create, or CreateBlockDiagonal with r4_block).
+StatusOr<std::shared_ptr<const OnlineHadamard>> R4Transform(const RotationPlan& plan);
 
 // One block's offline work: norm fusion (when plan.fuse_norms()), R1, R2, and R4's fused half.
 // Every linear is replaced by a DenseLinear of its transformed DenseWeight() (pass float

@@ -246,7 +246,7 @@ Status OnlineParts(const RotationPlan& plan, std::shared_ptr<const OnlineHadamar
     return absl::InvalidArgumentError("rotation training needs a plan with R1 and R2");
   }
   if (plan.r4) {
-    QCAL_ASSIGN_OR_RETURN(*t4, OnlineHadamard::Create(plan.intermediate));
+    QCAL_ASSIGN_OR_RETURN(*t4, R4Transform(plan));
   }
   if (plan.r3) {
     QCAL_ASSIGN_OR_RETURN(auto h3, OnlineHadamard::Create(plan.head_dim));

@@ -181,7 +181,7 @@ Status InstallStaticInference(model::DecoderBlock& block, const LlamaConfig& con
   }
   std::shared_ptr<const qsim::OnlineHadamard> t4;
   if (plan.r4) {
-    QCAL_ASSIGN_OR_RETURN(t4, qsim::OnlineHadamard::Create(plan.intermediate));
+    QCAL_ASSIGN_OR_RETURN(t4, qsim::R4Transform(plan));
   }
   block.set_hooks(std::move(hooks));
   for (LinearKind k : model::kAllLinears) {
@@ -238,7 +238,7 @@ StatusOr<quant::BlockTaskResult> QuantizePrefixquantBlock(
     }
     std::shared_ptr<const qsim::OnlineHadamard> t4;
     if (plan.r4) {
-      QCAL_ASSIGN_OR_RETURN(t4, qsim::OnlineHadamard::Create(plan.intermediate));
+      QCAL_ASSIGN_OR_RETURN(t4, qsim::R4Transform(plan));
     }
 
     // ---- 1. Float statistics and the search targets.

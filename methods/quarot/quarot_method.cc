@@ -67,7 +67,13 @@ Status QuarotParts::CheckForward(bool inputs_allowed) const {
   QCAL_ASSIGN_OR_RETURN(const QuarotConfig* q, QuarotSettings(recipe_));
   std::vector<std::string> online;
   if (plan_.r3) online.push_back("the online Hadamard R3 on queries and keys");
-  if (plan_.r4) online.push_back("the online Hadamard R4 on the down_proj input");
+  if (plan_.r4 && !(inputs_allowed && plan_.r4_block > 0)) {
+    online.push_back(plan_.r4_block > 0
+                         ? "the online Hadamard R4 on the down_proj input"
+                         : "the online Hadamard R4 on the down_proj input (of the whole "
+                           "intermediate size; rotation.r4_block makes it one compressed-tensors "
+                           "describes)");
+  }
   if (q->activations.enabled() && !inputs_allowed) {
     online.push_back(absl::StrCat(q->activations.bits, "-bit activation quantization"));
   }
@@ -89,6 +95,11 @@ std::optional<ActivationQuantSpec> QuarotParts::LinearInputQuantization() const 
   StatusOr<const QuarotConfig*> q = QuarotSettings(recipe_);
   if (!q.ok() || !(*q)->activations.enabled()) return std::nullopt;
   return (*q)->activations;
+}
+
+std::vector<Inference::InputHadamard> QuarotParts::OnlineInputHadamards() const {
+  if (!plan_.r4 || plan_.r4_block == 0) return {};
+  return {InputHadamard{model::LinearKind::kDown, plan_.r4_block}};
 }
 
 StatusOr<StaticInputParams> QuarotParts::StaticLinearInputParams(

@@ -72,7 +72,7 @@ Status InstallFloatOnline(model::DecoderBlock& block, const RotationPlan& plan,
   block.set_hooks(std::move(hooks));
   std::shared_ptr<const OnlineHadamard> t4;
   if (plan.r4) {
-    QCAL_ASSIGN_OR_RETURN(t4, OnlineHadamard::Create(plan.intermediate));
+    QCAL_ASSIGN_OR_RETURN(t4, R4Transform(plan));
   }
   for (LinearKind k : model::kAllLinears) {
     auto& slot = block.mutable_weights().linears[static_cast<int>(k)];
@@ -255,7 +255,7 @@ Status InstallQuantizedInference(model::DecoderBlock& block, const LlamaConfig& 
   }
   std::shared_ptr<const OnlineHadamard> t4;
   if (plan.r4) {
-    QCAL_ASSIGN_OR_RETURN(t4, OnlineHadamard::Create(plan.intermediate));
+    QCAL_ASSIGN_OR_RETURN(t4, R4Transform(plan));
   }
   // A BFP cache of pre-RoPE keys (the K-sort paper's) quantizes k_proj's output.
   std::optional<kernels::BfpFormat> pre_rope_keys;

@@ -767,6 +767,22 @@ TEST(QuarotRecipes, DefaultsAndSections) {
   ExpectRoundTrip(r, "norot");
 }
 
+TEST(QuarotRecipes, R4BlockIsAbsentZeroAPowerOfTwoOrAuto) {
+  EXPECT_EQ(Rotation(MustParse("method: quarot\n")).r4_block, 0);
+  EXPECT_FALSE(MustParse("method: quarot\n").ToJson()["rotation"].contains("r4_block"));
+  const Recipe eight = MustParse("method: quarot\nrotation: {r4_block: 8}\n");
+  EXPECT_EQ(Rotation(eight).r4_block, 8);
+  ExpectRoundTrip(eight, "r4_block 8");
+  const Recipe automatic = MustParse("method: quarot\nrotation: {r4_block: auto}\n");
+  EXPECT_EQ(Rotation(automatic).r4_block, RotationSpec::kR4BlockAuto);
+  EXPECT_EQ(automatic.ToJson()["rotation"]["r4_block"], "auto");
+  ExpectRoundTrip(automatic, "r4_block auto");
+  ExpectError("method: quarot\nrotation: {r4_block: 6}\n",
+              {"key 'rotation.r4_block' (line 2) must be 0 (the whole Hadamard), a power of two "
+               ">= 2 or auto, got 6"});
+  ExpectError("method: quarot\nrotation: {r4_block: big}\n", {"rotation.r4_block", "auto"});
+}
+
 TEST(QuarotRecipes, Errors) {
   ExpectError("method: quarot\nweights: gtpq\n",
               {"key 'weights' (line 2) must be rtn, gptq or none, got 'gtpq'",
@@ -861,9 +877,13 @@ TEST(QuarotRecipes, BundledRecipesComeInRotatedAndUnrotatedTwins) {
     EXPECT_EQ(rotated->method, "quarot");
     EXPECT_TRUE(Rotation(*rotated).any());
     std::string twin = stem.substr(7);
-    // A servable variant (R1/R2 only, "-r12") shares its full-rotation twin's unrotated one.
-    if (twin.size() > 4 && twin.compare(twin.size() - 4, 4, "-r12") == 0) {
-      twin.resize(twin.size() - 4);
+    // A servable variant (R1/R2 only, "-r12"; R1/R2 and R4 in blocks, "-r124b") shares its
+    // full-rotation twin's unrotated one.
+    for (const std::string suffix : {"-r12", "-r124b"}) {
+      if (twin.size() > suffix.size() &&
+          twin.compare(twin.size() - suffix.size(), suffix.size(), suffix) == 0) {
+        twin.resize(twin.size() - suffix.size());
+      }
     }
     const size_t rtn = twin.rfind("-rtn");
     twin = rtn != std::string::npos && rtn + 4 == twin.size()

@@ -210,7 +210,11 @@ EOF
   sed -e "s/^name: .*/name: $r-a16/" -e 's/^activations: .*/activations: {bits: 16}/' \
     "$src/jobs/$r.yaml" > "$dir-a16.yaml"
   quantize "$dir-a16.yaml" "$dir-a16"
-  "$q" export --format dense "$dir-a16" "$dir-a16-dense" > /dev/null
+  if ! "$q" export --format dense "$dir-a16" "$dir-a16-dense" > /dev/null 2>&1; then
+    # An online R4 (in blocks) has no dense form: its weights are the pack-quantized export's.
+    "$q" export --format compressed-tensors "$dir-a16" "$dir-a16-ct" > /dev/null 2>&1
+    "$py" "$ct" dequant "$dir-a16-ct" "$dir-a16-dense" > /dev/null
+  fi
   "$py" "$ct" dequant "$dir-ct" "$dir-ctdeq" > /dev/null
   if "$py" "$ref" compare "$dir-ctdeq" "$dir-a16-dense" > "$dir.cmp"; then
     echo "ok   $r: $(tail -1 "$dir.check"); weights: $(tail -1 "$dir.cmp")"
@@ -230,6 +234,32 @@ EOF
 }
 w8a8 quarot-w8a8-wchannel-atoken-dynamic-r12 token true
 w8a8 quarot-w8a8-wchannel-atensor-static-r12 tensor false
+# R4 online as compressed-tensors' block-diagonal "hadamard" transform (transform_config).
+w8a8 quarot-w8a8-wchannel-atensor-static-r124b tensor false
+"$py" - "$work/quarot-w8a8-wchannel-atensor-static-r124b-ct" <<'EOF' || fail=1
+import json, sys
+q = json.load(open(sys.argv[1] + "/config.json"))["quantization_config"]
+groups = q.get("transform_config", {}).get("config_groups", {})
+g = groups.get("hadamard_mlp.down_proj", {})
+apply = sorted((a["location"], a["inverse"], tuple(a["targets"])) for a in g.get("apply", []))
+want = [("input", False, (r"re:.*mlp\.down_proj$",)), ("weight_input", True, (r"re:.*mlp\.down_proj$",))]
+ok = len(groups) == 1 and g.get("type") == "hadamard" and g.get("head_dim") == 4 and apply == want
+print("ok   transform_config" if ok else "FAIL transform_config", groups)
+sys.exit(0 if ok else 1)
+EOF
+# The transform alone (float inputs: the same recipe with activations 16) is exact: the reader's
+# block Hadamard gives qcal's perplexity to float rounding.
+r4="$work/quarot-w8a8-wchannel-atensor-static-r124b-a16"
+a=$(ppl_tokens "$r4" "$r4.tokens")
+b=$("$py" "$ct" ppl "$r4-ct" "$r4.tokens" 256 | "$py" -c \
+  'import json, sys; print(repr(json.load(sys.stdin)["perplexity"]))')
+if "$py" -c "import sys; a, b = $a, $b; sys.exit(0 if abs(a - b) <= 1e-6 * a else 1)"; then
+  echo "ok   R4 in blocks of 4, float inputs: perplexity $a (qcal) vs $b (reader's online Hadamard)"
+else
+  echo "FAIL R4 in blocks of 4, float inputs: perplexity $a vs $b (more than 1e-6 apart)"; fail=1
+fi
+refused gptq "$work/quarot-w8a8-wchannel-atensor-static-r124b" "$work/r124b-gptq" \
+  "the online Hadamard R4" "GPTQ: R4 in blocks (online)"
 refused gptq "$work/quarot-w8a8-wchannel-atoken-dynamic-r12" "$work/w8-gptq" \
   "8-bit activation quantization" "GPTQ: W8A8"
 # What compressed-tensors (and the engines that load it) cannot say about qcal's quantizers.

@@ -274,6 +274,49 @@ TEST(OnlineHadamardTest, MatchesKernelAndFusesExactly) {
   EXPECT_FALSE(qsim::OnlineHadamard::Create(22).ok());  // 2·11: no Hadamard matrix
 }
 
+// The block-diagonal R4 (rotation.r4_block): the dense block-diagonal matrix of Sylvester
+// H_b / √b, built here independently (H_2b = [[H_b, H_b], [H_b, -H_b]]), is what Apply,
+// ApplyInverse, FuseInputHadamard and RotateHessian compute.
+TEST(OnlineHadamardTest, BlockDiagonalIsTheSylvesterBlocks) {
+  at::manual_seed(testing::TestSeed());
+  for (auto [n, b] : {std::pair<int64_t, int64_t>{172, 4}, {64, 64}, {11008, 256}}) {
+    SCOPED_TRACE(n);
+    auto h = qsim::OnlineHadamard::CreateBlockDiagonal(n, b);
+    ASSERT_TRUE(h.ok()) << h.status();
+    EXPECT_EQ((*h)->dim(), n);
+    EXPECT_EQ((*h)->block(), b);
+    at::Tensor sylvester = at::ones({1, 1}, at::kDouble);
+    while (sylvester.size(0) < b) {
+      sylvester = at::cat({at::cat({sylvester, sylvester}, 1), at::cat({sylvester, -sylvester}, 1)});
+    }
+    sylvester = sylvester / std::sqrt(static_cast<double>(b));
+    const at::Tensor t = at::block_diag(std::vector<at::Tensor>(n / b, sylvester));  // [n, n]
+    const at::Tensor x = at::randn({3, n});
+    const at::Tensor want = at::matmul(x.to(at::kDouble), t.t());  // x·Tᵀ
+    EXPECT_LT(((*h)->Apply(x).to(at::kDouble) - want).abs().max().item<double>(), 1e-5);
+    EXPECT_LT(((*h)->ApplyDifferentiable(x).to(at::kDouble) - want).abs().max().item<double>(),
+              1e-5);
+    EXPECT_LT(((*h)->ApplyInverse((*h)->Apply(x)) - x).abs().max().item<double>(), 1e-5);
+    const at::Tensor w = at::randn({5, n});
+    auto fused = qsim::FuseInputHadamard(w, **h);
+    ASSERT_TRUE(fused.ok());
+    EXPECT_LT((fused->to(at::kDouble) - at::matmul(w.to(at::kDouble), t.t())).abs().max()
+                  .item<double>(),
+              1e-5);
+    if (n <= 256) {
+      const at::Tensor a = at::randn({n, n}, at::kDouble);
+      const at::Tensor hess = at::matmul(a, a.t());
+      auto rotated = qsim::RotateHessian(hess, **h);
+      ASSERT_TRUE(rotated.ok());
+      EXPECT_LT((*rotated - at::matmul(at::matmul(t, hess), t.t())).abs().max().item<double>(),
+                1e-9 * hess.abs().max().item<double>());
+    }
+  }
+  EXPECT_FALSE(qsim::OnlineHadamard::CreateBlockDiagonal(172, 8).ok());   // 8 does not divide
+  EXPECT_FALSE(qsim::OnlineHadamard::CreateBlockDiagonal(172, 6).ok());   // not a power of two
+  EXPECT_FALSE(qsim::OnlineHadamard::CreateBlockDiagonal(16384, 8192).ok());  // above the limit
+}
+
 // The autograd-friendly form equals Apply for dense and Kronecker-factored sizes (11008 =
 // 64·172, 14336 = 512·28, 8192 = 2^13), and its gradient is the transposed transform.
 TEST(OnlineHadamardTest, DifferentiableFormMatchesApplyAndItsGradient) {

@@ -31,10 +31,15 @@ Inputs (input_activations, int, symmetric unless input_zero_point says otherwise
     x -> (clamp(round(x / s) + zp, -2^(b-1), 2^(b-1) - 1) - zp) * s.
   round is to nearest, ties to even (torch.round); scales are float32 and the dequantized value
   is the float32 product, as the format's fake quantization computes it.
+Transforms (quantization_config.transform_config, type "hadamard"): a module a group targets
+  with location "input" gets x -> x V before its input quantizer, V block-diagonal with blocks
+  H_b / sqrt(b) (Sylvester, H_2b = [[H_b, H_b], [H_b, -H_b]]), b = head_dim (the whole input
+  without it); the "weight_input" inverse is already in the stored weight.
 """
 import json
 import math
 import os
+import re
 import sys
 
 import numpy as np
@@ -55,6 +60,40 @@ def unpack_rows(words, count, bits):
     w = words.astype(np.int64) & 0xFFFFFFFF
     j = np.arange(count)
     return (w[:, j // per_word] >> ((j % per_word) * bits)) & ((1 << bits) - 1)
+
+
+def sylvester(b):
+    h = np.ones((1, 1))
+    while h.shape[0] < b:
+        h = np.block([[h, h], [h, -h]])
+    assert h.shape[0] == b, b
+    return h / math.sqrt(b)
+
+
+def input_transforms(qc, linears):
+    """{linear: function x -> x V} for the online input Hadamards of transform_config."""
+    out = {}
+    groups = (qc.get("transform_config") or {}).get("config_groups", {})
+    for name, g in groups.items():
+        assert g["type"] == "hadamard" and not g.get("randomize"), (name, g)
+        locations = {a["location"] for a in g["apply"]}
+        assert locations <= {"input", "weight_input"}, (name, g)
+        for a in g["apply"]:
+            if a["location"] != "input":
+                continue
+            assert not a.get("inverse"), a
+            for p in linears:
+                if any(re.match(t[3:], p) if t.startswith("re:") else t == p
+                       for t in a["targets"]):
+                    out[p] = g.get("head_dim")
+    def transform(b):
+        def apply(x):
+            n = x.shape[-1]
+            size = b or n
+            v = sylvester(size)
+            return (x.reshape(x.shape[:-1] + (n // size, size)) @ v).reshape(x.shape)
+        return apply
+    return {p: transform(b) for p, b in out.items()}
 
 
 def scheme(qc):
@@ -214,8 +253,11 @@ def ppl(src, tokens_path, ctx):
     config, fmt, w, a, t, linears = load(src)
     weights = {k: v.astype(np.float64) for k, v in dense_weights(t, fmt, w, linears).items()}
     quantizers = {p: input_quantizer(t, p, a) for p in linears} if a is not None else {}
+    transforms = input_transforms(config["quantization_config"], linears)
 
     def linear(name, x, W):
+        if name in transforms:  # the online transform, then the input quantizer
+            x = transforms[name](x)
         if name in quantizers:
             x = quantizers[name](x)
         return x @ W.T
@@ -232,7 +274,8 @@ def ppl(src, tokens_path, ctx):
         nll -= logp[np.arange(len(targets)), targets].sum()
         scored += len(targets)
     print(json.dumps({"perplexity": math.exp(nll / scored), "tokens_scored": scored,
-                      "quantized_inputs": len(quantizers)}))
+                      "quantized_inputs": len(quantizers),
+                      "transformed_inputs": len(transforms)}))
 
 
 if __name__ == "__main__":
