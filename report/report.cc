@@ -460,7 +460,7 @@ StatusOr<std::string> RenderReport(const ReportInputs& inputs) {
     }
   }
   std::vector<std::vector<std::string>> summary = {
-      {"", ""},
+      {"", "value"},
       {"recipe", Escape(recipe)},
       {"model", Escape(j.start.value("model", ""))},
       {"output", Escape(inputs.out_dir.empty() ? j.start.value("out", "") : inputs.out_dir)},
@@ -477,13 +477,8 @@ StatusOr<std::string> RenderReport(const ReportInputs& inputs) {
                        absl::StrCat(Num(NumberOr(j.e2e, "kl_before", kNan)), " → ",
                                     Num(NumberOr(j.e2e, "kl_after", kNan)))});
   }
-  summary.erase(summary.begin());
   html += "<h2>Job</h2>\n";
-  html += Table([&] {
-    std::vector<std::vector<std::string>> t = {{"", "value"}};
-    t.insert(t.end(), summary.begin(), summary.end());
-    return t;
-  }());
+  html += Table(summary);
 
   // Perplexity and KL.
   html += "<h2>Perplexity and KL against the float model</h2>\n";
