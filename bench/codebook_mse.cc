@@ -3,7 +3,12 @@
 // swept on a coarse grid, then a fine one around the best. RVQ codebooks also sweep the residual
 // multiplier (alternating with the input scale).
 //
-//   codebook_mse [--vectors N] [--seed S] [--json]
+// Trellis codebooks (kernels/trellis.h: 1mad, 3inst, hyb at L = 16, k = 2, 3, 4) see the first
+// --trellis-weights of the same samples (Viterbi is about 50 µs per weight here) and sweep only
+// ±10% around their default scale in 2.5% steps. The last column is the rate–distortion bound of
+// a unit Gaussian, D(R) = 4^−R.
+//
+//   codebook_mse [--vectors N] [--seed S] [--trellis-weights W] [--json]
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -64,16 +69,20 @@ int main(int argc, char** argv) {
   int64_t vectors = 1 << 16;
   uint64_t seed = 1;
   bool json = false;
+  int64_t trellis_weights = 1 << 15;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--vectors" && i + 1 < argc) {
       vectors = std::strtoll(argv[++i], nullptr, 10);
     } else if (arg == "--seed" && i + 1 < argc) {
       seed = std::strtoull(argv[++i], nullptr, 10);
+    } else if (arg == "--trellis-weights" && i + 1 < argc) {
+      trellis_weights = std::strtoll(argv[++i], nullptr, 10);
     } else if (arg == "--json") {
       json = true;
     } else {
-      std::fprintf(stderr, "usage: %s [--vectors N] [--seed S] [--json]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--vectors N] [--seed S] [--trellis-weights W] [--json]\n",
+                   argv[0]);
       return 2;
     }
   }
@@ -88,13 +97,22 @@ int main(int argc, char** argv) {
   for (auto& v : g) v = static_cast<float>(normal(rng));
   std::vector<float> buf(g.size());
 
-  const char* names[] = {"e8p",      "halfint2",     "e8_1bit", "rvq3_e8p_e8",
-                         "halfint3", "rvq4_e8p_e8p", "halfint4"};
+  if (trellis_weights <= 0 || trellis_weights % 256 != 0 ||
+      trellis_weights > static_cast<int64_t>(g.size())) {
+    std::fprintf(stderr, "--trellis-weights must be a positive multiple of 256, at most 8·N\n");
+    return 2;
+  }
+  const std::vector<float> g_trellis(g.begin(), g.begin() + trellis_weights);
+  std::vector<float> buf_trellis(g_trellis.size());
+  const char* names[] = {"e8p",          "halfint2",         "e8_1bit",          "rvq3_e8p_e8",
+                         "halfint3",     "rvq4_e8p_e8p",     "halfint4",         "qtip_1mad_l16_k2",
+                         "qtip_3inst_l16_k2", "qtip_hyb_l16_k2", "qtip_1mad_l16_k3", "qtip_3inst_l16_k3",
+                         "qtip_hyb_l16_k3", "qtip_1mad_l16_k4", "qtip_3inst_l16_k4", "qtip_hyb_l16_k4"};
   if (!json) {
     std::printf("N(0,1), %lld weights, seed %llu\n", static_cast<long long>(g.size()),
                 static_cast<unsigned long long>(seed));
-    std::printf("%-14s %5s %12s %12s %11s %12s %11s\n", "codebook", "bits", "best_scale",
-                "resid_scale", "best_mse", "default_mse", "default");
+    std::printf("%-18s %5s %12s %12s %11s %12s %11s %9s\n", "codebook", "bits", "best_scale",
+                "resid_scale", "best_mse", "default_mse", "default", "D(R)");
   } else {
     std::printf("[\n");
   }
@@ -106,11 +124,22 @@ int main(int argc, char** argv) {
       return 1;
     }
     std::unique_ptr<VectorCodebook> cb = std::move(made).value();
-    const double default_mse = Mse(*cb, g, cb->default_scale(), buf);
+    const bool trellis = cb->joint_vectors() > 1;
+    const std::vector<float>& samples = trellis ? g_trellis : g;
+    std::vector<float>& scratch = trellis ? buf_trellis : buf;
+    const double default_mse = Mse(*cb, samples, cb->default_scale(), scratch);
     Best best{};
     double resid = std::nan("");
     const auto* rvq = dynamic_cast<const qcal::kernels::RvqCodebook*>(cb.get());
-    if (rvq == nullptr) {
+    if (trellis) {
+      best = {cb->default_scale(), default_mse};
+      for (int i = -4; i <= 4; ++i) {
+        if (i == 0) continue;
+        const double v = cb->default_scale() * (1 + 0.025 * i);
+        const double m = Mse(*cb, samples, v, scratch);
+        if (m < best.mse) best = {v, m};
+      }
+    } else if (rvq == nullptr) {
       best = Sweep([&](double s) { return Mse(*cb, g, s, buf); }, cb->default_scale());
     } else {
       // Coordinate descent: input scale, residual multiplier, input scale again.
@@ -143,8 +172,9 @@ int main(int argc, char** argv) {
     } else {
       char rs[32] = "-";
       if (!std::isnan(resid)) std::snprintf(rs, sizeof rs, "%.3f", resid);
-      std::printf("%-14s %5g %12.4f %12s %11.6f %12.6f %11.4f\n", name, cb->bits_per_weight(),
-                  best.value, rs, best.mse, default_mse, cb->default_scale());
+      std::printf("%-18s %5g %12.4f %12s %11.6f %12.6f %11.4f %9.6f\n", name,
+                  cb->bits_per_weight(), best.value, rs, best.mse, default_mse,
+                  cb->default_scale(), std::pow(4.0, -cb->bits_per_weight()));
     }
     std::fflush(stdout);
     first = false;

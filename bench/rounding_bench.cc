@@ -4,6 +4,7 @@
 //   build-quant/bench/bench_rounding --benchmark_filter='n:11008'   # ~4.5 GB of fp64 buffers
 //   build/bench/bench_rounding --benchmark_filter='m:28672'          # Llama-2-70B gate/up_proj
 //   build/bench/bench_rounding --benchmark_filter=ClipSearch          # GPTQ's clip search
+//   build/bench/bench_rounding --benchmark_filter='m:1024/'           # the trellis encoder
 //
 // Arguments are {m = out_features, n = in_features}: W is [m, n], H is [n, n] (fp64). Every
 // benchmark runs once per repetition (the work is seconds long) and reports wall time (BLAS uses
@@ -228,6 +229,30 @@ void BM_BlockLdlq(benchmark::State& state) {
   });
 }
 
+// BlockLDLQ with a QTIP trellis codebook (kernels/trellis.h, 1MAD code, L = 16, k bits): the
+// Viterbi encoder's cost (two passes over 2^16 states per weight group of V, per tile) against
+// the same sgemm; counter us_per_weight = wall time per weight (all cores, tiles over threads).
+void BM_BlockLdlqTrellis(benchmark::State& state) {
+  const int64_t m = state.range(0), n = state.range(1), k = state.range(2);
+  Problem& p = GetProblem(m, n);
+  auto cb = qcal::kernels::MakeCodebook("qtip_1mad_l16_k" + std::to_string(k));
+  if (!cb.ok()) {
+    state.SkipWithError("no trellis codebook");
+    return;
+  }
+  state.SetLabel((*cb)->name());
+  RunTimed(state, p, [&] {
+    qcal::kernels::VectorRoundingConfig cfg;
+    auto r = qcal::kernels::BlockLdlq(p.w.data(), m, n, p.h.data(), **cb, cfg);
+    benchmark::DoNotOptimize(r.ok() ? r->w_hat.data() : nullptr);
+    if (r.ok()) {
+      state.counters["us_per_weight"] =
+          1e6 * (r->times.factor + r->times.round) / static_cast<double>(m * n);
+    }
+    return r.ok();
+  });
+}
+
 // GPTQ's clip search (4-bit symmetric per channel, grid 100, max shrink 0.8, norm 2.4: the
 // gptq-4bit recipe) over `rows` Gaussian rows of `cols` weights on one thread, against an
 // exhaustive search written here (every candidate's error summed over the whole row) timed in
@@ -313,6 +338,23 @@ int main(int argc, char** argv) {
       setup(benchmark::RegisterBenchmark("BM_BlockLdlq", BM_BlockLdlq)
                 ->ArgNames({"m", "n", "e8p", "sweeps"})
                 ->Args({m, n, 1, sweeps}));
+    }
+  }
+  // The trellis encoder: 1024 × 1024 (about 25 s per k on 2 cores) and 4096 × 4096 (16× that).
+  for (auto [m, n] : {std::pair<int64_t, int64_t>{1024, 1024}, {4096, 4096}}) {
+    auto setup = [](benchmark::internal::Benchmark* b) {
+      b->Iterations(1)->UseManualTime()->Unit(benchmark::kSecond);
+    };
+    if (m == 1024) {
+      setup(benchmark::RegisterBenchmark("BM_Sgemm", BM_Sgemm)->ArgNames({"m", "n"})->Args({m, n}));
+      setup(benchmark::RegisterBenchmark("BM_BlockLdlq", BM_BlockLdlq)
+                ->ArgNames({"m", "n", "e8p", "sweeps"})
+                ->Args({m, n, 1, 0}));
+    }
+    for (int64_t k : {2, 4}) {
+      setup(benchmark::RegisterBenchmark("BM_BlockLdlqTrellis", BM_BlockLdlqTrellis)
+                ->ArgNames({"m", "n", "k"})
+                ->Args({m, n, k}));
     }
   }
   // GPTQ's clip search at Llama-70B row lengths (hidden 8192, intermediate 28672), norm 2.4.

@@ -124,7 +124,7 @@ class BlockCache {
         ckpt_->dir(), ": ", prefix, " is stored in method ", method_->recipe().method,
         "'s own layer format, not on a scalar integer grid: the GPTQ and compressed-tensors "
         "formats hold integer codes with per-group scales and zero points, and cannot express "
-        "lattice codebook codes or incoherence transforms (try --format dense)"));
+        "lattice or trellis codebook codes or incoherence transforms (try --format dense)"));
   }
 
  private:

@@ -19,6 +19,8 @@ class BlockRounder {
  public:
   virtual ~BlockRounder() = default;
   virtual int code_words() const = 0;
+  // Rows that move together (a joint codebook's tile height; 1 otherwise).
+  virtual int joint_rows() const { return 1; }
   // targets, points: [count, g] for rows row0.., block columns k..k+g; codes: [count, words].
   virtual void Round(int64_t row0, int64_t k, int64_t count, const double* targets,
                      double* points, uint32_t* codes) const = 0;
@@ -67,6 +69,7 @@ Status CheckRefineArgs(const double* w, const double* h, int64_t m, int64_t n, i
 RefineStats Refine(const double* W, double* What, int64_t m, int64_t n, const double* H, int64_t g,
                    int sweeps, double damp, int64_t lazy_block, int num_threads,
                    BlockRounder& rounder) {
+  const int64_t joint = rounder.joint_rows();
   RefineStats stats;
   // C = (Ŵ − W)H and each row's loss, in row tasks (one [128, n] temporary each).
   std::vector<double> C(m * n);
@@ -124,7 +127,7 @@ RefineStats Refine(const double* W, double* What, int64_t m, int64_t n, const do
   auto sweep_rows = [&](int64_t r0, int64_t r1, int64_t b0, int64_t b1, int64_t* kept) {
     const int64_t rc = r1 - r0, bw = b1 - b0;
     if (rc <= 0) return;
-    std::vector<double> targets(rc * g), points(rc * g), d(g);
+    std::vector<double> targets(rc * g), points(rc * g), d(joint * g), unit_delta(joint);
     std::vector<uint32_t> codes(rc * cw);
     for (int64_t r = r0; r < r1; ++r) std::fill(&D[r * B], &D[r * B] + bw, 0.0);
     for (int64_t k = b0; k < b1; k += g) {
@@ -139,36 +142,53 @@ RefineStats Refine(const double* W, double* What, int64_t m, int64_t n, const do
         }
       }
       rounder.Round(r0, k, rc, targets.data(), points.data(), codes.data());
-      for (int64_t r = 0; r < rc; ++r) {
-        const int64_t row = r0 + r;
-        double* wh = &What[row * n + k];
-        double* c = &C[row * n];
+      // Rows move together in units of `joint` (a trellis tile's rows share one code stream):
+      // a unit's new points are kept only if they lower the sum of its rows' losses.
+      for (int64_t u = 0; u < rc; u += joint) {
+        const int64_t u1 = std::min(rc, u + joint);  // a matrix's last tile may be short
         bool moved = false;
-        for (int64_t j = 0; j < g; ++j) {
-          d[j] = points[r * g + j] - wh[j];
-          moved |= d[j] != 0.0;
+        for (int64_t r = u; r < u1; ++r) {
+          const double* wh = &What[(r0 + r) * n + k];
+          for (int64_t j = 0; j < g; ++j) moved |= points[r * g + j] != wh[j];
         }
         if (!moved) continue;
-        double delta = 0.0;
-        for (int64_t i = 0; i < g; ++i) {
-          double hd = 0.0;
-          for (int64_t j = 0; j < g; ++j) hd += H[(k + i) * n + k + j] * d[j];
-          delta += d[i] * (2.0 * c[k + i] + hd);
+        double delta = 0.0, unit_loss = 0.0;
+        for (int64_t r = u; r < u1; ++r) {
+          const int64_t row = r0 + r;
+          const double* wh = &What[row * n + k];
+          const double* c = &C[row * n];
+          for (int64_t j = 0; j < g; ++j) d[(r - u) * g + j] = points[r * g + j] - wh[j];
+          const double* dr = &d[(r - u) * g];
+          double row_delta = 0.0;
+          for (int64_t i = 0; i < g; ++i) {
+            double hd = 0.0;
+            for (int64_t j = 0; j < g; ++j) hd += H[(k + i) * n + k + j] * dr[j];
+            row_delta += dr[i] * (2.0 * c[k + i] + hd);
+          }
+          unit_delta[r - u] = row_delta;
+          delta += row_delta;
+          unit_loss += row_loss[row];
         }
-        if (!(delta < -kRelTol * std::max(row_loss[row], 0.0))) continue;
-        row_loss[row] += delta;
-        for (int64_t j = 0; j < g; ++j) {
-          wh[j] = points[r * g + j];
-          D[row * B + (k - b0) + j] += d[j];
+        if (!(delta < -kRelTol * std::max(unit_loss, 0.0))) continue;
+        for (int64_t r = u; r < u1; ++r) {
+          const int64_t row = r0 + r;
+          double* wh = &What[row * n + k];
+          double* c = &C[row * n];
+          const double* dr = &d[(r - u) * g];
+          row_loss[row] += unit_delta[r - u];
+          for (int64_t j = 0; j < g; ++j) {
+            wh[j] = points[r * g + j];
+            D[row * B + (k - b0) + j] += dr[j];
+          }
+          // C[row, b0:b1] += d · H[k:k+g, b0:b1] (the rest of the row after the lazy block).
+          for (int64_t i = 0; i < g; ++i) {
+            if (dr[i] == 0.0) continue;
+            const double* hrow = &H[(k + i) * n];
+            for (int64_t j = b0; j < b1; ++j) c[j] += dr[i] * hrow[j];
+          }
+          rounder.Commit(row, k, &codes[r * cw]);
+          ++*kept;
         }
-        // C[row, b0:b1] += d · H[k:k+g, b0:b1] (the rest of the row after the lazy block).
-        for (int64_t i = 0; i < g; ++i) {
-          if (d[i] == 0.0) continue;
-          const double* hrow = &H[(k + i) * n];
-          for (int64_t j = b0; j < b1; ++j) c[j] += d[i] * hrow[j];
-        }
-        rounder.Commit(row, k, &codes[r * cw]);
-        ++*kept;
       }
     }
   };
@@ -237,6 +257,7 @@ class VectorRounder final : public BlockRounder {
  public:
   VectorRounder(const VectorCodebook& cb, VectorRoundingResult* res) : cb_(cb), res_(res) {}
   int code_words() const override { return cb_.code_words(); }
+  int joint_rows() const override { return cb_.joint_vectors(); }
   void Round(int64_t, int64_t, int64_t count, const double* targets, double* points,
              uint32_t* codes) const override {
     const int64_t g = cb_.dim();

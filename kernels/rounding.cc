@@ -275,7 +275,14 @@ Status ValidateVectorRounding(const double* w, int64_t m, int64_t n, const Vecto
                                                    " is not a multiple of the codebook dim ", g,
                                                    " ('", cb.name(), "')"));
   }
-  return absl::OkStatus();
+  // Joint codebooks code tiles of joint_vectors() rows; BlockLDLQ's and the sweeps' row tasks
+  // (32 and 128 rows) must hold whole tiles, so only the matrix's last tile may be short.
+  const int joint = cb.joint_vectors();
+  if (joint < 1 || 32 % joint != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": codebook '", cb.name(), "' codes ",
+                                                   joint, " rows together (need a divisor of 32)"));
+  }
+  return Annotate(cb.CheckRows(m), what);
 }
 
 StatusOr<double> ResolveScale(const double* w, int64_t count, const VectorCodebook& cb,
@@ -304,8 +311,9 @@ void QuantizeVectors(const VectorCodebook& cb, const float* in, int64_t count, f
     cb.Quantize(in, count, out, codes);
     return;
   }
-  const int64_t dim = cb.dim(), cw = cb.code_words();
-  const int64_t chunk = (count + threads - 1) / threads;
+  const int64_t dim = cb.dim(), cw = cb.code_words(), joint = cb.joint_vectors();
+  // Chunks of whole joint units (tiles), so the split never cuts one.
+  const int64_t chunk = ((count + threads - 1) / threads + joint - 1) / joint * joint;
   auto run = [&](int64_t begin) {
     const int64_t len = std::min(chunk, count - begin);
     if (len > 0) {
@@ -646,6 +654,7 @@ namespace {
 // Rows per task of BlockLDLQ's sweep: fixed, so that every row goes through the same arithmetic
 // (the same single-threaded sgemm shapes) whatever the thread count.
 constexpr int64_t kBlockLdlqRowsPerTask = 128;
+constexpr int64_t kJointRowsPerTask = 32;
 
 // x[0:len] += Σ_t e[t] · u[t·ld : t·ld + len] for t < g: the in-block feedback of one row, fp32.
 // Cloned for AVX2 without FMA (the same bits as the baseline build).
@@ -705,10 +714,15 @@ VectorRoundingResult BlockLdlqSweep(const double* W, int64_t m, int64_t n, Block
 
   PinBlasToOneThread();  // each task's sgemm runs on its own thread (and its bits do not depend
                          // on a BLAS thread split)
-  const int64_t tasks = (m + kBlockLdlqRowsPerTask - 1) / kBlockLdlqRowsPerTask;
+  // Joint codebooks (trellis tiles) spend their time in the searches, not the sgemm: smaller
+  // tasks spread a small layer's tiles over more threads. Fixed per codebook, so the bits do not
+  // depend on the thread count.
+  const int64_t rows_per_task =
+      cb.joint_vectors() > 1 ? kJointRowsPerTask : kBlockLdlqRowsPerTask;
+  const int64_t tasks = (m + rows_per_task - 1) / rows_per_task;
   auto run_task = [&](int64_t task) {
-    const int64_t r0 = task * kBlockLdlqRowsPerTask;
-    const int64_t rc = std::min(kBlockLdlqRowsPerTask, m - r0);
+    const int64_t r0 = task * rows_per_task;
+    const int64_t rc = std::min(rows_per_task, m - r0);
     // X: the targets of these rows; once g columns are rounded their X is never read again, so
     // their error E = W − Ŵ is stored in their place (the cross-block sgemm reads it from there).
     std::vector<float> X(rc * n);
@@ -755,11 +769,9 @@ VectorRoundingResult BlockLdlqSweep(const double* W, int64_t m, int64_t n, Block
 
   // Ŵ from the codes.
   res.w_hat.resize(m * n);
-  std::vector<float> points(n);
-  for (int64_t r = 0; r < m; ++r) {
-    cb.Decode(&res.codes[r * (n / g) * cw], n / g, points.data());
-    for (int64_t j = 0; j < n; ++j) res.w_hat[r * n + j] = scale * static_cast<double>(points[j]);
-  }
+  std::vector<float> points(m * n);
+  DecodeMatrix(cb, res.codes.data(), m, n, points.data());
+  for (int64_t i = 0; i < m * n; ++i) res.w_hat[i] = scale * static_cast<double>(points[i]);
   return res;
 }
 
@@ -872,11 +884,30 @@ StatusOr<VectorRoundingResult> NearestVectorRounding(const double* w, int64_t m,
   res.scale = scale;
   res.w_hat.resize(m * n);
   res.codes.resize(m * (n / g) * cw);
-  // Row-major [m, n] is already [m·n/g, g] vectors.
   std::vector<float> in(m * n), out(m * n);
-  for (int64_t i = 0; i < m * n; ++i) in[i] = static_cast<float>(w[i] / scale);
-  QuantizeVectors(cb, in.data(), m * n / g, out.data(), res.codes.data(), config.num_threads);
-  for (int64_t i = 0; i < m * n; ++i) res.w_hat[i] = scale * static_cast<double>(out[i]);
+  if (cb.joint_vectors() == 1) {
+    // Row-major [m, n] is already [m·n/g, g] vectors.
+    for (int64_t i = 0; i < m * n; ++i) in[i] = static_cast<float>(w[i] / scale);
+    QuantizeVectors(cb, in.data(), m * n / g, out.data(), res.codes.data(), config.num_threads);
+    for (int64_t i = 0; i < m * n; ++i) res.w_hat[i] = scale * static_cast<double>(out[i]);
+    return res;
+  }
+  // Joint codebooks: column block by column block ([m, g] each, tiles of consecutive rows), the
+  // codes scattered into [m, n / g, cw].
+  const int64_t blocks = n / g;
+  std::vector<uint32_t> codes(m * cw);
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t r = 0; r < m; ++r) {
+      for (int64_t j = 0; j < g; ++j) in[r * g + j] = static_cast<float>(w[r * n + b * g + j] / scale);
+    }
+    QuantizeVectors(cb, in.data(), m, out.data(), codes.data(), config.num_threads);
+    for (int64_t r = 0; r < m; ++r) {
+      std::copy(&codes[r * cw], &codes[(r + 1) * cw], &res.codes[(r * blocks + b) * cw]);
+      for (int64_t j = 0; j < g; ++j) {
+        res.w_hat[r * n + b * g + j] = scale * static_cast<double>(out[r * g + j]);
+      }
+    }
+  }
   return res;
 }
 

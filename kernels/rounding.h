@@ -237,6 +237,10 @@ StatusOr<VectorRoundingResult> NearestVectorRounding(const double* w, int64_t ro
 // C [m, n]. Rows are independent: threads take row chunks, each row computed by the same
 // arithmetic whatever the thread count, so the result is bit-identical across thread counts.
 //
+// Joint codebooks (VectorCodebook::joint_vectors() > 1: a trellis tile's rows share one code
+// stream) move in units of those rows: the unit's block is re-encoded from all its rows' targets
+// and kept only if the sum of its rows' Δ is negative by the same margin.
+//
 // For scalar grids g = 1 and the nearest grid point to t is the exact minimiser over the grid
 // of the row's loss in that column, so every kept move is coordinate descent; for lattices the
 // Euclidean nearest point is a heuristic, which the Δ test makes safe.

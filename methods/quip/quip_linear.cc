@@ -154,9 +154,12 @@ StatusOr<std::unique_ptr<QuipLinear>> QuipLinear::Create(QuipLinearData data) {
   impl->su = init_signs(data.t_u, data.out_pad, data.incoherence);
   impl->sv = init_signs(data.t_v, data.in_pad, data.incoherence);
 
-  // Decode Ŵ: the codes of row r are in_pad/dim consecutive vectors of `dim` weights.
+  // Decode Ŵ: the codes of row r are in_pad/dim consecutive vectors of `dim` weights (for a
+  // trellis, each tile of up to 32 rows × 8 columns is one code stream).
   impl->weight = at::empty({data.out_pad, data.in_pad}, at::kFloat);
-  (*codebook)->Decode(data.codes.data(), vectors, impl->weight.data_ptr<float>());
+  QCAL_RETURN_IF_ERROR(Annotate((*codebook)->CheckRows(data.out_pad), "QuipLinear"));
+  kernels::DecodeMatrix(**codebook, data.codes.data(), data.out_pad, data.in_pad,
+                        impl->weight.data_ptr<float>());
   if (data.row_scales.empty()) {
     impl->weight.mul_(static_cast<float>(data.scale));
   } else {

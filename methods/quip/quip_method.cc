@@ -34,7 +34,7 @@ class QuipLinearRounding final : public LinearRounding {
                                                 kernels::GpuBackend* gpu) const {
     QuipRoundingOptions options;
     options.gpu = gpu;
-    options.codebook = q_.codebook;
+    options.codebook = q_.kernel_codebook();
     options.incoherence = q_.incoherence;
     options.seed_u = TransformSeed(seed_, p.layer, p.kind, true);
     options.seed_v = TransformSeed(seed_, p.layer, p.kind, false);
@@ -73,7 +73,7 @@ class QuipFormat final : public LayerFormat {
   const char* name() const override { return "quip"; }
   StatusOr<std::unique_ptr<model::Linear>> Load(CheckpointReader& ckpt,
                                                 const std::string& prefix) const override {
-    QCAL_ASSIGN_OR_RETURN(auto layer, QuipLinear::Load(ckpt, prefix, q_.codebook, q_.incoherence));
+    QCAL_ASSIGN_OR_RETURN(auto layer, QuipLinear::Load(ckpt, prefix, q_.kernel_codebook(), q_.incoherence));
     return std::unique_ptr<model::Linear>(std::move(layer));
   }
 

@@ -66,7 +66,14 @@ StatusOr<QuipRounding> RoundQuipLinear(const double* w, int64_t out, int64_t in,
   QCAL_ASSIGN_OR_RETURN(auto codebook, kernels::MakeCodebook(options.codebook));
   const int64_t g = codebook->dim();
   const int64_t in_pad = options.incoherence ? QuipTransformSize(in, g) : RoundUp(in, g);
-  const int64_t out_pad = options.incoherence ? QuipTransformSize(out, 1) : out;
+  int64_t out_pad = options.incoherence ? QuipTransformSize(out, 1) : out;
+  // A trellis codes tiles of joint_vectors() rows, the last one shorter; when that last tile
+  // would be too short for its stream (CheckRows), the rows are padded to whole tiles (zero
+  // weights, coded like the others).
+  if (!codebook->CheckRows(out_pad).ok()) {
+    const int64_t joint = codebook->joint_vectors();
+    out_pad = options.incoherence ? QuipTransformSize(out, joint) : RoundUp(out, joint);
+  }
 
   // Zero-padded W [out_pad, in_pad] and H [in_pad, in_pad]; both are transformed in place.
   std::vector<double> wp(out_pad * in_pad, 0.0);

@@ -191,6 +191,10 @@ TEST(BundledRecipes, SettingsMatchTheirNames) {
       {"gptq-2bit", "gptq", 2, "", false},
       {"gptq-3bit", "gptq", 3, "", false},
       {"gptq-4bit", "gptq", 4, "", false},
+      {"qtip-2bit", "quip", 2, "qtip_1mad", false},
+      {"qtip-3bit", "quip", 3, "qtip_1mad", false},
+      {"qtip-4bit", "quip", 4, "qtip_1mad", false},
+      {"qtip-2bit-ft", "quip", 2, "qtip_1mad", true},
   };
   for (const Expect& e : expects) {
     SCOPED_TRACE(e.name);
@@ -369,6 +373,27 @@ TEST(RecipeDefaults, QuipScaleModes) {
               {"key 'scale' (line 2) must be row or matrix or auto, got 'rows'",
                "did you mean 'row'?"});
   ExpectError("method: gptq\nscale: row\n", {"key 'scale' (line 2) applies only to method quip"});
+}
+
+TEST(RecipeDefaults, QuipTrellisCodebooks) {
+  const Recipe r = MustParse("method: quip\nbits: 3\ncodebook: qtip_hyb\ntrellis_l: 12\n");
+  EXPECT_EQ(r.bits(), 3);
+  EXPECT_EQ(r.ToJson()["codebook"], "qtip_hyb");
+  EXPECT_EQ(r.ToJson()["trellis_l"], 12);
+  const auto& q = *Quip(r);
+  EXPECT_EQ(q.kernel_codebook(), "qtip_hyb_l12_k3");
+  ExpectRoundTrip(r, "qtip_hyb");
+  const Recipe d = MustParse("method: quip\ncodebook: qtip_1mad\n");
+  EXPECT_EQ(d.bits(), 2);
+  EXPECT_EQ(Quip(d)->kernel_codebook(),
+            "qtip_1mad_l16_k2");
+  // Lattice recipes keep their JSON: no trellis_l key.
+  EXPECT_FALSE(MustParse("method: quip\n").ToJson().contains("trellis_l"));
+  ExpectError("method: quip\ncodebook: e8p\ntrellis_l: 16\n",
+              {"key 'trellis_l' (line 3) applies only to the trellis codebooks"});
+  ExpectError("method: quip\nbits: 4\ncodebook: qtip_hyb\ntrellis_l: 9\n",
+              {"key 'trellis_l' (line 4) must be 10..20", "got 9"});
+  ExpectError("method: quip\ncodebook: qtip_2mad\n", {"key 'codebook' (line 2)", "qtip_1mad"});
 }
 
 TEST(RecipeDefaults, RefineSweeps) {

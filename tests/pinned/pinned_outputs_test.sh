@@ -3,7 +3,7 @@
 # the sha256 of every output file must equal tests/pinned/output-hashes.txt. An unintended
 # numeric change fails here; an intended one updates that file in the same commit and says why
 # (regenerate with: OPENBLAS_CORETYPE=Haswell bash scripts/recipe-hashes.sh /tmp/h gptq-4bit quarot-w4a4kv4 quip-e8p-2bit-ft
-# quip-e8p-2bit spinquant-w4a4kv4 > tests/pinned/output-hashes.txt).
+# quip-e8p-2bit spinquant-w4a4kv4 qtip-2bit > tests/pinned/output-hashes.txt).
 # Usage (ctest runs it): pinned_outputs_test.sh SOURCE_DIR BUILD_DIR
 set -euo pipefail
 src=$1 build=$2

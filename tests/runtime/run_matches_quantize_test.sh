@@ -5,8 +5,9 @@
 # fine-tuning recipe (quip-e8p-2bit-ft with 32 calibration sequences, to keep the test short),
 # and with Hessian sums sharded over 2 ranks (--max-memory below a block's working set); and for
 # one recipe of every other method family (rtn, gptq, quarot, prefixquant with Block-AP,
-# spinquant) with 2 workers: both drivers are the one job runner (runner/), so a family whose
-# bytes differ between them is a bug in the runner, not in the method (issue 39).
+# spinquant) and QuIP#'s trellis codebook (qtip-2bit) with 2 workers: both drivers are the one
+# job runner (runner/), so a family whose bytes differ between them is a bug in the runner, not
+# in the method (issue 39).
 # Before the fix the fine-tuning recipe differed in every shard with 1 or 2 workers: OpenBLAS
 # splits a GEMM over the CPUs of the affinity mask, and the split changed the bits.
 # Usage (ctest runs it): run_matches_quantize_test.sh SOURCE_DIR BUILD_DIR
@@ -25,7 +26,7 @@ cp "$src/jobs/quip-e8p-2bit.yaml" "$work/quip2.yaml"
 sed -e 's/^name: quip-e8p-2bit-ft/name: quip-e8p-2bit-ft-small/' \
     -e 's/num_sequences: 128/num_sequences: 32/' "$src/jobs/quip-e8p-2bit-ft.yaml" > "$work/ft.yaml"
 grep -q 'num_sequences: 32' "$work/ft.yaml" || { echo "could not shorten the ft recipe"; exit 2; }
-families=(rtn-4bit gptq-4bit quarot-w4a4kv4 prefixquant-w4a4kv4-ft spinquant-w4a4kv4)
+families=(rtn-4bit gptq-4bit quarot-w4a4kv4 prefixquant-w4a4kv4-ft spinquant-w4a4kv4 qtip-2bit)
 for f in "${families[@]}"; do cp "$src/jobs/$f.yaml" "$work/$f.yaml"; done
 
 fail=0
