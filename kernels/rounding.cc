@@ -767,11 +767,18 @@ VectorRoundingResult BlockLdlqSweep(const double* W, int64_t m, int64_t n, Block
 
   qcal::ParallelTasks(tasks, config.num_threads, run_task);
 
-  // Ŵ from the codes.
+  // Ŵ from the codes, one joint unit of rows at a time (one row for the lattices), so the only
+  // buffer is [joint, n] floats.
   res.w_hat.resize(m * n);
-  std::vector<float> points(m * n);
-  DecodeMatrix(cb, res.codes.data(), m, n, points.data());
-  for (int64_t i = 0; i < m * n; ++i) res.w_hat[i] = scale * static_cast<double>(points[i]);
+  const int64_t joint = cb.joint_vectors();
+  std::vector<float> points(joint * n);
+  for (int64_t r0 = 0; r0 < m; r0 += joint) {
+    const int64_t rows = std::min(joint, m - r0);
+    DecodeMatrix(cb, &res.codes[r0 * (n / g) * cw], rows, n, points.data());
+    for (int64_t i = 0; i < rows * n; ++i) {
+      res.w_hat[r0 * n + i] = scale * static_cast<double>(points[i]);
+    }
+  }
   return res;
 }
 
