@@ -2,11 +2,13 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <limits>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/recipe_section.h"
@@ -134,6 +136,18 @@ Status SaveState(const std::string& path, const State& s, const std::string& key
   }
   QCAL_RETURN_IF_ERROR(writer.Write(path));
   return calib::WriteCacheChecksum(path);
+}
+
+// The two files a training state alternates between: state_path and its ".b" twin. A save
+// replaces the older one, so a kill while a save is under way -- the data renamed into place but
+// its checksum not yet -- leaves the other, one checkpoint older, intact and verifiable.
+std::string StateSlotPath(const std::string& path, int slot) {
+  if (slot == 0) return path;
+  const std::string ext = ".safetensors";
+  if (absl::EndsWith(path, ext)) {
+    return absl::StrCat(path.substr(0, path.size() - ext.size()), ".b", ext);
+  }
+  return path + ".b";
 }
 
 // The saved state at `path` when it is usable for `key` and these shapes; NotFound when there is
@@ -291,16 +305,32 @@ StatusOr<RotationPhaseResult> TrainRotationsDataParallel(comm::Comm& comm,
 
   // The starting state: rank 0's saved one when usable, else the plan's Hadamards (or the
   // identity).
+  // Of the two state files (StateSlotPath), the usable one with more steps.
   State state;
   int64_t start = 0;
+  int last_slot = -1;  // the slot holding the newest usable state; saves go to the other
   if (comm.rank() == 0 && !o.state_path.empty()) {
-    auto loaded = LoadState(o.state_path, key, hid, layers, d, t.steps, validate, ns);
-    if (loaded.ok()) {
-      state = std::move(*loaded);
-      start = static_cast<int64_t>(state.losses.size());
-    } else if (!absl::IsNotFound(loaded.status())) {
-      QCAL_LOG_WARN("rotation training: not resuming from {}: {}", o.state_path,
-                    std::string(loaded.status().message()));
+    std::vector<std::string> unusable;
+    for (int slot = 0; slot < 2; ++slot) {
+      const std::string path = StateSlotPath(o.state_path, slot);
+      auto loaded = LoadState(path, key, hid, layers, d, t.steps, validate, ns);
+      if (loaded.ok()) {
+        const int64_t steps = static_cast<int64_t>(loaded->losses.size());
+        if (steps > start) {
+          state = std::move(*loaded);
+          start = steps;
+          last_slot = slot;
+        }
+      } else if (!absl::IsNotFound(loaded.status())) {
+        unusable.push_back(absl::StrCat(path, ": ", loaded.status().message()));
+      }
+    }
+    for (const std::string& why : unusable) {
+      if (start > 0) {
+        QCAL_LOG_INFO("rotation training: not using {}", why);
+      } else {
+        QCAL_LOG_WARN("rotation training: not resuming from {}", why);
+      }
     }
   }
   QCAL_RETURN_IF_ERROR(comm.Broadcast(&start, sizeof(start), 0));
@@ -391,7 +421,7 @@ StatusOr<RotationPhaseResult> TrainRotationsDataParallel(comm::Comm& comm,
           state.validation.data(), state.validation.size() * sizeof(state.validation[0]), 0));
     }
     QCAL_LOG_INFO("rotation training: resuming at step {} of {} from {}", start, t.steps,
-                  o.state_path);
+                  StateSlotPath(o.state_path, std::max(last_slot, 0)));
   }
   result.resumed_from = start;
 
@@ -474,7 +504,11 @@ StatusOr<RotationPhaseResult> TrainRotationsDataParallel(comm::Comm& comm,
       const bool stop = o.stop_after >= 0 && taken >= o.stop_after && step + 1 < t.steps;
       if ((checkpoint || stop) && !o.state_path.empty() && step + 1 < t.steps) {
         Status saved;
-        if (comm.rank() == 0) saved = SaveState(o.state_path, state, key);
+        if (comm.rank() == 0) {
+          const int slot = last_slot == 0 ? 1 : 0;
+          saved = SaveState(StateSlotPath(o.state_path, slot), state, key);
+          if (saved.ok()) last_slot = slot;
+        }
         int64_t bad = saved.ok() ? 0 : 1;
         QCAL_RETURN_IF_ERROR(comm.AllReduceSum(&bad, 1));
         if (!saved.ok()) return Annotate(saved, "rotation training: saving its state");

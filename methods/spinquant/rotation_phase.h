@@ -22,8 +22,10 @@
 //     of the state and of the held-out selection, and come back with the rotations.
 //   * Resumable: rank 0 saves the state (R1, R2, the scales and their Adam moments, the step,
 //     the losses so far, the held-out scores and the best rotations) every checkpoint_every
-//     steps to state_path (atomic, with a checksum), keyed by state_key and the training
-//     settings; a rerun loads it, broadcasts it, and continues from that step. The Cayley steps
+//     steps, keyed by state_key and the training settings, alternately to state_path and its
+//     ".b" twin (each atomic, with a checksum): a kill during a save leaves the previous state
+//     intact. A rerun loads the usable one with more steps, broadcasts it, and continues from
+//     that step. The Cayley steps
 //     are stateless (momentum 0, QR steps from a hash of the step) and the Adam moments are
 //     saved, so a resumed run equals an uninterrupted one bit for bit.
 #pragma once

@@ -5,6 +5,9 @@
 // from its saved state to the same bits; the trained rotations fused keep the float function.
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <thread>
 
@@ -251,9 +254,35 @@ TEST(SpinquantTest, InterruptedTrainingResumesFromItsSavedStateToTheSameBits) {
   const sq::RotationPhaseResult fresh = TrainOnRanks(1, dir, tokens, other);
   EXPECT_EQ(fresh.resumed_from, 0);
   EXPECT_TRUE(at::equal(fresh.t1, whole.t1));
-  // A damaged state is refused (checksum) and training starts over.
+  // The two state files: a run stopped after step 3 saved step 2 to one and step 3 to the other.
+  const std::string slot_a = o.state_path;
+  const std::string slot_b = tmp + "/rotations.state.b.safetensors";
+  for (const std::string& p : {slot_a, slot_b}) {
+    std::filesystem::remove(p);
+    std::filesystem::remove(p + ".fnv1a64");
+  }
+  stopped = Train(*comm, dir, tokens, stop);
+  ASSERT_TRUE(absl::IsAborted(stopped.status())) << stopped.status();
+  ASSERT_TRUE(std::filesystem::exists(slot_a + ".fnv1a64"));
+  ASSERT_TRUE(std::filesystem::exists(slot_b + ".fnv1a64"));
+  // A kill between a save's rename and its checksum leaves the newer file with the older
+  // checksum: that file is refused and the run resumes from the other, one checkpoint older.
+  auto read = [](const std::string& p) {
+    std::ifstream in(p, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  std::string newer = slot_b, older = slot_a;  // step 3 went to the second file
   {
-    std::FILE* f = std::fopen(o.state_path.c_str(), "r+b");
+    std::ofstream(newer + ".fnv1a64", std::ios::binary) << read(older + ".fnv1a64");
+  }
+  const sq::RotationPhaseResult fallback = TrainOnRanks(1, dir, tokens, o);
+  EXPECT_EQ(fallback.resumed_from, 2);
+  EXPECT_TRUE(at::equal(fallback.t1, whole.t1));
+  EXPECT_TRUE(at::equal(fallback.t2, whole.t2));
+  EXPECT_EQ(fallback.losses, whole.losses);
+  // Both damaged: training starts over (and still ends at the same bits).
+  for (const std::string& p : {slot_a, slot_b}) {
+    std::FILE* f = std::fopen(p.c_str(), "r+b");
     ASSERT_NE(f, nullptr);
     std::fseek(f, -8, SEEK_END);
     std::fputc('X', f);
