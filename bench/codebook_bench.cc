@@ -2,14 +2,17 @@
 // brute-force scan of all 65,536 points, both exact. Run e.g.
 //   build/bench/bench_codebook --benchmark_min_time=0.2
 // items_per_second is vectors (8 weights) per second; BM_E8pEncodeSpeedup reports the ratio.
+// BM_TrellisEncodeWidth: the trellis encoder's vector widths side by side.
 #include <benchmark/benchmark.h>
 
 #include <chrono>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "kernels/e8_codebooks.h"
 #include "kernels/e8p.h"
+#include "kernels/trellis.h"
 
 namespace {
 
@@ -121,6 +124,53 @@ void BM_RvqQuantize(benchmark::State& state) {
   state.SetLabel(name);
 }
 BENCHMARK(BM_RvqQuantize)->Arg(3)->Arg(4);
+
+// The trellis Viterbi encoder (kernels/trellis.h, L = 16) at each vector width this CPU runs
+// (state.range(1) lanes: 16 AVX-512F, 8 AVX2, 4 the baseline) against the 4-lane pass timed on the
+// same tiles in the same iteration, one thread: counters us_per_weight and x_4lanes (time / the
+// 4-lane time). The two must give the same codes (else the benchmark fails).
+void BM_TrellisEncodeWidth(benchmark::State& state) {
+  static const char* kNames[] = {"qtip_1mad_l16_k2", "qtip_1mad_l16_k4", "qtip_hyb_l16_k2"};
+  const char* name = kNames[state.range(0)];
+  const int lanes = static_cast<int>(state.range(1));
+  auto p = qcal::kernels::ParseTrellisName(name).value();
+  p.lanes = lanes;
+  const qcal::kernels::TrellisCodebook wide(p);
+  p.lanes = 4;
+  const qcal::kernels::TrellisCodebook base(p);
+  state.SetLabel(std::string(name) + " at " + std::to_string(lanes) + " lanes");
+  if (wide.lanes() != lanes) {
+    state.SkipWithError("this CPU does not run that width");
+    return;
+  }
+  const int64_t rows = 4 * qcal::kernels::TrellisCodebook::kTileRows;  // 4 tiles, 1024 weights
+  const auto x = GaussianVectors(rows, wide.default_scale(), 6);
+  std::vector<float> out(x.size());
+  std::vector<uint32_t> codes(rows * p.k), base_codes(rows * p.k);
+  double wide_s = 0, base_s = 0;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    wide.Quantize(x.data(), rows, out.data(), codes.data());
+    const auto t1 = std::chrono::steady_clock::now();
+    base.Quantize(x.data(), rows, out.data(), base_codes.data());
+    const auto t2 = std::chrono::steady_clock::now();
+    wide_s += std::chrono::duration<double>(t1 - t0).count();
+    base_s += std::chrono::duration<double>(t2 - t1).count();
+    state.SetIterationTime(std::chrono::duration<double>(t1 - t0).count());
+    if (codes != base_codes) {
+      state.SkipWithError("the wide pass chose other codes than the 4-lane pass");
+      return;
+    }
+  }
+  const double weights = static_cast<double>(state.iterations() * x.size());
+  state.counters["us_per_weight"] = 1e6 * wide_s / weights;
+  state.counters["x_4lanes"] = wide_s / base_s;
+}
+BENCHMARK(BM_TrellisEncodeWidth)
+    ->ArgNames({"code", "lanes"})
+    ->ArgsProduct({{0, 1, 2}, {16, 8, 4}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
 
 }  // namespace
 

@@ -1,5 +1,7 @@
 #include "kernels/trellis.h"
 
+#include "kernels/trellis_pass.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -198,6 +200,15 @@ TrellisCodebook::TrellisCodebook(const TrellisParams& p) : p_(p) {
   const double rms = std::sqrt(ss / static_cast<double>(values_.size()));
   static constexpr double kFactor[5] = {0, 0, 0.966, 0.90, 0.87};
   default_scale_ = rms * kFactor[p.k];
+  // The Viterbi pass: the widest vector this CPU runs (or the one asked for, if it runs here)
+  // that the 2^(L − kV) predecessor groups fill; the scalar pass below 4.
+  const uint32_t groups = n >> (p.k * V);
+  for (int w : TrellisLanes()) {
+    if ((p.lanes == 0 || w == p.lanes) && groups >= static_cast<uint32_t>(w)) {
+      lanes_ = w;
+      break;
+    }
+  }
 }
 
 namespace {
@@ -237,69 +248,6 @@ void RestrictToOverlap(uint32_t n, int KV, int64_t overlap, float* cost) {
   for (uint32_t s = 0; s < n; ++s) {
     if ((s >> KV) != static_cast<uint32_t>(overlap)) cost[s] = std::numeric_limits<float>::infinity();
   }
-}
-
-// Four floats / int32s (GCC and Clang vector extensions: SSE2 on x86-64, NEON on ARM).
-typedef float F4 __attribute__((vector_size(16)));
-typedef int32_t I4 __attribute__((vector_size(16)));
-inline F4 LoadF4(const float* p) {
-  F4 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void StoreF4(float* p, F4 v) { std::memcpy(p, &v, sizeof(v)); }
-
-// One Viterbi pass (see TrellisCodebook::Viterbi), V values and KV = k·V bits per step known at
-// compile time. v0, v1: the states' first and second values (v1 unused for V = 1). The 2^L
-// states are handled four at a time; M = 2^(L − KV) >= 4 and J = 2^KV >= 4 are required for
-// that (the caller falls back to the scalar pass otherwise).
-template <int V, int KV>
-void ViterbiPass(const float* v0, const float* v1, int L, const float* x, int T, int64_t overlap,
-                 float* cost, float* next, float* best, uint8_t* bp_all, uint32_t* states) {
-  constexpr uint32_t J = 1u << KV;
-  static_assert(J >= 4, "the vector pass needs J >= 4");
-  const int64_t S = T / V;
-  const uint32_t n = 1u << L, M = n >> KV;
-  // dst[m·J + j] = add[m] + |c(m·J + j) − x_t|².
-  auto step_error = [&](const float* xt, float* dst, const float* add) {
-    const F4 x0 = F4{} + xt[0];
-    const F4 x1 = F4{} + (V == 2 ? xt[1] : 0.0f);
-    for (uint32_t m = 0; m < M; ++m) {
-      const F4 b = F4{} + (add ? add[m] : 0.0f);
-      for (uint32_t j = 0; j < J; j += 4) {
-        const uint32_t s = m * J + j;
-        const F4 e0 = LoadF4(&v0[s]) - x0;
-        F4 d = e0 * e0;
-        if constexpr (V == 2) {
-          const F4 e1 = LoadF4(&v1[s]) - x1;
-          d = d + e1 * e1;
-        }
-        StoreF4(&dst[s], b + d);
-      }
-    }
-  };
-  step_error(x, cost, nullptr);
-  RestrictToOverlap(n, KV, overlap, cost);
-  for (int64_t t = 1; t < S; ++t) {
-    // The predecessors of the states m·J + j (any j) are i·M + m (any i): keep the cheapest
-    // (the first on ties).
-    uint8_t* bp = &bp_all[t * M];
-    for (uint32_t m = 0; m < M; m += 4) {
-      F4 b = LoadF4(&cost[m]);
-      I4 a = I4{};
-      for (uint32_t i = 1; i < J; ++i) {
-        const F4 c = LoadF4(&cost[i * M + m]);
-        const I4 lt = c < b;  // all ones where strictly cheaper
-        b = lt ? c : b;
-        a = lt ? (I4{} + static_cast<int32_t>(i)) : a;
-      }
-      StoreF4(&best[m], b);
-      for (int q = 0; q < 4; ++q) bp[m + q] = static_cast<uint8_t>(a[q]);
-    }
-    step_error(&x[t * V], next, best);
-    std::swap(cost, next);
-  }
-  FinishViterbi(J, M, n, KV, S, cost, bp_all, overlap, states);
 }
 
 // The same pass one state at a time, for any L, k, V (used when M = 2^(L − KV) < 4; the tests
@@ -344,35 +292,40 @@ void ScalarViterbiPass(const float* values, int V, int KV, int L, const float* x
 
 }  // namespace
 
+std::vector<int> TrellisLanes() {
+  std::vector<int> lanes;
+#if QCAL_TRELLIS_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) lanes.push_back(16);
+  if (__builtin_cpu_supports("avx2")) lanes.push_back(8);
+#endif
+  lanes.push_back(4);
+  return lanes;
+}
+
 void TrellisCodebook::Viterbi(const float* x, int T, int64_t overlap, Workspace& ws,
                               uint32_t* states) const {
-  float* cost = ws.cost.data();
-  float* next = ws.next.data();
-  float* best = ws.best.data();
-  uint8_t* bp = ws.bp.data();
-  const float* v0 = soa0_.data();
-  const float* v1 = soa1_.data();
-  const int L = p_.L, kv = p_.k * p_.V();
-  if (L - kv < 2) {
-    ScalarViterbiPass(values_.data(), p_.V(), kv, L, x, T, overlap, cost, next, best, bp, states);
+  const int L = p_.L, V = p_.V(), kv = p_.k * V;
+  const uint32_t J = 1u << kv, n = 1u << L, M = n >> kv;
+  const int64_t S = T / V;
+  if (lanes_ == 0) {
+    ScalarViterbiPass(values_.data(), V, kv, L, x, T, overlap, ws.cost.data(), ws.next.data(),
+                      ws.best.data(), ws.bp.data(), states);
     return;
   }
-#define QCAL_TRELLIS_PASS(V, KV) \
-  ViterbiPass<V, KV>(v0, v1, L, x, T, overlap, cost, next, best, bp, states)
-  if (p_.V() == 1) {
-    switch (p_.k) {
-      case 2: QCAL_TRELLIS_PASS(1, 2); break;
-      case 3: QCAL_TRELLIS_PASS(1, 3); break;
-      default: QCAL_TRELLIS_PASS(1, 4); break;
-    }
-  } else {
-    switch (p_.k) {
-      case 2: QCAL_TRELLIS_PASS(2, 4); break;
-      case 3: QCAL_TRELLIS_PASS(2, 6); break;
-      default: QCAL_TRELLIS_PASS(2, 8); break;
-    }
+  const trellis_internal::PassArgs args{soa0_.data(), soa1_.data(),   L,
+                                        x,            T,              overlap,
+                                        ws.cost.data(), ws.next.data(), ws.best.data(),
+                                        ws.bp.data()};
+  const float* cost = nullptr;
+  switch (lanes_) {
+#if QCAL_TRELLIS_X86
+    case 16: cost = trellis_internal::PassW16(V, kv, args); break;
+    case 8: cost = trellis_internal::PassW8(V, kv, args); break;
+#endif
+    default: cost = trellis_internal::DispatchPass<4>(V, kv, args); break;
   }
-#undef QCAL_TRELLIS_PASS
+  FinishViterbi(J, M, n, kv, S, cost, ws.bp.data(), overlap, states);
 }
 
 void TrellisCodebook::Prepare(Workspace& ws) const {
@@ -381,7 +334,7 @@ void TrellisCodebook::Prepare(Workspace& ws) const {
   const uint32_t n = 1u << p_.L;
   ws.cost.resize(n);
   ws.next.resize(n);
-  ws.best.resize(n >> kv);
+  ws.best.resize((n >> kv) + 16);  // the wide passes read up to 16 floats past the groups
   ws.bp.resize(static_cast<size_t>(S) * (n >> kv));
   ws.rolled.resize(kSequence);
   ws.states.resize(S);

@@ -56,8 +56,16 @@ struct TrellisParams {
   TrellisCode code = TrellisCode::kHyb;
   int L = 16;  // state bits
   int k = 2;   // bits per weight
+  // The Viterbi pass's vector width: 0 = the widest this CPU runs (TrellisLanes()); 4, 8 or 16
+  // to ask for one (tests and benchmarks; a width this CPU lacks falls back as 0 does). Every
+  // width finds the same codes bit for bit; it is not part of the name.
+  int lanes = 0;
   int V() const { return code == TrellisCode::kHyb ? 2 : 1; }
 };
+
+// The Viterbi pass widths this build runs on this CPU, widest first: 16 (AVX-512F) and 8 (AVX2)
+// on x86-64 when the CPU has them, and 4 (SSE2 / NEON) always.
+std::vector<int> TrellisLanes();
 
 // "qtip_<1mad|3inst|hyb>_l<L>_k<k>", e.g. "qtip_hyb_l16_k2". InvalidArgument (naming the
 // problem) unless k is 2, 3 or 4 and kV < L <= 20.
@@ -87,6 +95,8 @@ class TrellisCodebook final : public VectorCodebook {
   void Decode(const uint32_t* codes, int64_t count, float* out) const override;
 
   const TrellisParams& params() const { return p_; }
+  // The Viterbi pass width in use: 16, 8 or 4 lanes, or 0 for the scalar pass (2^(L − kV) < 4).
+  int lanes() const { return lanes_; }
   // The V values of state s (s < 2^L).
   const float* value(uint32_t s) const { return &values_[static_cast<size_t>(s) * p_.V()]; }
 
@@ -109,6 +119,7 @@ class TrellisCodebook final : public VectorCodebook {
   std::vector<float> values_;  // [2^L, V]
   std::vector<float> soa0_, soa1_;  // values_ by component: [2^L] each (soa1_ empty at V = 1)
   double default_scale_ = 1.0;
+  int lanes_ = 0;
 };
 
 std::unique_ptr<VectorCodebook> MakeTrellisCodebook(const TrellisParams& p);

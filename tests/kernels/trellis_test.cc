@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -14,6 +16,7 @@
 
 #include "kernels/codebook.h"
 #include "kernels/rounding.h"
+#include "kernels/trellis_pass.h"
 
 namespace qcal::kernels {
 namespace {
@@ -156,6 +159,110 @@ TEST(TrellisTest, ViterbiFindsTheBestTailBitingStreamAndDecodesBitForBit) {
       }
     }
   }
+}
+
+// The Viterbi pass at every width this CPU runs (AVX-512F 16 lanes, AVX2 8, the baseline 4;
+// kernels/trellis_pass.h) codes every name the same, bit for bit: the same streams and errors
+// for all three codes at 2, 3 and 4 bits, at L = 16 and at widths whose lanes span several
+// predecessor groups (J < W) or exactly fill the groups (2^(L − kV) = W).
+TEST(TrellisTest, EveryVectorWidthCodesTheSameBits) {
+  const std::vector<int> lanes = TrellisLanes();
+  ASSERT_FALSE(lanes.empty());
+  EXPECT_EQ(lanes.back(), 4);
+  std::string widths;
+  for (int w : lanes) widths += " " + std::to_string(w);
+  std::printf("Viterbi widths on this CPU:%s lanes\n", widths.c_str());
+  if (lanes.size() == 1) std::printf("only the 4-lane pass runs here: nothing wider to compare\n");
+  int compared = 0;
+  for (const char* name :
+       {"qtip_1mad_l16_k2", "qtip_1mad_l16_k3", "qtip_1mad_l16_k4", "qtip_3inst_l16_k2",
+        "qtip_hyb_l16_k2", "qtip_hyb_l16_k3", "qtip_hyb_l16_k4", "qtip_1mad_l6_k2",
+        "qtip_hyb_l8_k2", "qtip_3inst_l7_k3", "qtip_hyb_l12_k4"}) {
+    auto p = ParseTrellisName(name);
+    ASSERT_TRUE(p.ok()) << p.status();
+    p->lanes = 4;
+    const TrellisCodebook base(*p);
+    // 2 whole tiles and a last one of 6 rows.
+    const int64_t rows = 2 * 32 + 6;
+    const std::vector<float> x = Gaussian(rows * 8, 11, base.default_scale());
+    std::vector<uint32_t> want(rows * p->k), got(rows * p->k);
+    std::vector<float> want_out(x.size()), got_out(x.size());
+    base.Quantize(x.data(), rows, want_out.data(), want.data());
+    for (int w : lanes) {
+      p->lanes = w;
+      const TrellisCodebook wide(*p);
+      const uint32_t groups = 1u << (p->L - p->k * p->V());
+      if (groups < static_cast<uint32_t>(w)) {
+        EXPECT_LT(wide.lanes(), w) << name;  // too few groups for w lanes: a narrower pass
+        continue;
+      }
+      ASSERT_EQ(wide.lanes(), w) << name;
+      wide.Quantize(x.data(), rows, got_out.data(), got.data());
+      EXPECT_EQ(got, want) << name << " at " << w << " lanes";
+      EXPECT_EQ(got_out, want_out) << name << " at " << w << " lanes";
+      if (w != 4) ++compared;
+    }
+  }
+  std::printf("%d (name, width) pairs compared with the 4-lane pass\n", compared);
+  if (lanes.size() > 1) {
+    EXPECT_GE(compared, 11);
+  }
+}
+
+// The same at the level of one pass: every state's final cost and every back pointer of the
+// wide passes equal the 4-lane pass's bit for bit (stronger than equal codes: a pass contracted
+// to FMA, say, would differ here in the last bits yet mostly choose the same codes).
+TEST(TrellisTest, EveryVectorWidthComputesTheSameCosts) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  namespace ti = trellis_internal;
+  const std::vector<int> lanes = TrellisLanes();
+  int compared = 0;
+  for (const char* name : {"qtip_1mad_l16_k2", "qtip_3inst_l16_k3", "qtip_1mad_l16_k4",
+                           "qtip_hyb_l16_k2", "qtip_hyb_l16_k3", "qtip_hyb_l16_k4"}) {
+    auto p = ParseTrellisName(name);
+    ASSERT_TRUE(p.ok()) << p.status();
+    const TrellisCodebook cb(*p);
+    const int V = p->V(), kv = p->k * V;
+    const uint32_t n = 1u << p->L, M = n >> kv;
+    std::vector<float> v0(n), v1(n);
+    for (uint32_t s = 0; s < n; ++s) {
+      v0[s] = cb.value(s)[0];
+      v1[s] = V == 2 ? cb.value(s)[1] : 0.0f;
+    }
+    const std::vector<float> x = Gaussian(kT, 5, cb.default_scale());
+    struct Run {
+      std::vector<float> cost, next, best;
+      std::vector<uint8_t> bp;
+      std::vector<float> last;
+    };
+    auto run = [&](int w, int64_t overlap) {
+      Run r{std::vector<float>(n), std::vector<float>(n), std::vector<float>(M + 16),
+            std::vector<uint8_t>(static_cast<size_t>(kT / V) * M), {}};
+      const ti::PassArgs a{v0.data(), v1.data(),   p->L,          x.data(),      kT,
+                           overlap,   r.cost.data(), r.next.data(), r.best.data(), r.bp.data()};
+      const float* last = w == 16  ? ti::PassW16(V, kv, a)
+                          : w == 8 ? ti::PassW8(V, kv, a)
+                                   : ti::DispatchPass<4>(V, kv, a);
+      r.last.assign(last, last + n);
+      return r;
+    };
+    for (int64_t overlap : {int64_t{-1}, int64_t{M / 3}}) {
+      const Run base = run(4, overlap);
+      for (int w : lanes) {
+        if (w == 4) continue;
+        const Run wide = run(w, overlap);
+        ASSERT_EQ(0, std::memcmp(wide.last.data(), base.last.data(), n * sizeof(float)))
+            << name << " at " << w << " lanes, overlap " << overlap;
+        ASSERT_EQ(wide.bp, base.bp) << name << " at " << w << " lanes, overlap " << overlap;
+        ++compared;
+      }
+    }
+  }
+  std::printf("%d (name, overlap, width) passes compared with the 4-lane pass\n", compared);
+  if (lanes.size() == 1) GTEST_SKIP() << "this CPU has neither AVX2 nor AVX-512F";
+#else
+  GTEST_SKIP() << "the wide Viterbi passes are built on x86-64 only";
+#endif
 }
 
 TEST(TrellisTest, GaussianDistortionIsBelowTheLatticeCodebooks) {
