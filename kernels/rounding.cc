@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <mutex>
 #include <numeric>
 #include <string>
 #include <thread>
@@ -720,6 +721,8 @@ VectorRoundingResult BlockLdlqSweep(const double* W, int64_t m, int64_t n, Block
   const int64_t rows_per_task =
       cb.joint_vectors() > 1 ? kJointRowsPerTask : kBlockLdlqRowsPerTask;
   const int64_t tasks = (m + rows_per_task - 1) / rows_per_task;
+  std::mutex progress_mu;
+  int64_t rows_done = 0;
   auto run_task = [&](int64_t task) {
     const int64_t r0 = task * rows_per_task;
     const int64_t rc = std::min(rows_per_task, m - r0);
@@ -762,6 +765,11 @@ VectorRoundingResult BlockLdlqSweep(const double* W, int64_t m, int64_t n, Block
           }
         }
       }
+    }
+    if (config.progress) {
+      std::lock_guard<std::mutex> lock(progress_mu);
+      rows_done += rc;
+      config.progress(rows_done, m);
     }
   };
 

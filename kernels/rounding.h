@@ -39,6 +39,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "common/status.h"
@@ -172,6 +173,11 @@ struct VectorRoundingConfig {
   // Refinement sweeps after BlockLDLQ (RefineRounding below; 0: none). BlockLdlqConsumingHessian
   // then keeps a copy of the undamped H (one more n×n).
   int refine_sweeps = 0;
+  // Optional: BlockLDLQ's progress on the CPU, rows_done of rows rounded through every column,
+  // called after each task of rows by the thread that finished it, one call at a time (under a
+  // lock; the bits do not depend on it). Not called by the GPU path (RunBlockLdlq with a backend)
+  // nor by the refinement sweeps.
+  std::function<void(int64_t rows_done, int64_t rows)> progress;
 };
 
 struct VectorRoundingResult {

@@ -17,7 +17,9 @@ class ScalarGrid final : public LinearRounding {
       : method_(std::move(method)), options_(std::move(options)) {}
   StatusOr<quant::QuantizedLinear> Round(int64_t layer, model::LinearKind kind,
                                          const at::Tensor& weight, const at::Tensor& hessian,
-                                         kernels::GpuBackend* gpu) const override {
+                                         kernels::GpuBackend* gpu,
+                                         const LinearProgressFn& /*progress*/) const override {
+    // RTN and GPTQ take seconds per linear even at 70B shapes: no notes.
     QCAL_ASSIGN_OR_RETURN(quant::LinearProblem p,
                           quant::PrepareLinear(layer, kind, weight, hessian, method_.c_str(),
                                                /*needs_hessian=*/options_.gptq));
@@ -31,6 +33,22 @@ class ScalarGrid final : public LinearRounding {
   const std::string method_;
   const quant::ScalarQuantizeOptions options_;
 };
+
+// The notes of one linear's rounding as the block's progress: "rounding <linear>: <note>" at the
+// count of linears done so far, at most one every kLinearProgressEvery.
+LinearProgressFn LinearNotes(const BlockInputs& in, int64_t done, int64_t steps,
+                             model::LinearKind kind) {
+  if (!in.progress) return nullptr;
+  auto last = std::make_shared<std::chrono::steady_clock::time_point>(
+      std::chrono::steady_clock::now());
+  return [&in, done, steps, kind, last](const std::string& note) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now - *last < kLinearProgressEvery) return;
+    *last = now;
+    ReportBlockStep(in, done, steps,
+                    absl::StrCat("rounding ", model::LinearName(kind), ": ", note));
+  };
+}
 
 }  // namespace
 
@@ -63,7 +81,7 @@ StatusOr<quant::BlockTaskResult> PerLinearQuantizer::QuantizeBlock(
     const at::Tensor h = means.For(kind);
     QCAL_ASSIGN_OR_RETURN(quant::QuantizedLinear q,
                           rounding_->Round(layer, kind, float_weights.linear(kind).DenseWeight(),
-                                           h, in.gpu));
+                                           h, in.gpu, LinearNotes(in, done, steps, kind)));
     result.weights.linears[static_cast<int>(kind)] = std::move(q.layer);
     result.linears.push_back(q.metrics);
     // The float linear is done with: at a 70B shape the others' fp32 weights (2.5 GB) would
@@ -97,7 +115,7 @@ StatusOr<quant::BlockTaskResult> PerLinearQuantizer::QuantizeWithFinetune(
     for (model::LinearKind k : groups[g]) {
       QCAL_ASSIGN_OR_RETURN(quant::QuantizedLinear q,
                             rounding_->Round(layer, k, tuner->Weight(k).to(at::kCPU),
-                                             hessian_of(k), in.gpu));
+                                             hessian_of(k), in.gpu, LinearNotes(in, done, steps, k)));
       QCAL_RETURN_IF_ERROR(tuner->Install(k, std::move(q)));
       ReportBlockStep(in, ++done, steps, model::LinearName(k));
       group += group.empty() ? model::LinearName(k) : std::string(", ") + model::LinearName(k);
@@ -110,7 +128,7 @@ StatusOr<quant::BlockTaskResult> PerLinearQuantizer::QuantizeWithFinetune(
         QCAL_ASSIGN_OR_RETURN(
             quant::QuantizedLinear q,
             rounding_->Round(layer, k, float_weights.linear(k).DenseWeight(), hessian_of(k),
-                             in.gpu));
+                             in.gpu, LinearNotes(in, done, steps, k)));
         others[static_cast<int>(k)] = std::move(q.layer);
       }
       QCAL_RETURN_IF_ERROR(tuner->MeasureBaseline(std::move(others)));

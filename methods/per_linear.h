@@ -4,8 +4,11 @@
 // LinearRounding, its layer formats and the parts below (PerLinearParts).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <string>
 
 #include "common/hf_config.h"
 #include "common/recipe.h"
@@ -16,15 +19,25 @@
 
 namespace qcal::methods {
 
+// Progress inside one linear's rounding: a short note ("BlockLDLQ rows 1024/4096"), from any of
+// the rounding's threads, one call at a time. A rounding may call it as often as it likes;
+// PerLinearQuantizer forwards at most one note every kLinearProgressEvery to the block's
+// progress (so a linear that takes minutes -- a trellis codebook at a 70B shape -- is not
+// silent, and a fast one adds nothing).
+using LinearProgressFn = std::function<void(const std::string& note)>;
+inline constexpr std::chrono::seconds kLinearProgressEvery{10};
+
 class LinearRounding {
  public:
   virtual ~LinearRounding() = default;
   // Rounds one linear of block `layer`: weight [out, in] float, hessian [in, in] fp64 mean
-  // (undefined when the method needs none), on the rank's backend `gpu` (null: the CPU).
+  // (undefined when the method needs none), on the rank's backend `gpu` (null: the CPU);
+  // `progress` may be empty.
   virtual StatusOr<quant::QuantizedLinear> Round(int64_t layer, model::LinearKind kind,
                                                  const at::Tensor& weight,
                                                  const at::Tensor& hessian,
-                                                 kernels::GpuBackend* gpu) const = 0;
+                                                 kernels::GpuBackend* gpu,
+                                                 const LinearProgressFn& progress) const = 0;
 };
 
 class PerLinearQuantizer final : public BlockQuantizer {

@@ -22,18 +22,25 @@ class QuipLinearRounding final : public LinearRounding {
 
   StatusOr<quant::QuantizedLinear> Round(int64_t layer, model::LinearKind kind,
                                          const at::Tensor& weight, const at::Tensor& hessian,
-                                         kernels::GpuBackend* gpu) const override {
+                                         kernels::GpuBackend* gpu,
+                                         const LinearProgressFn& progress) const override {
     QCAL_ASSIGN_OR_RETURN(quant::LinearProblem p,
                           quant::PrepareLinear(layer, kind, weight, hessian, "quip",
                                                /*needs_hessian=*/true));
-    return quant::FinishLinear(p, RoundProblem(p, gpu));
+    return quant::FinishLinear(p, RoundProblem(p, gpu, progress));
   }
 
  private:
   StatusOr<quant::QuantizedLinear> RoundProblem(const quant::LinearProblem& p,
-                                                kernels::GpuBackend* gpu) const {
+                                                kernels::GpuBackend* gpu,
+                                                const LinearProgressFn& progress) const {
     QuipRoundingOptions options;
     options.gpu = gpu;
+    if (progress) {
+      options.progress = [&progress](int64_t rows_done, int64_t rows) {
+        progress(absl::StrCat("BlockLDLQ rows ", rows_done, "/", rows));
+      };
+    }
     options.codebook = q_.kernel_codebook();
     options.incoherence = q_.incoherence;
     options.seed_u = TransformSeed(seed_, p.layer, p.kind, true);

@@ -116,6 +116,7 @@ StatusOr<QuipRounding> RoundQuipLinear(const double* w, int64_t out, int64_t in,
   vc.damp = options.damp;
   vc.num_threads = options.num_threads;
   vc.refine_sweeps = options.refine_sweeps;
+  vc.progress = options.progress;
   if (options.per_row_scale) {
     // One scale per row of the rotated W: s_r = RMS(row r)/ρ (ρ = the codebook's default scale),
     // rounded to float since the layer stores F32. LDLQ's feedback W·U acts within each row, so

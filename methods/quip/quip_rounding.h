@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "common/status.h"
@@ -32,6 +33,9 @@ struct QuipRoundingOptions {
   int refine_sweeps = 0;         // refinement sweeps after BlockLDLQ (kernels::RefineRounding)
   // The rank's GPU backend (null: the CPU): E8P BlockLDLQ runs there (kernels::RunBlockLdlq).
   kernels::GpuBackend* gpu = nullptr;
+  // Optional: BlockLDLQ's progress (kernels::VectorRoundingConfig::progress; with choose_scale
+  // it counts up once per rounding).
+  std::function<void(int64_t rows_done, int64_t rows)> progress;
 };
 
 struct QuipRounding {

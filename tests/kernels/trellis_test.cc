@@ -332,6 +332,24 @@ TEST(TrellisTest, BlockLdlqCodesTilesAndTheSweepsMoveWholeTiles) {
   auto one = BlockLdlq(w.data(), m, n, h.data(), *cb, vc);
   ASSERT_TRUE(one.ok());
   EXPECT_EQ(one->codes, plain->codes);
+  // Progress: after each task of rows (32-row tiles here: 32, then the last 8), one call at a
+  // time, rising to every row; on 2 threads too, and the bits do not change.
+  for (int threads : {1, 2}) {
+    vc.num_threads = threads;
+    std::vector<int64_t> seen;
+    vc.progress = [&seen, m](int64_t done, int64_t rows) {
+      EXPECT_EQ(rows, m);
+      seen.push_back(done);
+    };
+    auto watched = BlockLdlq(w.data(), m, n, h.data(), *cb, vc);
+    vc.progress = nullptr;
+    ASSERT_TRUE(watched.ok());
+    EXPECT_EQ(watched->codes, plain->codes);
+    ASSERT_EQ(seen.size(), 2u) << threads << " threads";
+    EXPECT_LT(seen[0], seen[1]);
+    EXPECT_EQ(seen.back(), m);
+  }
+  vc.num_threads = 1;
 
   std::vector<double> eye(n * n, 0.0);
   for (int64_t i = 0; i < n; ++i) eye[i * n + i] = 1.0;
