@@ -35,15 +35,15 @@ class ScalarGrid final : public LinearRounding {
 };
 
 // The notes of one linear's rounding as the block's progress: "rounding <linear>: <note>" at the
-// count of linears done so far, at most one every kLinearProgressEvery.
+// count of linears done so far, at most one every `every`.
 LinearProgressFn LinearNotes(const BlockInputs& in, int64_t done, int64_t steps,
-                             model::LinearKind kind) {
+                             model::LinearKind kind, std::chrono::milliseconds every) {
   if (!in.progress) return nullptr;
   auto last = std::make_shared<std::chrono::steady_clock::time_point>(
       std::chrono::steady_clock::now());
-  return [&in, done, steps, kind, last](const std::string& note) {
+  return [&in, done, steps, kind, last, every](const std::string& note) {
     const auto now = std::chrono::steady_clock::now();
-    if (now - *last < kLinearProgressEvery) return;
+    if (now - *last < every) return;
     *last = now;
     ReportBlockStep(in, done, steps,
                     absl::StrCat("rounding ", model::LinearName(kind), ": ", note));
@@ -81,7 +81,8 @@ StatusOr<quant::BlockTaskResult> PerLinearQuantizer::QuantizeBlock(
     const at::Tensor h = means.For(kind);
     QCAL_ASSIGN_OR_RETURN(quant::QuantizedLinear q,
                           rounding_->Round(layer, kind, float_weights.linear(kind).DenseWeight(),
-                                           h, in.gpu, LinearNotes(in, done, steps, kind)));
+                                           h, in.gpu,
+                                           LinearNotes(in, done, steps, kind, note_every_)));
     result.weights.linears[static_cast<int>(kind)] = std::move(q.layer);
     result.linears.push_back(q.metrics);
     // The float linear is done with: at a 70B shape the others' fp32 weights (2.5 GB) would
@@ -115,7 +116,8 @@ StatusOr<quant::BlockTaskResult> PerLinearQuantizer::QuantizeWithFinetune(
     for (model::LinearKind k : groups[g]) {
       QCAL_ASSIGN_OR_RETURN(quant::QuantizedLinear q,
                             rounding_->Round(layer, k, tuner->Weight(k).to(at::kCPU),
-                                             hessian_of(k), in.gpu, LinearNotes(in, done, steps, k)));
+                                             hessian_of(k), in.gpu,
+                                             LinearNotes(in, done, steps, k, note_every_)));
       QCAL_RETURN_IF_ERROR(tuner->Install(k, std::move(q)));
       ReportBlockStep(in, ++done, steps, model::LinearName(k));
       group += group.empty() ? model::LinearName(k) : std::string(", ") + model::LinearName(k);
@@ -128,7 +130,7 @@ StatusOr<quant::BlockTaskResult> PerLinearQuantizer::QuantizeWithFinetune(
         QCAL_ASSIGN_OR_RETURN(
             quant::QuantizedLinear q,
             rounding_->Round(layer, k, float_weights.linear(k).DenseWeight(), hessian_of(k),
-                             in.gpu, LinearNotes(in, done, steps, k)));
+                             in.gpu, LinearNotes(in, done, steps, k, note_every_)));
         others[static_cast<int>(k)] = std::move(q.layer);
       }
       QCAL_RETURN_IF_ERROR(tuner->MeasureBaseline(std::move(others)));

@@ -48,6 +48,9 @@ class PerLinearQuantizer final : public BlockQuantizer {
                      std::shared_ptr<const LinearRounding> rounding);
   StatusOr<quant::BlockTaskResult> QuantizeBlock(model::BlockWeights float_weights,
                                                  const BlockInputs& inputs) const override;
+  // The least time between two forwarded notes of a linear's rounding (kLinearProgressEvery;
+  // tests shorten it).
+  void set_note_interval(std::chrono::milliseconds every) { note_every_ = every; }
 
  private:
   StatusOr<quant::BlockTaskResult> QuantizeWithFinetune(model::BlockWeights float_weights,
@@ -56,6 +59,7 @@ class PerLinearQuantizer final : public BlockQuantizer {
   const bool finetune_;
   const quant::FinetuneOptions options_;
   const std::shared_ptr<const LinearRounding> rounding_;
+  std::chrono::milliseconds note_every_ = kLinearProgressEvery;
 };
 
 // Rounding on a scalar grid (rtn, gptq): quant::QuantizeScalarLinear with `options` (GPTQ with

@@ -3,19 +3,23 @@
 // workers and `qcal quantize` run), is written by the standard block format and read back
 // through the layer formats by name; nothing outside this file knows it. And Method::Create
 // refuses a method without a part its needs require.
+#include <chrono>
 #include <cmath>
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
 #include "common/hf_config.h"
 #include "common/job_layout.h"
 #include "common/recipe.h"
 #include "common/safetensors.h"
 #include "methods/method.h"
+#include "methods/per_linear.h"
 #include "methods/registry.h"
 #include "runner/job_steps.h"
 #include "tests/model_fixtures.h"
@@ -150,6 +154,50 @@ TEST(MethodPartsTest, TheRunnerChecksWhatTheNeedsAskForBeforeTheQuantizerRuns) {
   EXPECT_NE(s.message().find("block 3"), std::string::npos) << s;
   EXPECT_NE(s.message().find("Hessians"), std::string::npos) << s;
   EXPECT_NE(s.message().find("inputs and outputs"), std::string::npos) << s;
+}
+
+// PerLinearQuantizer passes a linear's rounding notes up as the block's progress ("rounding
+// <linear>: <note>" at the count of linears done so far), at most one per note interval: with
+// the interval at 0 every note arrives, with the default (10 s) a fast linear adds none.
+class NotingRounding final : public methods::LinearRounding {
+ public:
+  StatusOr<quant::QuantizedLinear> Round(int64_t, model::LinearKind, const at::Tensor& weight,
+                                         const at::Tensor&, kernels::GpuBackend*,
+                                         const methods::LinearProgressFn& progress) const override {
+    for (const char* note : {"half", "all"}) {
+      if (progress) progress(note);
+    }
+    quant::QuantizedLinear q;
+    q.layer = std::make_unique<model::DenseLinear>(weight.clone());
+    return q;
+  }
+};
+
+TEST(MethodPartsTest, PerLinearQuantizerForwardsRoundingNotesAtMostOncePerInterval) {
+  auto m = testing::LoadModelOrDie(testing::RealModelDir("stories260K"));
+  for (int every_ms : {0, -1}) {
+    methods::PerLinearQuantizer quantizer(m->config(), /*finetune=*/false, {},
+                                          std::make_shared<NotingRounding>());
+    if (every_ms >= 0) quantizer.set_note_interval(std::chrono::milliseconds(every_ms));
+    std::vector<std::string> events;
+    methods::BlockInputs in;
+    in.rope = &m->rope();
+    in.progress = [&events](int64_t done, int64_t total, const std::string& step) {
+      events.push_back(absl::StrCat(done, "/", total, " ", step));
+    };
+    auto r = quantizer.QuantizeBlock(testing::CopyBlock(m->block(0).weights()), in);
+    ASSERT_TRUE(r.ok()) << r.status();
+    if (every_ms < 0) {  // the default interval: only the seven linears' own steps
+      ASSERT_EQ(events.size(), 7u);
+      EXPECT_EQ(events[0], "1/7 self_attn.q_proj");
+      continue;
+    }
+    ASSERT_EQ(events.size(), 21u);
+    EXPECT_EQ(events[0], "0/7 rounding self_attn.q_proj: half");
+    EXPECT_EQ(events[1], "0/7 rounding self_attn.q_proj: all");
+    EXPECT_EQ(events[2], "1/7 self_attn.q_proj");
+    EXPECT_EQ(events[18], "6/7 rounding mlp.down_proj: half");
+  }
 }
 
 }  // namespace
