@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/job_layout.h"
 #include "rpc/job_state.h"
 
@@ -120,6 +121,7 @@ json JobToJson(const v1::Job& job) {
   for (const auto& b : sorted) blocks.push_back(BlockToJson(b));
   return {{"id", job.id()},
           {"name", s.name()},
+          {"owner", job.owner()},
           {"state", rpc::JobStateName(job.state())},
           {"phase", job.phase()},
           {"blocks_done", job.blocks_done()},
@@ -159,21 +161,35 @@ json EventToJson(const v1::JobEvent& e) {
   return j;
 }
 
+std::string Shown(const std::string& text) {
+  std::string out;
+  out.reserve(text.size());
+  for (unsigned char c : text) {
+    if (c < 0x20 || c == 0x7f) {
+      out += absl::StrFormat("\\x%02x", c);
+    } else {
+      out.push_back(static_cast<char>(c));
+    }
+  }
+  return out;
+}
+
 void PrintJob(const v1::Job& job) {
   const v1::JobSpec& s = job.spec();
-  std::printf("%s  %s%s\n", job.id().c_str(), rpc::JobStateName(job.state()),
-              s.name().empty() ? "" : ("  (" + s.name() + ")").c_str());
-  std::printf("  recipe    %s\n", s.recipe_path().c_str());
-  std::printf("  model     %s\n", s.model_dir().c_str());
-  std::printf("  output    %s (job dir %s)\n", s.out_dir().c_str(),
-              s.job_dir().empty() ? (s.out_dir() + ".job").c_str() : s.job_dir().c_str());
+  std::printf("%s  %s%s\n", Shown(job.id()).c_str(), rpc::JobStateName(job.state()),
+              s.name().empty() ? "" : ("  (" + Shown(s.name()) + ")").c_str());
+  if (!job.owner().empty()) std::printf("  owner     %s\n", Shown(job.owner()).c_str());
+  std::printf("  recipe    %s\n", Shown(s.recipe_path()).c_str());
+  std::printf("  model     %s\n", Shown(s.model_dir()).c_str());
+  std::printf("  output    %s (job dir %s)\n", Shown(s.out_dir()).c_str(),
+              Shown(s.job_dir().empty() ? s.out_dir() + ".job" : s.job_dir()).c_str());
   std::printf("  workers   %d rank(s), %d alive\n", s.workers(), job.workers_alive());
   std::printf("  phase     %s, blocks %lld/%lld, ETA %s\n", job.phase().c_str(),
               static_cast<long long>(job.blocks_done()),
               static_cast<long long>(job.blocks_total()), Seconds(job.eta_seconds()).c_str());
   std::printf("  created   %s, updated %s\n", DateTime(job.created_unix()).c_str(),
               DateTime(job.updated_unix()).c_str());
-  if (!job.error().empty()) std::printf("  error     %s\n", job.error().c_str());
+  if (!job.error().empty()) std::printf("  error     %s\n", Shown(job.error()).c_str());
   PrintBlockTable(job);
   if (job.state() == v1::JOB_STATE_SUCCEEDED) {
     std::printf("\n");
@@ -244,8 +260,8 @@ StatusOr<v1::Job> JobWatcher::Follow(const std::string& id) {
 
 void JobWatcher::Line(const v1::JobEvent& e, const std::string& text, FILE* out) {
   if (bar_ && tty_) std::fprintf(stderr, "\r\033[K");
-  std::fprintf(out, "[%s] %s %s\n", TimeOfDay(e.time_unix()).c_str(), e.job_id().c_str(),
-               text.c_str());
+  std::fprintf(out, "[%s] %s %s\n", TimeOfDay(e.time_unix()).c_str(),
+               Shown(e.job_id()).c_str(), Shown(text).c_str());
   std::fflush(out);
 }
 

@@ -26,6 +26,9 @@ nlohmann::json EventToJson(const v1::JobEvent& event);
 
 // "2026-11-23 22:48:52" in local time; "-" for 0.
 std::string DateTime(double unix_seconds);
+// A string someone else may have chosen (a job's name, paths, error), safe to print on a
+// terminal: control characters (newlines, ESC, DEL) become \xNN, the rest is unchanged.
+std::string Shown(const std::string& text);
 
 // The per-block table (block, rank or "resumed", seconds, mean relative proxy loss).
 void PrintBlockTable(const v1::Job& job);

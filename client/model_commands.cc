@@ -55,9 +55,11 @@ int RunImport(const ImportOptions& o) {
   return 0;
 }
 
-int RunEval(const EvalOptions& o) {
+int RunEval(const EvalOptions& options) {
+  EvalOptions o = options;
   auto model = methods::LoadModel(o.model_dir);
   if (!model.ok()) return Fail(model.status());
+  if (o.ctx <= 0) o.ctx = std::min<int64_t>(2048, (*model)->config().max_position_embeddings);
   model::SetComputeThreads(o.threads > 0 ? o.threads
                                          : model::AutoComputeThreads((*model)->config()));
   auto device = model::ResolveTorchDevice(o.device);
@@ -286,7 +288,8 @@ void AddModelCommands(CLI::App& app, int* exit_code) {
   imp->add_option("tokenizer", io->tokenizer_path, "llama2.c tokenizer .bin")
       ->required()
       ->check(CLI::ExistingFile);
-  imp->add_option("--out", io->out_dir, "output model directory")->required();
+  imp->add_option("--out", io->out_dir, "output model directory")
+      ->transform(qcal::CanonicalFlagPath)->required();
   imp->add_flag("--json", io->json, "print one JSON object");
   imp->callback([io, exit_code] { *exit_code = RunImport(*io); });
 
@@ -296,7 +299,8 @@ void AddModelCommands(CLI::App& app, int* exit_code) {
       CLI::ExistingDirectory);
   ev->add_option("--data", eo->data_path, "UTF-8 text file")->required()->check(
       CLI::ExistingFile);
-  ev->add_option("--ctx", eo->ctx, "window length in tokens")->capture_default_str();
+  ev->add_option("--ctx", eo->ctx,
+                 "window length in tokens (default: the model's context, at most 2048)");
   ev->add_option("--max-tokens", eo->max_tokens, "use at most this many text tokens");
   ev->add_option("--batch", eo->batch, "windows per forward pass")->capture_default_str();
   ev->add_flag("--bos-per-window", eo->bos_per_window,
@@ -339,7 +343,8 @@ void AddModelCommands(CLI::App& app, int* exit_code) {
       ->capture_default_str();
   ex->add_option("in", xo->in_dir, "a finished qcal checkpoint")->required()->check(
       CLI::ExistingDirectory);
-  ex->add_option("out", xo->out_dir, "the new checkpoint directory")->required();
+  ex->add_option("out", xo->out_dir, "the new checkpoint directory")
+      ->transform(qcal::CanonicalFlagPath)->required();
   ex->add_option("--max-shard-size", xo->max_shard_size,
                  "largest shard (K, M, G = 2^10, 2^20, 2^30 bytes)")
       ->capture_default_str();
@@ -365,7 +370,8 @@ void AddModelCommands(CLI::App& app, int* exit_code) {
                 "each window is BOS + ctx-1 text tokens (llama2.c convention)");
   rep->add_option("--threads", ro->threads, "compute threads for --eval (0 = auto)")
       ->check(CLI::Range(0, kMaxThreads));
-  rep->add_option("--out", ro->out, "the page's path (default: JOB_DIR/report.html)");
+  rep->add_option("--out", ro->out, "the page's path (default: JOB_DIR/report.html)")
+      ->transform(qcal::CanonicalFlagPath);
   rep->add_flag("--json", ro->json, "print one JSON object");
   rep->callback([ro, exit_code] { *exit_code = RunReport(*ro); });
 }

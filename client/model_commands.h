@@ -31,7 +31,7 @@ struct ExportCommandOptions {
 struct EvalOptions {
   std::string model_dir;
   std::string data_path;
-  int64_t ctx = 2048;
+  int64_t ctx = 0;  // 0: the model's context (max_position_embeddings), at most 2048
   int64_t max_tokens = -1;
   int64_t batch = 1;
   bool bos_per_window = false;

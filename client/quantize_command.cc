@@ -203,7 +203,8 @@ void AddQuantizeCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--model", o->job.model_dir, "float model directory (HF layout)")
       ->required()
       ->check(CLI::ExistingDirectory);
-  cmd->add_option("--out", o->job.out_dir, "output checkpoint directory")->required();
+  cmd->add_option("--out", o->job.out_dir, "output checkpoint directory")
+      ->transform(qcal::CanonicalFlagPath)->required();
   cmd->add_option("--job-dir", o->job.job_dir,
                   "journal, Hessians and other resumable state (default: OUT.job)");
   o->job.data_root = "../shared";
@@ -220,6 +221,8 @@ void AddQuantizeCommand(CLI::App& app, int* exit_code) {
                   "cuda:N")
       ->capture_default_str();
   cmd->add_flag("--json", o->json, "print one JSON object");
+  cmd->add_flag("--overwrite", o->job.overwrite,
+                "replace a finished checkpoint in --out that this job directory did not write");
   cmd->callback([o, exit_code] { *exit_code = RunQuantize(*o); });
 }
 

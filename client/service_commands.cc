@@ -102,6 +102,7 @@ struct SpecOptions {
   std::string name;
   std::string max_memory;  // "8G", "512M", bytes; empty: the worker's default
   std::string device;      // every rank's --device; empty: auto
+  bool overwrite = false;  // replace a finished checkpoint this job's journal did not write
   // The evaluation phase (perplexity by the workers after the job).
   bool eval = false;
   std::vector<std::string> eval_data;
@@ -114,8 +115,10 @@ void AddSpecOptions(CLI::App* cmd, SpecOptions* o) {
       ->required()
       ->check(CLI::ExistingFile);
   cmd->add_option("--model", o->model_dir, "float model directory (HF layout)")->required();
-  cmd->add_option("--out", o->out_dir, "output checkpoint directory")->required();
-  cmd->add_option("--job-dir", o->job_dir, "journal and calibration products (default OUT.job)");
+  cmd->add_option("--out", o->out_dir, "output checkpoint directory")
+      ->transform(qcal::CanonicalFlagPath)->required();
+  cmd->add_option("--job-dir", o->job_dir, "journal and calibration products (default OUT.job)")
+      ->transform(qcal::CanonicalFlagPath);
   cmd->add_option("--data-root", o->data_root, "where the recipe's calibration files resolve")
       ->capture_default_str();
   cmd->add_option("--workers", o->workers, "MPI ranks")->capture_default_str();
@@ -126,6 +129,8 @@ void AddSpecOptions(CLI::App* cmd, SpecOptions* o) {
                   "compute device of every rank: auto (a local GPU by the rank's local index, "
                   "else the CPU), cpu, cuda, cuda:N (default auto)");
   cmd->add_option("--name", o->name, "a label shown by `qcal list`");
+  cmd->add_flag("--overwrite", o->overwrite,
+                "replace a finished checkpoint in --out that this job directory did not write");
   cmd->add_option("--max-memory", o->max_memory,
                   "activations a worker rank keeps in memory before spilling them to the job "
                   "directory: 8G, 512M, ... (default: half the node's RAM over its ranks)");
@@ -182,6 +187,7 @@ StatusOr<v1::JobSpec> MakeSpec(const SpecOptions& o) {
   spec.set_device(o.device);
   spec.set_calib_batch(o.calib_batch);
   spec.set_name(o.name);
+  spec.set_overwrite(o.overwrite);
   if (!o.max_memory.empty()) {
     QCAL_ASSIGN_OR_RETURN(int64_t bytes, ParseBytes(o.max_memory, "--max-memory"));
     spec.set_max_memory_bytes(bytes);
@@ -289,11 +295,11 @@ int RunList(const ConnectionOptions& c, bool json_out) {
               "BLOCKS", "WORKERS", "UPDATED", "OUT");
   for (const auto& j : jobs) {
     std::printf("%-11s %-16s %-10s %-9s %-7s %-8s %-19s %s\n", j.id().c_str(),
-                j.spec().name().empty() ? "-" : j.spec().name().substr(0, 16).c_str(),
+                j.spec().name().empty() ? "-" : Shown(j.spec().name()).substr(0, 16).c_str(),
                 rpc::JobStateName(j.state()), j.phase().c_str(),
                 absl::StrCat(j.blocks_done(), "/", j.blocks_total()).c_str(),
                 absl::StrCat(j.workers_alive(), "/", j.spec().workers()).c_str(),
-                DateTime(j.updated_unix()).c_str(), j.spec().out_dir().c_str());
+                DateTime(j.updated_unix()).c_str(), Shown(j.spec().out_dir()).c_str());
   }
   return 0;
 }
@@ -346,8 +352,8 @@ class LocalCoordinator {
     posix_spawn_file_actions_t fa;
     posix_spawn_file_actions_init(&fa);
     posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
-    posix_spawn_file_actions_addopen(&fa, 1, output_.c_str(), O_WRONLY | O_CREAT | O_APPEND,
-                                     0644);
+    posix_spawn_file_actions_addopen(&fa, 1, output_.c_str(),
+                                     O_WRONLY | O_CREAT | O_APPEND | O_NOFOLLOW, 0644);
     posix_spawn_file_actions_adddup2(&fa, 1, 2);
     posix_spawnattr_t attr;
     posix_spawnattr_init(&attr);

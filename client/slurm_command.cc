@@ -27,12 +27,8 @@ std::string ShellWord(const std::string& s) {
   return out + "'";
 }
 
-std::string AbsolutePath(const std::string& p) {
-  if (p.empty()) return p;
-  std::error_code ec;
-  fs::path a = fs::absolute(p, ec);
-  return ec ? p : a.lexically_normal().string();
-}
+// Absolute and canonical (links resolved once, here: common/safe_fs.h).
+std::string AbsolutePath(const std::string& p) { return CanonicalFlagPath(p); }
 
 std::string ThisExecutable() {
   char buf[PATH_MAX];
@@ -127,7 +123,7 @@ StatusOr<std::string> MakeSlurmScript(const SlurmScriptOptions& o) {
       {"LOG", out + ".slurm-%j.log"},
       {"EXTRA_SBATCH", extra},
       {"QCAL", ShellWord(o.qcal_binary.empty() ? ThisExecutable() : AbsolutePath(o.qcal_binary))},
-      {"STATE", ShellWord(o.state_dir.empty() ? out + ".job/service" : AbsolutePath(o.state_dir))},
+      {"STATE", ShellWord(o.state_dir.empty() ? out + ".service" : AbsolutePath(o.state_dir))},
       {"RECIPE", ShellWord(AbsolutePath(o.recipe))},
       {"MODEL", ShellWord(AbsolutePath(o.model_dir))},
       {"OUT", ShellWord(out)},
@@ -151,7 +147,7 @@ void AddSlurmCommand(CLI::App& app, int* exit_code) {
       ->required();
   cmd->add_option("--out", o->out_dir, "output checkpoint directory (shared filesystem)")
       ->required();
-  cmd->add_option("--state", o->state_dir, "coordinator state (default OUT.job/service)");
+  cmd->add_option("--state", o->state_dir, "coordinator state (default OUT.service, beside the job directory)");
   cmd->add_option("--data-root", o->data_root, "where the recipe's calibration files resolve");
   cmd->add_flag("--cpu", o->cpu, "CPU nodes: no --gpus-per-task");
   cmd->add_option("--nodes", o->nodes, "nodes")->capture_default_str();
@@ -170,7 +166,8 @@ void AddSlurmCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--qcal", o->qcal_binary, "qcal executable the script runs (default: this one)");
   cmd->add_option("--calib-batch", o->calib_batch, "sequences per calibration forward");
   cmd->add_flag("--eval", o->eval, "add the evaluation phase (perplexities by the workers)");
-  cmd->add_option("-o,--output", *path, "write the script here (default: stdout)");
+  cmd->add_option("-o,--output", *path, "write the script here (default: stdout)")
+      ->transform(qcal::CanonicalFlagPath);
   cmd->callback([o, path, exit_code] {
     StatusOr<std::string> script = MakeSlurmScript(*o);
     if (!script.ok()) {

@@ -18,7 +18,7 @@ namespace qcal::client {
 
 struct SlurmScriptOptions {
   std::string recipe, model_dir, out_dir;
-  std::string state_dir;       // default: OUT.job/service (a shared filesystem: it must be
+  std::string state_dir;       // default: OUT.service (a shared filesystem: it must be
                                // readable from the batch host of every restart)
   std::string data_root;
   bool cpu = false;            // the CPU template (no --gpus-per-task)

@@ -428,7 +428,8 @@ void AddToolCommands(CLI::App& app, int* exit_code) {
   plant->add_option("--model", po->model_dir, "float model directory")
       ->required()
       ->check(CLI::ExistingDirectory);
-  plant->add_option("--out", po->out_dir, "output model directory")->required();
+  plant->add_option("--out", po->out_dir, "output model directory")
+      ->transform(qcal::CanonicalFlagPath)->required();
   plant->add_option("--alpha", po->alpha, "factor on down_proj-input and o_proj-input channels")
       ->capture_default_str();
   plant->add_option("--beta", po->beta, "factor on K RoPE pairs (W_q divided)")
@@ -472,7 +473,8 @@ void AddToolCommands(CLI::App& app, int* exit_code) {
   sinks->add_option("--model", ps->model_dir, "float model directory")
       ->required()
       ->check(CLI::ExistingDirectory);
-  sinks->add_option("--out", ps->out_dir, "output model directory")->required();
+  sinks->add_option("--out", ps->out_dir, "output model directory")
+      ->transform(qcal::CanonicalFlagPath)->required();
   sinks->add_option("--data", ps->data_paths,
                     "further distillation text files (not the evaluation text)")
       ->check(CLI::ExistingFile);

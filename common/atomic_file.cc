@@ -104,30 +104,6 @@ StatusOr<std::string> FileFnv1aHex(const std::string& path) {
 
 Status SyncParentDir(const std::string& path) { return FsyncDir(DirName(path)); }
 
-Status MakeDirs(const std::string& path) {
-  if (path.empty()) return absl::InvalidArgumentError("MakeDirs: empty path");
-  // Create every prefix ending before a '/', then the whole path.
-  size_t pos = 0;
-  while (true) {
-    pos = path.find('/', pos + 1);
-    const std::string prefix = pos == std::string::npos ? path : path.substr(0, pos);
-    if (!prefix.empty() && prefix != "/") {
-      if (::mkdir(prefix.c_str(), 0755) != 0) {
-        const int error = errno;
-        struct stat st;
-        if (error != EEXIST) return ErrnoError(error, prefix, "cannot create directory");
-        if (::stat(prefix.c_str(), &st) != 0) return ErrnoError(errno, prefix, "cannot stat");
-        if (!S_ISDIR(st.st_mode)) {
-          return absl::FailedPreconditionError(
-              absl::StrCat(prefix, ": exists and is not a directory (creating ", path, ")"));
-        }
-      }
-    }
-    if (pos == std::string::npos) break;
-  }
-  return absl::OkStatus();
-}
-
 AtomicFileWriter::AtomicFileWriter(std::string path, std::string tmp_path, int fd)
     : path_(std::move(path)), tmp_path_(std::move(tmp_path)), fd_(fd) {}
 
@@ -138,8 +114,8 @@ StatusOr<std::unique_ptr<AtomicFileWriter>> AtomicFileWriter::Open(const std::st
   }
   const std::string tmp_path = absl::StrCat(path, ".tmp.", static_cast<int64_t>(::getpid()), ".",
                                             g_temp_counter.fetch_add(1));
-  const int fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return ErrnoError(errno, tmp_path, "cannot create temporary file");
+  QCAL_ASSIGN_OR_RETURN(const int fd, OpenNoFollow(tmp_path, O_WRONLY | O_CREAT | O_EXCL | O_TRUNC,
+                                                   0644, "cannot create temporary file"));
   return std::unique_ptr<AtomicFileWriter>(new AtomicFileWriter(path, tmp_path, fd));
 }
 
@@ -184,10 +160,7 @@ Status AtomicFileWriter::Commit() {
     return ErrnoError(error, tmp_path_, "fsync failed");
   }
   if (::close(fd) != 0) return ErrnoError(errno, tmp_path_, "close failed");
-  if (::rename(tmp_path_.c_str(), path_.c_str()) != 0) {
-    const int error = errno;
-    return ErrnoError(error, path_, absl::StrCat("cannot rename ", tmp_path_, " over it"));
-  }
+  QCAL_RETURN_IF_ERROR(RenameNoFollow(tmp_path_, path_));
   tmp_path_.clear();  // committed: nothing for the destructor to remove
   return FsyncDir(DirName(path_));
 }

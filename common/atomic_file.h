@@ -7,11 +7,13 @@
 #include <string>
 #include <string_view>
 
+#include "common/safe_fs.h"  // MakeDirs, and the no-link rule every write here follows
 #include "common/status.h"
 
 namespace qcal {
 
-// Writes `contents` to `path` atomically. Creates no directories.
+// Writes `contents` to `path` atomically. Creates no directories. Like every write below, no
+// component of `path` may be a symbolic link (common/safe_fs.h).
 Status WriteFileAtomic(const std::string& path, std::string_view contents);
 
 // Reads a whole file; NotFound / PermissionDenied / DataLoss with the path in the message.
@@ -22,9 +24,6 @@ StatusOr<std::string> FileFnv1aHex(const std::string& path);
 
 // fsyncs the directory holding `path`, making a rename into it durable.
 Status SyncParentDir(const std::string& path);
-
-// Creates `path` and its parents if missing (like mkdir -p).
-Status MakeDirs(const std::string& path);
 
 // Streaming variant for large files. Not thread-safe. If Commit() is never called (or fails),
 // the destructor removes the temporary file and `path` is untouched.

@@ -1,5 +1,7 @@
 #include "common/cli.h"
 
+#include "common/safe_fs.h"
+
 #include <cstdio>
 #include <limits>
 
@@ -20,6 +22,12 @@ void SetProgramName(const std::string& name) { ProgramName() = name; }
 int Fail(const std::string& message) {
   std::fprintf(stderr, "%s: error: %s\n", ProgramName().c_str(), message.c_str());
   return 1;
+}
+
+std::string CanonicalFlagPath(std::string path) {
+  if (path.empty()) return path;
+  StatusOr<std::string> canonical = CanonicalPath(path);
+  return canonical.ok() ? *canonical : path;
 }
 
 int Fail(const Status& status) { return Fail(std::string(status.message())); }

@@ -22,6 +22,11 @@ int FailRpc(const Status& status);
 // The most compute threads a flag (--threads) or a job spec may ask for per process.
 inline constexpr int kMaxThreads = 1024;
 
+// A path flag where qcal writes, made canonical as it is parsed (CanonicalPath in
+// common/safe_fs.h: below it nothing is written through a link); unchanged when it cannot be
+// resolved (the command's own checks then name the problem). For CLI11's Option::transform.
+std::string CanonicalFlagPath(std::string path);
+
 // "8G", "512M", "64K", "1024" (bytes) -> bytes. InvalidArgument naming `flag` otherwise.
 StatusOr<int64_t> ParseBytes(const std::string& text, const std::string& flag);
 

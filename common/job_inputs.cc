@@ -10,7 +10,10 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/atomic_file.h"
+#include "common/job_layout.h"
 #include "common/safetensors.h"
+#include "common/tokenizer.h"
 
 namespace qcal {
 namespace {
@@ -33,6 +36,37 @@ bool IsInsideOrEqual(const std::string& path, const std::string& dir) {
 }
 
 // An output directory: outside the model, a directory if it exists, creatable otherwise.
+// A checkpoint already in out_dir is this job's (its journal names a run into out_dir: a resume
+// or a rerun) or is replaced only when asked.
+Status CheckExistingCheckpoint(const JobInputs& in) {
+  if (in.overwrite) return absl::OkStatus();
+  std::error_code ec;
+  bool holds = false;
+  for (const char* f : {"config.json", "model.safetensors.index.json", "model.safetensors"}) {
+    holds |= std::filesystem::exists(in.out_dir + "/" + f, ec);
+  }
+  if (!holds) return absl::OkStatus();
+  const std::string out = Resolved(in.out_dir);
+  StatusOr<std::string> journal = ReadFile(in.job_dir + "/journal.jsonl");
+  if (journal.ok()) {
+    size_t pos = 0;
+    while (pos < journal->size()) {
+      size_t end = journal->find('\n', pos);
+      if (end == std::string::npos) end = journal->size();
+      const nlohmann::json e =
+          nlohmann::json::parse(journal->substr(pos, end - pos), nullptr, false);
+      pos = end + 1;
+      if (!e.is_object() || e.value("event", "") != "job_start") continue;
+      // Journals older than the "out" field are taken to be this output's.
+      if (!e.contains("out") || e.value("out", "") == out) return absl::OkStatus();
+    }
+  }
+  return Invalid(absl::StrCat(
+      "out_dir '", in.out_dir, "' already holds a checkpoint that job directory '", in.job_dir,
+      "' did not write (its journal names no run into it); qcal does not replace a checkpoint "
+      "silently: pass --overwrite to replace it, or choose another --out"));
+}
+
 Status CheckOutputDir(const char* field, const std::string& path, const std::string& model_dir) {
   const std::string resolved = Resolved(path);
   const std::string model = Resolved(model_dir);
@@ -138,6 +172,12 @@ Status CheckLayerTensors(const LlamaConfig& config, const std::string& model_dir
                                 " but the checkpoint has no tensors of layer ", l, " (it holds ",
                                 held, "): the config does not describe these weights"));
   }
+  if (!config.tie_word_embeddings && !(*ckpt)->Has("lm_head.weight")) {
+    return Invalid(absl::StrCat(
+        model_dir, "/config.json: tie_word_embeddings is false but the checkpoint has no "
+        "lm_head.weight: set tie_word_embeddings to true if the head is the embedding table, or "
+        "add the head's weights"));
+  }
   return absl::OkStatus();
 }
 
@@ -146,9 +186,22 @@ StatusOr<LlamaConfig> CheckJobInputs(const Recipe& recipe, const JobInputs& in) 
   QCAL_RETURN_IF_ERROR(CheckReadableFile("model config", in.model_dir + "/config.json"));
   QCAL_ASSIGN_OR_RETURN(LlamaConfig config, LoadLlamaConfig(in.model_dir + "/config.json"));
   QCAL_RETURN_IF_ERROR(CheckLayerTensors(config, in.model_dir));
+  // The files finalize copies into the output: refused now, not after hours of work.
+  QCAL_RETURN_IF_ERROR(CheckTokenizerFilesCopyable(in.model_dir));
   QCAL_RETURN_IF_ERROR(CheckOutputDir("out_dir", in.out_dir, in.model_dir));
   QCAL_RETURN_IF_ERROR(CheckOutputDir("job_dir", in.job_dir, in.model_dir));
+  QCAL_RETURN_IF_ERROR(CheckExistingCheckpoint(in));
   if (JobCalibrates(recipe)) {
+    // Token ids past the embedding table would fail deep inside the forward pass ("row 2360 was
+    // asked for"): say which files disagree before anything runs. A tokenizer that does not load
+    // is reported where the job loads it.
+    if (StatusOr<std::unique_ptr<Tokenizer>> tok = LoadTokenizerFromModelDir(in.model_dir);
+        tok.ok() && (*tok)->vocab_size() > config.vocab_size) {
+      return Invalid(absl::StrCat(
+          in.model_dir, ": the tokenizer has ", (*tok)->vocab_size(), " tokens but config.json's "
+          "vocab_size is ", config.vocab_size, " (the embedding table's rows): the tokenizer "
+          "files do not belong to this model"));
+    }
     if (recipe.calibration.files.empty()) {
       return Invalid(
           absl::StrCat(in.recipe_source, ": the recipe calibrates but lists no calibration files"));

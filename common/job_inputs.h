@@ -19,6 +19,7 @@ struct JobInputs {
   std::string job_dir;    // resolved (out_dir + ".job" by default)
   std::string data_root;  // what relative calibration paths are read under
   std::string recipe_source;  // the recipe's file, for messages
+  bool overwrite = false;     // replace a checkpoint in out_dir that job_dir did not write
 };
 
 // Whether the recipe reads calibration text (Hessians, activations, sequential calibration or
@@ -26,12 +27,15 @@ struct JobInputs {
 bool JobCalibrates(const Recipe& recipe);
 
 // InvalidArgument naming the field (model_dir, out_dir, job_dir, data_root, calibration file),
-// the path and the problem; the model's config on success.
+// the path and the problem; the model's config on success. An out_dir that already holds a
+// checkpoint (config.json, an index or model.safetensors) is refused unless job_dir's journal
+// names a run into it (the same job, resumed or rerun) or `overwrite` is set.
 StatusOr<LlamaConfig> CheckJobInputs(const Recipe& recipe, const JobInputs& inputs);
 
 // Every block 0..num_hidden_layers-1 has tensors in the model's checkpoint (index or
 // model.safetensors; not checked when neither opens). InvalidArgument naming config.json, the
-// declared count and the first missing layer.
+// declared count and the first missing layer; likewise an untied head (tie_word_embeddings
+// false) without lm_head.weight.
 Status CheckLayerTensors(const LlamaConfig& config, const std::string& model_dir);
 
 // `what` 'path' exists, is a regular file and is readable; InvalidArgument otherwise.

@@ -61,7 +61,8 @@ Status EvaluateJournal(const Recipe& recipe, const std::string& out_dir,
     if (event == "job_start" && e.value("recipe_hash", "") != plan->recipe_hash) {
       return absl::FailedPreconditionError(absl::StrCat(
           journal_path, " belongs to another recipe ('", e.value("recipe", std::string("?")),
-          "'); use a fresh --job-dir or --out"));
+          "'); give this recipe another --out, or replace that recipe's output with a fresh "
+          "--job-dir and --overwrite"));
     }
     if (event == "job_start") {
       same_inputs = e.value("inputs_key", "") == plan->inputs.key;
@@ -172,8 +173,8 @@ std::string JobDirLockPath(const std::string& job_dir) { return job_dir + "/lock
 StatusOr<JobDirLock> JobDirLock::Acquire(const std::string& job_dir, const std::string& holder) {
   QCAL_RETURN_IF_ERROR(MakeDirs(job_dir));
   const std::string path = JobDirLockPath(job_dir);
-  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (fd < 0) return io::ErrnoError(errno, path, "open the job directory's lock");
+  QCAL_ASSIGN_OR_RETURN(const int fd, OpenNoFollow(path, O_RDWR | O_CREAT, 0644,
+                                                   "open the job directory's lock"));
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
     std::string who;
@@ -247,8 +248,8 @@ bool HoldsFinishedWork(const std::string& job_dir, const std::string& out_dir) {
 }
 
 StatusOr<OutputDirLock> OutputDirLock::Acquire(const std::string& out_dir) {
-  const int fd = ::open(out_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return io::ErrnoError(errno, out_dir, "open the output directory");
+  QCAL_ASSIGN_OR_RETURN(const int fd, OpenNoFollow(out_dir, O_RDONLY | O_DIRECTORY, 0,
+                                                   "open the output directory"));
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
     ::close(fd);
@@ -342,10 +343,7 @@ Status CommitFiles(const std::string& out_dir, const std::vector<v1::WrittenFile
   for (const v1::WrittenFile& f : files) {
     const std::string from = StagingDir(out_dir) + "/" + f.staged();
     const std::string to = out_dir + "/" + f.name();
-    if (::rename(from.c_str(), to.c_str()) != 0) {
-      return absl::InternalError(absl::StrCat("cannot rename ", from, " to ", to, ": ",
-                                              std::strerror(errno)));
-    }
+    QCAL_RETURN_IF_ERROR(RenameNoFollow(from, to));
   }
   if (files.empty()) return absl::OkStatus();
   return SyncParentDir(out_dir + "/" + files.front().name());
@@ -600,8 +598,8 @@ StatusOr<Journal> Journal::Open(const std::string& path) {
 
 Status Journal::Append(const nlohmann::json& entry) {
   const std::string line = entry.dump() + "\n";
-  const int fd = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-  if (fd < 0) return io::ErrnoError(errno, path_, "cannot open for append");
+  QCAL_ASSIGN_OR_RETURN(const int fd, OpenNoFollow(path_, O_WRONLY | O_CREAT | O_APPEND, 0644,
+                                                   "cannot open for append"));
   struct stat st;
   const off_t before = ::fstat(fd, &st) == 0 ? st.st_size : -1;
   const ssize_t n = ::write(fd, line.data(), line.size());
@@ -900,12 +898,43 @@ Status CheckBlockDoneEntry(const nlohmann::json& entry, const std::string& out_d
   return absl::OkStatus();
 }
 
-Status CopyTokenizerFiles(const std::string& model_dir, const std::string& out_dir) {
-  for (const char* f : {"tokenizer.model", "tokenizer_config.json", "generation_config.json",
-                        "tokenizer.json", "special_tokens_map.json"}) {
+std::vector<std::string> CopyableRoots(const std::string& model_dir) {
+  StatusOr<std::string> real = CanonicalPath(model_dir);
+  if (!real.ok()) return {};
+  std::vector<std::string> roots = {*real};
+  // A Hugging Face cache snapshot (REPO/snapshots/REV) links its files to REPO/blobs/.
+  const std::filesystem::path p(*real);
+  if (p.parent_path().filename() == "snapshots") {
+    roots.push_back(p.parent_path().parent_path().string());
+  }
+  return roots;
+}
+
+namespace {
+constexpr const char* kTokenizerFiles[] = {"tokenizer.model", "tokenizer_config.json",
+                                           "generation_config.json", "tokenizer.json",
+                                           "special_tokens_map.json"};
+}  // namespace
+
+Status CheckTokenizerFilesCopyable(const std::string& model_dir) {
+  const std::vector<std::string> roots = CopyableRoots(model_dir);
+  for (const char* f : kTokenizerFiles) {
     const std::string src = model_dir + "/" + f;
-    if (!Exists(src)) continue;
-    QCAL_ASSIGN_OR_RETURN(std::string bytes, ReadFile(src));
+    struct stat st;
+    if (::lstat(src.c_str(), &st) != 0 && errno == ENOENT) continue;
+    StatusOr<std::string> bytes = ReadFileForCopy(src, roots);
+    if (!bytes.ok()) return absl::InvalidArgumentError(bytes.status().message());
+  }
+  return absl::OkStatus();
+}
+
+Status CopyTokenizerFiles(const std::string& model_dir, const std::string& out_dir) {
+  const std::vector<std::string> roots = CopyableRoots(model_dir);
+  for (const char* f : kTokenizerFiles) {
+    const std::string src = model_dir + "/" + f;
+    struct stat st;
+    if (::lstat(src.c_str(), &st) != 0 && errno == ENOENT) continue;
+    QCAL_ASSIGN_OR_RETURN(std::string bytes, ReadFileForCopy(src, roots));
     QCAL_RETURN_IF_ERROR(WriteFileAtomic(out_dir + "/" + f, bytes));
   }
   return absl::OkStatus();

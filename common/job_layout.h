@@ -211,6 +211,12 @@ BitsPerWeight AggregateBits(const LlamaConfig& config,
 // Copies the tokenizer files a model directory has (tokenizer.model, tokenizer.json,
 // tokenizer_config.json, special_tokens_map.json, generation_config.json) into out_dir.
 Status CopyTokenizerFiles(const std::string& model_dir, const std::string& out_dir);
+// Where a file copied out of `model_dir` may lie once links are resolved: the model directory
+// (canonical) and, for a Hugging Face cache snapshot (REPO/snapshots/REV), REPO (its blobs/).
+std::vector<std::string> CopyableRoots(const std::string& model_dir);
+// InvalidArgument naming the file when a tokenizer file of `model_dir` could not be copied
+// (a link out of the model directory, not a regular file, unreadable): checked before a job runs.
+Status CheckTokenizerFilesCopyable(const std::string& model_dir);
 
 // Writes the index (from the shards' headers), config.json (last: its presence marks a complete
 // checkpoint) and copies the tokenizer files from `model_dir`.

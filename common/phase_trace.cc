@@ -46,6 +46,7 @@ int64_t ReadStatusKb(const char* key) {
 
 // Resets the high-water mark to the current resident size; false when the kernel refuses.
 bool ResetResidentPeak() {
+  // raw-write: the kernel's own file, not a job's
   const int fd = ::open("/proc/self/clear_refs", O_WRONLY | O_CLOEXEC);
   if (fd < 0) return false;
   const bool ok = ::write(fd, "5", 1) == 1;

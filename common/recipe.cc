@@ -11,6 +11,7 @@
 #include <utility>
 
 #include <yaml-cpp/eventhandler.h>
+#include <yaml-cpp/depthguard.h>
 #include <yaml-cpp/yaml.h>
 
 #include "absl/strings/str_cat.h"
@@ -311,6 +312,11 @@ StatusOr<Recipe> ParseRecipeWith(const std::string& yaml_text, const std::string
     // An empty first document is reported below; counting after one could meet the LoadAll bug's
     // endless empty documents, which would read as a second document.
     if (!root.IsNull()) document_count = CountDocuments(yaml_text, &second_document);
+  } catch (const YAML::DeepRecursion& e) {
+    // yaml-cpp's own message for this is "bad file".
+    return absl::InvalidArgumentError(absl::StrCat(
+        source, ": YAML nested too deeply at line ", e.mark.line + 1, ", column ",
+        e.mark.column + 1, " (", e.depth(), " levels; a recipe needs a handful)"));
   } catch (const YAML::Exception& e) {
     if (e.mark.is_null()) {
       return absl::InvalidArgumentError(absl::StrCat(source, ": YAML error: ", e.msg));

@@ -1,7 +1,12 @@
 // JobManager's driver thread (job_manager.h): plan → launch → wait for the tasks → finalize.
 #include "coordinator/job_manager.h"
 
+#include <algorithm>
+#include <cmath>
+
 #include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "report/report.h"
 #include "common/task_plan.h"
 #include "coordinator/validation.h"
 #include "rpc/job_state.h"
@@ -99,6 +104,10 @@ void JobManager::DriveUnsafe(const std::shared_ptr<JobRuntime>& rt) {
     ls.log_path = plan->job_dir + "/workers.log";
     ls.pid_file = plan->job_dir + "/workers.pid";
     rt->launch = ls;
+    if (Status made = MakeWorkerCredentialLocked(*rt); !made.ok()) {
+      FailLocked(*rt, std::string(made.message()));
+      return;
+    }
     if (Status launched = LaunchGroupLocked(*rt); !launched.ok()) {
       FailLocked(*rt, std::string(launched.message()));
       return;
@@ -132,6 +141,36 @@ void JobManager::DriveUnsafe(const std::shared_ptr<JobRuntime>& rt) {
     rt->cv.wait(lock, [&] {
       return IsFinalState(rt->job.state()) || rt->scheduler->done() || shutting_down_;
     });
+    if (IsFinalState(rt->job.state()) || shutting_down_) return;
+    // The report finalize wrote had no perplexities yet: write it again with them.
+    std::vector<report::EvalRow> rows;
+    for (const v1::EvalResult& r : rt->eval_results) {
+      if (!r.has_params()) continue;
+      auto it = std::find_if(rows.begin(), rows.end(),
+                             [&](const report::EvalRow& e) { return e.label == r.params().label(); });
+      if (it == rows.end()) {
+        report::EvalRow row;
+        row.label = r.params().label();
+        row.ctx = r.params().ctx();
+        row.mean_kl = std::nan("");  // the workers' evaluation measures perplexity only
+        it = rows.insert(rows.end(), row);
+      }
+      if (r.params().model() == "float") {
+        it->float_perplexity = r.perplexity();
+        it->tokens_scored = r.scored();
+      } else {
+        it->quantized_perplexity = r.perplexity();
+      }
+    }
+    const std::string job_dir = JobDirOf(spec);
+    lock.unlock();
+    const Status written = report::WriteReport({job_dir, spec.out_dir(), rows},
+                                               job_dir + "/report.html");
+    lock.lock();
+    if (!written.ok()) {
+      QCAL_LOG_WARN("job {}: the report was not rewritten with the perplexities: {}",
+                    rt->job.id(), written.ToString());
+    }
     if (IsFinalState(rt->job.state()) || shutting_down_) return;
   }
   SetPhaseLocked(*rt, kPhaseDone);

@@ -3,8 +3,17 @@
 // job_requests.cc and worker_requests.cc, the monitor in job_monitor.cc.
 #include "coordinator/job_manager.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+
 #include "absl/strings/str_cat.h"
+#include "common/atomic_file.h"
+#include "common/io_util.h"
 #include "common/log.h"
+#include "rpc/auth.h"
 #include "coordinator/validation.h"
 #include "rpc/job_state.h"
 
@@ -305,6 +314,55 @@ void JobManager::GroupDiedLocked(JobRuntime& rt, const std::string& how) {
     return;
   }
   if (!rt.scheduler->awaiting_finalize()) SetPhaseLocked(rt, rt.scheduler->phase());
+}
+
+Status JobManager::MakeWorkerCredentialLocked(JobRuntime& rt) {
+  // One credential per job, for every group it launches; a coordinator restart makes a new one
+  // (the old group is stopped first).
+  if (rt.worker_token.empty()) {
+    QCAL_ASSIGN_OR_RETURN(rt.worker_token, rpc::NewRandomToken());
+  }
+  if (options_.credentials_dir.empty()) return absl::OkStatus();
+  QCAL_RETURN_IF_ERROR(MakeDirs(options_.credentials_dir, 0700));
+  const std::string path = absl::StrCat(options_.credentials_dir, "/", rt.job.id(), ".token");
+  QCAL_ASSIGN_OR_RETURN(const int fd, OpenNoFollow(path, O_WRONLY | O_CREAT | O_TRUNC, 0600,
+                                                   "cannot write the worker credential"));
+  const std::string text = rt.worker_token + "\n";
+  const bool ok = ::fchmod(fd, 0600) == 0 &&
+                  ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()) &&
+                  ::fsync(fd) == 0;
+  const int error = errno;
+  ::close(fd);
+  if (!ok) return io::ErrnoError(error, path, "cannot write the worker credential");
+  rt.launch.auth_token_file = path;
+  return absl::OkStatus();
+}
+
+std::optional<std::string> JobManager::WorkerCredentialJob(const std::string& token) {
+  Lock lock(mu_);
+  std::optional<std::string> found;
+  for (const auto& [id, rt] : jobs_) {
+    if (rt->worker_token.empty()) continue;
+    if (rpc::ConstantTimeEquals(token, rt->worker_token) && !found) found = id;
+  }
+  return found;
+}
+
+Status JobManager::CheckWorkerOfJob(const std::string& worker_id, const std::string& job_id) {
+  Lock lock(mu_);
+  StatusOr<WorkerInfo> w = workers_.Touch(worker_id);
+  if (w.ok() && w->job_id != job_id) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "worker ", io::Printable(worker_id, 64), " is not one of job ", job_id,
+        "'s workers (this credential opens that job's calls only)"));
+  }
+  return absl::OkStatus();  // unknown workers: the call itself says so
+}
+
+std::string JobManager::WorkerCredentialOf(const std::string& job_id) {
+  Lock lock(mu_);
+  std::shared_ptr<JobRuntime> rt = FindLocked(job_id);
+  return rt ? rt->worker_token : "";
 }
 
 }  // namespace qcal::coordinator

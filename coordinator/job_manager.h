@@ -36,6 +36,7 @@
 #include <set>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -43,6 +44,7 @@
 #include "common/recipe.h"
 #include "common/status.h"
 #include "coordinator/clock.h"
+#include "coordinator/identity.h"
 #include "coordinator/job_store.h"
 #include "coordinator/launcher.h"
 #include "coordinator/worker_pool.h"
@@ -61,7 +63,12 @@ using job::WorkspaceFactory;
 using job::JobDirOf;
 
 struct ManagerOptions {
-  std::string auth_token_file;        // handed to the workers (--auth-token-file)
+  // Where each job's worker credential is written for its workers (STATE/credentials, 0700;
+  // <job>.token, 0600). Empty (tests with fake launchers): the credential lives in memory only
+  // and the workers are handed auth_token_file.
+  std::string credentials_dir;
+  std::string state_dir;              // no job's out_dir or job_dir may overlap it
+  std::string auth_token_file;        // see credentials_dir
   std::string worker_tls_ca;          // handed to the workers (--tls-ca); empty: plaintext
   std::string worker_tls_cert;        // handed to the workers (--tls-cert/--tls-key) for a
   std::string worker_tls_key;         //   coordinator that requires client certificates
@@ -97,17 +104,38 @@ class JobManager {
   // directory resumes them. Idempotent.
   void Shutdown();
 
-  // --- JobService
-  StatusOr<std::string> Submit(v1::JobSpec spec);
-  StatusOr<v1::Job> Get(const std::string& job_id);
-  std::vector<v1::Job> List();
-  StatusOr<v1::Job> Cancel(const std::string& job_id);
+  // --- JobService, on behalf of `who` (identity.h): a job records its submitter as owner; a
+  // user sees and acts on its own jobs only (another's is "unknown", like a missing one), an
+  // admin on all. Submit also checks the spec's paths against the user's roots. The overloads
+  // without a principal act as the local admin (tests, `qcal run`'s private coordinator).
+  StatusOr<std::string> Submit(v1::JobSpec spec, const Principal& who);
+  StatusOr<v1::Job> Get(const std::string& job_id, const Principal& who);
+  std::vector<v1::Job> List(const Principal& who);
+  StatusOr<v1::Job> Cancel(const std::string& job_id, const Principal& who);
   // Calls `send` for every event with seq > after_seq, in order, as they happen, until the job
   // ends (OK), `send` returns false or `cancelled()` returns true (Cancelled), or the manager
   // shuts down (Unavailable). `send` runs without the lock held.
-  Status Watch(const std::string& job_id, int64_t after_seq,
+  Status Watch(const std::string& job_id, const Principal& who, int64_t after_seq,
                const std::function<bool(const v1::JobEvent&)>& send,
                const std::function<bool()>& cancelled);
+  StatusOr<std::string> Submit(v1::JobSpec spec) { return Submit(std::move(spec), LocalAdmin()); }
+  StatusOr<v1::Job> Get(const std::string& job_id) { return Get(job_id, LocalAdmin()); }
+  std::vector<v1::Job> List() { return List(LocalAdmin()); }
+  StatusOr<v1::Job> Cancel(const std::string& job_id) { return Cancel(job_id, LocalAdmin()); }
+  Status Watch(const std::string& job_id, int64_t after_seq,
+               const std::function<bool(const v1::JobEvent&)>& send,
+               const std::function<bool()>& cancelled) {
+    return Watch(job_id, LocalAdmin(), after_seq, send, cancelled);
+  }
+  static const Principal& LocalAdmin();
+
+  // --- Worker credentials: the job whose workers hold `token` (constant-time comparison with
+  // every running job's), nullopt for any other token; PermissionDenied when the worker is not
+  // one of `job_id`'s.
+  std::optional<std::string> WorkerCredentialJob(const std::string& token);
+  Status CheckWorkerOfJob(const std::string& worker_id, const std::string& job_id);
+  // Test hook: the credential the job's workers were given ("" before its launch).
+  std::string WorkerCredentialOf(const std::string& job_id);
 
   // --- WorkerService
   StatusOr<v1::RegisterWorkerResponse> RegisterWorker(const v1::RegisterWorkerRequest& request);
@@ -144,6 +172,7 @@ class JobManager {
     int64_t blocks_done_this_run = 0;
     std::map<int64_t, v1::BlockResult> finished;  // journaled blocks (FINETUNE_E2E needs them)
     std::string inputs_key;                        // the plan's (handed to registering workers)
+    std::string worker_token;                      // the job's worker credential (at launch)
     std::vector<v1::EvalParams> evals;             // the evaluation phase's tasks
     std::vector<v1::EvalResult> eval_results;      // by task index (params unset: not done)
     // Work (kind:index) whose result an attempt is committing or has committed: one attempt
@@ -158,6 +187,11 @@ class JobManager {
   void Drive(const std::shared_ptr<JobRuntime>& rt);
   void DriveUnsafe(const std::shared_ptr<JobRuntime>& rt);
   std::shared_ptr<JobRuntime> FindLocked(const std::string& job_id);
+  // FindLocked, for `who`: another user's job is NotFound, as a missing one.
+  StatusOr<std::shared_ptr<JobRuntime>> FindForLocked(const std::string& job_id,
+                                                      const Principal& who);
+  // Makes the job's worker credential (and its file) for rt.launch.
+  Status MakeWorkerCredentialLocked(JobRuntime& rt);
   // The worker (touched: counts as a heartbeat) and its job's runtime.
   StatusOr<std::pair<WorkerInfo, std::shared_ptr<JobRuntime>>> WorkerAndJobLocked(
       const std::string& worker_id);

@@ -151,12 +151,9 @@ class LocalMpiLauncher : public Launcher {
     for (std::string& e : env_storage) envp.push_back(e.data());
     envp.push_back(nullptr);
 
-    const int log_fd =
-        ::open(spec.log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-    if (log_fd < 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          spec.log_path, ": cannot open the workers' log: ", std::strerror(errno)));
-    }
+    QCAL_ASSIGN_OR_RETURN(const int log_fd,
+                          OpenNoFollow(spec.log_path, O_WRONLY | O_CREAT | O_APPEND, 0644,
+                                       "cannot open the workers' log"));
     {
       const std::string header = absl::StrCat("==== ", spec.job_id, ": ", Join(args), "\n");
       (void)!::write(log_fd, header.data(), header.size());

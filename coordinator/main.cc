@@ -62,7 +62,8 @@ int main(int argc, char** argv) {
   server_options.listen = "127.0.0.1:50051";
   app.add_option("--listen", server_options.listen, "host:port to serve on (port 0: any free)")
       ->capture_default_str();
-  app.add_option("--state", state_dir, "state directory (job records, log)")->required();
+  app.add_option("--state", state_dir, "state directory (job records, log)")
+      ->transform(qcal::CanonicalFlagPath)->required();
   app.add_option("--max-threads", server_options.max_threads,
                  "threads serving calls (each worker rank holds about 2; a call beyond the cap is "
                  "refused with RESOURCE_EXHAUSTED)")
@@ -70,10 +71,15 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(8, 65536));
   app.add_flag("--reflection", server_options.reflection,
                "serve gRPC server reflection (grpcurl list/describe; needs no token)");
-  app.add_option("--auth-token-file", token_file,
-                 "file holding the bearer token every RPC must carry")
-      ->required()
-      ->check(CLI::ExistingFile);
+  std::string tokens_file;
+  auto* single = app.add_option("--auth-token-file", token_file,
+                                "one bearer token, for one admin user (see --tokens-file)")
+                     ->check(CLI::ExistingFile);
+  auto* table = app.add_option("--tokens-file", tokens_file,
+                               "users: each token's name, role and the directories it may read "
+                               "and write (docs/service.md, Security)")
+                    ->check(CLI::ExistingFile);
+  single->excludes(table);
   app.add_option("--tls-cert", server_options.tls_cert_file, "serve TLS with this certificate")
       ->check(CLI::ExistingFile);
   app.add_option("--tls-key", server_options.tls_key_file, "private key of --tls-cert")
@@ -157,15 +163,34 @@ int main(int argc, char** argv) {
 
   // One coordinator per state directory.
   const std::string lock_path = state_dir + "/coordinator.lock";
-  const int lock_fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (lock_fd < 0 || ::flock(lock_fd, LOCK_EX | LOCK_NB) != 0) {
+  qcal::StatusOr<int> opened =
+      qcal::OpenNoFollow(lock_path, O_RDWR | O_CREAT, 0644, "open the lock");
+  if (!opened.ok()) return Fail(opened.status());
+  const int lock_fd = *opened;
+  if (::flock(lock_fd, LOCK_EX | LOCK_NB) != 0) {
     return Fail(absl::StrCat(lock_path, ": another coordinator is using this state directory"));
   }
 
-  auto token = ReadTokenFile(token_file);
-  if (!token.ok()) return Fail(std::string(token.status().message()));
-  server_options.token = *token;
-  manager_options.auth_token_file = token_file;
+  if (tokens_file.empty() && token_file.empty()) {
+    return Fail("give --tokens-file (users, roles and directories) or --auth-token-file");
+  }
+  if (!tokens_file.empty()) {
+    auto tokens = qcal::coordinator::TokenTable::Load(tokens_file);
+    if (!tokens.ok()) return Fail(tokens.status());
+    server_options.tokens = std::move(*tokens);
+    QCAL_LOG_INFO("{}: {} user(s)", tokens_file, server_options.tokens.size());
+  } else {
+    auto token = ReadTokenFile(token_file);
+    if (!token.ok()) return Fail(std::string(token.status().message()));
+    server_options.token = *token;
+    QCAL_LOG_WARN("{}: one token for one admin user: whoever holds it may submit, see and cancel "
+                  "every job and have this coordinator (uid {}) read and write any path it can; "
+                  "give each person their own token and directories with --tokens-file",
+                  token_file, ::geteuid());
+  }
+  // Each job's workers get a credential of their own, written here (never a client token).
+  manager_options.credentials_dir = state_dir + "/credentials";
+  manager_options.state_dir = state_dir;
   if (manager_options.worker_tls_ca.empty()) {
     manager_options.worker_tls_ca = server_options.tls_cert_file;
   }

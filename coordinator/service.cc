@@ -5,10 +5,13 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/support/byte_buffer.h>
 
+#include <functional>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
+#include "common/io_util.h"
 #include "common/log.h"
 #include "common/utf8.h"
 #include "rpc/auth.h"
@@ -37,7 +40,7 @@ Status LoadReflection() {
 
 }  // namespace
 
-grpc::Status Authorize(const grpc::ServerContextBase& context, const std::string& token) {
+grpc::Status PresentedToken(const grpc::ServerContextBase& context, std::string* token) {
   const auto& metadata = context.client_metadata();
   auto it = metadata.find("authorization");
   if (it == metadata.end()) {
@@ -50,7 +53,15 @@ grpc::Status Authorize(const grpc::ServerContextBase& context, const std::string
     return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
                         "the authorization metadata is not a bearer token");
   }
-  if (token.empty() || !ConstantTimeEquals(value.substr(kBearer.size()), token)) {
+  *token = value.substr(kBearer.size());
+  return grpc::Status::OK;
+}
+
+grpc::Status Authorize(const grpc::ServerContextBase& context, const std::string& token) {
+  std::string presented;
+  grpc::Status s = PresentedToken(context, &presented);
+  if (!s.ok()) return s;
+  if (token.empty() || !ConstantTimeEquals(presented, token)) {
     return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "invalid bearer token");
   }
   return grpc::Status::OK;
@@ -58,11 +69,12 @@ grpc::Status Authorize(const grpc::ServerContextBase& context, const std::string
 
 namespace {
 
-// Runs `body` (returning absl::Status) after the auth check; exceptions become INTERNAL.
-template <typename Body>
-grpc::Status Guarded(const grpc::ServerContextBase* context, const std::string& token,
+// Runs `body` (returning absl::Status) once `authorize` accepted the call; exceptions become
+// INTERNAL.
+template <typename Authorizer, typename Body>
+grpc::Status Guarded(const grpc::ServerContextBase* context, Authorizer&& authorize,
                      const char* method, Body&& body) {
-  grpc::Status auth = Authorize(*context, token);
+  grpc::Status auth = authorize(*context);
   if (!auth.ok()) {
     QCAL_LOG_WARN("{} from {} refused: {}", method, context->peer(), auth.error_message());
     return auth;
@@ -73,6 +85,28 @@ grpc::Status Guarded(const grpc::ServerContextBase* context, const std::string& 
     QCAL_LOG_ERROR("{}: internal error: {}", method, e.what());
     return grpc::Status(grpc::StatusCode::INTERNAL, absl::StrCat(method, ": ", e.what()));
   }
+}
+
+// InvalidArgument when a request's job id is not UTF-8 (bytes on the wire: proto/qcal.proto).
+Status CheckJobId(const char* method, const std::string& id) {
+  if (const std::string where = DescribeInvalidUtf8(id); !where.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        method, ": job_id (", where, ") is not valid UTF-8; job ids look like job-000001"));
+  }
+  return absl::OkStatus();
+}
+
+// A client call: the token must be one of the tokens file's; `*who` is its user.
+grpc::Status AuthorizeClient(const grpc::ServerContextBase& context, const TokenTable& tokens,
+                             const Principal** who) {
+  std::string presented;
+  grpc::Status s = PresentedToken(context, &presented);
+  if (!s.ok()) return s;
+  *who = tokens.Find(presented);
+  if (*who == nullptr) {
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "invalid bearer token");
+  }
+  return grpc::Status::OK;
 }
 
 }  // namespace
@@ -128,13 +162,14 @@ std::string FindNonUtf8Field(const std::string& bytes,
 class CoordinatorServer::JobServiceImpl final
     : public v1::JobService::WithRawCallbackMethod_SubmitJob<v1::JobService::Service> {
  public:
-  JobServiceImpl(JobManager* m, std::string token) : m_(m), token_(std::move(token)) {}
+  JobServiceImpl(JobManager* m, TokenTable tokens) : m_(m), tokens_(std::move(tokens)) {}
 
   grpc::ServerUnaryReactor* SubmitJob(grpc::CallbackServerContext* ctx,
                                       const grpc::ByteBuffer* request,
                                       grpc::ByteBuffer* response) override {
     grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-    reactor->Finish(Guarded(ctx, token_, "SubmitJob", [&]() -> Status {
+    const Principal* who = nullptr;
+    reactor->Finish(Guarded(ctx, Client(&who), "SubmitJob", [&]() -> Status {
       const std::string bytes = ByteBufferToString(*request);
       v1::SubmitJobRequest req;
       if (!req.ParseFromString(bytes)) {
@@ -144,7 +179,7 @@ class CoordinatorServer::JobServiceImpl final
                           : absl::StrCat("SubmitJob: ", field, " is not valid UTF-8; every "
                                          "string of a job spec must be"));
       }
-      QCAL_ASSIGN_OR_RETURN(std::string id, m_->Submit(req.spec()));
+      QCAL_ASSIGN_OR_RETURN(std::string id, m_->Submit(req.spec(), *who));
       v1::SubmitJobResponse resp;
       resp.set_job_id(id);
       std::string out;
@@ -157,61 +192,81 @@ class CoordinatorServer::JobServiceImpl final
   }
   grpc::Status GetJob(grpc::ServerContext* ctx, const v1::GetJobRequest* req,
                       v1::Job* resp) override {
-    return Guarded(ctx, token_, "GetJob", [&]() -> Status {
-      QCAL_ASSIGN_OR_RETURN(*resp, m_->Get(req->job_id()));
+    const Principal* who = nullptr;
+    return Guarded(ctx, Client(&who), "GetJob", [&]() -> Status {
+      QCAL_RETURN_IF_ERROR(CheckJobId("GetJob", req->job_id()));
+      QCAL_ASSIGN_OR_RETURN(*resp, m_->Get(req->job_id(), *who));
       return absl::OkStatus();
     });
   }
   grpc::Status ListJobs(grpc::ServerContext* ctx, const v1::ListJobsRequest* req,
                         v1::ListJobsResponse* resp) override {
-    return Guarded(ctx, token_, "ListJobs", [&]() -> Status {
-      for (v1::Job& job : m_->List()) *resp->add_jobs() = std::move(job);
+    const Principal* who = nullptr;
+    return Guarded(ctx, Client(&who), "ListJobs", [&]() -> Status {
+      for (v1::Job& job : m_->List(*who)) *resp->add_jobs() = std::move(job);
       return absl::OkStatus();
     });
   }
   grpc::Status CancelJob(grpc::ServerContext* ctx, const v1::CancelJobRequest* req,
                          v1::CancelJobResponse* resp) override {
-    return Guarded(ctx, token_, "CancelJob", [&]() -> Status {
-      QCAL_ASSIGN_OR_RETURN(*resp->mutable_job(), m_->Cancel(req->job_id()));
+    const Principal* who = nullptr;
+    return Guarded(ctx, Client(&who), "CancelJob", [&]() -> Status {
+      QCAL_RETURN_IF_ERROR(CheckJobId("CancelJob", req->job_id()));
+      QCAL_ASSIGN_OR_RETURN(*resp->mutable_job(), m_->Cancel(req->job_id(), *who));
       return absl::OkStatus();
     });
   }
   grpc::Status WatchJob(grpc::ServerContext* ctx, const v1::WatchJobRequest* req,
                         grpc::ServerWriter<v1::JobEvent>* writer) override {
-    return Guarded(ctx, token_, "WatchJob", [&]() -> Status {
+    const Principal* who = nullptr;
+    return Guarded(ctx, Client(&who), "WatchJob", [&]() -> Status {
+      QCAL_RETURN_IF_ERROR(CheckJobId("WatchJob", req->job_id()));
       return m_->Watch(
-          req->job_id(), req->after_seq(),
+          req->job_id(), *who, req->after_seq(),
           [&](const v1::JobEvent& e) { return writer->Write(e); },
           [&] { return ctx->IsCancelled(); });
     });
   }
 
  private:
+  std::function<grpc::Status(const grpc::ServerContextBase&)> Client(const Principal** who) {
+    return [this, who](const grpc::ServerContextBase& c) {
+      return AuthorizeClient(c, tokens_, who);
+    };
+  }
   JobManager* m_;
-  std::string token_;
+  TokenTable tokens_;
 };
 
+// Worker calls carry their job's worker credential (JobManager::WorkerCredentialJob), never a
+// client token; a credential opens only the calls of its own job.
 class CoordinatorServer::WorkerServiceImpl final : public v1::WorkerService::Service {
  public:
-  WorkerServiceImpl(JobManager* m, std::string token) : m_(m), token_(std::move(token)) {}
+  explicit WorkerServiceImpl(JobManager* m) : m_(m) {}
 
   grpc::Status RegisterWorker(grpc::ServerContext* ctx, const v1::RegisterWorkerRequest* req,
                               v1::RegisterWorkerResponse* resp) override {
-    return Guarded(ctx, token_, "RegisterWorker", [&]() -> Status {
+    std::string job;
+    return Guarded(ctx, Worker(&job), "RegisterWorker", [&]() -> Status {
+      if (req->job_id() != job) return WrongJob(req->job_id(), job);
       QCAL_ASSIGN_OR_RETURN(*resp, m_->RegisterWorker(*req));
       return absl::OkStatus();
     });
   }
   grpc::Status NextTask(grpc::ServerContext* ctx, const v1::NextTaskRequest* req,
                         v1::Task* resp) override {
-    return Guarded(ctx, token_, "NextTask", [&]() -> Status {
+    std::string job;
+    return Guarded(ctx, Worker(&job), "NextTask", [&]() -> Status {
+      QCAL_RETURN_IF_ERROR(m_->CheckWorkerOfJob(req->worker_id(), job));
       QCAL_ASSIGN_OR_RETURN(*resp, m_->NextTask(req->worker_id()));
       return absl::OkStatus();
     });
   }
   grpc::Status ReportProgress(grpc::ServerContext* ctx, const v1::ReportProgressRequest* req,
                               v1::ReportProgressResponse* resp) override {
-    return Guarded(ctx, token_, "ReportProgress", [&]() -> Status {
+    std::string job;
+    return Guarded(ctx, Worker(&job), "ReportProgress", [&]() -> Status {
+      QCAL_RETURN_IF_ERROR(m_->CheckWorkerOfJob(req->worker_id(), job));
       QCAL_ASSIGN_OR_RETURN(bool cancelled, m_->ReportProgress(*req));
       resp->set_cancelled(cancelled);
       return absl::OkStatus();
@@ -219,15 +274,25 @@ class CoordinatorServer::WorkerServiceImpl final : public v1::WorkerService::Ser
   }
   grpc::Status CompleteTask(grpc::ServerContext* ctx, const v1::CompleteTaskRequest* req,
                             v1::CompleteTaskResponse*) override {
-    return Guarded(ctx, token_, "CompleteTask", [&] { return m_->CompleteTask(*req); });
+    std::string job;
+    return Guarded(ctx, Worker(&job), "CompleteTask", [&]() -> Status {
+      QCAL_RETURN_IF_ERROR(m_->CheckWorkerOfJob(req->worker_id(), job));
+      return m_->CompleteTask(*req);
+    });
   }
   grpc::Status FailTask(grpc::ServerContext* ctx, const v1::FailTaskRequest* req,
                         v1::FailTaskResponse*) override {
-    return Guarded(ctx, token_, "FailTask", [&] { return m_->FailTask(*req); });
+    std::string job;
+    return Guarded(ctx, Worker(&job), "FailTask", [&]() -> Status {
+      QCAL_RETURN_IF_ERROR(m_->CheckWorkerOfJob(req->worker_id(), job));
+      return m_->FailTask(*req);
+    });
   }
   grpc::Status Heartbeat(grpc::ServerContext* ctx, const v1::HeartbeatRequest* req,
                          v1::HeartbeatResponse* resp) override {
-    return Guarded(ctx, token_, "Heartbeat", [&]() -> Status {
+    std::string job;
+    return Guarded(ctx, Worker(&job), "Heartbeat", [&]() -> Status {
+      QCAL_RETURN_IF_ERROR(m_->CheckWorkerOfJob(req->worker_id(), job));
       QCAL_ASSIGN_OR_RETURN(bool cancelled, m_->Heartbeat(req->worker_id()));
       resp->set_cancelled(cancelled);
       return absl::OkStatus();
@@ -235,13 +300,35 @@ class CoordinatorServer::WorkerServiceImpl final : public v1::WorkerService::Ser
   }
 
  private:
+  std::function<grpc::Status(const grpc::ServerContextBase&)> Worker(std::string* job) {
+    return [this, job](const grpc::ServerContextBase& c) {
+      std::string presented;
+      grpc::Status s = PresentedToken(c, &presented);
+      if (!s.ok()) return s;
+      std::optional<std::string> found = m_->WorkerCredentialJob(presented);
+      if (!found) {
+        return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                            "invalid worker credential (workers use the credential their job's "
+                            "coordinator made when it launched them, not a client token)");
+      }
+      *job = *found;
+      return grpc::Status::OK;
+    };
+  }
+  static Status WrongJob(const std::string& asked, const std::string& job) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "this worker credential is for job ", job, ", not '", io::Printable(asked, 64), "'"));
+  }
   JobManager* m_;
-  std::string token_;
 };
 
 StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     const ServerOptions& options, JobManager* manager) {
-  if (options.token.empty()) return absl::InvalidArgumentError("the server needs an auth token");
+  TokenTable tokens = options.tokens;
+  if (tokens.size() == 0) {
+    if (options.token.empty()) return absl::InvalidArgumentError("the server needs an auth token");
+    tokens = TokenTable::SingleAdmin(options.token);
+  }
   std::shared_ptr<grpc::ServerCredentials> credentials;
   if (!options.tls_cert_file.empty() || !options.tls_key_file.empty()) {
     if (options.tls_cert_file.empty() || options.tls_key_file.empty()) {
@@ -265,8 +352,8 @@ StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   }
 
   std::unique_ptr<CoordinatorServer> server(new CoordinatorServer());
-  server->job_service_ = std::make_unique<JobServiceImpl>(manager, options.token);
-  server->worker_service_ = std::make_unique<WorkerServiceImpl>(manager, options.token);
+  server->job_service_ = std::make_unique<JobServiceImpl>(manager, std::move(tokens));
+  server->worker_service_ = std::make_unique<WorkerServiceImpl>(manager);
   if (options.max_threads < 8) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max-threads must be at least 8, got ", options.max_threads));

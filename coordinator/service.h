@@ -13,13 +13,16 @@
 #include <grpcpp/grpcpp.h>
 
 #include "common/status.h"
+#include "coordinator/identity.h"
 #include "coordinator/job_manager.h"
 
 namespace qcal::coordinator {
 
 struct ServerOptions {
   std::string listen = "127.0.0.1:0";  // host:port; port 0 picks a free one
-  std::string token;                   // required bearer token
+  // Who may call the JobService (identity.h). Empty: `token` alone, as one admin.
+  TokenTable tokens;
+  std::string token;                   // the single admin token (when `tokens` is empty)
   std::string tls_cert_file;           // with tls_key_file: serve TLS
   std::string tls_key_file;
   std::string tls_client_ca_file;      // require client certificates signed by this CA
@@ -38,6 +41,9 @@ inline constexpr int kMaxRequestBytes = (1 << 20) + (64 << 10);
 inline constexpr int kMaxStreamsPerConnection = 64;
 inline constexpr size_t kMaxTransportMemoryBytes = size_t{16} << 20;
 
+// The bearer token a call carries ("authorization: Bearer <token>"); UNAUTHENTICATED when it
+// carries none.
+grpc::Status PresentedToken(const grpc::ServerContextBase& context, std::string* token);
 // UNAUTHENTICATED unless the call carries "authorization: Bearer <token>".
 grpc::Status Authorize(const grpc::ServerContextBase& context, const std::string& token);
 

@@ -8,6 +8,8 @@
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/safe_fs.h"
 #include "common/cli.h"
 #include "common/hf_config.h"
 #include "common/job_inputs.h"
@@ -28,14 +30,70 @@ StatusOr<std::string> NormalizeAbsolute(const char* field, const std::string& pa
                                 "' is not an absolute path (the client resolves paths before "
                                 "submitting)"));
   }
-  std::string p = fs::path(path).lexically_normal().string();
-  while (p.size() > 1 && p.back() == '/') p.pop_back();
-  return p;
+  // Canonical (links resolved once, here): below these paths the job writes nothing through a
+  // link (common/safe_fs.h), and the roots a user may use are compared on canonical paths.
+  StatusOr<std::string> p = CanonicalPath(path);
+  if (!p.ok()) return Invalid(absl::StrCat(field, ": ", p.status().message()));
+  return *p;
+}
+
+// InvalidArgument naming the field when `value` holds a control character.
+Status NoControlCharacters(const std::string& field, const std::string& value) {
+  for (size_t i = 0; i < value.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(value[i]);
+    if (c < 0x20 || c == 0x7f) {
+      return Invalid(absl::StrCat(field, " contains a control character (byte ", i, ", 0x",
+                                  absl::Hex(c, absl::kZeroPad2), "); paths and names may not"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
 
+std::vector<std::string> CalibrationPaths(const Recipe& recipe, const v1::JobSpec& spec) {
+  std::vector<std::string> out;
+  if (!JobCalibrates(recipe)) return out;
+  for (const std::string& f : recipe.calibration.files) {
+    const std::string p = !f.empty() && f[0] == '/' ? f : spec.data_root() + "/" + f;
+    StatusOr<std::string> c = CanonicalPath(p);
+    out.push_back(c.ok() ? *c : p);
+  }
+  return out;
+}
+
+Status CheckModelFilesUnderRoots(const Principal& who, const std::string& model_dir) {
+  for (const std::string& root : who.read_roots) {
+    if (root == "/") return absl::OkStatus();
+  }
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(model_dir, ec)) {
+    const std::string path = entry.path().string();
+    StatusOr<std::string> real = CanonicalPath(path);
+    if (!real.ok()) continue;  // a dangling link: the readers name it
+    if (Status s = CheckUnderRoots(who, "model file", *real, false); !s.ok()) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          path, " resolves to a file outside the directories user '", who.name,
+          "' may read; link only to files under them"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 StatusOr<Recipe> ValidateJobSpec(v1::JobSpec* spec) {
+  // Every string a person typed: other people's terminals print them (qcal list, the log).
+  const std::pair<const char*, const std::string*> strings[] = {
+      {"recipe_path", &spec->recipe_path()}, {"model_dir", &spec->model_dir()},
+      {"out_dir", &spec->out_dir()},         {"job_dir", &spec->job_dir()},
+      {"data_root", &spec->data_root()},     {"name", &spec->name()},
+      {"device", &spec->device()}};
+  for (const auto& [field, value] : strings) {
+    QCAL_RETURN_IF_ERROR(NoControlCharacters(field, *value));
+  }
+  for (const v1::EvalData& d : spec->eval().data()) {
+    QCAL_RETURN_IF_ERROR(NoControlCharacters("eval data label", d.label()));
+    QCAL_RETURN_IF_ERROR(NoControlCharacters("eval data path", d.path()));
+  }
   if (spec->workers() < 1) {
     return Invalid(absl::StrCat("workers must be at least 1 (got ", spec->workers(), ")"));
   }
@@ -57,9 +115,6 @@ StatusOr<Recipe> ValidateJobSpec(v1::JobSpec* spec) {
     return Invalid(absl::StrCat("calib_batch must be >= 0 (got ", spec->calib_batch(), ")"));
   }
   if (spec->name().size() > 128) return Invalid("name is longer than 128 bytes");
-  for (unsigned char c : spec->name()) {
-    if (c < 0x20 || c == 0x7f) return Invalid("name contains control characters");
-  }
 
   if (spec->recipe_yaml().empty()) {
     return Invalid(absl::StrCat("recipe '", spec->recipe_path(), "' is empty"));
@@ -91,6 +146,7 @@ StatusOr<Recipe> ValidateJobSpec(v1::JobSpec* spec) {
   inputs.job_dir = spec->job_dir().empty() ? out_dir + ".job" : spec->job_dir();
   inputs.data_root = spec->data_root();
   inputs.recipe_source = source;
+  inputs.overwrite = spec->overwrite();
   StatusOr<LlamaConfig> config = CheckJobInputs(*recipe, inputs);
   if (!config.ok()) return Invalid(std::string(config.status().message()));
   if (spec->max_memory_bytes() < 0) {

@@ -2,8 +2,12 @@
 // with a message naming the field, the path and the problem.
 #pragma once
 
+#include <string>
+#include <vector>
+
 #include "common/recipe.h"
 #include "common/status.h"
+#include "coordinator/identity.h"
 #include "proto/qcal.pb.h"
 
 namespace qcal::coordinator {
@@ -19,6 +23,16 @@ inline constexpr int kMaxWorkers = 1024;
 //    an existing out_dir is a directory, and the nearest existing ancestor is writable;
 //  * when the recipe calibrates: data_root is an existing directory and every calibration file
 //    exists and is readable.
+//  * every string of the spec is free of control characters (a newline or an escape sequence in a
+//    path would reach other people's terminals through `qcal list` and the log).
 StatusOr<Recipe> ValidateJobSpec(v1::JobSpec* spec);
+
+// The calibration files a validated spec's recipe reads, canonical (none when it does not
+// calibrate).
+std::vector<std::string> CalibrationPaths(const Recipe& recipe, const v1::JobSpec& spec);
+
+// PermissionDenied naming the file when an entry of `model_dir` resolves (through a link) to a
+// place outside the directories `who` may read: the workers would read it for them.
+Status CheckModelFilesUnderRoots(const Principal& who, const std::string& model_dir);
 
 }  // namespace qcal::coordinator

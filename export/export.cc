@@ -149,13 +149,23 @@ class Exporter {
     StatusOr<ExportResult> result = WriteInto(partial);
     if (result.ok()) {
       std::filesystem::remove(o_.out_dir, ec);  // an empty directory, checked in Open
-      if (::rename(partial.c_str(), o_.out_dir.c_str()) != 0) {
-        result = io::ErrnoError(errno, o_.out_dir, "cannot rename the finished export into place");
+      if (Status renamed = RenameNoFollow(partial, o_.out_dir); !renamed.ok()) {
+        result = renamed;
       } else if (Status synced = SyncParentDir(o_.out_dir); !synced.ok()) {
         result = synced;
       }
     }
     if (!result.ok()) std::filesystem::remove_all(partial, ec);
+    if (io::IsOutOfSpace(result.status())) {
+      // The quantize job's advice (resume from the journal) does not apply: an export keeps
+      // nothing of a failed run.
+      std::string message(result.status().message());
+      const std::string advice = io::kOutOfSpaceAdvice;
+      message.replace(message.find(advice), advice.size(),
+                      "free space on that filesystem and run the export again (it starts over; "
+                      "the partial export was removed, the input checkpoint is unchanged)");
+      return absl::FailedPreconditionError(message);
+    }
     return result;
   }
 
@@ -170,6 +180,15 @@ class Exporter {
     }
     gptq_ = o_.format == "gptq";
     ct_ = o_.format == "compressed-tensors";
+    // A job's output directory before the job finished holds shards but no config.json yet.
+    std::error_code exists_ec;
+    if (!std::filesystem::exists(o_.in_dir + "/config.json", exists_ec) &&
+        (std::filesystem::exists(o_.in_dir + "/.staging", exists_ec) ||
+         std::filesystem::exists(o_.in_dir + ".job/journal.jsonl", exists_ec))) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          o_.in_dir, ": the quantization job writing it has not finished (no config.json yet); "
+          "export it once the job has succeeded (qcal status, or rerun qcal quantize to resume)"));
+    }
     QCAL_ASSIGN_OR_RETURN(config_, LoadLlamaConfig(o_.in_dir));
     if (!config_.raw.contains("quantization_config")) {
       return absl::InvalidArgumentError(absl::StrCat(

@@ -45,6 +45,9 @@ struct QuantizeJobOptions {
   std::string job_dir;    // default: out_dir + ".job"
   std::string data_root;  // where recipe calibration paths are resolved (default "../shared")
   std::string recipe_source = "recipe";  // the recipe's file, for messages
+  // Replace a finished checkpoint in out_dir that job_dir's journal did not write (otherwise
+  // refused: common/job_inputs.h).
+  bool overwrite = false;
   int64_t calib_batch = 8;
   int threads = 0;        // 0: model::AutoComputeThreads
   // Bytes of activations a rank holds in memory (calibration, evaluation, sequential inputs);

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/job_inputs.h"
+#include "common/safe_fs.h"
 #include "common/job_layout.h"
 #include "common/phase_trace.h"
 #include "common/task_plan.h"
@@ -182,7 +183,11 @@ StatusOr<QuantizeJobResult> RunPlannedJob(const Recipe& recipe, const QuantizeJo
 StatusOr<QuantizeJobResult> RunQuantizeJob(const Recipe& recipe, const QuantizeJobOptions& opt_in,
                                            const JobEventFn& on_event) {
   QuantizeJobOptions opt = opt_in;
+  // Where the job writes is made canonical once, here: below it no component may be a link
+  // (common/safe_fs.h).
+  QCAL_ASSIGN_OR_RETURN(opt.out_dir, CanonicalPath(opt.out_dir));
   if (opt.job_dir.empty()) opt.job_dir = opt.out_dir + ".job";
+  QCAL_ASSIGN_OR_RETURN(opt.job_dir, CanonicalPath(opt.job_dir));
   if (opt.data_root.empty()) opt.data_root = "../shared";
 
   // ---- Inputs: the checks the coordinator makes for a submitted job, before anything exists.
@@ -192,6 +197,7 @@ StatusOr<QuantizeJobResult> RunQuantizeJob(const Recipe& recipe, const QuantizeJ
   inputs.job_dir = opt.job_dir;
   inputs.data_root = opt.data_root;
   inputs.recipe_source = opt.recipe_source;
+  inputs.overwrite = opt.overwrite;
   QCAL_RETURN_IF_ERROR(CheckJobInputs(recipe, inputs).status());
 
   // ---- The job directory, as the coordinator opens it for a service job: held (one driver: a

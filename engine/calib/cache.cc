@@ -238,8 +238,8 @@ StatusOr<std::unique_ptr<SharedSafetensorsFile>> SharedSafetensorsFile::Begin(
     QCAL_ASSIGN_OR_RETURN(std::string prefix, f->layout_.Prefix(path));
     f->data_offset_ = static_cast<int64_t>(prefix.size());
     if (comm.rank() != 0) return Status();
-    const int fd = ::open(f->partial_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0) return Errno(f->partial_, "cannot create");
+    QCAL_ASSIGN_OR_RETURN(const int fd, OpenNoFollow(f->partial_, O_WRONLY | O_CREAT | O_TRUNC,
+                                                     0644, "cannot create"));
     const bool ok =
         ::write(fd, prefix.data(), prefix.size()) == static_cast<ssize_t>(prefix.size()) &&
         ::ftruncate(fd, static_cast<off_t>(prefix.size() + f->layout_.data_bytes())) == 0 &&
@@ -248,8 +248,9 @@ StatusOr<std::unique_ptr<SharedSafetensorsFile>> SharedSafetensorsFile::Begin(
     return ok ? Status() : Errno(f->partial_, "cannot write the header");
   }();
   QCAL_RETURN_IF_ERROR(AgreeOk(comm, local, path));
-  f->fd_ = ::open(f->partial_.c_str(), O_WRONLY | O_CLOEXEC);
-  local = f->fd_ >= 0 ? Status() : Errno(f->partial_, "cannot open");
+  StatusOr<int> opened = OpenNoFollow(f->partial_, O_WRONLY, 0, "cannot open");
+  local = opened.status();
+  if (opened.ok()) f->fd_ = *opened;
   QCAL_RETURN_IF_ERROR(AgreeOk(comm, local, path));
   return f;
 }
@@ -283,8 +284,7 @@ Status SharedSafetensorsFile::Finish(comm::Comm& comm) {
   fd_ = -1;
   QCAL_RETURN_IF_ERROR(AgreeOk(comm, local, path_));
   if (comm.rank() == 0) {
-    local = ::rename(partial_.c_str(), path_.c_str()) == 0 ? Status()
-                                                           : Errno(path_, "cannot rename into");
+    local = RenameNoFollow(partial_, path_);
     if (local.ok()) local = SyncParentDir(path_);
     if (local.ok()) local = WriteCacheChecksum(path_);
   }

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/io_util.h"
+#include "common/safe_fs.h"
 
 namespace qcal::model {
 namespace {
@@ -50,8 +51,8 @@ StatusOr<std::unique_ptr<ActivationStore>> ActivationStore::Create(
     return s;
   }
   s->path_ = spill_path;
-  s->fd_ = ::open(spill_path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-  if (s->fd_ < 0) return IoError(spill_path, "cannot create the activation spill file");
+  QCAL_ASSIGN_OR_RETURN(s->fd_, OpenNoFollow(spill_path, O_RDWR | O_CREAT | O_TRUNC, 0600,
+                                             "cannot create the activation spill file"));
   return s;
 }
 

@@ -135,3 +135,17 @@ TEST(EvalTableTest, AMissingQuantizedRowShowsNan) {
 
 }  // namespace
 }  // namespace qcal::client
+
+namespace qcal::client {
+namespace {
+
+// Strings other people chose reach this terminal escaped: no newline starts a fake line, no
+// escape sequence clears or recolours the screen.
+TEST(ShownTest, ControlCharactersAreEscapedAndTheRestIsKept) {
+  EXPECT_EQ(Shown("/scratch/a\nmallory::0:0"), "/scratch/a\\x0amallory::0:0");
+  EXPECT_EQ(Shown("\x1b[2Jq\x7f"), "\\x1b[2Jq\\x7f");
+  EXPECT_EQ(Shown("/data/modèle-ü"), "/data/modèle-ü");  // UTF-8 stays readable
+}
+
+}  // namespace
+}  // namespace qcal::client

@@ -42,7 +42,7 @@ TEST(SlurmScriptTest, TheGpuTemplateIsFilled) {
         "#SBATCH --partition=gpu\n", "#SBATCH --account=proj42\n",
         "#SBATCH --job-name=qcal-llama70b-quip2\n",
         "#SBATCH --output=/scratch/out/llama70b-quip2.slurm-%j.log\n",
-        "QCAL=/opt/qcal/bin/qcal\n", "STATE=/scratch/out/llama70b-quip2.job/service\n",
+        "QCAL=/opt/qcal/bin/qcal\n", "STATE=/scratch/out/llama70b-quip2.service\n",
         "run /jobs/quip-e8p-2bit.yaml --model /models/llama-3.1-70b --out "
         "/scratch/out/llama70b-quip2 --state \"$STATE\"",
         "--launcher srun", "--no-eval", "export NCCL_DEBUG", "scontrol requeue"}) {

@@ -568,6 +568,9 @@ TEST(RecipeErrors, YamlSyntaxErrorsCarryTheParserTextAndLine) {
   ExpectError("just a string\n", {"must be a mapping"});
   ExpectError("", {"empty", "'method' (quip, rtn, gptq, quarot, prefixquant or spinquant) is required"});
   ExpectError("# nothing but a comment\n", {"empty", "'method'"});
+  // Too deep for the parser: said so, not yaml-cpp's "bad file".
+  ExpectError("method: quip\nx: " + std::string(3000, '[') + std::string(3000, ']') + "\n",
+              {"YAML nested too deeply at line 2", "levels"});
 }
 
 TEST(RecipeErrors, DuplicateKeys) {

@@ -798,8 +798,9 @@ TEST_F(CoordinatorIntegrationTest, QcalRunStopsItsWorkersOnSigterm) {
   // Calibration takes about a minute, so orphaned workers would outlive the 15 s allowed below.
   recipe_ = WriteRecipe("quip-longer.yaml", 16384);
   const std::string state = dir_ + "/sigterm-state";
-  // mpirun and the ranks (the coordinator has the token file too, but no --job).
-  const std::vector<std::string> worker_args = {"--job", state + "/auth-token"};
+  // mpirun and the ranks: they hold the job's own worker credential (STATE/credentials/).
+  const std::vector<std::string> worker_args = {"--job",
+                                                state + "/credentials/job-000001.token"};
   const std::string log = dir_ + "/sigterm-run.log";
   Result r = Shell(Qcal() + " run " + recipe_ + " --model " + model_ + " --out " + dir_ +
                    "/sigterm-out --workers 2 --data-root " + shared_ + " --no-eval --state " +
@@ -846,7 +847,8 @@ TEST_F(CoordinatorIntegrationTest, QcalRunKilledTakesItsCoordinatorAndWorkersAlo
   recipe_ = WriteRecipe("quip-longer-kill.yaml", 16384);
   const std::string state = dir_ + "/kill9-state";
   const std::vector<std::string> coordinator_args = {"--state", state};
-  const std::vector<std::string> worker_args = {"--job", state + "/auth-token"};
+  const std::vector<std::string> worker_args = {"--job",
+                                                state + "/credentials/job-000001.token"};
   const std::string log = dir_ + "/kill9-run.log";
   Result r = Shell(Qcal() + " run " + recipe_ + " --model " + model_ + " --out " + dir_ +
                    "/kill9-out --workers 2 --data-root " + shared_ + " --no-eval --state " +

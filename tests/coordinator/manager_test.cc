@@ -439,7 +439,8 @@ TEST_F(ManagerTest, TwoActiveJobsCannotShareAnOutput) {
   ASSERT_TRUE(a.ok());
   auto b = m->Submit(env_.Spec(1));
   EXPECT_EQ(b.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_NE(b.status().message().find("already writes out_dir '" + env_.out_dir + "'"),
+  EXPECT_NE(b.status().message().find("out_dir '" + env_.out_dir + "' is the out_dir '" +
+                                      env_.out_dir + "' of job " + *a),
             absl::string_view::npos)
       << b.status();
   ASSERT_TRUE(m->Cancel(*a).ok());

@@ -125,12 +125,14 @@ for c in "${cases[@]}"; do
     done
     [ "$p" = "$phase" ] || { echo "FAIL $c: never saw phase $phase (last: $p)"; tail -20 "$log"; fail=1; wait "$run_pid" || true; continue; }
     before=$(journal "$out" | cut -d' ' -f1)
-    token="$state/auth-token"
+    # The workers hold the job's own credential (STATE/credentials/), the coordinator the
+    # client token (STATE/auth-token).
+    token="$state/credentials/"
     case $target in
       rank) victim=$(pgrep -f "qcal-worker .*--auth-token-file $token" | tail -1) ;;
       mpirun) victim=$(pgrep -f "mpirun .*--auth-token-file $token" | head -1) ;;
       coord) victim=$(pgrep -f "qcal-coordinator .*--state $state" | head -1) ;;
-      all) victim="$run_pid $(pgrep -f "qcal-coordinator .*--state $state") $(pgrep -f -- "--auth-token-file $token")" ;;
+      all) victim="$run_pid $(pgrep -f "qcal-coordinator .*--state $state") $(pgrep -f -- "--auth-token-file $state/")" ;;
     esac
     [ -n "$victim" ] || { echo "FAIL $c: no $target process found"; fail=1; wait "$run_pid" || true; continue; }
     kill -9 $victim 2>/dev/null || true

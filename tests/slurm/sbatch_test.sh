@@ -11,7 +11,10 @@
 # one block_done per block);
 #   4. a long-running qcal-coordinator --launcher slurm (outside any allocation) submits a job's
 #      workers as their own Slurm job: same bytes; `qcal cancel` of a running job leaves no Slurm
-#      job and no worker process behind.
+#      job and no worker process behind;
+#   5. an unprivileged user submits the template itself: the job runs under that user's uid in
+#      its own allocation and every output file is that user's (skipped, saying so, where no
+#      user can be made).
 # The cluster lives under BUILD/slurm-test and is torn down at exit.
 # Usage (ctest runs it, label slurm): sbatch_test.sh SOURCE_DIR BUILD_DIR
 set -euo pipefail
@@ -187,5 +190,34 @@ if [ -n "$left" ]; then
   echo "FAIL cancel: left behind: $left"; fail=1
 else
   echo "ok   qcal cancel $id: no Slurm job and no worker process left"
+fi
+
+# 5. Jobs that must write as the submitting user (docs/service.md, Security): an unprivileged
+# user submits the sbatch template itself; its coordinator and workers run in that user's own
+# allocation, under its uid, and every file of the output is that user's, with the same bytes.
+user=qcal-slurm-user
+if ! id "$user" > /dev/null 2>&1; then
+  useradd --system --no-create-home --shell /bin/bash "$user" > /dev/null 2>&1 || true
+fi
+if ! id "$user" > /dev/null 2>&1 || ! su -s /bin/sh "$user" -c true 2> /dev/null; then
+  echo "SKIPPED user allocation: cannot create or switch to an unprivileged user here"
+else
+  home="$work/user-home"
+  mkdir -p "$home" && chown "$user" "$home"
+  out="$home/quip2-user"
+  script_for "$work/quip2.yaml" "$out" "$home/quip2.sbatch"
+  chown "$user" "$home/quip2.sbatch"
+  cluster_env=$(bash "$src/slurm/local-cluster.sh" env "$cluster")
+  id=$(su -s /bin/bash "$user" -c "$cluster_env; cd '$home' && sbatch --parsable quip2.sbatch")
+  state=$(wait_job_end "$id" 900)
+  uid=$(id -u "$user")
+  if [ "$state" != COMPLETED ]; then
+    echo "FAIL user allocation: job $id ended $state; its log:"; tail -30 "$out".slurm-*.log; fail=1
+  elif [ -n "$(find "$out" "$out.job" ! -uid "$uid" | head -3)" ]; then
+    echo "FAIL user allocation: files not owned by $user: $(find "$out" "$out.job" ! -uid "$uid" | head -3)"
+    fail=1
+  else
+    compare "$work/quip2-ref" "$out" "sbatch quip2 as $user (uid $uid), every file its own" || fail=1
+  fi
 fi
 exit $fail

@@ -127,7 +127,8 @@ class JobDirTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     model::SetComputeThreads(1);
-    root_ = new std::string(testing::MakeTempDir("jobdir"));
+    // Canonical, as the job makes the paths it writes under (common/safe_fs.h) and names them.
+    root_ = new std::string(std::filesystem::canonical(testing::MakeTempDir("jobdir")).string());
     m_ = new std::string(testing::RealModelDir("stories260K"));
     m2_ = new std::string(CopyModel(*m_, *root_ + "/m2", ScaleLayer0Attention));
   }

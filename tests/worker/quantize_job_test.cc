@@ -54,7 +54,8 @@ class QuantizeJobTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     model::SetComputeThreads(1);
-    root_ = new std::string(testing::MakeTempDir("qjob"));
+    // Canonical, as the job makes the paths it writes under (common/safe_fs.h) and names them.
+    root_ = new std::string(std::filesystem::canonical(testing::MakeTempDir("qjob")).string());
     auto tok = LoadTokenizerFromModelDir(testing::RealModelDir("stories260K"));
     ASSERT_TRUE(tok.ok());
     auto text = ReadTextFile(testing::SharedDir() +
@@ -283,12 +284,16 @@ TEST_F(QuantizeJobTest, BadInputIsAClearErrorAndLeavesNothingBehind) {
   auto opt = Options("bad");
   opt.out_dir = opt.model_dir + "/inside";
   opt.job_dir = *root_ + "/bad.job";
-  expect_refused(job::RunQuantizeJob(recipe, opt), opt, "out_dir '" + opt.out_dir + "' is inside");
+  // Named as resolved (the model's directory may be spelt "/tmp//..." by the fixture).
+  auto resolved = [](const std::string& p) { return fs::weakly_canonical(p).string(); };
+  expect_refused(job::RunQuantizeJob(recipe, opt), opt,
+                 "out_dir '" + resolved(opt.out_dir) + "' is inside");
 
   // The job directory inside the model directory, as the service refuses it.
   opt = Options("bad-job-dir");
   opt.job_dir = opt.model_dir + "/jobdir";
-  expect_refused(job::RunQuantizeJob(recipe, opt), opt, "job_dir '" + opt.job_dir + "' is inside");
+  expect_refused(job::RunQuantizeJob(recipe, opt), opt,
+                 "job_dir '" + resolved(opt.job_dir) + "' is inside");
 
   opt = Options("bad2");
   recipe = MakeRecipe("bad", "quip", 2, "e8p", "calibration: {files: [data/does-not-exist.txt]}\n");
