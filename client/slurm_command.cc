@@ -147,7 +147,8 @@ void AddSlurmCommand(CLI::App& app, int* exit_code) {
       ->required();
   cmd->add_option("--out", o->out_dir, "output checkpoint directory (shared filesystem)")
       ->required();
-  cmd->add_option("--state", o->state_dir, "coordinator state (default OUT.service, beside the job directory)");
+  cmd->add_option("--state", o->state_dir,
+                  "coordinator state (default OUT.service, beside the job directory)");
   cmd->add_option("--data-root", o->data_root, "where the recipe's calibration files resolve");
   cmd->add_flag("--cpu", o->cpu, "CPU nodes: no --gpus-per-task");
   cmd->add_option("--nodes", o->nodes, "nodes")->capture_default_str();

@@ -99,7 +99,9 @@ StatusOr<TokenTable> TokenTable::Load(const std::string& path) {
       }
       if (u["token_file"]) {
         StatusOr<std::string> t = rpc::ReadTokenFile(u["token_file"].as<std::string>());
-        if (!t.ok()) return absl::InvalidArgumentError(absl::StrCat(where, ": ", t.status().message()));
+        if (!t.ok()) {
+          return absl::InvalidArgumentError(absl::StrCat(where, ": ", t.status().message()));
+        }
         e.token = *t;
       } else if (u["token"]) {
         e.token = u["token"].as<std::string>();

@@ -147,7 +147,9 @@ void JobManager::DriveUnsafe(const std::shared_ptr<JobRuntime>& rt) {
     for (const v1::EvalResult& r : rt->eval_results) {
       if (!r.has_params()) continue;
       auto it = std::find_if(rows.begin(), rows.end(),
-                             [&](const report::EvalRow& e) { return e.label == r.params().label(); });
+                             [&](const report::EvalRow& e) {
+                               return e.label == r.params().label();
+                             });
       if (it == rows.end()) {
         report::EvalRow row;
         row.label = r.params().label();

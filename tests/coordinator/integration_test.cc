@@ -723,6 +723,13 @@ TEST_F(CoordinatorIntegrationTest, QcalRunStartsItsOwnCoordinatorAndWorkers) {
     EXPECT_NE(r.out.find(word), std::string::npos) << word << " in:\n" << r.out;
   }
   ExpectSameFiles(Reference(), out);
+  // The job's report has the workers' perplexities (written again after the evaluation phase),
+  // not "Not measured".
+  auto report = ReadFile(out + ".job/report.html");
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_EQ(report->find("Not measured"), std::string::npos);
+  EXPECT_NE(report->find("wikitext2"), std::string::npos);
+  EXPECT_NE(report->find("tinystories"), std::string::npos);
   // A failing job makes `qcal run` fail with the job's message.
   r = Shell(Qcal() + " run " + recipe_ + " --model " + out + " --out " + out + "/inside --workers 1 " +
           "--data-root " + shared_ + " --no-eval");
