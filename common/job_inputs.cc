@@ -10,7 +10,6 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "common/atomic_file.h"
 #include "common/job_layout.h"
 #include "common/safetensors.h"
 #include "common/tokenizer.h"
@@ -47,16 +46,10 @@ Status CheckExistingCheckpoint(const JobInputs& in) {
   }
   if (!holds) return absl::OkStatus();
   const std::string out = Resolved(in.out_dir);
-  StatusOr<std::string> journal = ReadFile(in.job_dir + "/journal.jsonl");
-  if (journal.ok()) {
-    size_t pos = 0;
-    while (pos < journal->size()) {
-      size_t end = journal->find('\n', pos);
-      if (end == std::string::npos) end = journal->size();
-      const nlohmann::json e =
-          nlohmann::json::parse(journal->substr(pos, end - pos), nullptr, false);
-      pos = end + 1;
-      if (!e.is_object() || e.value("event", "") != "job_start") continue;
+  // A missing journal has no entries; a damaged one is reported when the job opens it.
+  if (StatusOr<Journal> journal = Journal::Open(in.job_dir + "/journal.jsonl"); journal.ok()) {
+    for (const nlohmann::json& e : journal->entries()) {
+      if (e.value("event", "") != "job_start") continue;
       // Journals older than the "out" field are taken to be this output's.
       if (!e.contains("out") || e.value("out", "") == out) return absl::OkStatus();
     }

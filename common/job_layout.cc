@@ -911,30 +911,33 @@ std::vector<std::string> CopyableRoots(const std::string& model_dir) {
 }
 
 namespace {
-constexpr const char* kTokenizerFiles[] = {"tokenizer.model", "tokenizer_config.json",
-                                           "generation_config.json", "tokenizer.json",
-                                           "special_tokens_map.json"};
+
+// The tokenizer files `model_dir` has (a dangling link counts: copying it is refused by name).
+std::vector<std::string> PresentTokenizerFiles(const std::string& model_dir) {
+  std::vector<std::string> present;
+  for (const char* f : {"tokenizer.model", "tokenizer_config.json", "generation_config.json",
+                        "tokenizer.json", "special_tokens_map.json"}) {
+    struct stat st;
+    if (::lstat((model_dir + "/" + f).c_str(), &st) == 0 || errno != ENOENT) present.push_back(f);
+  }
+  return present;
+}
+
 }  // namespace
 
 Status CheckTokenizerFilesCopyable(const std::string& model_dir) {
   const std::vector<std::string> roots = CopyableRoots(model_dir);
-  for (const char* f : kTokenizerFiles) {
-    const std::string src = model_dir + "/" + f;
-    struct stat st;
-    if (::lstat(src.c_str(), &st) != 0 && errno == ENOENT) continue;
-    StatusOr<std::string> bytes = ReadFileForCopy(src, roots);
-    if (!bytes.ok()) return absl::InvalidArgumentError(bytes.status().message());
+  for (const std::string& f : PresentTokenizerFiles(model_dir)) {
+    StatusOr<std::string> resolved = ResolveForCopy(model_dir + "/" + f, roots);
+    if (!resolved.ok()) return absl::InvalidArgumentError(resolved.status().message());
   }
   return absl::OkStatus();
 }
 
 Status CopyTokenizerFiles(const std::string& model_dir, const std::string& out_dir) {
   const std::vector<std::string> roots = CopyableRoots(model_dir);
-  for (const char* f : kTokenizerFiles) {
-    const std::string src = model_dir + "/" + f;
-    struct stat st;
-    if (::lstat(src.c_str(), &st) != 0 && errno == ENOENT) continue;
-    QCAL_ASSIGN_OR_RETURN(std::string bytes, ReadFileForCopy(src, roots));
+  for (const std::string& f : PresentTokenizerFiles(model_dir)) {
+    QCAL_ASSIGN_OR_RETURN(std::string bytes, ReadFileForCopy(model_dir + "/" + f, roots));
     QCAL_RETURN_IF_ERROR(WriteFileAtomic(out_dir + "/" + f, bytes));
   }
   return absl::OkStatus();

@@ -245,8 +245,17 @@ bool PathIsUnder(const std::string& path, const std::string& root) {
   return path.size() == root.size() || path[root.size()] == '/';
 }
 
-StatusOr<std::string> ReadFileForCopy(const std::string& path,
-                                      const std::vector<std::string>& allowed) {
+namespace {
+
+Status NotRegularForCopy(const std::string& path) {
+  return absl::FailedPreconditionError(
+      absl::StrCat(path, ": not a regular file; qcal copies only regular files"));
+}
+
+}  // namespace
+
+StatusOr<std::string> ResolveForCopy(const std::string& path,
+                                     const std::vector<std::string>& allowed) {
   char resolved[PATH_MAX];
   if (::realpath(path.c_str(), resolved) == nullptr) {
     return ErrnoError(errno, path, "cannot resolve for copying");
@@ -259,16 +268,22 @@ StatusOr<std::string> ReadFileForCopy(const std::string& path,
         path, ": resolves to ", io::Printable(real, 200), ", outside the model directory; qcal "
         "copies only files that lie inside it (a link to a file elsewhere is refused)"));
   }
+  struct stat st;
+  if (::stat(real.c_str(), &st) != 0) return ErrnoError(errno, path, "cannot stat");
+  if (!S_ISREG(st.st_mode)) return NotRegularForCopy(path);
+  return real;
+}
+
+StatusOr<std::string> ReadFileForCopy(const std::string& path,
+                                      const std::vector<std::string>& allowed) {
+  QCAL_ASSIGN_OR_RETURN(const std::string real, ResolveForCopy(path, allowed));
   // O_NONBLOCK: a FIFO must not hang the copy (it is refused below; no effect on a file).
   QCAL_ASSIGN_OR_RETURN(int fd,
                         OpenNoFollow(real, O_RDONLY | O_NONBLOCK, 0, "cannot open for copying"));
   ScopedFd file(fd);
   struct stat st;
   if (::fstat(fd, &st) != 0) return ErrnoError(errno, path, "cannot stat");
-  if (!S_ISREG(st.st_mode)) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(path, ": not a regular file; qcal copies only regular files"));
-  }
+  if (!S_ISREG(st.st_mode)) return NotRegularForCopy(path);  // swapped since the check
   std::string out;
   out.reserve(static_cast<size_t>(st.st_size));
   char buf[1 << 16];

@@ -68,10 +68,16 @@ Status CheckNoLinks(const std::string& path);
 // Whether `path` lies at or below `root` (both canonical; compared by components).
 bool PathIsUnder(const std::string& path, const std::string& root);
 
-// The contents of `path` for copying it into an output: the file's resolved location must be a
-// regular file at or below one of `allowed` (canonical directories), opened without links
-// (so a swap after the check is refused). FailedPrecondition naming the file and where it points
-// otherwise; a missing file is NotFound.
+// Where `path` resolves, when it may be copied into an output: a regular file at or below one of
+// `allowed` (canonical directories). FailedPrecondition naming the file and where it points
+// otherwise; a missing file is NotFound. Reads nothing (the check before a job runs).
+StatusOr<std::string> ResolveForCopy(const std::string& path,
+                                     const std::vector<std::string>& allowed);
+
+// The contents of `path` for copying it into an output (ResolveForCopy, then read): the file's
+// resolved location must be a regular file at or below one of `allowed` (canonical directories),
+// opened without links (so a swap after the check is refused). FailedPrecondition naming the
+// file and where it points otherwise; a missing file is NotFound.
 StatusOr<std::string> ReadFileForCopy(const std::string& path,
                                       const std::vector<std::string>& allowed);
 

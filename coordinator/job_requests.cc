@@ -50,11 +50,8 @@ StatusOr<std::string> JobManager::Submit(v1::JobSpec spec, const Principal& who)
   for (const std::string& f : CalibrationPaths(recipe, spec)) {
     QCAL_RETURN_IF_ERROR(CheckUnderRoots(who, "calibration file", f, false));
   }
-  for (const v1::EvalData& d : spec.eval().data()) {
-    QCAL_ASSIGN_OR_RETURN(std::string p, CanonicalPath(!d.path().empty() && d.path()[0] == '/'
-                                                           ? d.path()
-                                                           : spec.data_root() + "/" + d.path()));
-    QCAL_RETURN_IF_ERROR(CheckUnderRoots(who, "eval data", p, false));
+  for (const v1::EvalData& d : spec.eval().data()) {  // made canonical by validation
+    QCAL_RETURN_IF_ERROR(CheckUnderRoots(who, "eval data", d.path(), false));
   }
   if (!options_.state_dir.empty()) {
     for (const auto& [field, dir] : {std::pair<const char*, std::string>{"out_dir", spec.out_dir()},

@@ -162,13 +162,18 @@ StatusOr<Recipe> ValidateJobSpec(v1::JobSpec* spec) {
     return Invalid(absl::StrCat("eval.ctx ", eval.ctx(), " exceeds the model's context of ",
                                 config->max_position_embeddings));
   }
-  for (const v1::EvalData& d : eval.data()) {
+  for (v1::EvalData& d : *spec->mutable_eval()->mutable_data()) {
     if (d.label().empty() || d.label().size() > 64) {
       return Invalid("eval: every data file needs a label of 1..64 bytes");
     }
     const std::string path =
         !d.path().empty() && d.path()[0] == '/' ? d.path() : spec->data_root() + "/" + d.path();
-    QCAL_RETURN_IF_ERROR(CheckReadableFile(absl::StrCat("eval data '", d.label(), "'"), path));
+    const std::string what = absl::StrCat("eval data '", d.label(), "'");
+    QCAL_RETURN_IF_ERROR(CheckReadableFile(what, path));
+    // Canonical, as every other path of the spec (the user's read roots are checked on it).
+    StatusOr<std::string> canonical = CanonicalPath(path);
+    if (!canonical.ok()) return Invalid(absl::StrCat(what, ": ", canonical.status().message()));
+    d.set_path(*canonical);
   }
   return recipe;
 }
