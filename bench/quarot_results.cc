@@ -118,8 +118,7 @@ int main(int argc, char** argv) {
         temp_dir = tmpl;
         opt.out_dir = temp_dir + "/out";
       } else {
-        opt.out_dir = save_dir + "/" + recipe->name;
-        opt.job_dir = save_dir + "/" + recipe->name + ".job";
+        opt.out_dir = save_dir + "/" + recipe->name;  // its job directory: the default, beside it
       }
       auto result = job::RunQuantizeJob(*recipe, opt);
       if (!result.ok()) return Fail(path + ": " + result.status().ToString());

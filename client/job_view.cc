@@ -10,7 +10,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "common/job_layout.h"
+#include "runner/job_dir.h"
+#include "runner/journal.h"
 #include "rpc/job_state.h"
 
 namespace qcal::client {
@@ -182,7 +183,7 @@ void PrintJob(const v1::Job& job) {
   std::printf("  recipe    %s\n", Shown(s.recipe_path()).c_str());
   std::printf("  model     %s\n", Shown(s.model_dir()).c_str());
   std::printf("  output    %s (job dir %s)\n", Shown(s.out_dir()).c_str(),
-              Shown(s.job_dir().empty() ? s.out_dir() + ".job" : s.job_dir()).c_str());
+              Shown(JobDirFor(s.job_dir(), s.out_dir())).c_str());
   std::printf("  workers   %d rank(s), %d alive\n", s.workers(), job.workers_alive());
   std::printf("  phase     %s, blocks %lld/%lld, ETA %s\n", job.phase().c_str(),
               static_cast<long long>(job.blocks_done()),

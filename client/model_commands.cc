@@ -14,6 +14,8 @@
 #include "common/log.h"
 #include "common/text.h"
 #include "report/report.h"
+#include "runner/job_dir.h"
+#include "runner/workspace.h"
 #include "common/tokenizer.h"
 #include "engine/eval/perplexity.h"
 #include "export/export.h"
@@ -207,6 +209,8 @@ int RunExport(const ExportCommandOptions& o) {
   auto bytes = ParseBytes(o.max_shard_size, "--max-shard-size");
   if (!bytes.ok()) return Fail(bytes.status());
   options.max_shard_bytes = *bytes;
+  // A job's output directory before the job finished holds shards but no config.json yet.
+  if (Status finished = CheckJobFinished(o.in_dir); !finished.ok()) return Fail(finished);
   auto result = exporter::ExportCheckpoint(options);
   if (!result.ok()) return Fail(result.status());
   if (o.json) {
@@ -230,13 +234,17 @@ int RunExport(const ExportCommandOptions& o) {
 }
 
 int RunReport(const ReportCommandOptions& o) {
-  auto in = report::ResolveJobDirs(o.dir);
-  if (!in.ok()) return Fail(in.status());
+  auto found = FindJob(o.dir);
+  if (!found.ok()) return Fail(found.status());
+  const JobPaths paths(found->job_dir);
+  auto journaled = report::ReadJournaledJob(paths.journal);
+  if (!journaled.ok()) return Fail(journaled.status());
+  // The output directory named on the command line, else the journal's.
+  auto in = std::make_optional(job::ReportInputsOf(
+      paths.dir, found->out_dir.empty() ? journaled->out_dir : found->out_dir));
   nlohmann::json evals = nlohmann::json::array();
   if (!o.eval_paths.empty()) {
-    auto model_dir = report::JournaledModelDir(in->job_dir);
-    if (!model_dir.ok()) return Fail(model_dir.status());
-    auto reference = methods::LoadModel(*model_dir);
+    auto reference = methods::LoadModel(journaled->model_dir);
     if (!reference.ok()) return Fail(reference.status());
     auto model = methods::LoadModel(in->out_dir);
     if (!model.ok()) return Fail(model.status());
@@ -265,11 +273,11 @@ int RunReport(const ReportCommandOptions& o) {
                        {"reference_perplexity", c->ppl_reference}, {"mean_kl", c->mean_kl}});
     }
   }
-  const std::string path = o.out.empty() ? in->job_dir + "/report.html" : o.out;
+  const std::string path = o.out.empty() ? paths.report : o.out;
   const Status written = report::WriteReport(*in, path);
   if (!written.ok()) return Fail(written);
   if (o.json) {
-    std::printf("%s\n", nlohmann::json({{"report", path}, {"job_dir", in->job_dir},
+    std::printf("%s\n", nlohmann::json({{"report", path}, {"job_dir", paths.dir},
                                         {"out_dir", in->out_dir}, {"evals", evals}})
                             .dump()
                             .c_str());

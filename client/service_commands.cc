@@ -33,8 +33,8 @@
 #include "client/progress.h"
 #include "common/atomic_file.h"
 #include "common/io_util.h"
-#include "common/job_layout.h"
 #include "proto/qcal.pb.h"
+#include "runner/job_dir.h"
 #include "rpc/auth.h"
 #include "rpc/job_client.h"
 #include "rpc/job_state.h"
@@ -594,9 +594,7 @@ int RunRun(const RunOptions& o_in) {
   if (job->state() != v1::JOB_STATE_SUCCEEDED) {
     std::fprintf(stderr, "qcal: coordinator log and worker output: %s, %s\n",
                  (state + "/coordinator.log").c_str(),
-                 (fs::path(spec->job_dir().empty() ? spec->out_dir() + ".job" : spec->job_dir()) /
-                  "workers.log")
-                     .c_str());
+                 JobPaths(JobDirFor(spec->job_dir(), spec->out_dir())).workers_log.c_str());
   }
 
   // The evaluation phase ran on the workers; its perplexities are part of the job.

@@ -62,8 +62,8 @@ struct FinetuneSpec {
   FinetuneStage end_to_end;
 };
 
-// What a method needs from the job. The planner (common/task_plan.h), the job steps
-// (runner/job_steps.h) and finalize (common/job_layout.h) read this instead of the method's
+// What a method needs from the job. The planner (runner/task_plan.h), the job steps
+// (runner/job_steps.h) and finalize (runner/job_plan.h) read this instead of the method's
 // name.
 struct MethodNeeds {
   // The calibration phase collects every block's Hessians on the float model.

@@ -7,7 +7,8 @@
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 #include "report/report.h"
-#include "common/task_plan.h"
+#include "runner/job_dir.h"
+#include "runner/task_plan.h"
 #include "coordinator/validation.h"
 #include "rpc/job_state.h"
 
@@ -101,8 +102,8 @@ void JobManager::DriveUnsafe(const std::shared_ptr<JobRuntime>& rt) {
     ls.tls_ca_file = options_.worker_tls_ca;
     ls.tls_cert_file = options_.worker_tls_cert;
     ls.tls_key_file = options_.worker_tls_key;
-    ls.log_path = plan->job_dir + "/workers.log";
-    ls.pid_file = plan->job_dir + "/workers.pid";
+    ls.log_path = JobPaths(plan->job_dir).workers_log;
+    ls.pid_file = JobPaths(plan->job_dir).workers_pid;
     rt->launch = ls;
     if (Status made = MakeWorkerCredentialLocked(*rt); !made.ok()) {
       FailLocked(*rt, std::string(made.message()));
@@ -164,10 +165,11 @@ void JobManager::DriveUnsafe(const std::shared_ptr<JobRuntime>& rt) {
         it->quantized_perplexity = r.perplexity();
       }
     }
-    const std::string job_dir = JobDirOf(spec);
+    const JobPaths paths(JobDirOf(spec));
     lock.unlock();
-    const Status written = report::WriteReport({job_dir, spec.out_dir(), rows},
-                                               job_dir + "/report.html");
+    report::ReportInputs inputs = job::ReportInputsOf(paths.dir, spec.out_dir());
+    inputs.evals = rows;
+    const Status written = report::WriteReport(inputs, paths.report);
     lock.lock();
     if (!written.ok()) {
       QCAL_LOG_WARN("job {}: the report was not rewritten with the perplexities: {}",

@@ -278,7 +278,7 @@ Status JobManager::LaunchGroupLocked(JobRuntime& rt) {
 }
 
 void JobManager::GroupDiedLocked(JobRuntime& rt, const std::string& how) {
-  const std::string log = JobDirOf(rt.job.spec()) + "/workers.log";
+  const std::string log = JobPaths(JobDirOf(rt.job.spec())).workers_log;
   const std::string what =
       absl::StrCat("the worker processes exited before the job finished (", rt.group->Describe(),
                    ": ", how, ")");

@@ -12,7 +12,8 @@
 #include "common/safe_fs.h"
 #include "common/cli.h"
 #include "common/hf_config.h"
-#include "common/job_inputs.h"
+#include "runner/job_dir.h"
+#include "runner/job_inputs.h"
 #include "methods/registry.h"
 
 namespace qcal::coordinator {
@@ -139,11 +140,11 @@ StatusOr<Recipe> ValidateJobSpec(v1::JobSpec* spec) {
     QCAL_ASSIGN_OR_RETURN(std::string root, NormalizeAbsolute("data_root", spec->data_root()));
     spec->set_data_root(root);
   }
-  // The same checks `qcal quantize` makes (common/job_inputs.h).
+  // The same checks `qcal quantize` makes (runner/job_inputs.h).
   JobInputs inputs;
   inputs.model_dir = model_dir;
   inputs.out_dir = out_dir;
-  inputs.job_dir = spec->job_dir().empty() ? out_dir + ".job" : spec->job_dir();
+  inputs.job_dir = JobDirFor(spec->job_dir(), out_dir);
   inputs.data_root = spec->data_root();
   inputs.recipe_source = source;
   inputs.overwrite = spec->overwrite();

@@ -19,7 +19,7 @@
 #include "common/dtype.h"
 #include "common/hf_config.h"
 #include "common/io_util.h"
-#include "common/job_layout.h"
+#include "common/checkpoint_layout.h"
 #include "common/log.h"
 #include "common/safetensors.h"
 #include "methods/method_factory.h"
@@ -180,14 +180,14 @@ class Exporter {
     }
     gptq_ = o_.format == "gptq";
     ct_ = o_.format == "compressed-tensors";
-    // A job's output directory before the job finished holds shards but no config.json yet.
+    // config.json is written last (common/checkpoint_layout.h): without it the directory is no
+    // finished checkpoint (`qcal export` first asks the job directory whether a job is still
+    // writing it: runner/job_dir.h CheckJobFinished).
     std::error_code exists_ec;
-    if (!std::filesystem::exists(o_.in_dir + "/config.json", exists_ec) &&
-        (std::filesystem::exists(o_.in_dir + "/.staging", exists_ec) ||
-         std::filesystem::exists(o_.in_dir + ".job/journal.jsonl", exists_ec))) {
+    if (!std::filesystem::exists(o_.in_dir + "/config.json", exists_ec)) {
       return absl::FailedPreconditionError(absl::StrCat(
-          o_.in_dir, ": the quantization job writing it has not finished (no config.json yet); "
-          "export it once the job has succeeded (qcal status, or rerun qcal quantize to resume)"));
+          o_.in_dir, ": no config.json, so not a finished checkpoint (a quantization job writes "
+          "it last)"));
     }
     QCAL_ASSIGN_OR_RETURN(config_, LoadLlamaConfig(o_.in_dir));
     if (!config_.raw.contains("quantization_config")) {

@@ -43,7 +43,7 @@
 namespace qcal::methods {
 
 // A global phase's products: named tensors, saved in the job directory
-// (job_dir/phases/<phase>.safetensors). All of a job's, by phase name.
+// (runner/job_dir.h JobPaths::PhaseProducts). All of a job's, by phase name.
 using PhaseProducts = std::map<std::string, at::Tensor>;
 using PhaseProductsByName = std::map<std::string, PhaseProducts>;
 
@@ -73,8 +73,9 @@ struct GlobalPhaseInputs {
   int64_t batch = 8;                     // sequences per forward pass (the canonical chunks)
   int32_t bos_id = 1;
   int64_t max_memory = 0;  // the rank's memory budget in bytes (0: no limit given)
-  // Where a long phase keeps resumable state (job_dir/phases), and the key its state must carry
-  // to be reused (the calibration key: other tokens or another model make it stale).
+  // Where a long phase keeps resumable state (a directory the runner gives: JOB/phases), and the
+  // key its state must carry to be reused (the calibration key: other tokens or another model
+  // make it stale).
   std::string state_dir;
   std::string state_key;
 };

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <map>
 #include <optional>
 #include <sstream>
@@ -306,8 +307,7 @@ struct Journal {
   bool done = false;
 };
 
-StatusOr<Journal> ReadJournal(const std::string& job_dir) {
-  const std::string path = job_dir + "/journal.jsonl";
+StatusOr<Journal> ReadJournal(const std::string& path) {
   QCAL_ASSIGN_OR_RETURN(std::string text, ReadFile(path));
   Journal j;
   std::istringstream in(text);
@@ -341,29 +341,43 @@ StatusOr<Journal> ReadJournal(const std::string& job_dir) {
   return j;
 }
 
-// SpinQuant's training losses (phases/rotations.safetensors "losses"; "validation" [k, 2]).
+// A phase's training curve: its products' "losses" and "validation" [k, 2] (step, loss).
 struct Training {
+  std::string phase;
   std::vector<double> losses;
   std::vector<double> val_step, val_loss;
 };
 
-std::optional<Training> ReadTraining(const std::string& job_dir) {
-  const std::string path = job_dir + "/phases/rotations.safetensors";
-  if (!IsFile(path)) return std::nullopt;
-  StatusOr<std::unique_ptr<SafetensorsFile>> f = SafetensorsFile::Open(path);
-  if (!f.ok()) return std::nullopt;
-  Training t;
-  StatusOr<std::vector<float>> losses = (*f)->ReadF32("losses");
-  if (!losses.ok() || losses->empty()) return std::nullopt;
-  t.losses.assign(losses->begin(), losses->end());
-  StatusOr<std::vector<float>> val = (*f)->ReadF32("validation");
-  if (val.ok()) {
-    for (size_t i = 0; i + 1 < val->size(); i += 2) {
-      t.val_step.push_back((*val)[i]);
-      t.val_loss.push_back((*val)[i + 1]);
-    }
+// Every phase product file in `phases_dir` that holds training losses, by phase name.
+std::vector<Training> ReadTrainings(const std::string& phases_dir) {
+  std::vector<Training> out;
+  if (phases_dir.empty()) return out;
+  std::error_code ec;
+  std::vector<std::filesystem::path> files;
+  for (auto it = std::filesystem::directory_iterator(phases_dir, ec);
+       !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    if (it->path().extension() == ".safetensors") files.push_back(it->path());
   }
-  return t;
+  std::sort(files.begin(), files.end());
+  for (const std::filesystem::path& path : files) {
+    if (!IsFile(path.string())) continue;
+    StatusOr<std::unique_ptr<SafetensorsFile>> f = SafetensorsFile::Open(path.string());
+    if (!f.ok()) continue;
+    Training t;
+    t.phase = path.stem().string();
+    StatusOr<std::vector<float>> losses = (*f)->ReadF32("losses");
+    if (!losses.ok() || losses->empty()) continue;
+    t.losses.assign(losses->begin(), losses->end());
+    StatusOr<std::vector<float>> val = (*f)->ReadF32("validation");
+    if (val.ok()) {
+      for (size_t i = 0; i + 1 < val->size(); i += 2) {
+        t.val_step.push_back((*val)[i]);
+        t.val_loss.push_back((*val)[i + 1]);
+      }
+    }
+    out.push_back(std::move(t));
+  }
+  return out;
 }
 
 std::string Table(const std::vector<std::vector<std::string>>& rows) {
@@ -411,32 +425,13 @@ window.addEventListener('load', function () {
 
 }  // namespace
 
-StatusOr<ReportInputs> ResolveJobDirs(const std::string& dir) {
-  ReportInputs in;
-  if (IsFile(dir + "/journal.jsonl")) {
-    in.job_dir = dir;
-  } else if (IsFile(dir + ".job/journal.jsonl")) {
-    in.job_dir = dir + ".job";
-    in.out_dir = dir;
-  } else {
-    return absl::InvalidArgumentError(absl::StrCat(
-        dir, ": neither a job directory (no journal.jsonl) nor a job's output directory (no ",
-        dir, ".job/journal.jsonl)"));
-  }
-  if (in.out_dir.empty()) {
-    QCAL_ASSIGN_OR_RETURN(Journal j, ReadJournal(in.job_dir));
-    in.out_dir = j.start.value("out", "");
-  }
-  return in;
-}
-
-StatusOr<std::string> JournaledModelDir(const std::string& job_dir) {
-  QCAL_ASSIGN_OR_RETURN(Journal j, ReadJournal(job_dir));
-  return j.start.value("model", "");
+StatusOr<JournaledJob> ReadJournaledJob(const std::string& journal) {
+  QCAL_ASSIGN_OR_RETURN(Journal j, ReadJournal(journal));
+  return JournaledJob{j.start.value("model", ""), j.start.value("out", "")};
 }
 
 StatusOr<std::string> RenderReport(const ReportInputs& inputs) {
-  QCAL_ASSIGN_OR_RETURN(Journal j, ReadJournal(inputs.job_dir));
+  QCAL_ASSIGN_OR_RETURN(Journal j, ReadJournal(inputs.journal));
   const std::string recipe = j.start.value("recipe", "?");
   std::string html = absl::StrCat(
       "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>qcal report: ",
@@ -576,13 +571,14 @@ StatusOr<std::string> RenderReport(const ReportInputs& inputs) {
     html += LineChart("ft-train", "Fine-tuning: training loss per epoch",
                       "epoch (groups of linears one after another)", "mean batch MSE", train, true);
   }
-  // Rotation training (SpinQuant).
-  if (std::optional<Training> t = ReadTraining(inputs.job_dir)) {
-    Series loss{"training loss", {}, t->losses};
-    for (size_t i = 0; i < t->losses.size(); ++i) loss.x.push_back(static_cast<double>(i + 1));
+  // Global phases that train (their products hold the losses).
+  for (const Training& t : ReadTrainings(inputs.phases_dir)) {
+    Series loss{"training loss", {}, t.losses};
+    for (size_t i = 0; i < t.losses.size(); ++i) loss.x.push_back(static_cast<double>(i + 1));
     std::vector<Series> s = {loss};
-    if (!t->val_step.empty()) s.push_back({"held-out loss", t->val_step, t->val_loss});
-    html += LineChart("rotation-training", "Rotation training (Cayley SGD)", "step", "loss", s,
+    if (!t.val_step.empty()) s.push_back({"held-out loss", t.val_step, t.val_loss});
+    html += LineChart(absl::StrCat("training-", t.phase),
+                      absl::StrCat("Training in the '", t.phase, "' phase"), "step", "loss", s,
                       false);
   }
   html += "</div>\n";

@@ -3,11 +3,13 @@
 // output error before and after fine-tuning, fine-tuning and rotation-training curves,
 // perplexity and KL against the float model, time per phase and per block, peak memory per rank.
 //
-// Everything comes from the job directory (docs/formats.md "Job directory"): journal.jsonl's
-// job_start / block_done / e2e_done / job_done entries (the latest block_done of each layer) and
-// phases/rotations.safetensors (SpinQuant's training losses). Perplexity and KL are not in the
-// journal: the caller measures them (`qcal report --eval`) and passes them in. Torch-free, so
-// both job drivers write JOB/report.html when a job finishes (runner/workspace.cc).
+// Everything comes from the files of a job the caller names (runner/workspace.h ReportInputsOf
+// names them in the job directory, docs/formats.md "Job directory"): the journal's job_start /
+// block_done / e2e_done / job_done entries (the latest block_done of each layer) and the phase
+// products of the method's global phases (a phase that trains stores its "losses", and
+// "validation" [k, 2] pairs of step and held-out loss: plotted, titled by the phase's name).
+// Perplexity and KL are not in the journal: the caller measures them (`qcal report --eval`) and
+// passes them in. Torch-free, so both job drivers write the report when a job finishes.
 #pragma once
 
 #include <string>
@@ -28,18 +30,18 @@ struct EvalRow {
 };
 
 struct ReportInputs {
-  std::string job_dir;  // holds journal.jsonl
-  std::string out_dir;  // the job's output checkpoint (from the journal when empty)
+  std::string journal;     // the job's journal
+  std::string phases_dir;  // the job's phase products ("": none)
+  std::string out_dir;     // the job's output checkpoint (from the journal when empty)
   std::vector<EvalRow> evals;
 };
 
-// A job directory (it holds journal.jsonl) or an output directory (its job directory is
-// OUT.job, the drivers' default); the output directory is the journal's. InvalidArgument
-// naming the directory when neither.
-StatusOr<ReportInputs> ResolveJobDirs(const std::string& dir);
-
-// The output checkpoint's model directory as the journal's job_start names it ("" if none).
-StatusOr<std::string> JournaledModelDir(const std::string& job_dir);
+// The directories the journal's last job_start names ("" where it names none). InvalidArgument
+// naming the journal when it is unreadable or has no job_start.
+struct JournaledJob {
+  std::string model_dir, out_dir;
+};
+StatusOr<JournaledJob> ReadJournaledJob(const std::string& journal);
 
 // The page. InvalidArgument naming the file for an unreadable journal; a journal without
 // finished blocks renders (it says so).

@@ -11,8 +11,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
-#include "common/input_fingerprint.h"
-#include "common/job_layout.h"
+#include "runner/input_fingerprint.h"
+#include "common/checkpoint_layout.h"
+#include "runner/job_dir.h"
+#include "runner/journal.h"
 #include "common/log.h"
 #include "common/phase_trace.h"
 #include "common/text.h"
@@ -24,6 +26,10 @@
 #include "engine/model/activation_store.h"
 #include "engine/model/tensor_io.h"
 #include "engine/quant/finetune.h"
+#include "runner/budgets.h"
+#include "runner/phase_products.h"
+#include "runner/sequential_store.h"
+#include "runner/shard_writers.h"
 
 namespace qcal::job {
 namespace {
@@ -41,228 +47,6 @@ void Emit(const JobEventFn& on_event, const std::string& phase, int64_t done, in
 
 std::string Resolve(const std::string& root, const std::string& path) {
   return !path.empty() && path[0] == '/' ? path : root + "/" + path;
-}
-
-// Bytes a block task holds besides activations: the block's fp32 weights twice (loaded and
-// transformed or rounded) and the exact Hessian accumulators of its four inputs (16 bytes per
-// entry of one triangle, plus the fp32 product and fp64 mean of the largest).
-int64_t BlockParams(const LlamaConfig& c) {
-  const int64_t h = c.hidden_size, ff = c.intermediate_size;
-  return (c.q_dim() + 2 * c.kv_dim()) * h + h * c.q_dim() + 3 * h * ff;
-}
-int64_t HessianSumBytes(const LlamaConfig& c) {
-  int64_t bytes = 0;
-  for (int64_t n : {c.hidden_size, c.q_dim(), c.hidden_size, c.intermediate_size}) {
-    bytes += n * (n + 1) / 2 * 16;
-  }
-  return bytes;
-}
-int64_t BlockWorkingBytes(const LlamaConfig& c) {
-  const int64_t ff = c.intermediate_size;
-  return 2 * BlockParams(c) * 4 + HessianSumBytes(c) + ff * ff * (4 + 8);
-}
-
-// Whether the ranks shard the Hessian sums (calib::CalibrationOptions::shard_hessians): when a
-// rank would hold more than its max_memory calibrating one block with whole accumulators (the
-// block's fp32 weights plus the exact sums of its four inputs: 11.6 GB at a 70B shape) and there
-// are ranks to share them. A GPU rank sums on its device and never asks. The ranks agree (any
-// rank asking makes all shard), since their budgets may differ by node. Collective.
-StatusOr<bool> ShardHessians(comm::Comm& comm, const JobContext& ctx) {
-  int64_t want = 0;
-  const int64_t need = BlockParams(ctx.config) * 4 + HessianSumBytes(ctx.config);
-  if (comm.size() > 1 && ctx.gpu == nullptr &&
-      need > ctx.options.max_memory) {
-    want = 1;
-  }
-  QCAL_RETURN_IF_ERROR(comm.AllReduceSum(&want, 1));
-  if (want > 0) {
-    QCAL_LOG_INFO("calibration: a block's fp32 weights and exact Hessian sums ({:.2f} GiB) exceed "
-                  "this rank's memory budget ({:.2f} GiB): the {} ranks shard the sums by row "
-                  "bands ({:.2f} GiB each) and gather each other's linear inputs",
-                  need / 1073741824.0, ctx.options.max_memory / 1073741824.0, comm.size(),
-                  HessianSumBytes(ctx.config) / static_cast<double>(comm.size()) / 1073741824.0);
-  }
-  return want > 0;
-}
-
-// The activation budget of a rank: its max_memory less a block's working set.
-int64_t ActivationBudget(const JobContext& ctx) {
-  return std::max<int64_t>(0, ctx.options.max_memory - BlockWorkingBytes(ctx.config));
-}
-
-// Adds the [rows, hidden] float32 table `name` to `writer`, its row chunks
-// (model::TableChunkRows) made by `make(begin, count)` while the writer writes: the table is
-// never whole in memory.
-Status AddTableStreamed(SafetensorsWriter* writer, const std::string& name, int64_t rows,
-                        int64_t hidden,
-                        std::function<StatusOr<at::Tensor>(int64_t, int64_t)> make) {
-  return writer->AddStreamed(
-      name, DType::kF32, {rows, hidden},
-      [name, rows, hidden, make = std::move(make)](const SafetensorsWriter::ByteSink& sink)
-          -> Status {
-        at::NoGradGuard no_grad;
-        const int64_t step = model::TableChunkRows(hidden);
-        for (int64_t begin = 0; begin < rows; begin += step) {
-          const int64_t n = std::min(step, rows - begin);
-          QCAL_ASSIGN_OR_RETURN(at::Tensor chunk, make(begin, n));
-          chunk = chunk.to(at::kFloat).contiguous();
-          if (chunk.dim() != 2 || chunk.size(0) != n || chunk.size(1) != hidden) {
-            return absl::InternalError(absl::StrCat("rows [", begin, ", ", begin + n, ") of '",
-                                                    name, "' came back with shape ",
-                                                    model::ShapeStr(chunk.sizes().vec())));
-          }
-          QCAL_RETURN_IF_ERROR(sink(chunk.data_ptr<float>(),
-                                    static_cast<size_t>(chunk.numel()) * sizeof(float)));
-        }
-        return absl::OkStatus();
-      });
-}
-
-// Shard 0 of a method that transforms the non-block weights, as the attempt's staged file:
-// the embedding table and the (untied) head streamed from the float model in row chunks
-// through the method's row functions, stored F32 (transformed values); the prepared final
-// norm, F32.
-StatusOr<v1::WrittenFile> WritePreparedNonBlockShardStaged(JobContext* ctx,
-                                                           const std::string& attempt) {
-  model::ModelSource* source = ctx->source.get();
-  const methods::Method* method = ctx->method.get();
-  const int64_t vocab = ctx->config.vocab_size, hidden = ctx->config.hidden_size;
-  QCAL_ASSIGN_OR_RETURN(const at::Tensor norm, source->FinalNorm());
-  SafetensorsWriter writer;
-  writer.SetMetadata("format", "pt");
-  QCAL_RETURN_IF_ERROR(AddTableStreamed(
-      &writer, "model.embed_tokens.weight", vocab, hidden,
-      [source, method](int64_t begin, int64_t n) -> StatusOr<at::Tensor> {
-        QCAL_ASSIGN_OR_RETURN(at::Tensor rows, source->Embed(at::arange(begin, begin + n,
-                                                                        at::kLong)));
-        return method->transform().PrepareEmbeddingRows(rows);
-      }));
-  QCAL_RETURN_IF_ERROR(
-      model::AddF32Tensor(&writer, "model.norm.weight", method->transform().PrepareFinalNorm(norm)));
-  QCAL_RETURN_IF_ERROR(AddTableStreamed(
-      &writer, "lm_head.weight", vocab, hidden,
-      [source, method, norm](int64_t begin, int64_t n) -> StatusOr<at::Tensor> {
-        QCAL_ASSIGN_OR_RETURN(at::Tensor rows, source->HeadRows(begin, n));
-        return method->transform().PrepareHeadRows(rows, norm);
-      }));
-  return WriteStagedFile(ctx->options.out_dir, ShardName(0, ctx->config.num_hidden_layers),
-                         attempt, writer);
-}
-
-// Shard 0 after end-to-end fine-tuning, as the attempt's staged file: the embedding table as
-// the float model stores it (not tuned; streamed), the tuned final norm and, when untied, the
-// tuned head (F32).
-StatusOr<v1::WrittenFile> WriteTunedNonBlockShardStaged(JobContext* ctx,
-                                                        const at::Tensor& final_norm,
-                                                        const at::Tensor& head, bool head_tied,
-                                                        const std::string& attempt) {
-  SafetensorsWriter writer;
-  writer.SetMetadata("format", "pt");
-  QCAL_RETURN_IF_ERROR(ctx->source->AddStoredTensor(&writer, "model.embed_tokens.weight"));
-  QCAL_RETURN_IF_ERROR(model::AddF32Tensor(&writer, "model.norm.weight", final_norm));
-  if (!head_tied) QCAL_RETURN_IF_ERROR(model::AddF32Tensor(&writer, "lm_head.weight", head));
-  return WriteStagedFile(ctx->options.out_dir, ShardName(0, ctx->config.num_hidden_layers),
-                         attempt, writer);
-}
-
-// Block `layer`'s shard, as the attempt's staged file.
-StatusOr<v1::WrittenFile> WriteBlockShardStaged(JobContext* ctx, int64_t layer,
-                                                const model::BlockWeights& weights,
-                                                const std::string& attempt) {
-  SafetensorsWriter writer;
-  writer.SetMetadata("format", "pt");
-  writer.SetMetadata("qcal_block", std::to_string(layer));
-  QCAL_RETURN_IF_ERROR(ctx->method->block_format().AppendBlockTensors(layer, weights, &writer));
-  return WriteStagedFile(ctx->options.out_dir,
-                         ShardName(layer + 1, ctx->config.num_hidden_layers), attempt, writer);
-}
-
-// The leading positions of every calibration sequence a sequential method's block tasks drop.
-int64_t DroppedPositions(const JobContext& ctx) {
-  return ctx.method->needs().sequential ? ctx.method->sequential().DroppedCalibrationPositions()
-                                        : 0;
-}
-
-// Block 0's calibration inputs of a sequential method: the embedded tokens (less the positions
-// the method drops), prepared by the method.
-StatusOr<at::Tensor> EmbeddedCalibrationInputs(JobContext* ctx) {
-  QCAL_RETURN_IF_ERROR(EnsureCalibrationTokens(ctx));
-  at::NoGradGuard no_grad;
-  const int64_t dropped = DroppedPositions(*ctx);
-  QCAL_ASSIGN_OR_RETURN(
-      at::Tensor rows,
-      ctx->source->Embed(ctx->tokens.narrow(1, dropped, ctx->tokens.size(1) - dropped)));
-  return ctx->method->transform().PrepareEmbeddingRows(rows);
-}
-
-// A sequential inputs file of block `layer` ([seqs, seq_len less the dropped positions,
-// hidden]); nullopt when it is gone (removed once its block was done), FailedPrecondition when
-// unusable.
-StatusOr<std::optional<at::Tensor>> LoadSequentialFile(JobContext* ctx, const std::string& path,
-                                                       int64_t layer, const char* what) {
-  const std::vector<int64_t> shape = {ctx->recipe.calibration.num_sequences,
-                                      ctx->seq_len - DroppedPositions(*ctx),
-                                      ctx->config.hidden_size};
-  auto loaded = calib::LoadActivation(path, ctx->calib_key, shape);
-  if (loaded.ok()) return std::optional<at::Tensor>(std::move(*loaded));
-  if (!absl::IsNotFound(loaded.status())) {
-    return absl::FailedPreconditionError(absl::StrCat("block ", layer, ": unusable ", what, ": ",
-                                                      loaded.status().message()));
-  }
-  return std::optional<at::Tensor>();
-}
-
-// The float model's inputs to block `layer` (MethodNeeds::sequential_float): saved by block
-// layer-1's task, or rebuilt through the float blocks before it.
-StatusOr<at::Tensor> SequentialFloatInputs(JobContext* ctx, int64_t layer) {
-  if (layer == 0) return EmbeddedCalibrationInputs(ctx);
-  const std::string path = SequentialFloatInputsPath(ctx->options.job_dir, layer);
-  QCAL_ASSIGN_OR_RETURN(std::optional<at::Tensor> loaded,
-                        LoadSequentialFile(ctx, path, layer, "float inputs"));
-  if (loaded) return std::move(*loaded);
-  QCAL_LOG_WARN("block {}: {} is missing; recomputing it through float blocks 0..{}", layer,
-                path, layer - 1);
-  QCAL_ASSIGN_OR_RETURN(at::Tensor x, EmbeddedCalibrationInputs(ctx));
-  for (int64_t l = 0; l < layer; ++l) {
-    QCAL_ASSIGN_OR_RETURN(model::BlockWeights w, ctx->source->LoadBlockWeights(l));
-    QCAL_RETURN_IF_ERROR(ctx->method->transform().PrepareBlock(l, &w));
-    QCAL_ASSIGN_OR_RETURN(x, ctx->method->sequential().PropagateFloatBlock(
-                                 std::move(w), l, x, ctx->source->rope(),
-                                 ctx->options.calib_batch));
-  }
-  return x;
-}
-
-// The calibration inputs of block `layer` of a sequential method (see QuantizeBlockStep).
-StatusOr<at::Tensor> SequentialInputs(JobContext* ctx, int64_t layer) {
-  const int64_t blocks = ctx->config.num_hidden_layers;
-  auto embedded = [&]() { return EmbeddedCalibrationInputs(ctx); };
-  if (layer == 0) return embedded();
-  const std::string path = SequentialInputsPath(ctx->options.job_dir, layer);
-  QCAL_ASSIGN_OR_RETURN(std::optional<at::Tensor> loaded,
-                        LoadSequentialFile(ctx, path, layer, "calibration inputs"));
-  if (loaded) return std::move(*loaded);
-  // Gone (removed after block `layer` was done once, which is now being redone): rebuild from the
-  // embedding through the quantized blocks before it, as committed in out_dir.
-  QCAL_LOG_WARN("block {}: {} is missing; recomputing it through blocks 0..{} read back from {}",
-                layer, path, layer - 1, ctx->options.out_dir);
-  QCAL_ASSIGN_OR_RETURN(at::Tensor x, embedded());
-  std::vector<std::string> shards;
-  for (int64_t l = 0; l < layer; ++l) shards.push_back(ShardName(l + 1, blocks));
-  auto ckpt = CheckpointReader::OpenShards(ctx->options.out_dir, shards);
-  if (!ckpt.ok()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "block ", layer, ": no calibration inputs (", path,
-        ") and the earlier blocks cannot be read back: ", ckpt.status().message()));
-  }
-  for (int64_t l = 0; l < layer; ++l) {
-    QCAL_ASSIGN_OR_RETURN(model::BlockWeights w,
-                          ctx->method->block_format().LoadBlock(**ckpt, l));
-    QCAL_ASSIGN_OR_RETURN(x, ctx->method->sequential().PropagateFinishedBlock(
-                                 std::move(w), l, x, ctx->source->rope(),
-                                 ctx->options.calib_batch));
-  }
-  return x;
 }
 
 }  // namespace
@@ -284,7 +68,7 @@ StatusOr<std::unique_ptr<JobContext>> OpenJob(const Recipe& recipe,
   auto ctx = std::make_unique<JobContext>();
   ctx->recipe = recipe;
   ctx->options = options;
-  if (ctx->options.job_dir.empty()) ctx->options.job_dir = ctx->options.out_dir + ".job";
+  ctx->options.job_dir = JobDirFor(ctx->options.job_dir, ctx->options.out_dir);
   if (ctx->options.data_root.empty()) ctx->options.data_root = "../shared";
   if (ctx->options.calib_batch < 1) ctx->options.calib_batch = 8;
   if (ctx->options.max_memory <= 0) ctx->options.max_memory = model::DefaultMaxMemory();
@@ -326,7 +110,7 @@ StatusOr<std::unique_ptr<JobContext>> OpenJob(const Recipe& recipe,
   if (ctx->options.inputs_key.empty()) {
     QCAL_ASSIGN_OR_RETURN(InputsFingerprint inputs,
                           FingerprintInputs(recipe, options.model_dir, ctx->options.data_root,
-                                            ctx->options.job_dir + "/inputs.json"));
+                                            JobPaths(ctx->options.job_dir).inputs));
     ctx->options.inputs_key = inputs.key;
   }
   ctx->calib_key = calib::CalibrationKey(ctx->options.inputs_key, ctx->config,
@@ -357,58 +141,18 @@ Status EnsureCalibrationTokens(JobContext* ctx) {
   return absl::OkStatus();
 }
 
-std::string PhaseProductsPath(const std::string& job_dir, const std::string& phase) {
-  return absl::StrCat(job_dir, "/phases/", phase, ".safetensors");
+calib::CalibrationDirs CalibrationDirsOf(const std::string& job_dir) {
+  const JobPaths paths(job_dir);
+  return {paths.hessians, paths.activations, paths.spill};
 }
 
-Status SavePhaseProducts(const std::string& path, const methods::PhaseProducts& products,
-                         const std::string& phase, const std::string& key) {
-  SafetensorsWriter writer;
-  writer.SetMetadata("calibration_key", key);
-  writer.SetMetadata("phase", phase);
-  for (const auto& [name, t] : products) {
-    QCAL_RETURN_IF_ERROR(model::AddF64Tensor(&writer, name, t.detach().to(at::kDouble)));
-  }
-  QCAL_RETURN_IF_ERROR(writer.Write(path));
-  return calib::WriteCacheChecksum(path);
-}
-
-StatusOr<methods::PhaseProducts> LoadPhaseProducts(const std::string& path,
-                                                   const std::string& phase,
-                                                   const std::string& key) {
-  std::error_code ec;
-  if (!std::filesystem::exists(path, ec)) {
-    return absl::NotFoundError(absl::StrCat(path, ": no products of phase '", phase, "'"));
-  }
-  const Status verified = calib::VerifyCacheChecksum(path);
-  if (!verified.ok()) return absl::DataLossError(verified.message());
-  QCAL_ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open(path));
-  const auto& meta = file->metadata();
-  auto it = meta.find("calibration_key");
-  auto ph = meta.find("phase");
-  if (it == meta.end() || it->second != key || ph == meta.end() || ph->second != phase) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        path, ": made for another calibration or phase (stale): it is recomputed"));
-  }
-  methods::PhaseProducts out;
-  for (const TensorInfo& info : file->tensors()) {
-    if (info.dtype != DType::kF64) {
-      return absl::DataLossError(
-          absl::StrCat(path, ": tensor '", info.name, "' is not F64"));
-    }
-    at::Tensor t = at::empty(info.shape, at::kDouble);
-    std::memcpy(t.data_ptr<double>(), file->Data(info), t.numel() * sizeof(double));
-    out[info.name] = t;
-  }
-  return out;
-}
 
 namespace {
 
 // One global phase (see CalibrateStep). Collective.
 Status GlobalPhaseStep(comm::Comm& comm, JobContext* ctx, const std::string& phase,
                        const JobEventFn& on_event) {
-  const std::string path = PhaseProductsPath(ctx->options.job_dir, phase);
+  const std::string path = JobPaths(ctx->options.job_dir).PhaseProducts(phase);
   int64_t reuse = 0;
   if (comm.rank() == 0) {
     auto cached = LoadPhaseProducts(path, phase, ctx->calib_key);
@@ -431,7 +175,7 @@ Status GlobalPhaseStep(comm::Comm& comm, JobContext* ctx, const std::string& pha
   in.batch = ctx->options.calib_batch;
   in.bos_id = ctx->bos_id;
   in.max_memory = ctx->options.max_memory;
-  in.state_dir = ctx->options.job_dir + "/phases";
+  in.state_dir = JobPaths(ctx->options.job_dir).phases;
   in.state_key = ctx->calib_key;
   StatusOr<methods::PhaseProducts> products = [&]() -> StatusOr<methods::PhaseProducts> {
     QCAL_ASSIGN_OR_RETURN(const methods::GlobalPhase* part, ctx->method->phase(phase));
@@ -439,7 +183,7 @@ Status GlobalPhaseStep(comm::Comm& comm, JobContext* ctx, const std::string& pha
   }();
   Status saved = products.status();
   if (saved.ok() && comm.rank() == 0) {
-    saved = MakeDirs(ctx->options.job_dir + "/phases");
+    saved = MakeDirs(JobPaths(ctx->options.job_dir).phases);
     if (saved.ok()) saved = SavePhaseProducts(path, *products, phase, ctx->calib_key);
   }
   int64_t failed = saved.ok() ? 0 : 1;
@@ -534,8 +278,9 @@ Status CalibrationWalk(comm::Comm& comm, JobContext* ctx, bool hessians, bool ac
            : "");
   QCAL_ASSIGN_OR_RETURN(
       calib::CalibrationResult calib,
-      calib::Calibrate(comm, *ctx->source, ctx->tokens, ctx->options.job_dir, ctx->calib_key,
-                       options, [&](int64_t d, int64_t t) { Emit(on_event, walk_phase, d, t); }));
+      calib::Calibrate(comm, *ctx->source, ctx->tokens, CalibrationDirsOf(ctx->options.job_dir),
+                       ctx->calib_key, options,
+                       [&](int64_t d, int64_t t) { Emit(on_event, walk_phase, d, t); }));
   if (options.hessians && options.activations) {
     Emit(on_event, "activations", blocks, blocks,
          calib.activations_from_cache ? "cached" : "saved in the calibration pass");
@@ -553,13 +298,6 @@ Status CalibrationWalk(comm::Comm& comm, JobContext* ctx, bool hessians, bool ac
 
 }  // namespace
 
-std::string SequentialInputsPath(const std::string& job_dir, int64_t layer) {
-  return absl::StrCat(job_dir, "/sequential/inputs-", layer, ".safetensors");
-}
-
-std::string SequentialFloatInputsPath(const std::string& job_dir, int64_t layer) {
-  return absl::StrCat(job_dir, "/sequential/float-inputs-", layer, ".safetensors");
-}
 
 StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
                                             const std::string& attempt,
@@ -572,28 +310,12 @@ StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
         absl::StrCat("block ", layer, " does not exist (the model has ", blocks, ")"));
   }
   const MethodNeeds needs = ctx->recipe.needs();
-  const std::string& job_dir = ctx->options.job_dir;
+  const JobPaths paths(ctx->options.job_dir);
   PhaseTrace trace;
 
-  // The method's global phases' products; the method is made again with them (its parts that
-  // depend on them, such as learned rotations or a prefix, get them at construction) before
-  // anything is prepared.
+  // The method with its global phases' products, before anything is prepared.
   if (!needs.global_phases.empty()) trace.Begin("load phase products");
-  methods::PhaseProductsByName phases;
-  for (const std::string& phase : needs.global_phases) {
-    auto products =
-        LoadPhaseProducts(PhaseProductsPath(job_dir, phase), phase, ctx->calib_key);
-    if (!products.ok()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("block ", layer, ": no usable products of phase ", phase,
-                       " (run calibration first): ", products.status().message()));
-    }
-    phases[phase] = std::move(*products);
-  }
-  if (!phases.empty() && !ctx->method_bound) {
-    QCAL_ASSIGN_OR_RETURN(ctx->method, methods::MakeMethod(ctx->recipe, config, phases));
-    ctx->method_bound = true;
-  }
+  QCAL_RETURN_IF_ERROR(BindPhaseProducts(ctx, layer));
 
   // The float block, streamed in and prepared by the method.
   trace.Begin("read weights");
@@ -616,7 +338,7 @@ StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
   calib::BlockHessians hessians;
   if (needs.float_hessians) {
     // Mapped: each kind's mean is made from the file when its first linear asks for it.
-    auto h = calib::LoadBlockHessians(calib::HessianPath(job_dir, layer), ctx->calib_key,
+    auto h = calib::LoadBlockHessians(calib::HessianPath(paths.hessians, layer), ctx->calib_key,
                                       /*mapped=*/true);
     if (!h.ok()) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -629,11 +351,12 @@ StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
   if (needs.float_activations) {
     const std::vector<int64_t> shape = {ctx->recipe.calibration.num_sequences, ctx->seq_len,
                                         config.hidden_size};
-    auto inputs =
-        calib::LoadActivation(calib::ActivationPath(job_dir, layer), ctx->calib_key, shape);
-    auto targets = inputs.ok() ? calib::LoadActivation(calib::ActivationPath(job_dir, layer + 1),
-                                                       ctx->calib_key, shape)
-                               : inputs;
+    auto inputs = calib::LoadActivation(calib::ActivationPath(paths.activations, layer),
+                                        ctx->calib_key, shape);
+    auto targets = inputs.ok()
+                       ? calib::LoadActivation(calib::ActivationPath(paths.activations, layer + 1),
+                                               ctx->calib_key, shape)
+                       : inputs;
     if (!inputs.ok() || !targets.ok()) {
       const Status& s = inputs.ok() ? targets.status() : inputs.status();
       return absl::FailedPreconditionError(absl::StrCat(
@@ -664,25 +387,13 @@ StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
     // from (so a damaged or stale cache can be found and removed).
     return Annotate(quantized.status(),
                     absl::StrCat("block ", layer, " (Hessians from ",
-                                 calib::HessianPath(job_dir, layer), ")"));
+                                 calib::HessianPath(paths.hessians, layer), ")"));
   }
   QCAL_RETURN_IF_ERROR(quantized.status());
   quant::BlockTaskResult task = std::move(*quantized);
   trace.Begin("write");
-  if (in.propagate) {
-    QCAL_RETURN_IF_ERROR(MakeDirs(job_dir + "/sequential"));
-    QCAL_RETURN_IF_ERROR(
-        calib::SaveActivation(SequentialInputsPath(job_dir, layer + 1), x, ctx->calib_key));
-    if (in.x_float != nullptr) {
-      QCAL_RETURN_IF_ERROR(calib::SaveActivation(SequentialFloatInputsPath(job_dir, layer + 1),
-                                                 x_float, ctx->calib_key));
-    }
-  }
-  if (needs.sequential && layer > 0) {
-    // Block l-1 is journaled (blocks are handed out in order): its inputs are no longer needed.
-    std::remove(SequentialInputsPath(job_dir, layer - 1).c_str());
-    std::remove(SequentialFloatInputsPath(job_dir, layer - 1).c_str());
-  }
+  if (in.propagate) QCAL_RETURN_IF_ERROR(SaveSequentialInputs(ctx, layer, x, in.x_float));
+  if (needs.sequential && layer > 0) DropSequentialInputs(ctx, layer);
 
   v1::BlockResult result;
   result.set_layer(layer);
@@ -771,10 +482,10 @@ StatusOr<v1::FinetuneResult> FinetuneE2EStep(JobContext* ctx,
     for (int64_t b = 0; b < n; b += batch) {
       shapes.push_back({std::min(n, b + batch) - b, ctx->tokens.size(1), config.hidden_size});
     }
-    QCAL_RETURN_IF_ERROR(MakeDirs(ctx->options.job_dir + "/spill"));
+    QCAL_RETURN_IF_ERROR(MakeDirs(JobPaths(ctx->options.job_dir).spill));
     QCAL_ASSIGN_OR_RETURN(auto store, model::ActivationStore::Create(
                                           shapes, ActivationBudget(*ctx),
-                                          ctx->options.job_dir + "/spill/teacher.f32"));
+                                          JobPaths(ctx->options.job_dir).spill + "/teacher.f32"));
     for (int64_t c = 0; c < store->chunks(); ++c) {
       QCAL_ASSIGN_OR_RETURN(at::Tensor x,
                             ctx->source->Embed(ctx->tokens.narrow(0, c * batch, shapes[c][0])));
@@ -858,9 +569,10 @@ StatusOr<v1::EvalResult> EvaluateStep(JobContext* ctx, const v1::EvalParams& par
   eval::StreamOptions stream;
   stream.memory_budget_bytes = ActivationBudget(*ctx);
   stream.device = ctx->torch_device;
-  QCAL_RETURN_IF_ERROR(MakeDirs(ctx->options.job_dir + "/spill"));
-  stream.spill_path = absl::StrCat(ctx->options.job_dir, "/spill/eval-", params.model(), "-",
-                                   params.label(), ".f32");
+  QCAL_RETURN_IF_ERROR(MakeDirs(JobPaths(ctx->options.job_dir).spill));
+  stream.spill_path =
+      absl::StrCat(JobPaths(ctx->options.job_dir).spill, "/eval-", params.model(), "-",
+                   params.label(), ".f32");
   const std::string phase = absl::StrCat("eval ", params.label(), " ", params.model());
   stream.block_progress = [&](int64_t d, int64_t t) { Emit(on_event, phase, d, t); };
   QCAL_ASSIGN_OR_RETURN(eval::PerplexityResult r,

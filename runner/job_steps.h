@@ -13,7 +13,11 @@
 //   FinetuneE2EStep   end-to-end fine-tuning: rewrites every shard (staged); FinetuneResult
 //   EvaluateStep      perplexity of the float or the quantized model on one text file, one block
 //                     in memory at a time
-//   FinalizeJob       (common/job_layout.h) by whoever owns the journal
+//   FinalizeJob       (runner/job_plan.h) by whoever owns the journal
+//
+// What the steps share lives in small files beside this one: budgets.h (memory budgets, the
+// sharding vote), shard_writers.h (staged shards), sequential_store.h (a sequential method's
+// block inputs), phase_products.h (global phases' products).
 //
 // Steps only read the source model, the job directory's calibration products and the committed
 // output, and write staged files, so a step run on any rank (after CalibrateStep finished on all
@@ -34,6 +38,7 @@
 #include "kernels/gpu_backend.h"
 #include "methods/method.h"
 #include "proto/job.pb.h"
+#include "engine/calib/cache.h"
 #include "engine/comm/comm.h"
 #include "engine/model/model_source.h"
 
@@ -42,11 +47,11 @@ namespace qcal::job {
 struct QuantizeJobOptions {
   std::string model_dir;
   std::string out_dir;
-  std::string job_dir;    // default: out_dir + ".job"
+  std::string job_dir;    // default: DefaultJobDir(out_dir) (runner/job_dir.h)
   std::string data_root;  // where recipe calibration paths are resolved (default "../shared")
   std::string recipe_source = "recipe";  // the recipe's file, for messages
   // Replace a finished checkpoint in out_dir that job_dir's journal did not write (otherwise
-  // refused: common/job_inputs.h).
+  // refused: runner/job_inputs.h).
   bool overwrite = false;
   int64_t calib_batch = 8;
   int threads = 0;        // 0: model::AutoComputeThreads
@@ -56,7 +61,7 @@ struct QuantizeJobOptions {
   // GPU ranks: the NCCL all-reduce of device buffers (calib::CalibrationOptions::device_sum);
   // empty on CPU ranks and in single-process jobs.
   kernels::DeviceInt64Sum device_sum;
-  // The job's inputs key (common/input_fingerprint.h), as the job's driver planned it (`qcal
+  // The job's inputs key (runner/input_fingerprint.h), as the job's driver planned it (`qcal
   // quantize`'s plan, or the coordinator's, handed to the workers at registration); empty: OpenJob
   // fingerprints the inputs itself (hashes cached in JOB/inputs.json).
   std::string inputs_key;
@@ -91,7 +96,7 @@ struct JobContext {
   bool method_bound = false;
 };
 
-// Resolves the options (job_dir default out_dir + ".job", data_root default "../shared",
+// Resolves the options (job_dir default DefaultJobDir(out_dir), data_root default "../shared",
 // max_memory, inputs_key), opens the float model as a streamed source, makes the recipe's method
 // and sets the compute threads (options.threads, else AutoComputeThreads). A calibration
 // seq_len above the model's context is capped to it, with a warning (CalibrationSeqLen).
@@ -109,17 +114,17 @@ Status EnsureCalibrationTokens(JobContext* ctx);
 // tokens, then calib::Calibrate over the streamed float model. Events: "calibrate" (block,
 // blocks) for the walk ("activations" when only activations are needed), then "activations"
 // (blocks, blocks) when both were made. Then, when params.phases() is set, the method's global
-// phases in order (MethodNeeds::global_phases), each reused from job_dir/phases/<phase>.safetensors
+// phases in order (MethodNeeds::global_phases), each reused from JobPaths::PhaseProducts
 // when that holds this calibration's products (its checksum verified), else run on every rank
 // and saved by rank 0; event "phase" (0/1, 1/1) with the phase's name.
 StatusOr<v1::CalibrateResult> CalibrateStep(comm::Comm& comm, JobContext* ctx,
                                             const v1::CalibrateParams& params,
                                             const JobEventFn& on_event = nullptr);
 
-// Quantizes block `layer` and writes its shard as `attempt`'s staged file (job_layout.h). When
+// Quantizes block `layer` and writes its shard as `attempt`'s staged file (job_dir.h). When
 // the method needs the float model's Hessians / activations they are read from the job
 // directory (FailedPrecondition naming the file when missing). When it calibrates sequentially,
-// block l reads its inputs from job_dir/sequential/inputs-<l>.safetensors (block 0: the embedded
+// block l reads its inputs from JobPaths::SequentialInputs(l) (block 0: the embedded
 // calibration tokens, prepared by the method), writes block l+1's and deletes block l-1's, so
 // block l-1 must be done first (the scheduler hands these blocks out in order); lost inputs are
 // rebuilt from the committed shards of the blocks before. A method that transforms the non-block
@@ -130,22 +135,9 @@ StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
                                             const std::string& attempt,
                                             const JobEventFn& on_event = nullptr);
 
-// job_dir/phases/<phase>.safetensors: a global phase's products, every tensor F64 (exact for
-// float32 values and whole numbers below 2^53), metadata calibration_key and phase, with the
-// cache checksum beside it (calib::CacheChecksumPath).
-std::string PhaseProductsPath(const std::string& job_dir, const std::string& phase);
-Status SavePhaseProducts(const std::string& path, const methods::PhaseProducts& products,
-                         const std::string& phase, const std::string& key);
-// NotFound when absent; FailedPrecondition for another calibration key or phase; DataLoss for a
-// checksum mismatch or a malformed file (naming it).
-StatusOr<methods::PhaseProducts> LoadPhaseProducts(const std::string& path,
-                                                   const std::string& phase,
-                                                   const std::string& key);
+// The job directory's calibration directories (runner/job_dir.h), as the engine receives them.
+calib::CalibrationDirs CalibrationDirsOf(const std::string& job_dir);
 
-// job_dir/sequential/inputs-<layer>.safetensors.
-std::string SequentialInputsPath(const std::string& job_dir, int64_t layer);
-// job_dir/sequential/float-inputs-<layer>.safetensors (MethodNeeds::sequential_float).
-std::string SequentialFloatInputsPath(const std::string& job_dir, int64_t layer);
 
 // End-to-end fine-tuning of the quantized model read back from its committed shards (all block
 // shards must be there) against the float model (streamed): writes every shard again (staged,

@@ -9,11 +9,13 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
-#include "common/job_inputs.h"
+#include "runner/job_inputs.h"
 #include "common/safe_fs.h"
-#include "common/job_layout.h"
+#include "runner/job_dir.h"
+#include "runner/journal.h"
+#include "runner/job_plan.h"
 #include "common/phase_trace.h"
-#include "common/task_plan.h"
+#include "runner/task_plan.h"
 #include "engine/comm/comm.h"
 #include "runner/scheduler.h"
 #include "runner/task_executor.h"
@@ -186,7 +188,7 @@ StatusOr<QuantizeJobResult> RunQuantizeJob(const Recipe& recipe, const QuantizeJ
   // Where the job writes is made canonical once, here: below it no component may be a link
   // (common/safe_fs.h).
   QCAL_ASSIGN_OR_RETURN(opt.out_dir, CanonicalPath(opt.out_dir));
-  if (opt.job_dir.empty()) opt.job_dir = opt.out_dir + ".job";
+  opt.job_dir = JobDirFor(opt.job_dir, opt.out_dir);
   QCAL_ASSIGN_OR_RETURN(opt.job_dir, CanonicalPath(opt.job_dir));
   if (opt.data_root.empty()) opt.data_root = "../shared";
 

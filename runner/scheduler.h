@@ -36,7 +36,7 @@
 #include <vector>
 
 #include "common/status.h"
-#include "common/task_plan.h"
+#include "runner/task_plan.h"
 #include "proto/qcal.pb.h"
 
 namespace qcal::job {

@@ -21,7 +21,7 @@ class DiskWorkspace : public JobWorkspace {
     QCAL_ASSIGN_OR_RETURN(JobPlan plan, PlanJob(recipe, spec.model_dir(), spec.out_dir(),
                                                 JobDirOf(spec), spec.data_root()));
     QCAL_ASSIGN_OR_RETURN(lock_, OutputDirLock::Acquire(spec.out_dir()));
-    QCAL_ASSIGN_OR_RETURN(Journal journal, Journal::Open(plan.job_dir + "/journal.jsonl"));
+    QCAL_ASSIGN_OR_RETURN(Journal journal, Journal::Open(JobPaths(plan.job_dir).journal));
     journal_.emplace(std::move(journal));
     out_dir_ = spec.out_dir();
     num_blocks_ = plan.num_blocks;
@@ -59,11 +59,11 @@ class DiskWorkspace : public JobWorkspace {
     QCAL_ASSIGN_OR_RETURN(nlohmann::json summary,
                           FinalizeJob(recipe, spec.model_dir(), spec.out_dir(), &*journal_));
     // The job report (report/report.h); the checkpoint is finished whether or not it is written.
-    const std::string job_dir = JobDirOf(spec);
-    const Status written = report::WriteReport({job_dir, spec.out_dir(), {}},
-                                               job_dir + "/report.html");
+    const JobPaths paths(JobDirOf(spec));
+    const Status written =
+        report::WriteReport(ReportInputsOf(paths.dir, spec.out_dir()), paths.report);
     if (written.ok()) {
-      summary["report"] = job_dir + "/report.html";
+      summary["report"] = paths.report;
     } else {
       QCAL_LOG_WARN("the job report was not written: {}", written.ToString());
     }
@@ -87,7 +87,16 @@ std::unique_ptr<JobWorkspace> MakeDiskWorkspace(std::string holder) {
 }
 
 std::string JobDirOf(const v1::JobSpec& spec) {
-  return spec.job_dir().empty() ? spec.out_dir() + ".job" : spec.job_dir();
+  return JobDirFor(spec.job_dir(), spec.out_dir());
+}
+
+report::ReportInputs ReportInputsOf(const std::string& job_dir, const std::string& out_dir) {
+  const JobPaths paths(job_dir);
+  report::ReportInputs in;
+  in.journal = paths.journal;
+  in.phases_dir = paths.phases;
+  in.out_dir = out_dir;
+  return in;
 }
 
 }  // namespace qcal::job

@@ -1,6 +1,7 @@
 // The job directory side of a job, behind an interface so the coordinator's JobManager is
 // testable without real checkpoints (tests/coordinator/fakes.h). The disk implementation is
-// common/job_layout: planning, journal, staged files and their commit, finalization. Both drivers
+// runner/job_dir.h, journal.h and job_plan.h: planning, journal, staged files and their commit,
+// finalization. Both drivers
 // of a job's task plan use it (runner/run_job.h: `qcal quantize` in process, the coordinator with
 // remote workers), so both write identical checkpoints.
 //
@@ -16,10 +17,12 @@
 
 #include <nlohmann/json.hpp>
 
-#include "common/job_layout.h"
+#include "runner/job_dir.h"
+#include "runner/job_plan.h"
 #include "common/recipe.h"
 #include "common/status.h"
 #include "proto/qcal.pb.h"
+#include "report/report.h"
 
 namespace qcal::job {
 
@@ -55,11 +58,15 @@ class JobWorkspace {
 
 using WorkspaceFactory = std::function<std::unique_ptr<JobWorkspace>()>;
 
-// common/job_layout on the local (shared) filesystem. `holder` names the driver in the job
+// The job directory on the local (shared) filesystem. `holder` names the driver in the job
 // directory's lock (a second driver's refusal quotes it); empty: "qcal-coordinator, job for OUT".
 std::unique_ptr<JobWorkspace> MakeDiskWorkspace(std::string holder = "");
 
-// The job directory a spec resolves to (job_dir, or out_dir + ".job").
+// The job directory a spec resolves to (JobDirFor: job_dir, or DefaultJobDir(out_dir)).
 std::string JobDirOf(const v1::JobSpec& spec);
+
+// What the job report reads from a job directory (its journal and phase products), for the
+// job whose output is `out_dir` ("": the journal's).
+report::ReportInputs ReportInputsOf(const std::string& job_dir, const std::string& out_dir);
 
 }  // namespace qcal::job

@@ -9,11 +9,11 @@
 #
 # Usage: scripts/fuzz.sh [SECONDS | -runs=N] [TARGET ...]   (default: 60 s each, every target)
 #
-# Configures build-fuzz/ with clang and -DQCAL_FUZZ=ON (only proto/, common/, the method specs
-# and tests/fuzz/ are built), writes a seed corpus per target, and runs each fuzzer for SECONDS
-# (or exactly N executions). Exits non-zero if any fuzzer finds a crash, leak, sanitizer report
-# or timeout; the input is kept under build-fuzz/fuzz-<target>/artifacts/. Prints one summary
-# line per target (executions, seconds, peak RSS). JOBS sets the build parallelism (default 2);
+# Configures build-fuzz/ with clang and -DQCAL_FUZZ=ON (only proto/, common/, the method specs,
+# runner/'s torch-free job module and tests/fuzz/ are built), writes a seed corpus per target,
+# and runs each fuzzer for SECONDS (or exactly N executions). Exits non-zero if any fuzzer finds
+# a crash, leak, sanitizer report or timeout; the input is kept under
+# build-fuzz/fuzz-<target>/artifacts/. Prints one summary line per target (executions, seconds, peak RSS). JOBS sets the build parallelism (default 2);
 # QCAL_FUZZ_TIMEOUT the seconds one input may take (default 10; raise it when the machine is
 # shared, or a starved run reports a timeout).
 set -euo pipefail

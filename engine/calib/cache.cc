@@ -62,12 +62,12 @@ std::string CalibrationKey(const std::string& inputs_key, const LlamaConfig& con
   return Fnv1aHex(canon);
 }
 
-std::string HessianPath(const std::string& job_dir, int64_t block) {
-  return absl::StrCat(job_dir, "/hessians/block_", block, ".safetensors");
+std::string HessianPath(const std::string& hessian_dir, int64_t block) {
+  return absl::StrCat(hessian_dir, "/block_", block, ".safetensors");
 }
 
-std::string ActivationPath(const std::string& job_dir, int64_t boundary) {
-  return absl::StrCat(job_dir, "/activations/block_", boundary, ".safetensors");
+std::string ActivationPath(const std::string& activation_dir, int64_t boundary) {
+  return absl::StrCat(activation_dir, "/block_", boundary, ".safetensors");
 }
 
 std::string CacheChecksumPath(const std::string& path) { return path + ".fnv1a64"; }

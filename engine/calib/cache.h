@@ -1,16 +1,18 @@
 // The calibration products cached in the job directory: their keys, file names and checksums,
 // and their files.
 //
-// Files (job_dir): hessians/block_<l>.safetensors, per kind "<kind>.fixed" (I64 [n(n+1)/2, 2]:
+// Files (in the directories the job driver gives, CalibrationDirs: runner/job_dir.h names them
+// JOB/hessians, JOB/activations, JOB/spill): HESSIANS/block_<l>.safetensors, per kind "<kind>.fixed" (I64 [n(n+1)/2, 2]:
 // the exact int128 sums T as little-endian (low, high) words), "<kind>.dim" (I64, n) and
 // "<kind>.count" (I64), metadata calibration_key and hessian_format "3". Files of older formats
 // ("2" also held an fp64 copy of the sums, doubling the file; without hessian_format: fp64
-// sums only) are treated as stale and recomputed. activations/block_<l>.safetensors:
+// sums only) are treated as stale and recomputed. ACTIVATIONS/block_<l>.safetensors:
 // tensor "hidden" [N, S, hidden] F32 = the float model's input of block l (l = num_blocks: the
 // last block's output), all N sequences in order, metadata calibration_key. Rank 0 writes the
 // Hessian files (with sharded Hessians every rank writes its band of each triangle in place, and
 // the bytes are the same); every rank writes its own rows of the activation files
 // (SharedSafetensorsFile); all read them from the shared job directory when they need them.
+// Activations above the memory budget are spilled to SPILL/calibration-rank<r>.f32.
 #pragma once
 
 #include <cstdint>
@@ -29,13 +31,22 @@
 
 namespace qcal::calib {
 
-// A stable key for cached calibration products: the job's inputs key (common/input_fingerprint.h:
+// A stable key for cached calibration products: the job's inputs key (runner/input_fingerprint.h:
 // the model's and the data's content, the recipe, the job format), the config and the sampling
 // settings. Products with another key are recomputed, never reused.
 std::string CalibrationKey(const std::string& inputs_key, const LlamaConfig& config,
                            const CalibrationSpec& spec, int64_t seq_len);
 
-std::string HessianPath(const std::string& job_dir, int64_t block);
+// Where the calibration products go: directories on the shared filesystem, named by the caller
+// (the engine names the files inside them, never the directories).
+struct CalibrationDirs {
+  std::string hessians;     // block_<l>.safetensors (+ checksums)
+  std::string activations;  // block_<l>.safetensors (+ checksums)
+  std::string spill;        // calibration-rank<r>.f32 above the memory budget
+};
+
+// HESSIANS/block_<block>.safetensors.
+std::string HessianPath(const std::string& hessian_dir, int64_t block);
 // Every cache file (Hessians, activations) has a checksum beside it, "<file>.fnv1a64" (the hex
 // FNV-1a 64 of its bytes), written after the file and verified before any reuse: a missing
 // checksum is FailedPrecondition, a mismatch DataLoss naming the file; the calibration phase
@@ -43,9 +54,10 @@ std::string HessianPath(const std::string& job_dir, int64_t block);
 std::string CacheChecksumPath(const std::string& path);
 Status WriteCacheChecksum(const std::string& path);
 Status VerifyCacheChecksum(const std::string& path);
-std::string ActivationPath(const std::string& job_dir, int64_t boundary);
+// ACTIVATIONS/block_<boundary>.safetensors.
+std::string ActivationPath(const std::string& activation_dir, int64_t boundary);
 
-// Saves / loads one block's Hessians (exact sums + counts) under job_dir/hessians/.
+// Saves / loads one block's Hessians (exact sums + counts) at `path` (HessianPath).
 Status SaveBlockHessians(const std::string& path, const BlockHessians& h, const std::string& key);
 // NotFound when absent; FailedPrecondition when present with another key or in the old format
 // (stale cache); DataLoss when malformed. mapped: the sums are not read into the accumulators;

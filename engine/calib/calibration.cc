@@ -27,18 +27,18 @@ struct CachedProducts {
 };
 
 StatusOr<CachedProducts> AgreeOnCache(comm::Comm& comm, int64_t blocks,
-                                      const std::string& job_dir, const std::string& key,
+                                      const CalibrationDirs& dirs, const std::string& key,
                                       const CalibrationOptions& options,
                                       const std::vector<int64_t>& act_shape) {
   int64_t cached[2] = {0, 0};  // hessians, activations
   Status local;
   if (comm.rank() == 0) {
     local = [&]() -> Status {
-      QCAL_RETURN_IF_ERROR(MakeDirs(job_dir + "/hessians"));
-      if (options.activations) QCAL_RETURN_IF_ERROR(MakeDirs(job_dir + "/activations"));
+      QCAL_RETURN_IF_ERROR(MakeDirs(dirs.hessians));
+      if (options.activations) QCAL_RETURN_IF_ERROR(MakeDirs(dirs.activations));
       bool h_ok = options.hessians;
       for (int64_t l = 0; l < blocks && h_ok; ++l) {
-        auto h = LoadBlockHessians(HessianPath(job_dir, l), key);
+        auto h = LoadBlockHessians(HessianPath(dirs.hessians, l), key);
         h_ok = h.ok();
         if (!h.ok() && !absl::IsNotFound(h.status())) {
           QCAL_LOG_WARN("cached Hessians not reused: {}", std::string(h.status().message()));
@@ -46,7 +46,7 @@ StatusOr<CachedProducts> AgreeOnCache(comm::Comm& comm, int64_t blocks,
       }
       bool a_ok = options.activations;
       for (int64_t l = 0; l <= blocks && a_ok; ++l) {
-        const Status a = CheckActivationCache(ActivationPath(job_dir, l), key, act_shape);
+        const Status a = CheckActivationCache(ActivationPath(dirs.activations, l), key, act_shape);
         a_ok = a.ok();
         if (!a.ok() && !absl::IsNotFound(a)) {
           QCAL_LOG_WARN("cached activations not reused: {}", std::string(a.message()));
@@ -69,12 +69,12 @@ StatusOr<CachedProducts> AgreeOnCache(comm::Comm& comm, int64_t blocks,
 class Walk {
  public:
   Walk(comm::Comm& comm, model::ModelSource& source, const at::Tensor& tokens,
-       const std::string& job_dir, const std::string& key, const CalibrationOptions& options,
+       const CalibrationDirs& dirs, const std::string& key, const CalibrationOptions& options,
        bool hessians, bool activations, CalibrationResult* result)
       : comm_(comm),
         source_(source),
         tokens_(tokens),
-        job_dir_(job_dir),
+        dirs_(dirs),
         key_(key),
         options_(options),
         hessians_(hessians),
@@ -96,10 +96,10 @@ class Walk {
       shapes_.push_back({b - a, seq_len_, hidden_});
       first_seq_.push_back(a);
     }
-    QCAL_RETURN_IF_ERROR(AgreeOk(comm_, MakeDirs(job_dir_ + "/spill"), "calibration"));
+    QCAL_RETURN_IF_ERROR(AgreeOk(comm_, MakeDirs(dirs_.spill), "calibration"));
     auto store_or = model::ActivationStore::Create(
         shapes_, options_.memory_budget_bytes,
-        absl::StrCat(job_dir_, "/spill/calibration-rank", comm_.rank(), ".f32"));
+        absl::StrCat(dirs_.spill, "/calibration-rank", comm_.rank(), ".f32"));
     QCAL_RETURN_IF_ERROR(AgreeOk(comm_, store_or.status(), "calibration"));
     store_ = std::move(*store_or);
     if (store_->spilled()) {
@@ -161,13 +161,13 @@ class Walk {
   Status SaveBoundary(int64_t l) {
     const std::vector<int64_t> act_shape = {num_seqs_, seq_len_, hidden_};
     QCAL_ASSIGN_OR_RETURN(
-        auto file, BeginActivationFile(comm_, ActivationPath(job_dir_, l), key_, act_shape));
+        auto file, BeginActivationFile(comm_, ActivationPath(dirs_.activations, l), key_, act_shape));
     Status rows;
     for (int64_t i = 0; i < store_->chunks() && rows.ok(); ++i) {
       auto x = store_->Get(i);
       rows = x.ok() ? WriteActivationRows(*file, first_seq_[i], *x) : x.status();
     }
-    QCAL_RETURN_IF_ERROR(AgreeOk(comm_, rows, ActivationPath(job_dir_, l)));
+    QCAL_RETURN_IF_ERROR(AgreeOk(comm_, rows, ActivationPath(dirs_.activations, l)));
     return file->Finish(comm_);
   }
 
@@ -218,7 +218,7 @@ class Walk {
     Lap(&result_->reduce_seconds);
     Status saved;
     if (comm_.rank() == 0) {
-      saved = Annotate(SaveBlockHessians(HessianPath(job_dir_, l), h, key_), where);
+      saved = Annotate(SaveBlockHessians(HessianPath(dirs_.hessians, l), h, key_), where);
     }
     QCAL_RETURN_IF_ERROR(AgreeOk(comm_, saved, where));
     Lap(&result_->save_seconds);
@@ -273,12 +273,12 @@ class Walk {
     }
     Lap(&result_->forward_seconds);  // sharded: the gathers of the inputs included
     QCAL_RETURN_IF_ERROR(
-        Annotate(SaveShardedBlockHessians(comm_, HessianPath(job_dir_, l), h, key_), where));
+        Annotate(SaveShardedBlockHessians(comm_, HessianPath(dirs_.hessians, l), h, key_), where));
     Lap(&result_->save_seconds);
     result_->tokens = h.at(HessianKind::kQkv).count();
     h = BlockHessians{};  // the bands are in the file
     if (options_.keep_hessians) {
-      StatusOr<BlockHessians> whole = LoadBlockHessians(HessianPath(job_dir_, l), key_);
+      StatusOr<BlockHessians> whole = LoadBlockHessians(HessianPath(dirs_.hessians, l), key_);
       QCAL_RETURN_IF_ERROR(AgreeOk(comm_, Annotate(whole.status(), where), where));
       result_->hessians[l] = std::move(*whole);
     }
@@ -288,7 +288,7 @@ class Walk {
   comm::Comm& comm_;
   model::ModelSource& source_;
   const at::Tensor& tokens_;
-  const std::string& job_dir_;
+  const CalibrationDirs& dirs_;
   const std::string& key_;
   const CalibrationOptions& options_;
   const bool hessians_, activations_, sharded_;
@@ -309,7 +309,7 @@ kernels::BlockForwardPrecision ForwardPrecision(const CalibrationSpec& spec) {
 }
 
 StatusOr<CalibrationResult> Calibrate(comm::Comm& comm, model::ModelSource& source,
-                                      const at::Tensor& tokens, const std::string& job_dir,
+                                      const at::Tensor& tokens, const CalibrationDirs& dirs,
                                       const std::string& key, const CalibrationOptions& options,
                                       const std::function<void(int64_t, int64_t)>& progress) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -322,7 +322,7 @@ StatusOr<CalibrationResult> Calibrate(comm::Comm& comm, model::ModelSource& sour
   const int64_t blocks = config.num_hidden_layers;
   const std::vector<int64_t> act_shape = {tokens.size(0), tokens.size(1), config.hidden_size};
   QCAL_ASSIGN_OR_RETURN(const CachedProducts cached,
-                        AgreeOnCache(comm, blocks, job_dir, key, options, act_shape));
+                        AgreeOnCache(comm, blocks, dirs, key, options, act_shape));
   const bool walk_hessians = options.hessians && !cached.hessians;
   const bool walk_activations = options.activations && !cached.activations;
   result.from_cache = options.hessians && cached.hessians;
@@ -330,7 +330,7 @@ StatusOr<CalibrationResult> Calibrate(comm::Comm& comm, model::ModelSource& sour
 
   if (walk_hessians || walk_activations) {
     at::NoGradGuard no_grad;
-    Walk walk(comm, source, tokens, job_dir, key, options, walk_hessians, walk_activations,
+    Walk walk(comm, source, tokens, dirs, key, options, walk_hessians, walk_activations,
               &result);
     QCAL_RETURN_IF_ERROR(walk.Start());
     for (int64_t l = 0; l < blocks; ++l) {
@@ -341,7 +341,7 @@ StatusOr<CalibrationResult> Calibrate(comm::Comm& comm, model::ModelSource& sour
   }
   if (result.from_cache && options.keep_hessians) {
     for (int64_t l = 0; l < blocks; ++l) {
-      QCAL_ASSIGN_OR_RETURN(BlockHessians h, LoadBlockHessians(HessianPath(job_dir, l), key));
+      QCAL_ASSIGN_OR_RETURN(BlockHessians h, LoadBlockHessians(HessianPath(dirs.hessians, l), key));
       result.hessians.push_back(std::move(h));
     }
   }

@@ -32,7 +32,7 @@ namespace qcal::calib {
 struct CalibrationOptions {
   int64_t batch = 8;              // sequences per canonical chunk
   // Activations this rank holds in memory during the walk; above it they are spilled to
-  // job_dir/spill (activation_store.h). Default: no limit.
+  // CalibrationDirs::spill (activation_store.h). Default: no limit.
   int64_t memory_budget_bytes = std::numeric_limits<int64_t>::max();
   bool hessians = true;           // compute (or reuse) every block's Hessians
   bool activations = false;       // compute (or reuse) every block boundary's activations
@@ -67,8 +67,8 @@ kernels::BlockForwardPrecision ForwardPrecision(const CalibrationSpec& spec);
 struct CalibrationResult {
   std::vector<BlockHessians> hessians;  // one per block when kept (the reduced totals)
   int64_t tokens = 0;                   // calibration tokens per Hessian (all ranks)
-  bool from_cache = false;              // Hessians reused from job_dir
-  bool activations_from_cache = false;  // activations reused from job_dir
+  bool from_cache = false;              // Hessians reused from dirs.hessians
+  bool activations_from_cache = false;  // activations reused from dirs.activations
   double seconds = 0;
   // Where the walk's seconds went on this rank: reading the float blocks, the forward passes
   // with the Hessian products summed on the way, the reduction over the ranks, writing the
@@ -90,7 +90,7 @@ struct CalibrationResult {
 // failing rank its own, naming the block and Hessian; the others Aborted). progress(block,
 // blocks) on every rank.
 StatusOr<CalibrationResult> Calibrate(comm::Comm& comm, model::ModelSource& source,
-                                      const at::Tensor& tokens, const std::string& job_dir,
+                                      const at::Tensor& tokens, const CalibrationDirs& dirs,
                                       const std::string& key, const CalibrationOptions& options,
                                       const std::function<void(int64_t, int64_t)>& progress =
                                           nullptr);

@@ -6,7 +6,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
-#include "common/job_layout.h"
 #include "methods/layer_format.h"
 #include "methods/quarot/quarot_model.h"
 #include "engine/model/tensor_io.h"

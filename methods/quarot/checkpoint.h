@@ -1,5 +1,5 @@
 // QuaRot checkpoints (docs/formats.md, "QuaRot checkpoints"): the quantized-checkpoint layout
-// (common/job_layout.h: one shard per block, shard 0 for the rest) holding the *rotated* model:
+// (common/checkpoint_layout.h: one shard per block, shard 0 for the rest) holding the *rotated* model:
 //   * shard 0: model.embed_tokens.weight (rotated by R1), model.norm.weight (ones after fusion),
 //     lm_head.weight (always: the fused and rotated head is no longer the embedding), F32;
 //   * block shards: both RMSNorm weights (F32, ones after fusion), each linear as a

@@ -28,14 +28,14 @@ constexpr double kMaxGradEntry = 1099511627776.0;  // 2^40: |entry| beyond it is
 // The settings a saved state must match (besides the key).
 std::string Fingerprint(const qsim::RotationPlan& plan, const RotationPhaseOptions& o,
                         const at::Tensor& tokens) {
-  const qsim::RotationTrainingOptions& t = o.training;
+  const RotationTrainingOptions& t = o.training;
   return absl::StrCat("steps=", t.steps, " lr=", FormatDouble(t.lr), " batch=", t.batch,
                       " clip=", FormatDouble(t.grad_clip), " w", t.weight_bits, "a", t.act_bits,
                       "kv", t.kv_bits, " seed=", t.seed,
                       o.choose_init      ? " init=best"
                       : t.identity_init ? " init=identity"
                                         : " init=hadamard",
-                      t.loss == qsim::RotationTrainingOptions::Loss::kKlToFloat ? " loss=kl"
+                      t.loss == RotationTrainingOptions::Loss::kKlToFloat ? " loss=kl"
                                                                                : " loss=ce",
                       t.range_gradient ? " range_gradient" : "",
                       t.smooth ? absl::StrCat(" smooth lr=", FormatDouble(t.smooth_lr))
@@ -219,10 +219,10 @@ StatusOr<State> LoadState(const std::string& path, const std::string& key, int64
 // The mean loss of rotations (r1, r2) on the sequences `tokens` [m, s] under `options`
 // (RotationGradients::Losses), sliced over the ranks and summed exactly (as a step's loss): the
 // same value on every rank, for any rank count.
-StatusOr<double> HeldOutLoss(comm::Comm& comm, qsim::RotationGradients& grads,
+StatusOr<double> HeldOutLoss(comm::Comm& comm, RotationGradients& grads,
                              const at::Tensor& r1, const at::Tensor& r2, const at::Tensor& smooth,
                              const at::Tensor& tokens,
-                             const qsim::RotationTrainingOptions& options, const char* what) {
+                             const RotationTrainingOptions& options, const char* what) {
   const int64_t m = tokens.size(0);
   const comm::Range mine = comm::SliceForRank(m, comm.rank(), comm.size());
   std::vector<Fixed128> acc(1, 0);
@@ -274,7 +274,7 @@ StatusOr<RotationPhaseResult> TrainRotationsDataParallel(comm::Comm& comm,
                                                         const qsim::RotationPlan& plan,
                                                         const at::Tensor& tokens,
                                                         const RotationPhaseOptions& o) {
-  const qsim::RotationTrainingOptions& t = o.training;
+  const RotationTrainingOptions& t = o.training;
   const LlamaConfig& c = source->config();
   const int64_t layers = c.num_hidden_layers, hid = c.hidden_size, d = c.head_dim;
   if (tokens.dim() != 2 || tokens.size(0) < 1 || tokens.size(1) < 2) {
@@ -293,9 +293,9 @@ StatusOr<RotationPhaseResult> TrainRotationsDataParallel(comm::Comm& comm,
   const int64_t seqs = tokens.size(0) - o.validation;  // trained on: [0, seqs)
   const at::Tensor held_out = tokens.narrow(0, seqs, o.validation);
   QCAL_ASSIGN_OR_RETURN(auto grads,
-                        qsim::RotationGradients::Create(source, plan, t, o.cache_bytes));
+                        RotationGradients::Create(source, plan, t, o.cache_bytes));
   const std::string key = absl::StrCat(o.state_key, " | ", Fingerprint(plan, o, tokens));
-  const int64_t ns = t.smooth ? qsim::SmoothingSize(c) : 0;
+  const int64_t ns = t.smooth ? SmoothingSize(c) : 0;
   auto score = [&](const at::Tensor& r1, const at::Tensor& r2,
                    const at::Tensor& sm) -> StatusOr<double> {
     if (o.held_out_score) return o.held_out_score(r1, r2, sm, held_out);
@@ -468,7 +468,7 @@ StatusOr<RotationPhaseResult> TrainRotationsDataParallel(comm::Comm& comm,
           g2 = g2 * (t.grad_clip / norm);
         }
       }
-      const double lr = qsim::RotationLr(t, step);
+      const double lr = RotationLr(t, step);
       state.r1 = qsim::CayleyStep(state.r1, g1, lr,
                                   qsim::QrRetractionStep(t.seed, step, 0, t.cayley.qr_period),
                                   t.cayley);

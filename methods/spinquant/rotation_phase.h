@@ -1,9 +1,9 @@
 // The rotations phase of method spinquant: Cayley SGD on R1 and the per-block R2
-// (qsim/rotation_training.h), data-parallel over the ranks of a Comm and resumable.
+// (methods/spinquant/rotation_training.h), data-parallel over the ranks of a Comm and resumable.
 //
 //   * Step t takes the `batch` calibration sequences (t·batch + i) mod N, i < batch; rank r of
 //     size P takes the contiguous slice comm::SliceForRank(batch, r, P) of them.
-//   * Each sequence's loss and gradients (block-streamed, qsim::RotationGradients) are rounded
+//   * Each sequence's loss and gradients (block-streamed, RotationGradients) are rounded
 //     once to fixed point (2^-52) and summed as 128-bit integers, on the rank and then across
 //     ranks (Comm::AllReduceSum on 32-bit digit limbs): the step's gradient is exact and
 //     independent of the rank count and of how the batch is split, so 1, 2 or 3 ranks train the
@@ -16,7 +16,7 @@
 //     start, every checkpoint_every steps and after the last step, and the best-scoring ones
 //     (the earliest of equal scores) are the result: training that does not help on held-out
 //     text returns its start. The scores are summed exactly over the ranks like a step's loss.
-//   * Smoothing scales (training.smooth): the blocks' log-scales (qsim::SmoothingSize) are
+//   * Smoothing scales (training.smooth): the blocks' log-scales (SmoothingSize) are
 //     trained beside the rotations, their gradients summed exactly with the rotations', with Adam
 //     (AMD Quark's jointly trained SmoothQuant scales); they start at 0 (no scaling), are part
 //     of the state and of the held-out selection, and come back with the rotations.
@@ -42,12 +42,12 @@
 #include "engine/comm/comm.h"
 #include "engine/model/model_source.h"
 #include "engine/qsim/rotate.h"
-#include "engine/qsim/rotation_training.h"
+#include "methods/spinquant/rotation_training.h"
 
 namespace qcal::methods::spinquant {
 
 struct RotationPhaseOptions {
-  qsim::RotationTrainingOptions training;
+  RotationTrainingOptions training;
   int64_t checkpoint_every = 10;
   std::string state_path;  // empty: no saved state
   std::string state_key;   // what the state must have been made for (the calibration key)
@@ -61,7 +61,7 @@ struct RotationPhaseOptions {
   // Held-out sequences (the last `validation` of the tokens; at least one must be left to train
   // on) and the quantizers they are scored with. 0: no selection, the last step's rotations.
   int64_t validation = 0;
-  qsim::RotationTrainingOptions validation_options;
+  RotationTrainingOptions validation_options;
   // How a held-out score is computed from (R1, R2 per layer) and the held-out tokens [V, S];
   // unset: the mean loss under validation_options (RotationGradients::Losses), summed exactly over
   // the ranks. A replacement must give every rank the same value (collective: all ranks call it);
@@ -79,7 +79,7 @@ struct RotationPhaseResult {
   at::Tensor t1;               // [hidden, hidden] float64, T1 (the plan's convention)
   at::Tensor t2;               // [layers, head_dim, head_dim] float64
   // With training.smooth: the blocks' smoothing log-scales [layers, SmoothingSize] float64
-  // (qsim::SmoothBlockWeights fuses one block's); undefined without.
+  // (SmoothBlockWeights fuses one block's); undefined without.
   at::Tensor smooth;
   std::vector<double> losses;  // the loss of every step (mean over its batch)
   int64_t resumed_from = 0;    // the step a saved state let this run start at

@@ -33,7 +33,7 @@ class SpinquantTransform final : public ModelTransform {
   Status PrepareBlock(int64_t layer, model::BlockWeights* weights) const override {
     QCAL_RETURN_IF_ERROR(CheckBound());
     if (smooth_.defined()) {
-      QCAL_RETURN_IF_ERROR(Annotate(qsim::SmoothBlockWeights(config_, smooth_[layer], weights),
+      QCAL_RETURN_IF_ERROR(Annotate(SmoothBlockWeights(config_, smooth_[layer], weights),
                                     absl::StrCat("spinquant: block ", layer)));
     }
     return rotations_->PrepareBlock(layer, weights);
@@ -139,7 +139,7 @@ class RotationsPhase final : public GlobalPhase {
       QCAL_ASSIGN_OR_RETURN(o.training.kv_quantizer,
                             qsim::MakeKvQuantizer(k, config, 0, nullptr));
     }
-    qsim::RotationTrainingOptions& t = o.training;
+    RotationTrainingOptions& t = o.training;
     t.steps = s.training.steps;
     t.lr = s.training.lr;
     t.batch = s.training.batch;
@@ -152,8 +152,8 @@ class RotationsPhase final : public GlobalPhase {
     t.smooth_lr = s.training.smooth_lr;
     t.identity_init = s.training.init == "identity";
     o.choose_init = s.training.init == "best";
-    t.loss = s.training.loss == "ce" ? qsim::RotationTrainingOptions::Loss::kCrossEntropy
-                                     : qsim::RotationTrainingOptions::Loss::kKlToFloat;
+    t.loss = s.training.loss == "ce" ? RotationTrainingOptions::Loss::kCrossEntropy
+                                     : RotationTrainingOptions::Loss::kKlToFloat;
     // The range gradient follows the inference quantizers' sets: per token (activations), per
     // group within a head (KV; a per-token KV cache keeps the identity gradient).
     t.range_gradient = s.training.range_gradient;
@@ -198,7 +198,7 @@ Status BindProducts(const PhaseProducts& products, const SpinquantConfig& s,
       "spinquant: the trained rotations"));
   auto sm = products.find("smooth");
   if (s.training.smooth) {
-    const int64_t layers = config.num_hidden_layers, n = qsim::SmoothingSize(config);
+    const int64_t layers = config.num_hidden_layers, n = SmoothingSize(config);
     if (sm == products.end() || sm->second.dim() != 2 || sm->second.size(0) != layers ||
         sm->second.size(1) != n) {
       return absl::FailedPreconditionError(absl::StrCat(

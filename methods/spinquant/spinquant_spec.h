@@ -1,6 +1,6 @@
 // SpinQuant (method spinquant; issue 17): QuaRot's pipeline with R1 and the per-block R2 learned
 // instead of random Hadamards. A global phase ("rotations") trains them with Cayley SGD on the
-// causal-LM loss of the rotated, fake-quantized float model (engine/qsim/rotation_training.h),
+// causal-LM loss of the rotated, fake-quantized float model (methods/spinquant/rotation_training.h),
 // data-parallel over the ranks and resumable; then every block is rotated with them and quantized
 // exactly as QuaRot does (GPTQ or RTN weights, sequential blocks), into QuaRot's checkpoint format
 // (R1/R2 fused into the stored weights; R3/R4 online). Torch-free; the worker side is
@@ -30,7 +30,7 @@
 //     smooth: false         # also train smoothing scales where the rotations stay fixed (AMD
 //                           # Quark's O = D·R): per RoPE pair of K before R3 (queries × the
 //                           # inverse) and per down_proj input before R4 (up_proj rows ÷);
-//                           # fused into the weights (qsim::SmoothingSize)
+//                           # fused into the weights (SmoothingSize)
 //     smooth_lr: 0.05       # their Adam learning rate (the rotations' cosine schedule)
 //
 // rotation.r1 and rotation.r2 must be on (they are what is trained).

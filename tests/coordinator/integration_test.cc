@@ -480,7 +480,7 @@ TEST_F(CoordinatorIntegrationTest, ThreeRanksMatchSingleProcessBitForBit) {
 // the service: the checkpoint is the single process's, byte for byte. With the quip, quarot,
 // prefixquant and spinquant cases here and in the tests above, every method family's
 // `qcal run` output equals its `qcal quantize` output: both execute the same task plan
-// (common/task_plan.h) through the same steps.
+// (runner/task_plan.h) through the same steps.
 TEST_F(CoordinatorIntegrationTest, RtnOnTwoRanksMatchesSingleProcess) {
   recipe_ = WriteRecipe("rtn-small.yaml", 16, "rtn-4bit");
   ASSERT_FALSE(recipe_.empty());

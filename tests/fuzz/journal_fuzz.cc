@@ -8,7 +8,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "common/job_layout.h"
+#include "runner/journal.h"
 #include "tests/fuzz/fuzz_util.h"
 
 using qcal::fuzz::Check;

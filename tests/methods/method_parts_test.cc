@@ -15,7 +15,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/hf_config.h"
-#include "common/job_layout.h"
+#include "runner/job_dir.h"
+#include "runner/journal.h"
+#include "runner/job_plan.h"
 #include "common/recipe.h"
 #include "common/safetensors.h"
 #include "methods/method.h"

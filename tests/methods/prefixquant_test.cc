@@ -12,7 +12,8 @@
 #include <gtest/gtest.h>
 
 #include "common/atomic_file.h"
-#include "common/job_layout.h"
+#include "runner/job_dir.h"
+#include "common/checkpoint_layout.h"
 #include "common/recipe.h"
 #include "common/safetensors.h"
 #include "common/tokenizer.h"
@@ -294,8 +295,8 @@ TEST_F(PrefixquantTest, FineTunedJobResumesBitForBit) {
   job::QuantizeJobResult first;
   const std::string out = RunJob(recipe, "ft-resume", &first);
   EXPECT_EQ(first.blocks_resumed, 0);
-  EXPECT_TRUE(std::ifstream(job::SequentialFloatInputsPath(out + ".job", 4)).good());
-  EXPECT_FALSE(std::ifstream(job::SequentialFloatInputsPath(out + ".job", 2)).good());
+  EXPECT_TRUE(std::ifstream(JobPaths(DefaultJobDir(out)).SequentialFloatInputs(4)).good());
+  EXPECT_FALSE(std::ifstream(JobPaths(DefaultJobDir(out)).SequentialFloatInputs(2)).good());
   std::vector<std::string> before;
   for (int64_t l = 2; l < 5; ++l) {
     auto b = ReadFile(out + "/" + ShardName(l + 1, 5));

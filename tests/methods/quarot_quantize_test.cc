@@ -18,7 +18,10 @@
 #include <gtest/gtest.h>
 
 #include "common/atomic_file.h"
-#include "common/job_layout.h"
+#include "common/checkpoint_layout.h"
+#include "runner/job_dir.h"
+#include "runner/journal.h"
+#include "runner/job_plan.h"
 #include "common/recipe.h"
 #include "common/safetensors.h"
 #include "common/text.h"
@@ -428,8 +431,8 @@ TEST_F(QuarotQuantizeTest, JobRedoesALostShardAndTheBlocksAfterItBitForBit) {
   ids.select(1, 0).fill_(1);
   const at::Tensor logits = (*from_job)->Forward(ids);
   // Only the last block's inputs are left in the job directory.
-  EXPECT_FALSE(std::ifstream(job::SequentialInputsPath(opt.out_dir + ".job", 2)).good());
-  EXPECT_TRUE(std::ifstream(job::SequentialInputsPath(opt.out_dir + ".job", 4)).good());
+  EXPECT_FALSE(std::ifstream(JobPaths(DefaultJobDir(opt.out_dir)).SequentialInputs(2)).good());
+  EXPECT_TRUE(std::ifstream(JobPaths(DefaultJobDir(opt.out_dir)).SequentialInputs(4)).good());
 
   // Lose block 2's shard: blocks 2..4 are redone (their inputs rebuilt from blocks 0 and 1 read
   // back), 0 and 1 resumed, and the model is the same.
@@ -493,10 +496,10 @@ TEST_F(QuarotQuantizeTest, BlocksAlternatingBetweenProcessesMatchOneProcess) {
     ASSERT_TRUE(CommitFiles(split.out_dir, FilesOf(*result)).ok());
     // Block l handed block l+1's inputs over and dropped its own predecessor's.
     if (l < 4) {
-      EXPECT_TRUE(std::ifstream(job::SequentialInputsPath(split.out_dir + ".job", l + 1)).good());
+      EXPECT_TRUE(std::ifstream(JobPaths(DefaultJobDir(split.out_dir)).SequentialInputs(l + 1)).good());
     }
     if (l >= 1) {
-      EXPECT_FALSE(std::ifstream(job::SequentialInputsPath(split.out_dir + ".job", l - 1)).good());
+      EXPECT_FALSE(std::ifstream(JobPaths(DefaultJobDir(split.out_dir)).SequentialInputs(l - 1)).good());
     }
   }
   for (int i = 0; i <= 5; ++i) {

@@ -16,7 +16,7 @@
 #include "engine/qsim/act_quant.h"
 #include "engine/qsim/kv_quantizer.h"
 #include "engine/qsim/rotate.h"
-#include "engine/qsim/rotation_training.h"
+#include "methods/spinquant/rotation_training.h"
 #include "engine/quant/scalar_quantize.h"
 
 namespace qcal::testing {
@@ -24,8 +24,8 @@ namespace qcal::testing {
 // The recipe's quantizers (QuaRot W4A4KV4: symmetric per-token activations with clip 0.9, int4
 // asymmetric K/V per head with clip 0.95, weights RTN per channel with clip search), as the
 // spinquant method hands them to training.
-inline qsim::RotationTrainingOptions SpinquantW4A4KV4(const LlamaConfig& c, int weight_bits) {
-  qsim::RotationTrainingOptions o;
+inline methods::spinquant::RotationTrainingOptions SpinquantW4A4KV4(const LlamaConfig& c, int weight_bits) {
+  methods::spinquant::RotationTrainingOptions o;
   o.weight_bits = weight_bits;
   ActivationQuantSpec a;
   a.bits = 4;

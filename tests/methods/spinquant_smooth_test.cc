@@ -17,7 +17,7 @@
 #include "engine/comm/comm.h"
 #include "engine/model/model_source.h"
 #include "engine/qsim/rotate.h"
-#include "engine/qsim/rotation_training.h"
+#include "methods/spinquant/rotation_training.h"
 #include "tools/plant_outliers.h"
 
 namespace qcal {
@@ -27,9 +27,9 @@ namespace sq = methods::spinquant;
 
 // The recipe's W{weight_bits}A4KV4 quantizers, the KL loss and the range gradient (the shipped
 // recipes' training), with smoothing scales.
-qsim::RotationTrainingOptions Options(const LlamaConfig& c, int weight_bits) {
-  qsim::RotationTrainingOptions o = testing::SpinquantW4A4KV4(c, weight_bits);
-  o.loss = qsim::RotationTrainingOptions::Loss::kKlToFloat;
+methods::spinquant::RotationTrainingOptions Options(const LlamaConfig& c, int weight_bits) {
+  methods::spinquant::RotationTrainingOptions o = testing::SpinquantW4A4KV4(c, weight_bits);
+  o.loss = methods::spinquant::RotationTrainingOptions::Loss::kKlToFloat;
   o.range_gradient = true;
   o.smooth = true;
   return o;
@@ -38,7 +38,7 @@ qsim::RotationTrainingOptions Options(const LlamaConfig& c, int weight_bits) {
 // Random log-scales, |a| up to about 1.5 (factors 0.2 .. 4.5).
 at::Tensor RandomScales(const LlamaConfig& c, uint64_t seed) {
   at::Generator g = at::detail::createCPUGenerator(seed);
-  return at::randn({c.num_hidden_layers, qsim::SmoothingSize(c)}, g, at::kDouble) * 0.5;
+  return at::randn({c.num_hidden_layers, methods::spinquant::SmoothingSize(c)}, g, at::kDouble) * 0.5;
 }
 
 TEST(SpinquantSmoothTest, ScalesKeepTheFloatFunction) {
@@ -55,20 +55,20 @@ TEST(SpinquantSmoothTest, ScalesKeepTheFloatFunction) {
   at::NoGradGuard no_grad;
   // The training forward of the float model (nothing quantized): the same loss with and without
   // the scales (cross-entropy: the KL of the float model to itself is 0 either way).
-  qsim::RotationTrainingOptions f;
+  methods::spinquant::RotationTrainingOptions f;
   f.weight_bits = f.act_bits = f.kv_bits = 16;
   f.smooth = true;
   const double plain =
-      qsim::RotatedQuantizedLoss(*m, *plan, dense->first, dense->second, tokens, f)->item<double>();
-  auto smoothed = qsim::RotatedQuantizedLoss(*m, *plan, dense->first, dense->second, tokens, f, a);
+      methods::spinquant::RotatedQuantizedLoss(*m, *plan, dense->first, dense->second, tokens, f)->item<double>();
+  auto smoothed = methods::spinquant::RotatedQuantizedLoss(*m, *plan, dense->first, dense->second, tokens, f, a);
   ASSERT_TRUE(smoothed.ok()) << smoothed.status();
   std::printf("float loss: %.7f, with random scales %.7f\n", plain, smoothed->item<double>());
   EXPECT_NEAR(smoothed->item<double>(), plain, 1e-5 * plain);
   // With the A4KV4 quantizers the scales change the loss (they are what training moves).
-  const qsim::RotationTrainingOptions q = Options(c, 16);
+  const methods::spinquant::RotationTrainingOptions q = Options(c, 16);
   const double q0 =
-      qsim::RotatedQuantizedLoss(*m, *plan, dense->first, dense->second, tokens, q)->item<double>();
-  const double q1 = qsim::RotatedQuantizedLoss(*m, *plan, dense->first, dense->second, tokens, q, a)
+      methods::spinquant::RotatedQuantizedLoss(*m, *plan, dense->first, dense->second, tokens, q)->item<double>();
+  const double q1 = methods::spinquant::RotatedQuantizedLoss(*m, *plan, dense->first, dense->second, tokens, q, a)
                         ->item<double>();
   std::printf("W16A4KV4 KL: %.6f, with random scales %.6f\n", q0, q1);
   EXPECT_GT(std::fabs(q1 - q0), 1e-3 * q0);
@@ -76,7 +76,7 @@ TEST(SpinquantSmoothTest, ScalesKeepTheFloatFunction) {
   auto smooth_model = testing::LoadModelOrDie(dir);
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     ASSERT_TRUE(
-        qsim::SmoothBlockWeights(c, a[l], &smooth_model->mutable_block(l).mutable_weights()).ok());
+        methods::spinquant::SmoothBlockWeights(c, a[l], &smooth_model->mutable_block(l).mutable_weights()).ok());
   }
   const at::Tensor ids = testing::StoryBatch(dir, 2, 96);
   const double diff = testing::RelMaxDiff(smooth_model->Forward(ids), m->Forward(ids));
@@ -84,11 +84,11 @@ TEST(SpinquantSmoothTest, ScalesKeepTheFloatFunction) {
   EXPECT_LT(diff, 1e-4);
   // Bad scales are refused with what is wrong.
   model::BlockWeights& w = smooth_model->mutable_block(0).mutable_weights();
-  auto wrong = qsim::SmoothBlockWeights(c, a[0].narrow(0, 0, 5), &w);
+  auto wrong = methods::spinquant::SmoothBlockWeights(c, a[0].narrow(0, 0, 5), &w);
   EXPECT_TRUE(absl::IsInvalidArgument(wrong)) << wrong;
   at::Tensor inf = a[0].clone();
   inf[3] = std::numeric_limits<double>::infinity();
-  EXPECT_TRUE(absl::IsInvalidArgument(qsim::SmoothBlockWeights(c, inf, &w)));
+  EXPECT_TRUE(absl::IsInvalidArgument(methods::spinquant::SmoothBlockWeights(c, inf, &w)));
 }
 
 TEST(SpinquantSmoothTest, StreamedScaleGradientsEqualOneAutogradGraph) {
@@ -105,20 +105,20 @@ TEST(SpinquantSmoothTest, StreamedScaleGradientsEqualOneAutogradGraph) {
   const at::Tensor a = RandomScales(c, 11);
   const at::Tensor tokens = testing::StoryBatch(dir, 1, 96);
   for (int bits : {16, 4}) {
-    const qsim::RotationTrainingOptions o = Options(c, bits);
+    const methods::spinquant::RotationTrainingOptions o = Options(c, bits);
     const at::Tensor p1 = r1.clone().requires_grad_(true);
     const at::Tensor p2 = r2.clone().requires_grad_(true);
     const at::Tensor ps = a.clone().requires_grad_(true);
     double want = 0;
     {
       at::AutoGradMode grad(true);
-      auto loss = qsim::RotatedQuantizedLoss(*m, *plan, p1.t(), p2.transpose(1, 2), tokens, o, ps);
+      auto loss = methods::spinquant::RotatedQuantizedLoss(*m, *plan, p1.t(), p2.transpose(1, 2), tokens, o, ps);
       ASSERT_TRUE(loss.ok()) << loss.status();
       loss->backward();
       want = loss->item<double>();
     }
     for (int64_t cache : {int64_t{0}, int64_t{1} << 30}) {
-      auto g = qsim::RotationGradients::Create(source->get(), *plan, o, cache);
+      auto g = methods::spinquant::RotationGradients::Create(source->get(), *plan, o, cache);
       ASSERT_TRUE(g.ok()) << g.status();
       auto r = (*g)->Sequence(r1, r2, tokens[0], a);
       ASSERT_TRUE(r.ok()) << r.status();
@@ -138,9 +138,9 @@ TEST(SpinquantSmoothTest, StreamedScaleGradientsEqualOneAutogradGraph) {
       EXPECT_NEAR((*held)[0], want, 1e-5 * want);
     }
     // Without the unfused down_proj (smooth off at creation) the scales cannot be applied.
-    qsim::RotationTrainingOptions off = o;
+    methods::spinquant::RotationTrainingOptions off = o;
     off.smooth = false;
-    auto g = qsim::RotationGradients::Create(source->get(), *plan, off, 0);
+    auto g = methods::spinquant::RotationGradients::Create(source->get(), *plan, off, 0);
     ASSERT_TRUE(g.ok());
     EXPECT_FALSE((*g)->Sequence(r1, r2, tokens[0], a).ok());
   }
@@ -186,7 +186,7 @@ TEST(SpinquantSmoothTest, TrainedScalesUndoAPlantedKSpikeOnAnyRankCountAndResume
   const sq::RotationPhaseResult trained = TrainOnRanks(1, dir, tokens, learn);
   ASSERT_TRUE(trained.smooth.defined());
   ASSERT_EQ(trained.smooth.size(0), c.num_hidden_layers);
-  ASSERT_EQ(trained.smooth.size(1), qsim::SmoothingSize(c));
+  ASSERT_EQ(trained.smooth.size(1), methods::spinquant::SmoothingSize(c));
   // The spiked pair's log-scale grows (K ÷ e^a) beyond its head's other pairs'.
   const int64_t half = c.head_dim / 2;
   double mean_margin = 0, min_margin = 1e9;

@@ -30,7 +30,7 @@
 #include "engine/qsim/cayley.h"
 #include "engine/qsim/kv_quantizer.h"
 #include "engine/qsim/rotate.h"
-#include "engine/qsim/rotation_training.h"
+#include "methods/spinquant/rotation_training.h"
 #include "engine/quant/scalar_quantize.h"
 #include "tools/plant_outliers.h"
 
@@ -39,7 +39,7 @@ namespace {
 
 namespace sq = methods::spinquant;
 
-qsim::RotationTrainingOptions W4A4KV4(const LlamaConfig& c, int weight_bits) {
+methods::spinquant::RotationTrainingOptions W4A4KV4(const LlamaConfig& c, int weight_bits) {
   return testing::SpinquantW4A4KV4(c, weight_bits);
 }
 
@@ -63,7 +63,7 @@ TEST(SpinquantTest, StreamedGradientsEqualOneAutogradGraph) {
   const at::Tensor r1 = dense->first.t().contiguous();
   const at::Tensor r2 = dense->second.transpose(1, 2).contiguous();
   const at::Tensor tokens = testing::StoryBatch(dir, 1, 96);
-  using Loss = qsim::RotationTrainingOptions::Loss;
+  using Loss = methods::spinquant::RotationTrainingOptions::Loss;
   struct Case {
     int bits;
     Loss loss;
@@ -72,7 +72,7 @@ TEST(SpinquantTest, StreamedGradientsEqualOneAutogradGraph) {
   for (const Case& k : {Case{16, Loss::kCrossEntropy, false}, Case{4, Loss::kCrossEntropy, false},
                         Case{16, Loss::kKlToFloat, true}, Case{4, Loss::kKlToFloat, true},
                         Case{4, Loss::kCrossEntropy, true}}) {
-    qsim::RotationTrainingOptions o = W4A4KV4(c, k.bits);
+    methods::spinquant::RotationTrainingOptions o = W4A4KV4(c, k.bits);
     o.loss = k.loss;
     o.range_gradient = k.range;
     const int bits = k.bits;
@@ -83,14 +83,14 @@ TEST(SpinquantTest, StreamedGradientsEqualOneAutogradGraph) {
     double want_loss = 0;
     {
       at::AutoGradMode grad(true);
-      auto loss = qsim::RotatedQuantizedLoss(*m, *plan, p1.t(), p2.transpose(1, 2), tokens, o);
+      auto loss = methods::spinquant::RotatedQuantizedLoss(*m, *plan, p1.t(), p2.transpose(1, 2), tokens, o);
       ASSERT_TRUE(loss.ok()) << loss.status();
       loss->backward();
       want_loss = loss->item<double>();
     }
     // Streamed, with a zero-byte cache (every block and head chunk reloaded) and a full one.
     for (int64_t cache : {int64_t{0}, int64_t{1} << 30}) {
-      auto g = qsim::RotationGradients::Create(source->get(), *plan, o, cache);
+      auto g = methods::spinquant::RotationGradients::Create(source->get(), *plan, o, cache);
       ASSERT_TRUE(g.ok()) << g.status();
       auto r = (*g)->Sequence(r1, r2, tokens[0]);
       ASSERT_TRUE(r.ok()) << r.status();
@@ -122,15 +122,15 @@ TEST(SpinquantTest, KlLossAndRangeGradient) {
   const at::Tensor r1 = dense->first.t().contiguous();
   const at::Tensor r2 = dense->second.transpose(1, 2).contiguous();
   const at::Tensor tokens = testing::StoryBatch(dir, 1, 96);
-  using Loss = qsim::RotationTrainingOptions::Loss;
-  auto run = [&](qsim::RotationTrainingOptions o) {
-    auto g = qsim::RotationGradients::Create(source->get(), *plan, o, 1 << 30);
+  using Loss = methods::spinquant::RotationTrainingOptions::Loss;
+  auto run = [&](methods::spinquant::RotationTrainingOptions o) {
+    auto g = methods::spinquant::RotationGradients::Create(source->get(), *plan, o, 1 << 30);
     EXPECT_TRUE(g.ok()) << g.status();
     auto r = (*g)->Sequence(r1, r2, tokens[0]);
     EXPECT_TRUE(r.ok()) << r.status();
     return *r;
   };
-  qsim::RotationTrainingOptions flt;
+  methods::spinquant::RotationTrainingOptions flt;
   flt.weight_bits = flt.act_bits = flt.kv_bits = 16;
   flt.loss = Loss::kKlToFloat;
   const auto rf = run(flt);
@@ -138,7 +138,7 @@ TEST(SpinquantTest, KlLossAndRangeGradient) {
   EXPECT_LT(std::fabs(rf.loss), 1e-6);
   EXPECT_LT(rf.g1.norm().item<double>(), 1e-4);
   for (int bits : {16, 4}) {
-    qsim::RotationTrainingOptions o = W4A4KV4(c, bits);
+    methods::spinquant::RotationTrainingOptions o = W4A4KV4(c, bits);
     o.loss = Loss::kKlToFloat;
     const auto plain = run(o);
     o.range_gradient = true;
@@ -166,12 +166,12 @@ TEST(SpinquantTest, FloatLossDoesNotDependOnTheRotations) {
   const at::Tensor r1 = dense->first.t().contiguous();
   const at::Tensor r2 = dense->second.transpose(1, 2).contiguous();
   const at::Tensor tokens = testing::StoryBatch(dir, 1, 96)[0];
-  qsim::RotationTrainingOptions flt;
+  methods::spinquant::RotationTrainingOptions flt;
   flt.weight_bits = flt.act_bits = flt.kv_bits = 16;
-  auto gf = qsim::RotationGradients::Create(source->get(), *plan, flt, 1 << 30);
+  auto gf = methods::spinquant::RotationGradients::Create(source->get(), *plan, flt, 1 << 30);
   auto rf = (*gf)->Sequence(r1, r2, tokens);
   ASSERT_TRUE(rf.ok()) << rf.status();
-  auto gq = qsim::RotationGradients::Create(source->get(), *plan, W4A4KV4(c, 4), 1 << 30);
+  auto gq = methods::spinquant::RotationGradients::Create(source->get(), *plan, W4A4KV4(c, 4), 1 << 30);
   auto rq = (*gq)->Sequence(r1, r2, tokens);
   ASSERT_TRUE(rq.ok()) << rq.status();
   const double tf = Skew(r1, rf->g1).norm().item<double>();
@@ -311,11 +311,11 @@ TEST(SpinquantTest, HeldOutLossesEqualTheTrainingLosses) {
       at::randn({c.num_hidden_layers, c.head_dim, c.head_dim}, at::kDouble)));
   const at::Tensor r1 = t1.t().contiguous(), r2 = t2.transpose(1, 2).contiguous();
   const at::Tensor tokens = testing::StoryBatch(dir, 3, 64);
-  using Loss = qsim::RotationTrainingOptions::Loss;
+  using Loss = methods::spinquant::RotationTrainingOptions::Loss;
   for (Loss loss : {Loss::kCrossEntropy, Loss::kKlToFloat}) {
-    qsim::RotationTrainingOptions o = W4A4KV4(c, 4);
+    methods::spinquant::RotationTrainingOptions o = W4A4KV4(c, 4);
     o.loss = loss;
-    auto g = qsim::RotationGradients::Create(source->get(), *plan, o, 1 << 30);
+    auto g = methods::spinquant::RotationGradients::Create(source->get(), *plan, o, 1 << 30);
     ASSERT_TRUE(g.ok()) << g.status();
     auto all = (*g)->Losses(r1, r2, tokens, o);
     ASSERT_TRUE(all.ok()) << all.status();
@@ -328,7 +328,7 @@ TEST(SpinquantTest, HeldOutLossesEqualTheTrainingLosses) {
       double graph = 0;
       {
         at::NoGradGuard no_grad;
-        graph = qsim::RotatedQuantizedLoss(*m, *plan, t1, t2, tokens.narrow(0, i, 1), o)
+        graph = methods::spinquant::RotatedQuantizedLoss(*m, *plan, t1, t2, tokens.narrow(0, i, 1), o)
                     ->item<double>();
       }
       std::printf("%s, sequence %ld: held-out %.8f, training %.8f, one graph %.8f\n",
@@ -341,16 +341,16 @@ TEST(SpinquantTest, HeldOutLossesEqualTheTrainingLosses) {
   }
   // Other options than the instance's (the weights at 4 bits where training keeps them float):
   // the loss of those quantizers, not of training's.
-  qsim::RotationTrainingOptions w16 = W4A4KV4(c, 16), w4 = W4A4KV4(c, 4);
+  methods::spinquant::RotationTrainingOptions w16 = W4A4KV4(c, 16), w4 = W4A4KV4(c, 4);
   w16.loss = w4.loss = Loss::kKlToFloat;
-  auto g = qsim::RotationGradients::Create(source->get(), *plan, w16, 1 << 30);
+  auto g = methods::spinquant::RotationGradients::Create(source->get(), *plan, w16, 1 << 30);
   ASSERT_TRUE(g.ok()) << g.status();
   auto float_weights = (*g)->Losses(r1, r2, tokens, w16);
   auto rounded = (*g)->Losses(r1, r2, tokens, w4);
   ASSERT_TRUE(float_weights.ok() && rounded.ok());
   at::NoGradGuard no_grad;
   const double graph =
-      qsim::RotatedQuantizedLoss(*m, *plan, t1, t2, tokens.narrow(0, 0, 1), w4)->item<double>();
+      methods::spinquant::RotatedQuantizedLoss(*m, *plan, t1, t2, tokens.narrow(0, 0, 1), w4)->item<double>();
   EXPECT_NEAR((*rounded)[0], graph, 1e-4 * graph);
   EXPECT_GT((*rounded)[0], (*float_weights)[0]);
 }
@@ -370,7 +370,7 @@ TEST(SpinquantTest, BestInitStartsFromTheLowerLossStart) {
     const LlamaConfig& c = m->config();
     sq::RotationPhaseOptions o;
     o.training = W4A4KV4(c, 16);
-    o.training.loss = qsim::RotationTrainingOptions::Loss::kKlToFloat;
+    o.training.loss = methods::spinquant::RotationTrainingOptions::Loss::kKlToFloat;
     o.training.steps = 1;
     o.training.batch = 2;  // the start is chosen on the first 4·2 = 8 sequences
     o.choose_init = true;
@@ -382,9 +382,9 @@ TEST(SpinquantTest, BestInitStartsFromTheLowerLossStart) {
     {
       at::NoGradGuard no_grad;
       const at::Tensor first = tokens.narrow(0, 0, 8);
-      lh = qsim::RotatedQuantizedLoss(*m, *plan, dense->first, dense->second, first, o.training)
+      lh = methods::spinquant::RotatedQuantizedLoss(*m, *plan, dense->first, dense->second, first, o.training)
                ->item<double>();
-      li = qsim::RotatedQuantizedLoss(
+      li = methods::spinquant::RotatedQuantizedLoss(
                *m, *plan, at::eye(c.hidden_size, at::kDouble),
                at::eye(d, at::kDouble).expand({layers, d, d}).contiguous(), first, o.training)
                ->item<double>();
@@ -435,7 +435,7 @@ TEST(SpinquantTest, HeldOutSelectionKeepsTheBestScoredRotations) {
   EXPECT_EQ(one.losses.size(), 7u);  // every step trained; the result is the best scored
   auto source = model::OpenFloatCheckpoint(dir);
   auto plan = qsim::PlanRotations(RotationSpec{}, c);
-  auto g = qsim::RotationGradients::Create(source->get(), *plan, o.training, 1 << 30);
+  auto g = methods::spinquant::RotationGradients::Create(source->get(), *plan, o.training, 1 << 30);
   auto rescored = (*g)->Losses(one.t1.t().contiguous(), one.t2.transpose(1, 2).contiguous(),
                                tokens.narrow(0, 8, 4), o.validation_options);
   ASSERT_TRUE(rescored.ok()) << rescored.status();
@@ -537,9 +537,9 @@ TEST(SpinquantTest, TrainingLowersTheQuantizedLossAndTheFusedRotationsKeepTheFun
   double before = 0, after = 0;
   {
     at::NoGradGuard no_grad;
-    before = qsim::RotatedQuantizedLoss(*m, *plan, dense->first, dense->second, tokens,
+    before = methods::spinquant::RotatedQuantizedLoss(*m, *plan, dense->first, dense->second, tokens,
                                         o.training)->item<double>();
-    after = qsim::RotatedQuantizedLoss(*m, *plan, r->t1, r->t2, tokens, o.training)
+    after = methods::spinquant::RotatedQuantizedLoss(*m, *plan, r->t1, r->t2, tokens, o.training)
                 ->item<double>();
   }
   std::printf("training loss, mean of the first / last 10 steps: %.4f / %.4f; on all 32 "
@@ -581,11 +581,11 @@ TEST(SpinquantTest, TrainingForwardIsTheInferenceItOptimisesFor) {
   const at::Tensor t2 = at::stack(t2s);
   ASSERT_TRUE(qsim::SetLearnedRotations(&*plan, t1, t2, c.num_hidden_layers).ok());
   const at::Tensor tokens = testing::StoryBatch(dir, 4, 96);
-  qsim::RotationTrainingOptions o = W4A4KV4(c, 16);
+  methods::spinquant::RotationTrainingOptions o = W4A4KV4(c, 16);
   double train = 0;
   {
     at::NoGradGuard no_grad;
-    train = qsim::RotatedQuantizedLoss(*m, *plan, t1, t2, tokens, o)->item<double>();
+    train = methods::spinquant::RotatedQuantizedLoss(*m, *plan, t1, t2, tokens, o)->item<double>();
   }
   auto inference = testing::LoadModelOrDie(dir);
   ASSERT_TRUE(methods::quarot::PrepareModel(*inference, *recipe, *plan).ok());
@@ -651,7 +651,7 @@ TEST(SpinquantTest, UnboundMethodRefusesToPrepareAndBindingChecksTheProducts) {
   EXPECT_TRUE(absl::IsFailedPrecondition(unsmoothed.status())) << unsmoothed.status();
   EXPECT_NE(std::string(unsmoothed.status().message()).find("smoothing scales"),
             std::string::npos) << unsmoothed.status();
-  const int64_t ns = qsim::SmoothingSize(c);
+  const int64_t ns = methods::spinquant::SmoothingSize(c);
   phases[sq::kRotationsPhase]["smooth"] = at::zeros({c.num_hidden_layers, ns + 1}, at::kDouble);
   EXPECT_FALSE(bind(*recipe, phases).ok());
   const at::Tensor a = at::randn({c.num_hidden_layers, ns}, at::kDouble) * 0.5;
@@ -668,7 +668,7 @@ TEST(SpinquantTest, UnboundMethodRefusesToPrepareAndBindingChecksTheProducts) {
   auto b1_smoothed = (*source)->LoadBlockWeights(1);
   ASSERT_TRUE(b1.ok() && b1_smoothed.ok());
   ASSERT_TRUE((*bound)->transform().PrepareBlock(1, &*b1).ok());
-  ASSERT_TRUE(qsim::SmoothBlockWeights(c, a[1], &*b1_smoothed).ok());
+  ASSERT_TRUE(methods::spinquant::SmoothBlockWeights(c, a[1], &*b1_smoothed).ok());
   ASSERT_TRUE((*plain)->transform().PrepareBlock(1, &*b1_smoothed).ok());
   for (model::LinearKind k : model::kAllLinears) {
     EXPECT_TRUE(at::equal(b1->linear(k).DenseWeight(), b1_smoothed->linear(k).DenseWeight()))

@@ -13,6 +13,8 @@
 #include <thread>
 
 #include "common/atomic_file.h"
+#include "runner/job_dir.h"
+#include "runner/job_steps.h"
 #include "common/tokenizer.h"
 #include "kernels/gpu_backend.h"
 #include "tests/model_fixtures.h"
@@ -97,7 +99,8 @@ class CalibrationRanksTest : public ::testing::Test {
         opt.activations = true;
         opt.memory_budget_bytes = budget;
         if (tweak) tweak(opt, *comms[r]);
-        results[r] = calib::Calibrate(*comms[r], **source, *tokens_, job_dir, "key", opt);
+        results[r] = calib::Calibrate(*comms[r], **source, *tokens_,
+                                      job::CalibrationDirsOf(job_dir), "key", opt);
         if (!results[r].ok()) comms[r].reset();
       });
     }
@@ -136,7 +139,8 @@ TEST_F(CalibrationRanksTest, RanksGiveTheWorldOfOneBitsAndMatchAnFp64Reference) 
   opt.batch = 4;
   opt.activations = true;
   const std::string dir1 = *root_ + "/job1";
-  auto one = calib::Calibrate(*self, **source, *tokens_, dir1, "key", opt);
+  auto one =
+      calib::Calibrate(*self, **source, *tokens_, job::CalibrationDirsOf(dir1), "key", opt);
   ASSERT_TRUE(one.ok()) << one.status();
   EXPECT_FALSE(one->from_cache);
   const int64_t blocks = (*model)->num_blocks();
@@ -162,14 +166,14 @@ TEST_F(CalibrationRanksTest, RanksGiveTheWorldOfOneBitsAndMatchAnFp64Reference) 
             << ranks << " ranks, block " << l << " " << calib::HessianKindName(k);
       }
       // The files rank 0 wrote are byte-identical too.
-      auto h1 = ReadFile(calib::HessianPath(dir1, l));
-      auto hn = ReadFile(calib::HessianPath(dir, l));
+      auto h1 = ReadFile(calib::HessianPath(JobPaths(dir1).hessians, l));
+      auto hn = ReadFile(calib::HessianPath(JobPaths(dir).hessians, l));
       ASSERT_TRUE(h1.ok() && hn.ok());
       EXPECT_TRUE(*h1 == *hn) << "hessians block " << l;
     }
     for (int64_t l = 0; l <= blocks; ++l) {
-      auto a1 = ReadFile(calib::ActivationPath(dir1, l));
-      auto an = ReadFile(calib::ActivationPath(dir, l));
+      auto a1 = ReadFile(calib::ActivationPath(JobPaths(dir1).activations, l));
+      auto an = ReadFile(calib::ActivationPath(JobPaths(dir).activations, l));
       ASSERT_TRUE(a1.ok() && an.ok()) << an.status();
       EXPECT_TRUE(*a1 == *an) << ranks << " ranks: activations at boundary " << l;
     }
@@ -210,7 +214,8 @@ TEST_F(CalibrationRanksTest, RanksGiveTheWorldOfOneBitsAndMatchAnFp64Reference) 
   std::printf("max-norm relative difference to the fp64 reference: %.3g\n", worst);
 
   // A second world-of-one run reuses everything from the cache.
-  auto again = calib::Calibrate(*self, **source, *tokens_, dir1, "key", opt);
+  auto again =
+      calib::Calibrate(*self, **source, *tokens_, job::CalibrationDirsOf(dir1), "key", opt);
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_TRUE(again->from_cache);
   EXPECT_TRUE(again->activations_from_cache);
@@ -244,19 +249,19 @@ TEST_F(CalibrationRanksTest, ShardedHessiansWriteTheUnshardedFilesByteForByte) {
       ASSERT_EQ(static_cast<int64_t>(many.hessians.size()), blocks) << ranks << " ranks";
       EXPECT_EQ(many.tokens, 22 * 64);
       for (int64_t l = 0; l < blocks; ++l) {
-        auto h1 = ReadFile(calib::HessianPath(dir1, l));
-        auto hn = ReadFile(calib::HessianPath(dir, l));
+        auto h1 = ReadFile(calib::HessianPath(JobPaths(dir1).hessians, l));
+        auto hn = ReadFile(calib::HessianPath(JobPaths(dir).hessians, l));
         ASSERT_TRUE(h1.ok() && hn.ok()) << hn.status();
         EXPECT_TRUE(*h1 == *hn) << "strip " << strip << ", " << ranks << " ranks: block " << l;
-        EXPECT_TRUE(VerifyCacheChecksumOk(calib::HessianPath(dir, l)));
+        EXPECT_TRUE(VerifyCacheChecksumOk(calib::HessianPath(JobPaths(dir).hessians, l)));
         for (int k = 0; k < 4; ++k) {
           EXPECT_FALSE(many.hessians[l].h[k].is_band()) << "kept Hessians are whole";
           EXPECT_TRUE(many.hessians[l].h[k].packed() == one.hessians[l].h[k].packed());
         }
       }
       for (int64_t l = 0; l <= blocks; ++l) {
-        auto a1 = ReadFile(calib::ActivationPath(dir1, l));
-        auto an = ReadFile(calib::ActivationPath(dir, l));
+        auto a1 = ReadFile(calib::ActivationPath(JobPaths(dir1).activations, l));
+        auto an = ReadFile(calib::ActivationPath(JobPaths(dir).activations, l));
         ASSERT_TRUE(a1.ok() && an.ok()) << an.status();
         EXPECT_TRUE(*a1 == *an) << ranks << " ranks: activations at boundary " << l;
       }
@@ -365,8 +370,8 @@ TEST_F(CalibrationRanksTest, DeviceReducedHessiansWriteTheHostReducedBytes) {
           EXPECT_EQ(g_device_downloads.load(), std::min(ranks, 6) * blocks * 4);
         }
         for (int64_t l = 0; l < blocks; ++l) {
-          auto h1 = ReadFile(calib::HessianPath(dir1, l));
-          auto hn = ReadFile(calib::HessianPath(dir, l));
+          auto h1 = ReadFile(calib::HessianPath(JobPaths(dir1).hessians, l));
+          auto hn = ReadFile(calib::HessianPath(JobPaths(dir).hessians, l));
           ASSERT_TRUE(h1.ok() && hn.ok()) << hn.status();
           EXPECT_TRUE(*h1 == *hn) << "block " << l;
           if (keep) {
@@ -404,7 +409,8 @@ TEST_F(CalibrationRanksTest, MoreRanksThanChunksStillAgree) {
       auto source = model::OpenFloatCheckpoint(testing::RealModelDir("stories260K"));
       calib::CalibrationOptions opt;
       opt.batch = 8;
-      auto res = calib::Calibrate(*comms[r], **source, *tokens_, dir, "key", opt);
+      auto res =
+          calib::Calibrate(*comms[r], **source, *tokens_, job::CalibrationDirsOf(dir), "key", opt);
       status[r] = res.status();
       if (res.ok())
         results[r] = std::move(*res);
@@ -419,7 +425,8 @@ TEST_F(CalibrationRanksTest, MoreRanksThanChunksStillAgree) {
   auto self = comm::MakeSelfComm();
   calib::CalibrationOptions opt;
   opt.batch = 8;
-  auto one = calib::Calibrate(*self, **source, *tokens_, *root_ + "/job4one", "key", opt);
+  auto one = calib::Calibrate(*self, **source, *tokens_,
+                              job::CalibrationDirsOf(*root_ + "/job4one"), "key", opt);
   ASSERT_TRUE(one.ok());
   for (size_t l = 0; l < one->hessians.size(); ++l) {
     for (int k = 0; k < 4; ++k) {
@@ -449,8 +456,8 @@ TEST_F(CalibrationRanksTest, DamagedCachesAreNamedAndRecomputed) {
   const std::string dir = *root_ + "/damaged";
   calib::CalibrationResult first = Run(1, dir);
   ASSERT_FALSE(first.from_cache);
-  const std::string hpath = calib::HessianPath(dir, 1);
-  const std::string apath = calib::ActivationPath(dir, 2);
+  const std::string hpath = calib::HessianPath(JobPaths(dir).hessians, 1);
+  const std::string apath = calib::ActivationPath(JobPaths(dir).activations, 2);
   const auto h_original = ReadFile(hpath);
   const auto a_original = ReadFile(apath);
   ASSERT_TRUE(h_original.ok() && a_original.ok());

@@ -1,6 +1,6 @@
 // A fake coordinator for task-loop tests (test-only): an in-process scheduler behind the
 // CoordinatorClient interface, shared by all thread-ranks of a test. It plans with
-// common/job_layout (as the real coordinator does), hands CALIBRATE (with the params the plan
+// runner/job_plan.h (as the real coordinator does), hands CALIBRATE (with the params the plan
 // needs) to every rank, then QUANTIZE_BLOCK tasks to whoever asks, then FINETUNE_E2E (with the
 // finished blocks) to one rank, commits the workers' staged files and journals their results
 // (checking each block result against its staged shard), finalizes, and answers SHUTDOWN.
@@ -17,8 +17,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "common/job_layout.h"
-#include "common/task_plan.h"
+#include "runner/job_dir.h"
+#include "runner/journal.h"
+#include "runner/job_plan.h"
+#include "runner/task_plan.h"
 #include "runner/job_steps.h"
 #include "worker/coordinator_client.h"
 
@@ -34,7 +36,7 @@ class FakeCoordinator final : public worker::CoordinatorClient {
   FakeCoordinator(v1::JobSpec spec, const Recipe& recipe, int world_size)
       : spec_(std::move(spec)), recipe_(recipe), world_size_(world_size) {
     const std::string job_dir =
-        spec_.job_dir().empty() ? spec_.out_dir() + ".job" : spec_.job_dir();
+        JobDirFor(spec_.job_dir(), spec_.out_dir());
     auto plan = PlanJob(recipe_, spec_.model_dir(), spec_.out_dir(), job_dir, spec_.data_root());
     if (!plan.ok()) {
       error_ = std::string(plan.status().message());

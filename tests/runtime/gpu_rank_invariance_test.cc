@@ -16,6 +16,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
+#include "runner/job_dir.h"
+#include "runner/job_steps.h"
 #include "common/tokenizer.h"
 #include "engine/calib/cache.h"
 #include "engine/calib/calibration.h"
@@ -59,7 +61,8 @@ StatusOr<CalibRun> Calibrate(kernels::GpuBackend* gpu, kernels::BlockForwardPrec
       opt.activations = true;
       opt.gpu = gpu;
       opt.precision = precision;
-      results[r] = calib::Calibrate(*comms[r], **source, tokens, job_dir, "key", opt);
+      results[r] = calib::Calibrate(*comms[r], **source, tokens, job::CalibrationDirsOf(job_dir),
+                                    "key", opt);
       if (!results[r].ok()) comms[r].reset();
     });
   }
@@ -139,14 +142,14 @@ void ExpectRanksAndChunkingAgree(kernels::GpuBackend* gpu,
           EXPECT_TRUE(run.result.hessians[l].h[k].packed() == first.result.hessians[l].h[k].packed())
               << tag << " against " << runs[0].first << ": block " << l << " kind " << k;
         }
-        auto a = ReadFile(calib::HessianPath(first.job_dir, l));
-        auto b = ReadFile(calib::HessianPath(run.job_dir, l));
+        auto a = ReadFile(calib::HessianPath(JobPaths(first.job_dir).hessians, l));
+        auto b = ReadFile(calib::HessianPath(JobPaths(run.job_dir).hessians, l));
         ASSERT_TRUE(a.ok() && b.ok());
         EXPECT_TRUE(*a == *b) << tag << ": Hessian file of block " << l;
       }
       for (size_t l = 0; l <= first.result.hessians.size(); ++l) {
-        auto a = ReadFile(calib::ActivationPath(first.job_dir, l));
-        auto b = ReadFile(calib::ActivationPath(run.job_dir, l));
+        auto a = ReadFile(calib::ActivationPath(JobPaths(first.job_dir).activations, l));
+        auto b = ReadFile(calib::ActivationPath(JobPaths(run.job_dir).activations, l));
         ASSERT_TRUE(a.ok() && b.ok());
         EXPECT_TRUE(*a == *b) << tag << ": activations at boundary " << l;
       }

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "common/atomic_file.h"
+#include "runner/job_dir.h"
 #include "methods/registry.h"
 #include "runner/task_executor.h"
 #include "tests/runtime/fake_coordinator_client.h"
@@ -160,8 +161,8 @@ class TaskLoopTest : public ::testing::Test {
       ExpectSameCheckpoint(opt.out_dir, root + "/" + out);
       // The calibration products too.
       for (int64_t l = 0; l < 5 && recipe->needs().float_hessians; ++l) {
-        auto h1 = ReadFile(calib::HessianPath(opt.out_dir + ".job", l));
-        auto h2 = ReadFile(calib::HessianPath(root + "/" + out + ".job", l));
+        auto h1 = ReadFile(calib::HessianPath(JobPaths(DefaultJobDir(opt.out_dir)).hessians, l));
+        auto h2 = ReadFile(calib::HessianPath(JobPaths(DefaultJobDir(root + "/" + out)).hessians, l));
         ASSERT_TRUE(h1.ok() && h2.ok());
         EXPECT_TRUE(*h1 == *h2) << "Hessians of block " << l;
       }

@@ -29,7 +29,7 @@
 #include "engine/calib/hessian.h"
 #include "engine/eval/perplexity.h"
 #include "engine/model/llama.h"
-#include "common/job_layout.h"
+#include "common/checkpoint_layout.h"
 #include "methods/method.h"
 #include "methods/quip/quip_linear.h"
 #include "methods/registry.h"

@@ -12,7 +12,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
-#include "common/job_layout.h"
+#include "common/checkpoint_layout.h"
+#include "runner/job_dir.h"
 #include "common/recipe.h"
 #include "common/safetensors.h"
 #include "common/text.h"
@@ -270,7 +271,7 @@ TEST_F(QuantizeJobTest, CheckpointRoundTripsAndJobResumes) {
 }
 
 // Every refusal names the path and the problem and leaves no directory behind; the checks are
-// the coordinator's (common/job_inputs.h), so `qcal quantize` and `qcal submit` agree.
+// the coordinator's (runner/job_inputs.h), so `qcal quantize` and `qcal submit` agree.
 TEST_F(QuantizeJobTest, BadInputIsAClearErrorAndLeavesNothingBehind) {
   namespace fs = std::filesystem;
   auto expect_refused = [](const StatusOr<job::QuantizeJobResult>& r,

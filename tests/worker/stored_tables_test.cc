@@ -20,7 +20,6 @@
 #include "common/atomic_file.h"
 #include "common/dtype.h"
 #include "common/hf_config.h"
-#include "common/job_layout.h"
 #include "common/safetensors.h"
 #include "methods/registry.h"
 #include "methods/method_factory.h"

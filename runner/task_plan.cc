@@ -1,4 +1,4 @@
-#include "common/task_plan.h"
+#include "runner/task_plan.h"
 
 namespace qcal {
 

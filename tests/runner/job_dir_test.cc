@@ -1,6 +1,10 @@
-// common/job_layout: the torch-free job directory code shared by the single-process job and the
-// coordinator (journal, plan/resume, block_done checks, finalize) on a tiny synthetic checkpoint.
-#include "common/job_layout.h"
+// runner/job_dir.h, journal.h, job_plan.h: the torch-free job directory code shared by the
+// single-process job and the coordinator (paths, journal, plan/resume, block_done checks,
+// finalize) on a tiny synthetic checkpoint.
+#include "common/checkpoint_layout.h"
+#include "runner/job_dir.h"
+#include "runner/journal.h"
+#include "runner/job_plan.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -18,7 +22,7 @@
 #include "common/hash.h"
 #include "common/safetensors.h"
 #include <sys/stat.h>
-#include "common/input_fingerprint.h"
+#include "runner/input_fingerprint.h"
 #include "common/io_util.h"
 #include "methods/registry.h"
 #include "tests/test_util.h"
@@ -451,6 +455,52 @@ TEST(InputFingerprintTest, RecipeHashOfAnFp32RecipeIsTheOneBeforeThePrecisionKey
 
 // One driver per job directory: the second is refused naming the first; the lock goes with its
 // holder.
+// The layout docs/formats.md documents: the default job directory beside the output, and the
+// files in it.
+TEST(JobPathsTest, NamesTheDocumentedLayout) {
+  EXPECT_EQ(DefaultJobDir("/x/out"), "/x/out.job");
+  EXPECT_EQ(JobDirFor("", "/x/out"), "/x/out.job");
+  EXPECT_EQ(JobDirFor("/y/job", "/x/out"), "/y/job");
+  const JobPaths p("/y/job");
+  EXPECT_EQ(p.journal, "/y/job/journal.jsonl");
+  EXPECT_EQ(p.lock, "/y/job/lock");
+  EXPECT_EQ(p.inputs, "/y/job/inputs.json");
+  EXPECT_EQ(p.hessians, "/y/job/hessians");
+  EXPECT_EQ(p.activations, "/y/job/activations");
+  EXPECT_EQ(p.spill, "/y/job/spill");
+  EXPECT_EQ(p.report, "/y/job/report.html");
+  EXPECT_EQ(p.workers_log, "/y/job/workers.log");
+  EXPECT_EQ(p.PhaseProducts("rotations"), "/y/job/phases/rotations.safetensors");
+  EXPECT_EQ(p.SequentialInputs(3), "/y/job/sequential/inputs-3.safetensors");
+  EXPECT_EQ(p.SequentialFloatInputs(3), "/y/job/sequential/float-inputs-3.safetensors");
+  EXPECT_EQ(StagingDir("/x/out"), "/x/out/.staging");
+}
+
+// `qcal report DIR` and `qcal export`: a job directory, or an output directory with its default
+// job directory beside it; an unfinished job's output is named as such.
+TEST(JobPathsTest, FindsTheJobOfADirectoryAndSaysWhenItIsUnfinished) {
+  const std::string root = testing::MakeTempDir("findjob");
+  const std::string out = root + "/out";
+  EXPECT_FALSE(FindJob(out).ok());
+  ASSERT_TRUE(CheckJobFinished(out).ok());  // not a job's output at all
+  ASSERT_TRUE(MakeDirs(DefaultJobDir(out)).ok());
+  ASSERT_TRUE(MakeDirs(out).ok());
+  ASSERT_TRUE(WriteFileAtomic(JobPaths(DefaultJobDir(out)).journal, "{}\n").ok());
+  auto from_out = FindJob(out);
+  ASSERT_TRUE(from_out.ok()) << from_out.status();
+  EXPECT_EQ(from_out->job_dir, DefaultJobDir(out));
+  EXPECT_EQ(from_out->out_dir, out);
+  auto from_job = FindJob(DefaultJobDir(out));
+  ASSERT_TRUE(from_job.ok()) << from_job.status();
+  EXPECT_EQ(from_job->job_dir, DefaultJobDir(out));
+  EXPECT_EQ(from_job->out_dir, "");
+  const Status unfinished = CheckJobFinished(out);
+  EXPECT_EQ(unfinished.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(unfinished.message().find("has not finished"), absl::string_view::npos);
+  ASSERT_TRUE(WriteFileAtomic(out + "/config.json", "{}").ok());
+  EXPECT_TRUE(CheckJobFinished(out).ok());
+}
+
 TEST(JobDirLockTest, SecondDriverIsRefusedNamingTheHolder) {
   const std::string dir = testing::MakeTempDir("jobdirlock") + "/job";
   auto first = JobDirLock::Acquire(dir, "qcal quantize --out /somewhere");
@@ -466,7 +516,7 @@ TEST(JobDirLockTest, SecondDriverIsRefusedNamingTheHolder) {
   *first = JobDirLock();  // released
   auto third = JobDirLock::Acquire(dir, "qcal-coordinator, job for /elsewhere");
   EXPECT_TRUE(third.ok()) << third.status();
-  auto holder = ReadFile(JobDirLockPath(dir));
+  auto holder = ReadFile(JobPaths(dir).lock);
   ASSERT_TRUE(holder.ok());
   EXPECT_EQ(holder->rfind("qcal-coordinator, job for /elsewhere (pid ", 0), 0u) << *holder;
 }

@@ -1,4 +1,4 @@
-#include "common/input_fingerprint.h"
+#include "runner/input_fingerprint.h"
 
 #include <fcntl.h>
 #include <limits.h>
@@ -18,7 +18,7 @@
 #include "common/atomic_file.h"
 #include "common/hash.h"
 #include "common/io_util.h"
-#include "common/job_inputs.h"
+#include "runner/job_inputs.h"
 #include "common/log.h"
 
 namespace qcal {

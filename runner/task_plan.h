@@ -1,4 +1,4 @@
-// The task plan: recipe + the job directory's state (common/job_layout's JobPlan) → the phases
+// The task plan: recipe + the job directory's state (runner/job_plan.h JobPlan) → the phases
 // of a job and its tasks. One plan for every driver: the coordinator hands these tasks to its
 // workers, `qcal quantize` runs the same tasks in process (runner/quantize_job.h), so the two
 // calibrate, quantize and fine-tune under the same conditions. Pure: no I/O, so it is unit-tested
@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "common/job_layout.h"
+#include "runner/job_plan.h"
 #include "common/recipe.h"
 #include "proto/job.pb.h"
 

@@ -1,4 +1,4 @@
-#include "engine/qsim/rotation_training.h"
+#include "methods/spinquant/rotation_training.h"
 
 #include <ATen/ATen.h>
 
@@ -7,7 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "engine/qsim/act_quant.h"
 
-namespace qcal::qsim {
+namespace qcal::methods::spinquant {
 namespace {
 
 using model::LinearKind;
@@ -630,4 +630,4 @@ StatusOr<RotationGradients::Result> RotationGradients::Sequence(const at::Tensor
   return result;
 }
 
-}  // namespace qcal::qsim
+}  // namespace qcal::methods::spinquant

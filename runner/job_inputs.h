@@ -16,7 +16,7 @@ namespace qcal {
 struct JobInputs {
   std::string model_dir;
   std::string out_dir;
-  std::string job_dir;    // resolved (out_dir + ".job" by default)
+  std::string job_dir;    // resolved (JobDirFor: DefaultJobDir(out_dir) by default)
   std::string data_root;  // what relative calibration paths are read under
   std::string recipe_source;  // the recipe's file, for messages
   bool overwrite = false;     // replace a checkpoint in out_dir that job_dir did not write

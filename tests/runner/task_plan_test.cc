@@ -1,5 +1,5 @@
 // The task plan (every driver's): phases and block tasks from a recipe and the job directory's state.
-#include "common/task_plan.h"
+#include "runner/task_plan.h"
 
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-// Learned rotations (issue 17, engine/qsim/rotation_training.h): the rotated training forward is
+// Learned rotations (issue 17, methods/spinquant/rotation_training.h): the rotated training forward is
 // the float model's function when nothing is quantized. (Training itself, its gradients and the
 // fused result: tests/methods/spinquant_test.cc.)
 #include <cmath>
@@ -12,7 +12,7 @@
 #include "tests/test_util.h"
 #include "engine/qsim/cayley.h"
 #include "engine/qsim/rotate.h"
-#include "engine/qsim/rotation_training.h"
+#include "methods/spinquant/rotation_training.h"
 
 namespace qcal {
 namespace {
@@ -37,10 +37,10 @@ TEST(RotationTrainingTest, UnquantizedRotatedForwardIsTheFloatModel) {
   ASSERT_TRUE(dense.ok()) << dense.status();
   EXPECT_LT(qsim::OrthogonalityError(dense->first), 1e-12);
   const at::Tensor tokens = testing::StoryBatch(dir, 2, 64);
-  qsim::RotationTrainingOptions o;
+  methods::spinquant::RotationTrainingOptions o;
   o.weight_bits = o.act_bits = o.kv_bits = 16;
   at::NoGradGuard no_grad;
-  auto loss = qsim::RotatedQuantizedLoss(*m, *plan, dense->first, dense->second, tokens, o);
+  auto loss = methods::spinquant::RotatedQuantizedLoss(*m, *plan, dense->first, dense->second, tokens, o);
   ASSERT_TRUE(loss.ok()) << loss.status();
   const double want = FloatLoss(*m, tokens);
   std::printf("float loss %.6f, rotated %.6f\n", want, loss->item<double>());

@@ -42,7 +42,13 @@
 #include "engine/qsim/cayley.h"
 #include "engine/qsim/rotate.h"
 
-namespace qcal::qsim {
+namespace qcal::methods::spinquant {
+
+using qsim::ActivationQuantizer;
+using qsim::CayleyOptions;
+using qsim::FakeQuantGrid;
+using qsim::OnlineHadamard;
+using qsim::RotationPlan;
 
 struct RotationTrainingOptions {
   int64_t steps = 100;
@@ -196,4 +202,4 @@ class RotationGradients {
   std::vector<std::vector<at::Tensor>> offsets_;
 };
 
-}  // namespace qcal::qsim
+}  // namespace qcal::methods::spinquant

@@ -1,4 +1,4 @@
-#include "common/job_inputs.h"
+#include "runner/job_inputs.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -10,7 +10,9 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "common/job_layout.h"
+#include "common/checkpoint_layout.h"
+#include "runner/job_dir.h"
+#include "runner/journal.h"
 #include "common/safetensors.h"
 #include "common/tokenizer.h"
 
@@ -47,7 +49,7 @@ Status CheckExistingCheckpoint(const JobInputs& in) {
   if (!holds) return absl::OkStatus();
   const std::string out = Resolved(in.out_dir);
   // A missing journal has no entries; a damaged one is reported when the job opens it.
-  if (StatusOr<Journal> journal = Journal::Open(in.job_dir + "/journal.jsonl"); journal.ok()) {
+  if (StatusOr<Journal> journal = Journal::Open(JobPaths(in.job_dir).journal); journal.ok()) {
     for (const nlohmann::json& e : journal->entries()) {
       if (e.value("event", "") != "job_start") continue;
       // Journals older than the "out" field are taken to be this output's.

@@ -1,0 +1,31 @@
+// A method's global phases' products in the job directory (JobPaths::PhaseProducts): saved by
+// CalibrateStep, loaded by the block tasks, which make the method again with them once.
+// Internal to the job steps (runner/job_steps.h).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "common/status.h"
+#include "methods/parts.h"
+#include "runner/job_steps.h"
+
+namespace qcal::job {
+
+// A global phase's products: every tensor F64 (exact for float32 values and whole numbers below
+// 2^53), metadata calibration_key and phase, with the cache checksum beside it
+// (calib::CacheChecksumPath).
+Status SavePhaseProducts(const std::string& path, const methods::PhaseProducts& products,
+                         const std::string& phase, const std::string& key);
+// NotFound when absent; FailedPrecondition for another calibration key or phase; DataLoss for a
+// checksum mismatch or a malformed file (naming it).
+StatusOr<methods::PhaseProducts> LoadPhaseProducts(const std::string& path,
+                                                   const std::string& phase,
+                                                   const std::string& key);
+
+// Makes ctx->method again with the products of the recipe's global phases (its parts that depend
+// on them, such as learned rotations or a prefix, get them at construction), once per job
+// context. FailedPrecondition naming block `layer` when a phase has no usable products.
+Status BindPhaseProducts(JobContext* ctx, int64_t layer);
+
+}  // namespace qcal::job
