@@ -240,17 +240,17 @@ int RunReport(const ReportCommandOptions& o) {
   auto journaled = report::ReadJournaledJob(paths.journal);
   if (!journaled.ok()) return Fail(journaled.status());
   // The output directory named on the command line, else the journal's.
-  auto in = std::make_optional(job::ReportInputsOf(
-      paths.dir, found->out_dir.empty() ? journaled->out_dir : found->out_dir));
+  report::ReportInputs in = job::ReportInputsOf(
+      paths.dir, found->out_dir.empty() ? journaled->out_dir : found->out_dir);
   nlohmann::json evals = nlohmann::json::array();
   if (!o.eval_paths.empty()) {
     auto reference = methods::LoadModel(journaled->model_dir);
     if (!reference.ok()) return Fail(reference.status());
-    auto model = methods::LoadModel(in->out_dir);
+    auto model = methods::LoadModel(in.out_dir);
     if (!model.ok()) return Fail(model.status());
     model::SetComputeThreads(o.threads > 0 ? o.threads
                                            : model::AutoComputeThreads((*model)->config()));
-    auto tokenizer = LoadTokenizerFromModelDir(in->out_dir);
+    auto tokenizer = LoadTokenizerFromModelDir(in.out_dir);
     if (!tokenizer.ok()) return Fail(tokenizer.status());
     for (const std::string& path : o.eval_paths) {
       auto text = ReadTextFile(path);
@@ -267,18 +267,18 @@ int RunReport(const ReportCommandOptions& o) {
           [&bar](int64_t done, int64_t total) { bar.Update(done, total); });
       bar.Finish();
       if (!c.ok()) return Fail(Annotate(c.status(), path));
-      in->evals.push_back({path, o.ctx, c->tokens_scored, c->ppl_reference, c->ppl_model,
+      in.evals.push_back({path, o.ctx, c->tokens_scored, c->ppl_reference, c->ppl_model,
                            c->mean_kl});
       evals.push_back({{"data", path}, {"perplexity", c->ppl_model},
                        {"reference_perplexity", c->ppl_reference}, {"mean_kl", c->mean_kl}});
     }
   }
   const std::string path = o.out.empty() ? paths.report : o.out;
-  const Status written = report::WriteReport(*in, path);
+  const Status written = report::WriteReport(in, path);
   if (!written.ok()) return Fail(written);
   if (o.json) {
     std::printf("%s\n", nlohmann::json({{"report", path}, {"job_dir", paths.dir},
-                                        {"out_dir", in->out_dir}, {"evals", evals}})
+                                        {"out_dir", in.out_dir}, {"evals", evals}})
                             .dump()
                             .c_str());
   } else {
