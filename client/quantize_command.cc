@@ -18,6 +18,7 @@
 #include "common/log.h"
 #include "kernels/device_select.h"
 #include "methods/registry.h"
+#include "runner/job_inputs.h"
 #include "runner/quantize_job.h"
 
 namespace qcal::client {
@@ -207,7 +208,7 @@ void AddQuantizeCommand(CLI::App& app, int* exit_code) {
       ->transform(qcal::CanonicalFlagPath)->required();
   cmd->add_option("--job-dir", o->job.job_dir,
                   "journal, Hessians and other resumable state (default: OUT.job)");
-  o->job.data_root = "../shared";
+  o->job.data_root = kDefaultDataRoot;
   cmd->add_option("--data-root", o->job.data_root,
                   "where the recipe's calibration files are resolved")
       ->capture_default_str();

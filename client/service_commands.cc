@@ -35,6 +35,7 @@
 #include "common/io_util.h"
 #include "proto/qcal.pb.h"
 #include "runner/job_dir.h"
+#include "runner/job_inputs.h"
 #include "rpc/auth.h"
 #include "rpc/job_client.h"
 #include "rpc/job_state.h"
@@ -95,7 +96,7 @@ StatusOr<std::unique_ptr<rpc::JobClient>> Connect(const ConnectionOptions& o) {
 struct SpecOptions {
   std::string recipe_path;
   std::string model_dir, out_dir, job_dir;
-  std::string data_root = "../shared";
+  std::string data_root = kDefaultDataRoot;
   int workers = 1;
   int threads = 0;
   int calib_batch = 0;

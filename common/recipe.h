@@ -87,6 +87,19 @@ struct MethodNeeds {
   bool transforms_non_block = false;
   // The method accepts QuIP#'s fine-tuning (finetune.enabled, finetune.end_to_end.enabled).
   bool supports_finetune = false;
+
+  // Whether the job reads calibration text at all (Hessians, activations, sequential
+  // calibration or end-to-end fine-tuning): its calibration files are checked and fingerprinted
+  // and relative ones resolve under the data root. An RTN job reads none.
+  bool reads_calibration_text() const {
+    return float_hessians || float_activations || end_to_end || sequential;
+  }
+  // Whether the block tasks read products of a calibration pass over the float model before
+  // them (its Hessians, activations, or the global phases' products). A sequential method
+  // without them calibrates inside its block tasks instead (JobPlan::has_calibrate_task).
+  bool calibrates_float_model() const {
+    return float_hessians || float_activations || !global_phases.empty();
+  }
 };
 
 // A method's parsed recipe section. Immutable; shared by copies of the Recipe.

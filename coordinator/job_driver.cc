@@ -59,7 +59,9 @@ void JobManager::DriveUnsafe(const std::shared_ptr<JobRuntime>& rt) {
   }
   rt->inputs_key = plan->inputs.key;
   for (const std::string& note : plan->notes) EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG, note);
-  const TaskPlan tasks = MakeTaskPlan(recipe, *plan, EvalsOf(spec));
+  rt->run = std::make_unique<JobRun>(rt->job.id(), spec.workers(), recipe, *plan, EvalsOf(spec),
+                                     options_.max_attempts, options_.wait_ms);
+  const TaskPlan& tasks = rt->run->tasks();
   rt->job.set_blocks_total(tasks.num_blocks);
   rt->job.set_blocks_done(static_cast<int64_t>(tasks.resumed.size()));
   rt->evals = tasks.evals;
@@ -69,11 +71,10 @@ void JobManager::DriveUnsafe(const std::shared_ptr<JobRuntime>& rt) {
     b->set_block(l);
     b->set_resumed(true);
     b->set_rank(-1);
-    auto it = plan->block_done.find(l);
-    if (it != plan->block_done.end()) {
-      rt->finished[l] = BlockResultFromEntry(it->second);
-      *b->mutable_result() = rt->finished[l];
-      b->set_seconds(rt->finished[l].seconds());
+    auto it = rt->run->finished().find(l);
+    if (it != rt->run->finished().end()) {
+      *b->mutable_result() = it->second;
+      b->set_seconds(it->second.seconds());
     }
   }
   if (!tasks.resumed.empty()) {
@@ -81,8 +82,6 @@ void JobManager::DriveUnsafe(const std::shared_ptr<JobRuntime>& rt) {
                absl::StrCat("resuming: ", tasks.resumed.size(), " of ", tasks.num_blocks,
                             " blocks were finished by an earlier run"));
   }
-  rt->scheduler = std::make_unique<JobScheduler>(rt->job.id(), spec.workers(), tasks,
-                                                 options_.max_attempts, options_.wait_ms);
   if (tasks.needs_workers()) {
     // A job resumed at start-up gets here before the server listens.
     if (!rt->cv.wait_for(lock, std::chrono::seconds(60), [&] {
@@ -114,10 +113,10 @@ void JobManager::DriveUnsafe(const std::shared_ptr<JobRuntime>& rt) {
       return;
     }
     SetStateLocked(*rt, v1::JOB_STATE_RUNNING, "");
-    SetPhaseLocked(*rt, rt->scheduler->phase());
+    SetPhaseLocked(*rt, rt->run->scheduler().phase());
     rt->cv.wait(lock, [&] {
-      return IsFinalState(rt->job.state()) || !rt->scheduler->error().empty() ||
-             rt->scheduler->awaiting_finalize() || shutting_down_;
+      return IsFinalState(rt->job.state()) || !rt->run->scheduler().error().empty() ||
+             rt->run->finalize_due() || shutting_down_;
     });
     if (IsFinalState(rt->job.state()) || shutting_down_) return;
     ApplySchedulerErrorLocked(*rt);
@@ -136,11 +135,11 @@ void JobManager::DriveUnsafe(const std::shared_ptr<JobRuntime>& rt) {
     return;
   }
   rt->job.set_result_json(summary->dump());
-  rt->scheduler->FinalizeDone();
-  if (!rt->scheduler->done()) {
-    SetPhaseLocked(*rt, rt->scheduler->phase());  // evaluation by the workers
+  rt->run->FinalizeDone();
+  if (!rt->run->done()) {
+    SetPhaseLocked(*rt, rt->run->scheduler().phase());  // evaluation by the workers
     rt->cv.wait(lock, [&] {
-      return IsFinalState(rt->job.state()) || rt->scheduler->done() || shutting_down_;
+      return IsFinalState(rt->job.state()) || rt->run->done() || shutting_down_;
     });
     if (IsFinalState(rt->job.state()) || shutting_down_) return;
     // The report finalize wrote had no perplexities yet: write it again with them.

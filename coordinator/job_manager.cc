@@ -215,7 +215,9 @@ void JobManager::FailLocked(JobRuntime& rt, const std::string& error) {
 }
 
 void JobManager::ApplySchedulerErrorLocked(JobRuntime& rt) {
-  if (rt.scheduler && !rt.scheduler->error().empty()) FailLocked(rt, rt.scheduler->error());
+  if (rt.run && !rt.run->scheduler().error().empty()) {
+    FailLocked(rt, rt.run->scheduler().error());
+  }
 }
 
 void JobManager::WarnRequeuesLocked(JobRuntime& rt,
@@ -289,7 +291,7 @@ void JobManager::GroupDiedLocked(JobRuntime& rt, const std::string& how) {
     rt.group.reset();
     return;
   }
-  const bool work_left = rt.scheduler && !rt.scheduler->done();
+  const bool work_left = rt.run && !rt.run->done();
   if (!work_left || rt.group_restarts >= options_.max_group_restarts) {
     rt.group.reset();
     FailLocked(rt, absl::StrCat(what,
@@ -306,14 +308,14 @@ void JobManager::GroupDiedLocked(JobRuntime& rt, const std::string& how) {
                    options_.max_group_restarts, "), the job continues from its journal");
   QCAL_LOG_WARN("job {}: {}", rt.job.id(), msg);
   EmitLocked(rt, v1::JOB_EVENT_KIND_WARNING, msg);
-  WarnRequeuesLocked(rt, rt.scheduler->GroupLost(what), "the worker group was lost");
+  WarnRequeuesLocked(rt, rt.run->scheduler().GroupLost(what), "the worker group was lost");
   ApplySchedulerErrorLocked(rt);
   if (IsFinalState(rt.job.state())) return;
   if (Status launched = LaunchGroupLocked(rt); !launched.ok()) {
     FailLocked(rt, std::string(launched.message()));
     return;
   }
-  if (!rt.scheduler->awaiting_finalize()) SetPhaseLocked(rt, rt.scheduler->phase());
+  if (!rt.run->finalize_due()) SetPhaseLocked(rt, rt.run->scheduler().phase());
 }
 
 Status JobManager::MakeWorkerCredentialLocked(JobRuntime& rt) {

@@ -50,12 +50,14 @@
 #include "coordinator/worker_pool.h"
 #include "proto/qcal.pb.h"
 #include "rpc/job_state.h"
+#include "runner/job_run.h"
 #include "runner/scheduler.h"
 #include "runner/workspace.h"
 
 namespace qcal::coordinator {
 
 // The job runner's torch-free parts (runner/): the task scheduler and the job directory.
+using job::JobRun;
 using job::JobScheduler;
 using job::JobWorkspace;
 using job::MakeDiskWorkspace;
@@ -160,7 +162,7 @@ class JobManager {
     std::condition_variable cv;  // new event, or the scheduler finished
     Recipe recipe;
     std::unique_ptr<JobWorkspace> workspace;
-    std::unique_ptr<JobScheduler> scheduler;
+    std::unique_ptr<JobRun> run;  // the scheduler and the finished blocks (runner/job_run.h)
     std::unique_ptr<WorkerGroup> group;
     LaunchSpec launch;             // how the group was launched (relaunches reuse it)
     int group_restarts = 0;        // relaunches so far
@@ -170,7 +172,6 @@ class JobManager {
     double phase_started_at = 0;   // monotonic
     double quantize_started_at = -1;
     int64_t blocks_done_this_run = 0;
-    std::map<int64_t, v1::BlockResult> finished;  // journaled blocks (FINETUNE_E2E needs them)
     std::string inputs_key;                        // the plan's (handed to registering workers)
     std::string worker_token;                      // the job's worker credential (at launch)
     std::vector<v1::EvalParams> evals;             // the evaluation phase's tasks

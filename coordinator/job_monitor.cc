@@ -16,16 +16,16 @@ void JobManager::Tick() {
     std::shared_ptr<JobRuntime> rt = FindLocked(dead.job_id);
     if (!rt) continue;
     rt->job.set_workers_alive(workers_.AliveCount(dead.job_id));
-    if (IsFinalState(rt->job.state()) || !rt->scheduler) continue;
+    if (IsFinalState(rt->job.state()) || !rt->run) continue;
     const std::string why =
         absl::StrCat("rank ", dead.rank, " (worker ", dead.worker_id, ", pid ", dead.pid, " on ",
                      dead.hostname, ") sent no heartbeat for ",
                      absl::SixDigits(workers_.timeout_s()), " s");
     QCAL_LOG_WARN("job {}: {}", rt->job.id(), why);
     EmitLocked(*rt, v1::JOB_EVENT_KIND_WARNING, why);
-    WarnRequeuesLocked(*rt, rt->scheduler->WorkerLost(dead.worker_id, dead.rank), why);
+    WarnRequeuesLocked(*rt, rt->run->scheduler().WorkerLost(dead.worker_id, dead.rank), why);
     ApplySchedulerErrorLocked(*rt);
-    if (!IsFinalState(rt->job.state()) && rt->scheduler->needs_new_group() && rt->group) {
+    if (!IsFinalState(rt->job.state()) && rt->run->scheduler().needs_new_group() && rt->group) {
       // The collective calibration cannot finish without the lost rank: replace the world
       // (the exit is seen below, or on the next tick, and relaunches it).
       EmitLocked(*rt, v1::JOB_EVENT_KIND_WARNING,

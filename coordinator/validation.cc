@@ -54,7 +54,7 @@ Status NoControlCharacters(const std::string& field, const std::string& value) {
 
 std::vector<std::string> CalibrationPaths(const Recipe& recipe, const v1::JobSpec& spec) {
   std::vector<std::string> out;
-  if (!JobCalibrates(recipe)) return out;
+  if (!recipe.needs().reads_calibration_text()) return out;
   for (const std::string& f : recipe.calibration.files) {
     const std::string p = !f.empty() && f[0] == '/' ? f : spec.data_root() + "/" + f;
     StatusOr<std::string> c = CanonicalPath(p);
@@ -136,7 +136,7 @@ StatusOr<Recipe> ValidateJobSpec(v1::JobSpec* spec) {
   for (const std::string& f : recipe->calibration.files) {
     relative_calibration |= f.empty() || f[0] != '/';
   }
-  if (relative_calibration && JobCalibrates(*recipe)) {
+  if (relative_calibration && recipe->needs().reads_calibration_text()) {
     QCAL_ASSIGN_OR_RETURN(std::string root, NormalizeAbsolute("data_root", spec->data_root()));
     spec->set_data_root(root);
   }

@@ -42,15 +42,15 @@ StatusOr<v1::Task> JobManager::NextTask(const std::string& worker_id) {
   QCAL_ASSIGN_OR_RETURN(auto wj, WorkerAndJobLocked(worker_id));
   auto& [w, rt] = wj;
   if (IsFinalState(rt->job.state())) return ShutdownTask(*rt);
-  if (!rt->scheduler || rt->scheduler->done()) {
+  if (!rt->run || rt->run->done()) {
     v1::Task t;  // still planning, or finalizing: the job is not over yet
     t.set_kind(v1::TASK_KIND_WAIT);
     t.set_job_id(rt->job.id());
     t.set_retry_after_ms(options_.wait_ms);
     return t;
   }
-  const auto before = rt->scheduler->running();
-  v1::Task task = rt->scheduler->Next(w.worker_id, w.rank);
+  const auto before = rt->run->scheduler().running();
+  v1::Task task = rt->run->Next(w.worker_id, w.rank);
   auto held = before.find(w.worker_id);
   if (held != before.end()) {
     EmitLocked(*rt, v1::JOB_EVENT_KIND_WARNING,
@@ -59,9 +59,6 @@ StatusOr<v1::Task> JobManager::NextTask(const std::string& worker_id) {
   }
   ApplySchedulerErrorLocked(*rt);
   if (IsFinalState(rt->job.state())) return ShutdownTask(*rt);
-  if (task.kind() == v1::TASK_KIND_FINETUNE_E2E) {
-    for (const auto& [layer, result] : rt->finished) *task.add_finished_blocks() = result;
-  }
   if (task.kind() == v1::TASK_KIND_QUANTIZE_BLOCK && task.attempt() > 1) {
     EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG,
                absl::StrCat("block ", task.block(), " attempt ", task.attempt(), " -> rank ",
@@ -95,7 +92,7 @@ Status JobManager::RejectResultLocked(JobRuntime& rt, const WorkerInfo& w,
                                       const std::string& task_id, const Status& why) {
   const std::string msg = absl::StrCat("invalid result for ", task_id, ": ", why.message());
   StatusOr<std::vector<JobScheduler::Requeue>> requeues =
-      rt.scheduler->Fail(w.worker_id, w.rank, task_id, msg, /*retryable=*/true);
+      rt.run->scheduler().Fail(w.worker_id, w.rank, task_id, msg, /*retryable=*/true);
   if (requeues.ok()) {
     WarnRequeuesLocked(rt, *requeues, absl::StrCat("rank ", w.rank, " returned an ", msg));
   }
@@ -122,13 +119,13 @@ Status JobManager::CompleteTask(const v1::CompleteTaskRequest& request) {
     QCAL_ASSIGN_OR_RETURN(auto wj, WorkerAndJobLocked(request.worker_id()));
     w = wj.first;
     rt = wj.second;
-    if (IsFinalState(rt->job.state()) || !rt->scheduler) return absl::OkStatus();  // nothing to record
+    if (IsFinalState(rt->job.state()) || !rt->run) return absl::OkStatus();  // nothing to record
 
-    const StatusOr<JobScheduler::TaskInfo> info = rt->scheduler->Lookup(task_id);
+    const StatusOr<JobScheduler::TaskInfo> info = rt->run->scheduler().Lookup(task_id);
     if (!info.ok()) return info.status();
     // A superseded attempt whose work another attempt finished: its files are never committed.
     if (info->done) {
-      QCAL_RETURN_IF_ERROR(rt->scheduler->Complete(w.worker_id, w.rank, task_id).status());
+      QCAL_RETURN_IF_ERROR(rt->run->Record(w.worker_id, w.rank, request).status());
       EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG,
                  absl::StrCat("rank ", w.rank, " also completed ", task_id, " (ignored)"));
       return absl::OkStatus();
@@ -176,15 +173,13 @@ Status JobManager::RecordCompletionLocked(JobRuntime* rt, const WorkerInfo& w,
   // The job may have ended while the files were committed: they and their journal entry are
   // kept (a resume counts them); there is nothing more to record.
   if (IsFinalState(rt->job.state())) return absl::OkStatus();
-  QCAL_ASSIGN_OR_RETURN(JobScheduler::Completion c,
-                        rt->scheduler->Complete(w.worker_id, w.rank, task_id));
+  QCAL_ASSIGN_OR_RETURN(JobScheduler::Completion c, rt->run->Record(w.worker_id, w.rank, request));
   if (c.kind == v1::TASK_KIND_CALIBRATE) {
     EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG,
                absl::StrCat("rank ", w.rank, " finished calibration (",
-                            rt->scheduler->calibrate_ranks_done(), " of ",
+                            rt->run->scheduler().calibrate_ranks_done(), " of ",
                             rt->job.spec().workers(), ")"));
   } else if (c.kind == v1::TASK_KIND_QUANTIZE_BLOCK) {
-    rt->finished[c.block] = request.block();
     v1::BlockMetrics* b = rt->job.add_blocks();
     b->set_block(c.block);
     b->set_seconds(request.block().seconds());
@@ -214,10 +209,10 @@ Status JobManager::RecordCompletionLocked(JobRuntime* rt, const WorkerInfo& w,
                                r.scored(), w.rank));
     SaveLocked(*rt);
   }
-  if (c.phase_finished && !rt->scheduler->done() && !rt->scheduler->awaiting_finalize()) {
-    SetPhaseLocked(*rt, rt->scheduler->phase());
+  if (c.phase_finished && !rt->run->done() && !rt->run->finalize_due()) {
+    SetPhaseLocked(*rt, rt->run->scheduler().phase());
   }
-  if (rt->scheduler->done() || rt->scheduler->awaiting_finalize()) {
+  if (rt->run->done() || rt->run->finalize_due()) {
     rt->cv.notify_all();  // the driver finalizes / finishes
   }
   return absl::OkStatus();
@@ -227,11 +222,11 @@ Status JobManager::FailTask(const v1::FailTaskRequest& request) {
   Lock lock(mu_);
   QCAL_ASSIGN_OR_RETURN(auto wj, WorkerAndJobLocked(request.worker_id()));
   auto& [w, rt] = wj;
-  if (IsFinalState(rt->job.state()) || !rt->scheduler) return absl::OkStatus();
+  if (IsFinalState(rt->job.state()) || !rt->run) return absl::OkStatus();
   QCAL_LOG_WARN("job {}: rank {} failed task {}: {}", rt->job.id(), w.rank, request.task_id(),
                 request.error());
   QCAL_ASSIGN_OR_RETURN(std::vector<JobScheduler::Requeue> requeues,
-                        rt->scheduler->Fail(w.worker_id, w.rank, request.task_id(),
+                        rt->run->scheduler().Fail(w.worker_id, w.rank, request.task_id(),
                                             request.error(), request.retryable()));
   WarnRequeuesLocked(*rt, requeues,
                      absl::StrCat("rank ", w.rank, " failed ", request.task_id(), " (",

@@ -8,9 +8,10 @@
 //          "group_size", "desc_act", "sym", "checkpoint_format": "gptq"} and quantize_config.json,
 //          the tokenizer files, shards split by size with an index. Only checkpoints whose every
 //          linear is on a scalar integer grid with fp16-exact scales (rtn, gptq; QuaRot weights
-//          without online transforms) and whose function a plain Llama forward computes
-//          (Method::CheckPlainForward) can be expressed; anything else is refused with the
-//          reason (lattice codes, online rotations, activation or KV-cache quantization).
+//          without online transforms) and whose function a plain Llama forward computes (the
+//          method's ServedForward has no online step) can be expressed; anything else is refused
+//          with the reason (lattice codes, online rotations, activation or KV-cache
+//          quantization).
 //   compressed-tensors
 //          the format llm-compressor writes and vLLM and transformers load ("quant_method":
 //          "compressed-tensors", "format": "pack-quantized"): per linear weight_packed (codes
@@ -19,14 +20,19 @@
 //          (activation order), weight_shape; one config group ("channel" or "group" strategy,
 //          symmetric or not, "actorder": "group" when any g_idx reorders), lm_head ignored. The
 //          same checkpoints as gptq can be expressed (2 to 8 bits; scales exact in the model's
-//          dtype; no zero-point restriction), and also those whose linear inputs are quantized
-//          to int8 (Inference::CheckPlainForwardWithQuantizedInputs: W8A8 as "int-quantized",
-//          int8 weights in `weight`, and input_activations dynamic per token or static per
-//          tensor with an input_scale per linear); the rest is refused with the reason.
+//          dtype; no zero-point restriction), and also those whose online steps are all on
+//          linear inputs (ServedForward: int8 input quantizers, W8A8 as "int-quantized" with
+//          int8 weights in `weight` and input_activations dynamic per token or static per tensor
+//          with an input_scale per linear; block Hadamards as transform_config); the rest is
+//          refused with the reason.
 //   dense  a float checkpoint whose linears are the quantized checkpoint's dequantized weights
 //          (float32), for any method whose function a plain forward computes: what an engine
 //          without quantized kernels, or an independent check, runs.
 //
+// Each format decides from data alone, in its own file (gptq_format.cc,
+// compressed_tensors_format.cc, dense_format.cc: export/format.h) over a shared tensor planner
+// (export/tensor_plan.h): the method's ServedForward (methods/parts.h) and the grids the linears
+// are stored on.
 // docs/formats.md ("GPTQ export") documents the layout. The output directory is written as
 // "<out>.partial" and renamed when complete; nothing is left behind on failure. Tensors stream
 // into their shards (one block in memory at a time, tables converted in row chunks).

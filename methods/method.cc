@@ -23,7 +23,7 @@ class IdentityTransform final : public ModelTransform {
 class PlainInference final : public Inference {
  public:
   Status Install(model::DecoderBlock*, int64_t) const override { return Status(); }
-  Status CheckPlainForward() const override { return Status(); }
+  StatusOr<ServedForward> Served() const override { return ServedForward(); }
 };
 
 }  // namespace

@@ -177,35 +177,42 @@ struct StaticInputParams {
   int32_t zero = 0;
 };
 
+// What a checkpoint computes at inference beyond a plain Llama forward over its stored weights
+// (float activations and KV cache, no online transforms), as data: export/ reads it and decides
+// per format what it can express; no method names a format.
+struct ServedForward {
+  // One online step of inference, named for messages ("the online Hadamard R3 on queries and
+  // keys", "4-bit activation quantization").
+  struct Step {
+    std::string what;
+    // The step acts on decoder linears' inputs only and is described whole by `linear_inputs`
+    // or `input_hadamards` (a format that carries input quantizers and input transforms can
+    // express it).
+    bool on_linear_inputs = false;
+  };
+  std::vector<Step> online;  // empty: a plain Llama forward computes the checkpoint
+  // The quantizer of every decoder linear's input; nullopt: float inputs. Static: each block's
+  // scale and zero point from Inference::StaticLinearInputParams.
+  std::optional<ActivationQuantSpec> linear_inputs;
+  // Block-diagonal Hadamards on linear inputs, online at inference, their inverse already fused
+  // into the stored weight (QuaRot's R4 in blocks).
+  struct InputHadamard {
+    model::LinearKind linear = model::LinearKind::kDown;
+    int64_t block = 0;  // the block-diagonal Sylvester H_block / √block
+  };
+  std::vector<InputHadamard> input_hadamards;
+};
+
 class Inference {
  public:
   virtual ~Inference() = default;
   // What inference computes with, installed on a block BlockFormat::LoadBlock read.
   virtual Status Install(model::DecoderBlock* block, int64_t layer) const = 0;
-  // Whether a checkpoint computes exactly what its stored linears compute in a plain Llama
-  // forward pass (float activations and KV cache, no online transforms), so that its weights
-  // can be exported to formats inference engines load. FailedPrecondition saying what such a
-  // forward cannot express otherwise.
-  virtual Status CheckPlainForward() const = 0;
-
-  // For formats that also describe how each linear's input is quantized (compressed-tensors'
-  // input_activations) and block-diagonal Hadamards on linear inputs (its transform_config):
-  // CheckPlainForward, except that those are allowed (OnlineInputHadamards lists the
-  // Hadamards). The default allows no more than CheckPlainForward.
-  virtual Status CheckPlainForwardWithQuantizedInputs() const { return CheckPlainForward(); }
-  // The quantizer of every decoder linear's input at inference time; nullopt: float inputs.
-  virtual std::optional<ActivationQuantSpec> LinearInputQuantization() const {
-    return std::nullopt;
-  }
-  // The online transforms of linear inputs a format can describe as compressed-tensors'
-  // "hadamard" transform (the inverse already fused into the weight): QuaRot's R4 in blocks.
-  struct InputHadamard {
-    model::LinearKind linear = model::LinearKind::kDown;
-    int64_t block = 0;  // the block-diagonal Sylvester H_block / √block
-  };
-  virtual std::vector<InputHadamard> OnlineInputHadamards() const { return {}; }
-  // A static quantizer's scale and zero point (on qcal's code grid: ScalarCodeMin..Max) for the
-  // input of linear `kind` of block `layer`, from the block as BlockFormat::LoadBlock read it.
+  // The same, as data (for exports).
+  virtual StatusOr<ServedForward> Served() const = 0;
+  // A static input quantizer's scale and zero point (on qcal's code grid: ScalarCodeMin..Max)
+  // for the input of linear `kind` of block `layer`, from the block as BlockFormat::LoadBlock
+  // read it: the block's static ranges, when Served().linear_inputs is static.
   virtual StatusOr<StaticInputParams> StaticLinearInputParams(const model::BlockWeights& weights,
                                                              int64_t layer,
                                                              model::LinearKind kind) const;

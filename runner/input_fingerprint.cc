@@ -154,7 +154,7 @@ StatusOr<InputsFingerprint> FingerprintInputs(const Recipe& recipe, const std::s
                                               const std::string& data_root,
                                               const std::string& cache_path) {
   QCAL_ASSIGN_OR_RETURN(auto paths, ModelFiles(model_dir));
-  if (JobCalibrates(recipe)) {
+  if (recipe.needs().reads_calibration_text()) {
     for (const std::string& f : recipe.calibration.files) {
       paths["data/" + f] = !f.empty() && f[0] == '/' ? f : data_root + "/" + f;
     }

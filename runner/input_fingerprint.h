@@ -44,7 +44,7 @@ StatusOr<std::map<std::string, std::string>> ModelFiles(const std::string& model
 
 // Fingerprints the job's inputs. `cache_path` (JOB/inputs.json; empty: none) holds the hashes
 // of earlier runs; it is rewritten when a file was hashed. Calibration files count only when the
-// recipe calibrates (runner/job_inputs.h JobCalibrates), resolved under data_root unless
+// recipe reads (MethodNeeds::reads_calibration_text), resolved under data_root unless
 // absolute. Errors name the file.
 StatusOr<InputsFingerprint> FingerprintInputs(const Recipe& recipe, const std::string& model_dir,
                                               const std::string& data_root,

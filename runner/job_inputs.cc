@@ -135,11 +135,6 @@ Status CheckReadableFile(const std::string& what, const std::string& path) {
   return absl::OkStatus();
 }
 
-bool JobCalibrates(const Recipe& recipe) {
-  const MethodNeeds needs = recipe.needs();
-  return needs.float_hessians || needs.float_activations || needs.end_to_end || needs.sequential;
-}
-
 Status CheckLayerTensors(const LlamaConfig& config, const std::string& model_dir) {
   // Without a readable checkpoint there is nothing to compare; opening the model says why later.
   auto ckpt = CheckpointReader::Open(model_dir);
@@ -186,7 +181,7 @@ StatusOr<LlamaConfig> CheckJobInputs(const Recipe& recipe, const JobInputs& in) 
   QCAL_RETURN_IF_ERROR(CheckOutputDir("out_dir", in.out_dir, in.model_dir));
   QCAL_RETURN_IF_ERROR(CheckOutputDir("job_dir", in.job_dir, in.model_dir));
   QCAL_RETURN_IF_ERROR(CheckExistingCheckpoint(in));
-  if (JobCalibrates(recipe)) {
+  if (recipe.needs().reads_calibration_text()) {
     // Token ids past the embedding table would fail deep inside the forward pass ("row 2360 was
     // asked for"): say which files disagree before anything runs. A tokenizer that does not load
     // is reported where the job loads it.

@@ -22,9 +22,12 @@ struct JobInputs {
   bool overwrite = false;     // replace a checkpoint in out_dir that job_dir did not write
 };
 
-// Whether the recipe reads calibration text (Hessians, activations, sequential calibration or
-// end-to-end fine-tuning).
-bool JobCalibrates(const Recipe& recipe);
+// Where a job's relative calibration paths resolve when it names no data root: ../shared beside
+// the working directory (the bundled data). The one default; DataRootOr applies it.
+inline constexpr char kDefaultDataRoot[] = "../shared";
+inline std::string DataRootOr(const std::string& data_root) {
+  return data_root.empty() ? std::string(kDefaultDataRoot) : data_root;
+}
 
 // InvalidArgument naming the field (model_dir, out_dir, job_dir, data_root, calibration file),
 // the path and the problem; the model's config on success. An out_dir that already holds a

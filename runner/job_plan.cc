@@ -161,11 +161,8 @@ std::vector<int64_t> JobPlan::pending_blocks() const {
   return out;
 }
 
-bool JobPlan::needs_calibration(const Recipe& recipe) const {
-  const MethodNeeds needs = recipe.needs();
-  const bool blocks_left = !all_blocks_finished();
-  return ((needs.float_hessians || needs.float_activations || !needs.global_phases.empty()) &&
-          blocks_left) ||
+bool JobPlan::has_calibrate_task(const Recipe& recipe) const {
+  return (recipe.needs().calibrates_float_model() && !all_blocks_finished()) ||
          (e2e_enabled && !e2e_finished);
 }
 

@@ -48,10 +48,11 @@ struct JobPlan {
   nlohmann::json e2e_done;            // its journal entry when finished
   bool all_blocks_finished() const;
   std::vector<int64_t> pending_blocks() const;
-  // Whether the job still has a CALIBRATE task: the pending blocks need the float model's
-  // Hessians, activations or the method's global phases, or end-to-end fine-tuning is not done.
-  // (Not JobCalibrates, runner/job_inputs.h: whether the recipe reads calibration text at all.)
-  bool needs_calibration(const Recipe& recipe) const;
+  // Whether the job still has a CALIBRATE task: blocks are pending and the method calibrates
+  // the float model before them (MethodNeeds::calibrates_float_model), or end-to-end
+  // fine-tuning is not done. (MethodNeeds::reads_calibration_text says whether the recipe reads
+  // calibration text at all.)
+  bool has_calibrate_task(const Recipe& recipe) const;
 };
 
 // Validates inputs (model config readable, output directory not inside the model directory,

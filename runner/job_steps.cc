@@ -14,6 +14,7 @@
 #include "runner/input_fingerprint.h"
 #include "common/checkpoint_layout.h"
 #include "runner/job_dir.h"
+#include "runner/job_inputs.h"
 #include "runner/journal.h"
 #include "common/log.h"
 #include "common/phase_trace.h"
@@ -24,6 +25,7 @@
 #include "engine/calib/calibration.h"
 #include "engine/eval/perplexity.h"
 #include "engine/model/activation_store.h"
+#include "engine/model/block_walk.h"
 #include "engine/model/tensor_io.h"
 #include "engine/quant/finetune.h"
 #include "runner/budgets.h"
@@ -63,15 +65,44 @@ void AddMetrics(const std::vector<quant::LinearMetrics>& linears, v1::BlockResul
   }
 }
 
+QuantizeJobOptions OptionsForSpec(const v1::JobSpec& spec) {
+  QuantizeJobOptions o;
+  o.model_dir = spec.model_dir();
+  o.out_dir = spec.out_dir();
+  o.job_dir = spec.job_dir();
+  o.data_root = spec.data_root();
+  o.recipe_source = spec.recipe_path().empty() ? "job spec recipe" : spec.recipe_path();
+  o.calib_batch = spec.calib_batch();
+  o.threads = spec.threads_per_worker();
+  o.max_memory = spec.max_memory_bytes();
+  ResolveDefaults(&o);
+  return o;
+}
+
+v1::JobSpec SpecForOptions(const QuantizeJobOptions& options) {
+  v1::JobSpec spec;
+  spec.set_recipe_path(options.recipe_source);
+  spec.set_model_dir(options.model_dir);
+  spec.set_out_dir(options.out_dir);
+  spec.set_job_dir(options.job_dir);
+  spec.set_data_root(options.data_root);
+  spec.set_workers(1);
+  return spec;
+}
+
+void ResolveDefaults(QuantizeJobOptions* options) {
+  options->job_dir = JobDirFor(options->job_dir, options->out_dir);
+  options->data_root = DataRootOr(options->data_root);
+  if (options->calib_batch < 1) options->calib_batch = 8;
+  if (options->max_memory <= 0) options->max_memory = model::DefaultMaxMemory();
+}
+
 StatusOr<std::unique_ptr<JobContext>> OpenJob(const Recipe& recipe,
                                               const QuantizeJobOptions& options) {
   auto ctx = std::make_unique<JobContext>();
   ctx->recipe = recipe;
   ctx->options = options;
-  ctx->options.job_dir = JobDirFor(ctx->options.job_dir, ctx->options.out_dir);
-  if (ctx->options.data_root.empty()) ctx->options.data_root = "../shared";
-  if (ctx->options.calib_batch < 1) ctx->options.calib_batch = 8;
-  if (ctx->options.max_memory <= 0) ctx->options.max_memory = model::DefaultMaxMemory();
+  ResolveDefaults(&ctx->options);
   QCAL_ASSIGN_OR_RETURN(ctx->source, model::OpenFloatCheckpoint(options.model_dir));
   ctx->config = ctx->source->config();
   QCAL_ASSIGN_OR_RETURN(ctx->method, methods::MakeMethod(recipe, ctx->config));
@@ -478,49 +509,33 @@ StatusOr<v1::FinetuneResult> FinetuneE2EStep(JobContext* ctx,
   {
     at::NoGradGuard no_grad;
     const int64_t n = ctx->tokens.size(0), batch = std::max<int64_t>(1, stage.batch);
-    std::vector<std::vector<int64_t>> shapes;
+    std::vector<at::Tensor> ids;
     for (int64_t b = 0; b < n; b += batch) {
-      shapes.push_back({std::min(n, b + batch) - b, ctx->tokens.size(1), config.hidden_size});
+      ids.push_back(ctx->tokens.narrow(0, b, std::min(n, b + batch) - b));
     }
     QCAL_RETURN_IF_ERROR(MakeDirs(JobPaths(ctx->options.job_dir).spill));
-    QCAL_ASSIGN_OR_RETURN(auto store, model::ActivationStore::Create(
-                                          shapes, ActivationBudget(*ctx),
-                                          JobPaths(ctx->options.job_dir).spill + "/teacher.f32"));
-    for (int64_t c = 0; c < store->chunks(); ++c) {
-      QCAL_ASSIGN_OR_RETURN(at::Tensor x,
-                            ctx->source->Embed(ctx->tokens.narrow(0, c * batch, shapes[c][0])));
-      QCAL_RETURN_IF_ERROR(store->Put(c, x));
-    }
+    QCAL_ASSIGN_OR_RETURN(std::unique_ptr<model::BlockWalk> walk,
+                          model::BlockWalk::Embed(*ctx->source, ids, ActivationBudget(*ctx),
+                                                  JobPaths(ctx->options.job_dir).spill +
+                                                      "/teacher.f32"));
     for (int64_t l = 0; l < blocks; ++l) {
       QCAL_ASSIGN_OR_RETURN(std::unique_ptr<model::DecoderBlock> block,
                             ctx->source->LoadBlock(l));
-      for (int64_t c = 0; c < store->chunks(); ++c) {
-        QCAL_ASSIGN_OR_RETURN(at::Tensor x, store->Get(c));
-        QCAL_RETURN_IF_ERROR(store->Put(c, block->Forward(x, ctx->source->rope())));
-      }
+      QCAL_RETURN_IF_ERROR(walk->Forward(*block, ctx->source->rope()));
     }
     std::vector<at::Tensor> chunks;
-    for (int64_t c = 0; c < store->chunks(); ++c) {
-      QCAL_ASSIGN_OR_RETURN(at::Tensor x, store->Get(c));
+    for (int64_t c = 0; c < walk->chunks(); ++c) {
+      QCAL_ASSIGN_OR_RETURN(at::Tensor x, walk->store().Get(c));
       chunks.push_back(x);
     }
     teacher.hidden = at::cat(chunks, 0);
   }
-  model::ModelSource* source = ctx->source.get();
-  teacher.head = [source](const at::Tensor& h) {
-    StatusOr<at::Tensor> logits = source->Logits(h);
-    if (!logits.ok()) throw std::runtime_error(std::string(logits.status().message()));
-    return *logits;
-  };
+  QCAL_ASSIGN_OR_RETURN(const model::ModelSource::LoadedHead head, ctx->source->Head());
+  teacher.final_norm = head.final_norm;
+  teacher.head = head.head;
   trace.Begin("fine-tune");
-  StatusOr<quant::EndToEndResult> e2e = [&]() -> StatusOr<quant::EndToEndResult> {
-    try {
-      return quant::FinetuneEndToEnd(ctx->method->FinetuneOptionsFor(stage), &tuned, teacher,
-                                     ctx->tokens);
-    } catch (const std::exception& e) {
-      return absl::InternalError(absl::StrCat("end-to-end fine-tuning: ", e.what()));
-    }
-  }();
+  StatusOr<quant::EndToEndResult> e2e = quant::FinetuneEndToEnd(
+      ctx->method->FinetuneOptionsFor(stage), &tuned, teacher, ctx->tokens);
   ctx->source->ReleaseHead();
   QCAL_RETURN_IF_ERROR(e2e.status());
 

@@ -38,6 +38,7 @@
 #include "kernels/gpu_backend.h"
 #include "methods/method.h"
 #include "proto/job.pb.h"
+#include "proto/qcal.pb.h"
 #include "engine/calib/cache.h"
 #include "engine/comm/comm.h"
 #include "engine/model/model_source.h"
@@ -48,7 +49,7 @@ struct QuantizeJobOptions {
   std::string model_dir;
   std::string out_dir;
   std::string job_dir;    // default: DefaultJobDir(out_dir) (runner/job_dir.h)
-  std::string data_root;  // where recipe calibration paths are resolved (default "../shared")
+  std::string data_root;  // where recipe calibration paths are resolved (DataRootOr)
   std::string recipe_source = "recipe";  // the recipe's file, for messages
   // Replace a finished checkpoint in out_dir that job_dir's journal did not write (otherwise
   // refused: runner/job_inputs.h).
@@ -66,6 +67,17 @@ struct QuantizeJobOptions {
   // fingerprints the inputs itself (hashes cached in JOB/inputs.json).
   std::string inputs_key;
 };
+
+// The job's record (v1::JobSpec, what the coordinator stores and hands its workers) and a rank's
+// options, translated in one place each way: the worker's options from the spec it registered
+// for (threads, device reduction and inputs key are then the process's own), and the spec of a
+// `qcal quantize` job (one worker) from its options.
+QuantizeJobOptions OptionsForSpec(const v1::JobSpec& spec);
+v1::JobSpec SpecForOptions(const QuantizeJobOptions& options);
+// The defaults, applied once by whoever opens the job (OpenJob, RunQuantizeJob): job_dir
+// JobDirFor(job_dir, out_dir), data_root DataRootOr, calib_batch 8, max_memory
+// model::DefaultMaxMemory().
+void ResolveDefaults(QuantizeJobOptions* options);
 
 struct JobEvent {
   std::string phase;  // "calibrate", "activations", "quantize", "block", "finetune", ...
@@ -96,10 +108,10 @@ struct JobContext {
   bool method_bound = false;
 };
 
-// Resolves the options (job_dir default DefaultJobDir(out_dir), data_root default "../shared",
-// max_memory, inputs_key), opens the float model as a streamed source, makes the recipe's method
-// and sets the compute threads (options.threads, else AutoComputeThreads). A calibration
-// seq_len above the model's context is capped to it, with a warning (CalibrationSeqLen).
+// Resolves the options (ResolveDefaults; inputs_key), opens the float model as a streamed
+// source, makes the recipe's method and sets the compute threads (options.threads, else
+// AutoComputeThreads). A calibration seq_len above the model's context is capped to it, with a
+// warning (CalibrationSeqLen).
 StatusOr<std::unique_ptr<JobContext>> OpenJob(const Recipe& recipe,
                                               const QuantizeJobOptions& options);
 

@@ -17,7 +17,7 @@
 #include "common/phase_trace.h"
 #include "runner/task_plan.h"
 #include "engine/comm/comm.h"
-#include "runner/scheduler.h"
+#include "runner/job_run.h"
 #include "runner/task_executor.h"
 #include "runner/task_results.h"
 #include "runner/workspace.h"
@@ -50,10 +50,10 @@ std::vector<quant::LinearMetrics> MetricsOf(const v1::BlockResult& r) {
 constexpr char kWorkerId[] = "in-process";
 
 // The job once its inputs are checked and `workspace` is open (directories locked, plan made,
-// journal open): the same task plan the coordinator schedules for its workers
-// (runner/scheduler.h), executed here one task at a time by the workers' executor
-// (runner/task_executor.h) and accepted as the coordinator accepts a worker's result
-// (runner/task_results.h: staged files checked, committed, journaled).
+// journal open): the same run the coordinator drives for its workers (runner/job_run.h), its
+// tasks executed here one at a time by the workers' executor (runner/task_executor.h) and
+// accepted as the coordinator accepts a worker's result (runner/task_results.h: staged files
+// checked, committed, journaled).
 StatusOr<QuantizeJobResult> RunPlannedJob(const Recipe& recipe, const QuantizeJobOptions& opt,
                                           const v1::JobSpec& spec, JobPlan plan,
                                           JobWorkspace& workspace, const JobEventFn& on_event,
@@ -70,28 +70,25 @@ StatusOr<QuantizeJobResult> RunPlannedJob(const Recipe& recipe, const QuantizeJo
   QuantizeJobResult result;
   result.out_dir = opt.out_dir;
   std::map<int64_t, nlohmann::json>& done = plan.block_done;  // finished layers' entries
-  std::map<int64_t, v1::BlockResult> finished;                // what end-to-end tuning reads
   std::map<int64_t, std::vector<v1::PhaseTiming>> block_phases;
-  for (const auto& [layer, entry] : done) finished[layer] = BlockResultFromEntry(entry);
 
-  const TaskPlan tasks = MakeTaskPlan(recipe, plan);
-  JobScheduler scheduler(kWorkerId, /*world_size=*/1, tasks, /*max_attempts=*/1, /*wait_ms=*/0);
+  JobRun run(kWorkerId, /*world_size=*/1, recipe, plan, {}, /*max_attempts=*/1, /*wait_ms=*/0);
   auto self = comm::MakeSelfComm();
   std::string traced = "open";
-  while (!scheduler.done()) {
-    if (scheduler.awaiting_finalize()) {
+  while (!run.done()) {
+    if (run.finalize_due()) {
       // Shard 0 (unless end-to-end fine-tuning or the method wrote it), index, config.json,
       // tokenizer files, job_done.
       trace->Begin("finalize");
       emit("finalize", 0, 1);
       QCAL_RETURN_IF_ERROR(workspace.Finalize(recipe, spec).status());
       emit("finalize", 1, 1);
-      scheduler.FinalizeDone();
+      run.FinalizeDone();
       continue;
     }
-    const std::string phase = scheduler.phase();
-    v1::Task task = scheduler.Next(kWorkerId, 0);
-    if (!scheduler.error().empty()) return absl::InternalError(scheduler.error());
+    const std::string phase = run.scheduler().phase();
+    v1::Task task = run.Next(kWorkerId, 0);
+    if (!run.scheduler().error().empty()) return absl::InternalError(run.scheduler().error());
     if (task.kind() == v1::TASK_KIND_WAIT || task.kind() == v1::TASK_KIND_SHUTDOWN) {
       return absl::InternalError(absl::StrCat("the job's one rank was given no task in phase ",
                                               phase));
@@ -99,22 +96,19 @@ StatusOr<QuantizeJobResult> RunPlannedJob(const Recipe& recipe, const QuantizeJo
     if (traced != phase) {
       trace->Begin(traced = phase);
       if (phase == kPhaseQuantize) {
-        emit("quantize", static_cast<int64_t>(finished.size()), blocks);  // the resumed ones
+        emit("quantize", static_cast<int64_t>(run.finished().size()), blocks);  // resumed ones
       }
-    }
-    if (task.kind() == v1::TASK_KIND_FINETUNE_E2E) {
-      for (const auto& [layer, block] : finished) *task.add_finished_blocks() = block;
     }
     QCAL_ASSIGN_OR_RETURN(v1::CompleteTaskRequest outcome,
                           ExecuteTask(*self, ctx.get(), task, on_event));
-    QCAL_ASSIGN_OR_RETURN(JobScheduler::TaskInfo info, scheduler.Lookup(task.task_id()));
+    QCAL_ASSIGN_OR_RETURN(JobScheduler::TaskInfo info, run.scheduler().Lookup(task.task_id()));
     QCAL_ASSIGN_OR_RETURN(std::vector<v1::WrittenFile> files, ResultFiles(outcome, info));
     if (!files.empty()) {
       const Acceptance accepted = AcceptResultFiles(workspace, outcome, files);
       QCAL_RETURN_IF_ERROR(accepted.check);
       QCAL_RETURN_IF_ERROR(accepted.commit);
     }
-    QCAL_RETURN_IF_ERROR(scheduler.Complete(kWorkerId, 0, task.task_id()).status());
+    QCAL_RETURN_IF_ERROR(run.Record(kWorkerId, 0, outcome).status());
     switch (task.kind()) {
       case v1::TASK_KIND_CALIBRATE: {
         const v1::CalibrateParams& params = task.calibrate();
@@ -130,8 +124,8 @@ StatusOr<QuantizeJobResult> RunPlannedJob(const Recipe& recipe, const QuantizeJo
         const int64_t l = task.block();
         block_phases[l].assign(outcome.block().phases().begin(), outcome.block().phases().end());
         done[l] = BlockDoneEntry(outcome.block());
-        finished[l] = BlockResultFromEntry(done[l]);
-        emit("quantize", static_cast<int64_t>(finished.size()), blocks, absl::StrCat("block ", l));
+        emit("quantize", static_cast<int64_t>(run.finished().size()), blocks,
+             absl::StrCat("block ", l));
         break;
       }
       case v1::TASK_KIND_FINETUNE_E2E: {
@@ -157,8 +151,8 @@ StatusOr<QuantizeJobResult> RunPlannedJob(const Recipe& recipe, const QuantizeJo
     } else {
       summary.phases = ran->second;
     }
-    auto it = finished.find(l);
-    if (it == finished.end()) {
+    auto it = run.finished().find(l);
+    if (it == run.finished().end()) {
       return absl::InternalError(absl::StrCat("block ", l, " was neither resumed nor quantized"));
     }
     const v1::BlockResult& block = it->second;
@@ -171,7 +165,7 @@ StatusOr<QuantizeJobResult> RunPlannedJob(const Recipe& recipe, const QuantizeJo
   const BitsPerWeight bits = AggregateBits(plan.config, done);
   result.code_bits = bits.code_bits;
   result.stored_bits = bits.stored_bits;
-  if (!tasks.finetune_e2e && plan.e2e_finished) {
+  if (!run.tasks().finetune_e2e && plan.e2e_finished) {
     result.e2e_resumed = true;
     result.e2e_kl_before = NumberOrNan(plan.e2e_done, "kl_before");
     result.e2e_kl_after = NumberOrNan(plan.e2e_done, "kl_after");
@@ -188,9 +182,8 @@ StatusOr<QuantizeJobResult> RunQuantizeJob(const Recipe& recipe, const QuantizeJ
   // Where the job writes is made canonical once, here: below it no component may be a link
   // (common/safe_fs.h).
   QCAL_ASSIGN_OR_RETURN(opt.out_dir, CanonicalPath(opt.out_dir));
-  opt.job_dir = JobDirFor(opt.job_dir, opt.out_dir);
+  ResolveDefaults(&opt);
   QCAL_ASSIGN_OR_RETURN(opt.job_dir, CanonicalPath(opt.job_dir));
-  if (opt.data_root.empty()) opt.data_root = "../shared";
 
   // ---- Inputs: the checks the coordinator makes for a submitted job, before anything exists.
   JobInputs inputs;
@@ -205,13 +198,7 @@ StatusOr<QuantizeJobResult> RunQuantizeJob(const Recipe& recipe, const QuantizeJ
   // ---- The job directory, as the coordinator opens it for a service job: held (one driver: a
   // second run on it is refused, naming this one), planned (creates the directories;
   // fingerprints the inputs), the output directory held, the journal opened.
-  v1::JobSpec spec;
-  spec.set_recipe_path(opt.recipe_source);
-  spec.set_model_dir(opt.model_dir);
-  spec.set_out_dir(opt.out_dir);
-  spec.set_job_dir(opt.job_dir);
-  spec.set_data_root(opt.data_root);
-  spec.set_workers(1);
+  const v1::JobSpec spec = SpecForOptions(opt);
   std::error_code ec;
   const bool out_existed = std::filesystem::exists(opt.out_dir, ec);
   const bool job_existed = std::filesystem::exists(opt.job_dir, ec);

@@ -14,7 +14,7 @@ TaskPlan MakeTaskPlan(const Recipe& recipe, const JobPlan& plan,
   const MethodNeeds needs = recipe.needs();
   t.sequential_blocks = needs.sequential;
   t.finetune_e2e = needs.end_to_end && (!plan.e2e_finished || !t.blocks.empty());
-  t.calibrate = plan.needs_calibration(recipe) && (!t.blocks.empty() || t.finetune_e2e);
+  t.calibrate = plan.has_calibrate_task(recipe) && (!t.blocks.empty() || t.finetune_e2e);
   if (t.calibrate) {
     t.calibrate_params.set_hessians(needs.float_hessians && !t.blocks.empty());
     t.calibrate_params.set_activations(needs.float_activations && !t.blocks.empty());

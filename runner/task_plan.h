@@ -9,7 +9,7 @@
 //        → [evaluate] → done
 //
 // calibrate is present when some pending work still needs Hessians or activations
-// (JobPlan::needs_calibration), with the CalibrateParams saying which; finetune (FINETUNE_E2E)
+// (JobPlan::has_calibrate_task), with the CalibrateParams saying which; finetune (FINETUNE_E2E)
 // when the recipe enables end-to-end fine-tuning and the journal holds no valid e2e_done (or any
 // block is redone, since the stage rewrites every block shard); evaluate when the job spec asks
 // for perplexities (one EVALUATE task per model and file). Only the method's needs are read,

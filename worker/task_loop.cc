@@ -173,17 +173,9 @@ class Worker {
   // first task.
   Status EnsureContext() {
     if (ctx_) return absl::OkStatus();
-    const std::string source =
-        spec_.recipe_path().empty() ? "job spec recipe" : spec_.recipe_path();
-    QCAL_ASSIGN_OR_RETURN(Recipe recipe, ParseRecipe(spec_.recipe_yaml(), source));
-    job::QuantizeJobOptions opt;
-    opt.model_dir = spec_.model_dir();
-    opt.out_dir = spec_.out_dir();
-    opt.job_dir = spec_.job_dir();
-    opt.data_root = spec_.data_root();
-    opt.calib_batch = spec_.calib_batch() > 0 ? spec_.calib_batch() : 8;
-    opt.threads = options_.threads > 0 ? options_.threads : spec_.threads_per_worker();
-    opt.max_memory = spec_.max_memory_bytes();
+    job::QuantizeJobOptions opt = job::OptionsForSpec(spec_);
+    QCAL_ASSIGN_OR_RETURN(Recipe recipe, ParseRecipe(spec_.recipe_yaml(), opt.recipe_source));
+    if (options_.threads > 0) opt.threads = options_.threads;  // the process's --threads
     opt.device_sum = options_.device_sum;
     opt.inputs_key = inputs_key_;
     QCAL_ASSIGN_OR_RETURN(ctx_, job::OpenJob(recipe, opt));

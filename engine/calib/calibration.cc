@@ -14,6 +14,7 @@
 #include "common/log.h"
 #include "common/safetensors.h"
 #include "engine/model/activation_store.h"
+#include "engine/model/block_walk.h"
 #include "engine/model/tensor_io.h"
 
 namespace qcal::calib {
@@ -97,27 +98,23 @@ class Walk {
       first_seq_.push_back(a);
     }
     QCAL_RETURN_IF_ERROR(AgreeOk(comm_, MakeDirs(dirs_.spill), "calibration"));
-    auto store_or = model::ActivationStore::Create(
-        shapes_, options_.memory_budget_bytes,
+    std::vector<at::Tensor> ids;
+    for (size_t i = 0; i < shapes_.size(); ++i) {
+      ids.push_back(tokens_.narrow(0, first_seq_[i], shapes_[i][0]));
+    }
+    StatusOr<std::unique_ptr<model::BlockWalk>> walk = model::BlockWalk::Embed(
+        source_, ids, options_.memory_budget_bytes,
         absl::StrCat(dirs_.spill, "/calibration-rank", comm_.rank(), ".f32"));
-    QCAL_RETURN_IF_ERROR(AgreeOk(comm_, store_or.status(), "calibration"));
-    store_ = std::move(*store_or);
+    QCAL_RETURN_IF_ERROR(
+        AgreeOk(comm_, Annotate(walk.status(), "calibration, embedding"), "calibration"));
+    walk_ = *std::move(walk);
+    store_ = &walk_->store();
     if (store_->spilled()) {
       QCAL_LOG_INFO("calibration: {:.2f} GiB of activations on this rank over the {:.2f} GiB "
                     "budget: spilled to the job directory",
                     store_->total_bytes() / 1073741824.0,
                     options_.memory_budget_bytes / 1073741824.0);
     }
-    const Status embedded = [&]() -> Status {
-      for (int64_t i = 0; i < store_->chunks(); ++i) {
-        QCAL_ASSIGN_OR_RETURN(at::Tensor x,
-                              source_.Embed(tokens_.narrow(0, first_seq_[i], shapes_[i][0])));
-        QCAL_RETURN_IF_ERROR(store_->Put(i, x));
-      }
-      return Status();
-    }();
-    QCAL_RETURN_IF_ERROR(
-        AgreeOk(comm_, Annotate(embedded, "calibration, embedding"), "calibration"));
     if (hessians_ && options_.keep_hessians) result_->hessians.assign(blocks_, BlockHessians{});
     // GPU ranks reduce the sums on their devices when all of them can (every rank has a GPU
     // backend and a device reduction); otherwise every rank downloads and reduces on the host.
@@ -296,7 +293,9 @@ class Walk {
   const int64_t blocks_, num_seqs_, seq_len_, hidden_, chunks_;
   std::vector<std::vector<int64_t>> shapes_;  // this rank's chunks
   std::vector<int64_t> first_seq_;
-  std::unique_ptr<model::ActivationStore> store_;
+  std::unique_ptr<model::BlockWalk> walk_;  // this rank's chunks (the forward per block is
+                                            // calibration's own: it collects Hessians)
+  model::ActivationStore* store_ = nullptr;  // walk_'s
   bool reduce_on_device_ = false;
   std::chrono::steady_clock::time_point lap_;
 };

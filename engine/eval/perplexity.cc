@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/model/activation_store.h"
+#include "engine/model/block_walk.h"
 #include "common/log.h"
 #include "engine/model/llama.h"
 
@@ -196,17 +197,12 @@ StatusOr<PerplexityResult> EvaluatePerplexityStreamed(model::ModelSource& source
                                                source.config().max_position_embeddings, drop_bos));
   at::NoGradGuard no_grad;
   const auto t0 = std::chrono::steady_clock::now();
-  std::vector<std::vector<int64_t>> shapes;
-  for (const Batch& b : plan.batches) {
-    shapes.push_back({b.inputs.size(0), b.inputs.size(1), source.config().hidden_size});
-  }
-  QCAL_ASSIGN_OR_RETURN(auto store, model::ActivationStore::Create(
-                                        shapes, stream.memory_budget_bytes, stream.spill_path));
+  std::vector<at::Tensor> ids;
+  for (const Batch& b : plan.batches) ids.push_back(b.inputs);
   try {
-    for (size_t i = 0; i < plan.batches.size(); ++i) {
-      QCAL_ASSIGN_OR_RETURN(at::Tensor x, source.Embed(plan.batches[i].inputs));
-      QCAL_RETURN_IF_ERROR(store->Put(static_cast<int64_t>(i), x));
-    }
+    QCAL_ASSIGN_OR_RETURN(std::unique_ptr<model::BlockWalk> walk,
+                          model::BlockWalk::Embed(source, ids, stream.memory_budget_bytes,
+                                                  stream.spill_path));
     bool warned = false;
     for (int64_t l = 0; l < blocks; ++l) {
       std::unique_ptr<model::DecoderBlock> block = std::move(first);
@@ -226,22 +222,15 @@ StatusOr<PerplexityResult> EvaluatePerplexityStreamed(model::ModelSource& source
           QCAL_ASSIGN_OR_RETURN(block, source.LoadBlock(l));
         }
       }
-      for (int64_t i = 0; i < store->chunks(); ++i) {
-        QCAL_ASSIGN_OR_RETURN(at::Tensor x, store->Get(i));
-        if (on_device) {
-          x = block->Forward(x.to(stream.device), source.rope()).to(at::kCPU);
-        } else {
-          x = block->Forward(x, source.rope());
-        }
-        QCAL_RETURN_IF_ERROR(store->Put(i, x));
-      }
+      QCAL_RETURN_IF_ERROR(walk->Forward(*block, source.rope(),
+                                         on_device ? stream.device : at::Device(at::kCPU)));
       if (stream.block_progress) stream.block_progress(l + 1, blocks);
     }
     double nll_sum = 0;
     int64_t scored = 0;
-    for (int64_t i = 0; i < store->chunks(); ++i) {
+    for (int64_t i = 0; i < walk->chunks(); ++i) {
       const Batch& b = plan.batches[i];
-      QCAL_ASSIGN_OR_RETURN(at::Tensor x, store->Get(i));
+      QCAL_ASSIGN_OR_RETURN(at::Tensor x, walk->store().Get(i));
       QCAL_ASSIGN_OR_RETURN(at::Tensor logits, source.Logits(x));
       nll_sum += BatchNll(logits, b.targets);
       scored += b.targets.numel();

@@ -154,7 +154,7 @@ class StoredHeadLinear final : public Linear {
 
 }  // namespace
 
-StatusOr<at::Tensor> CheckpointSource::Logits(const at::Tensor& hidden) {
+StatusOr<ModelSource::LoadedHead> CheckpointSource::Head() {
   if (!head_) {
     QCAL_ASSIGN_OR_RETURN(final_norm_, FinalNorm());
     QCAL_ASSIGN_OR_RETURN(auto table, HeadTable());
@@ -167,6 +167,11 @@ StatusOr<at::Tensor> CheckpointSource::Logits(const at::Tensor& hidden) {
       head_ = std::make_unique<DenseLinear>(std::move(head));
     }
   }
+  return LoadedHead{final_norm_, head_.get()};
+}
+
+StatusOr<at::Tensor> CheckpointSource::Logits(const at::Tensor& hidden) {
+  QCAL_RETURN_IF_ERROR(Head().status());
   return head_->Forward(RmsNorm(hidden, final_norm_, config_.rms_norm_eps));
 }
 

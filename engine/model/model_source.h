@@ -45,6 +45,14 @@ class ModelSource {
   // Final RMSNorm + head: [..., hidden] -> logits [..., vocab] float32. The head is loaded on the
   // first call and kept.
   virtual StatusOr<at::Tensor> Logits(const at::Tensor& hidden) = 0;
+  // What Logits computes with, loaded now if not yet and kept until ReleaseHead: logits =
+  // head->Forward(RmsNorm(hidden, final_norm, rms_norm_eps)). For a caller that multiplies by
+  // them many times with nothing left to fail (end-to-end fine-tuning's teacher).
+  struct LoadedHead {
+    at::Tensor final_norm;         // [hidden] float32
+    const Linear* head = nullptr;  // hidden -> vocab; owned by the source
+  };
+  virtual StatusOr<LoadedHead> Head() = 0;
   // Embedding table, final norm and head, whole.
   virtual StatusOr<NonBlockWeights> LoadNonBlock() = 0;
   // Frees the head loaded by Logits().
@@ -85,6 +93,7 @@ class CheckpointSource : public ModelSource {
   StatusOr<at::Tensor> Embed(const at::Tensor& ids) override;
   StatusOr<std::unique_ptr<DecoderBlock>> LoadBlock(int64_t layer) override;
   StatusOr<at::Tensor> Logits(const at::Tensor& hidden) override;
+  StatusOr<LoadedHead> Head() override;
   StatusOr<NonBlockWeights> LoadNonBlock() override;
   void ReleaseHead() override;
   StatusOr<at::Tensor> HeadRows(int64_t begin, int64_t count) override;

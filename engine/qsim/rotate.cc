@@ -250,12 +250,6 @@ Status RotateBlockWeights(model::BlockWeights& w, const LlamaConfig& config,
     w.linears[static_cast<int>(k)] =
         std::make_unique<model::DenseLinear>(at_kind(k).contiguous());
   }
-  at::Tensor applied = at::zeros({4}, at::kDouble);
-  applied[0] = plan.r1 ? 1.0 : 0.0;
-  applied[1] = plan.r2 ? 1.0 : 0.0;
-  applied[2] = plan.r3 ? 1.0 : 0.0;
-  applied[3] = plan.r4 ? 1.0 : 0.0;
-  w.extra[kRotationsKey] = applied;
   return Status();
 }
 

@@ -40,20 +40,6 @@
 
 namespace qcal::qsim {
 
-// Names of the per-block tensors (model::BlockWeights::extra) holding calibrated static ranges.
-//   kActRangesKey: [4, 2] F64, (lo, hi) of the four linear inputs in calib::HessianKind order
-//                  (qkv, o, gate_up, down — down after the online R4 transform).
-//   kKvRangesKey:  [2, 2] F64, (lo, hi) of keys (after RoPE and R3) and values.
-//   kRotationsKey: [4] F64, the rotations applied to the block (R1..R4 as 1/0), set by
-//                  RotateBlockWeights; the quantizer refuses a rotated method's block without
-//                  it.
-inline constexpr char kActRangesKey[] = "quarot.act_ranges";
-inline constexpr char kKvRangesKey[] = "quarot.kv_ranges";
-inline constexpr char kRotationsKey[] = "quarot.rotations";
-// Not an extra but BlockWeights::rope_perm, stored beside them: [kv_heads, head_dim] F64 (whole
-// numbers), the K-sort channel permutation of a `kv_cache.k_sort` recipe's block.
-inline constexpr char kRopePermKey[] = "quarot.rope_perm";
-
 // The rotations that apply to one model.
 struct RotationPlan {
   bool r1 = false, r2 = false, r3 = false, r4 = false;
@@ -92,8 +78,8 @@ StatusOr<std::shared_ptr<const OnlineHadamard>> R4Transform(const RotationPlan& 
 
 // One block's offline work: norm fusion (when plan.fuse_norms()), R1, R2, and R4's fused half.
 // Every linear is replaced by a DenseLinear of its transformed DenseWeight() (pass float
-// weights), and weights.extra["quarot.rotations"] records the plan's R1..R4 (1/0). Does not
-// install the online parts.
+// weights). Does not install the online parts (nor record the rotations: methods/rotated_block.h
+// RotateAndMarkBlock does, for the methods that check them).
 // `layer` selects the block's learned R2 (needed only when the plan has r2_matrices).
 Status RotateBlockWeights(model::BlockWeights& weights, const LlamaConfig& config,
                           const RotationPlan& plan, int64_t layer = -1);

@@ -429,7 +429,7 @@ StatusOr<EndToEndResult> FinetuneEndToEnd(const FinetuneOptions& options,
   const int64_t n = tokens.size(0);
   if (!teacher.hidden.defined() || teacher.hidden.dim() != 3 || teacher.hidden.size(0) != n ||
       teacher.hidden.size(1) != tokens.size(1) || teacher.hidden.size(2) != qc.hidden_size ||
-      !teacher.head) {
+      teacher.head == nullptr || !teacher.final_norm.defined()) {
     return absl::InvalidArgumentError(
         "end-to-end fine-tuning: the teacher's hidden states do not match the tokens and model");
   }
@@ -458,7 +458,9 @@ StatusOr<EndToEndResult> FinetuneEndToEnd(const FinetuneOptions& options,
     at::Tensor target;
     {
       at::NoGradGuard no_grad;
-      target = at::log_softmax(teacher.head(teacher_hidden.index_select(0, i)), -1);
+      const at::Tensor h = teacher_hidden.index_select(0, i);
+      target = at::log_softmax(teacher.head->Forward(model::RmsNorm(h, teacher.final_norm, eps)),
+                               -1);
     }
     const at::Tensor student = at::log_softmax(student_logits(i), -1);
     return (target.exp() * (target - student)).sum(-1);

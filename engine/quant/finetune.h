@@ -153,10 +153,13 @@ StatusOr<TunableModel> AssembleTunableModel(const LlamaConfig& config,
                                             std::vector<model::BlockWeights> blocks);
 
 // The teacher of end-to-end fine-tuning: the float model's final hidden states (before the final
-// norm) on the calibration tokens, [N, S, hidden], and its final norm + head (hidden -> logits).
+// norm) on the calibration tokens, [N, S, hidden], and its final norm and head (logits =
+// head->Forward(RmsNorm(hidden, final_norm, rms_norm_eps)): model::ModelSource::Head, or a
+// LlamaModel's final_norm() and head()). Plain data and a layer: nothing in it can fail.
 struct TeacherOutputs {
   at::Tensor hidden;
-  std::function<at::Tensor(const at::Tensor&)> head;
+  at::Tensor final_norm;                // [hidden]
+  const model::Linear* head = nullptr;  // the caller keeps it alive
 };
 
 struct EndToEndResult {

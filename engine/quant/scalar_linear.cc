@@ -52,7 +52,8 @@ struct ScalarQuantLinear::Impl {
   at::Tensor weight;  // [out, in] float32
 };
 
-StatusOr<std::unique_ptr<ScalarQuantLinear>> ScalarQuantLinear::Create(ScalarLinearData data) {
+Status CheckScalarLinearData(ScalarLinearData* data_out) {
+  ScalarLinearData& data = *data_out;
   auto invalid = [](const std::string& what) {
     return absl::InvalidArgumentError(absl::StrCat("ScalarQuantLinear: ", what));
   };
@@ -118,6 +119,12 @@ StatusOr<std::unique_ptr<ScalarQuantLinear>> ScalarQuantLinear::Create(ScalarLin
     }
   }
 
+  return Status();
+}
+
+StatusOr<std::unique_ptr<ScalarQuantLinear>> ScalarQuantLinear::Create(ScalarLinearData data) {
+  QCAL_RETURN_IF_ERROR(CheckScalarLinearData(&data));
+  const int64_t in = data.in_features, out = data.out_features, groups = NumGroups(data);
   auto impl = std::make_shared<Impl>();
   impl->weight = at::empty({out, in}, at::kFloat);
   float* w = impl->weight.data_ptr<float>();
@@ -154,7 +161,10 @@ bool ScalarQuantLinear::GptqExportable() const {
 }
 
 StatusOr<GptqTensors> ScalarQuantLinear::ExportGptq(bool pad_words) const {
-  const ScalarLinearData& d = impl_->data;
+  return PackGptq(impl_->data, pad_words);
+}
+
+StatusOr<GptqTensors> PackGptq(const ScalarLinearData& d, bool pad_words) {
   const int b = d.bits;
   if (b != 2 && b != 3 && b != 4 && b != 8) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -261,12 +271,11 @@ StatusOr<ScalarLinearData> ScalarQuantLinear::ReadGrid(CheckpointReader& ckpt,
   return d;
 }
 
-StatusOr<std::unique_ptr<ScalarQuantLinear>> ScalarQuantLinear::Load(CheckpointReader& ckpt,
-                                                                     const std::string& prefix) {
+StatusOr<ScalarLinearData> ReadScalarLinear(CheckpointReader& ckpt, const std::string& prefix) {
   auto fail = [&](const Status& s) {
     return Annotate(s, absl::StrCat("ScalarQuantLinear '", prefix, "' in ", ckpt.dir()));
   };
-  QCAL_ASSIGN_OR_RETURN(ScalarLinearData d, ReadGrid(ckpt, prefix));
+  QCAL_ASSIGN_OR_RETURN(ScalarLinearData d, ScalarQuantLinear::ReadGrid(ckpt, prefix));
   const int64_t groups = NumGroups(d);
   const bool wide = d.bits > 8;
   const DType code_dtype =
@@ -303,8 +312,17 @@ StatusOr<std::unique_ptr<ScalarQuantLinear>> ScalarQuantLinear::Load(CheckpointR
       ReadInts(ckpt, prefix + ".g_idx", {DType::kI32}, {d.in_features});
   if (!g_idx.ok()) return fail(g_idx.status());
   d.g_idx.assign(g_idx->begin(), g_idx->end());
+  if (Status checked = CheckScalarLinearData(&d); !checked.ok()) return fail(checked);
+  return d;
+}
+
+StatusOr<std::unique_ptr<ScalarQuantLinear>> ScalarQuantLinear::Load(CheckpointReader& ckpt,
+                                                                     const std::string& prefix) {
+  QCAL_ASSIGN_OR_RETURN(ScalarLinearData d, ReadScalarLinear(ckpt, prefix));
   StatusOr<std::unique_ptr<ScalarQuantLinear>> layer = Create(std::move(d));
-  if (!layer.ok()) return fail(layer.status());
+  if (!layer.ok()) {
+    return Annotate(layer.status(), absl::StrCat("ScalarQuantLinear '", prefix, "' in ", ckpt.dir()));
+  }
   return layer;
 }
 

@@ -56,6 +56,23 @@ struct GptqTensors {
   std::vector<int32_t> g_idx;    // [in]
 };
 
+// Checks `data` as ScalarQuantLinear::Create does (sizes, bits, group_size, code range,
+// parameter counts, g_idx range) and fills an empty g_idx with the plain groups. InvalidArgument
+// naming the problem.
+Status CheckScalarLinearData(ScalarLinearData* data);
+
+// A checkpoint's scalar layer `prefix` as stored (the qcal tensors; codes_int4 when present, which
+// sets pack_int4), checked, without dequantizing it: what exports read. NotFound naming the
+// missing tensor (a layer in another format has no prefix.qconfig); InvalidArgument otherwise.
+StatusOr<ScalarLinearData> ReadScalarLinear(CheckpointReader& ckpt, const std::string& prefix);
+
+// The GPTQ layout of `data` (see GptqTensors). InvalidArgument for bits other than 2, 3, 4, 8 or
+// when in·bits or out·bits is not a multiple of 32 — unless `pad_words`: then a packed run that
+// does not fill its last 32-bit word is zero-padded to a whole word (qweight gets
+// ceil(in·bits/32) rows, qzeros ceil(out·bits/32) columns), which a reader of the documented bit
+// stream decodes but loaders that assume whole words (transformers, vLLM) refuse.
+StatusOr<GptqTensors> PackGptq(const ScalarLinearData& data, bool pad_words = false);
+
 class ScalarQuantLinear final : public model::Linear {
  public:
   // Validates `data` (sizes, bits, group_size, code range, parameter counts, g_idx range) and
@@ -69,11 +86,7 @@ class ScalarQuantLinear final : public model::Linear {
   Status MoveTo(const at::Device& device) override;  // the dequantized W
   const ScalarLinearData& data() const;
 
-  // The GPTQ layout (see GptqTensors). InvalidArgument for bits other than 2, 3, 4, 8 or when
-  // in·bits or out·bits is not a multiple of 32 — unless `pad_words`: then a packed run that
-  // does not fill its last 32-bit word is zero-padded to a whole word (qweight gets
-  // ceil(in·bits/32) rows, qzeros ceil(out·bits/32) columns), which a reader of the documented
-  // bit stream decodes but loaders that assume whole words (transformers, vLLM) refuse.
+  // PackGptq(data(), pad_words).
   StatusOr<GptqTensors> ExportGptq(bool pad_words = false) const;
   bool GptqExportable() const;
 
@@ -93,9 +106,9 @@ class ScalarQuantLinear final : public model::Linear {
   // without its codes: out_features, in_features, bits, group_size, symmetric. NotFound when
   // the layer is not in the scalar format.
   static StatusOr<ScalarLinearData> ReadGrid(CheckpointReader& ckpt, const std::string& prefix);
-  // Rebuilds from the qcal tensors (the GPTQ ones are not read; codes_int4 when present, which
-  // sets pack_int4). NotFound naming the missing tensor; InvalidArgument for a wrong dtype/shape
-  // or anything Create rejects.
+  // Create(ReadScalarLinear(ckpt, prefix)): rebuilds from the qcal tensors (the GPTQ ones are
+  // not read). NotFound naming the missing tensor; InvalidArgument for a wrong dtype/shape or
+  // anything Create rejects.
   static StatusOr<std::unique_ptr<ScalarQuantLinear>> Load(CheckpointReader& ckpt,
                                                            const std::string& prefix);
 

@@ -12,6 +12,7 @@
 #include "common/log.h"
 #include "methods/prefixquant/block_ft.h"
 #include "methods/prefixquant/static_quant.h"
+#include "methods/rotated_block.h"
 #include "engine/calib/hessian.h"
 #include "engine/model/tensor_io.h"
 
@@ -220,9 +221,9 @@ StatusOr<quant::BlockTaskResult> QuantizePrefixquantBlock(
         "block ", layer, q.prefix ? ": the recipe prefixes tokens but no prefix K/V was given"
                                   : ": a prefix was given to a recipe without one"));
   }
-  if (weights.extra.count(qsim::kRotationsKey) == 0) {
+  if (weights.extra.count(kRotationsKey) == 0) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "block ", layer, ": prefixquant needs the block rotated (qsim::RotateBlockWeights) first"));
+        "block ", layer, ": prefixquant needs the block rotated (RotateAndMarkBlock) first"));
   }
   at::NoGradGuard no_grad;
   try {
@@ -534,7 +535,7 @@ Status LoadPrefixquantExtras(CheckpointReader& ckpt, const LlamaConfig& config, 
   const std::string p = BlockPrefix(layer);
   const int64_t kv = config.num_key_value_heads;
   const std::pair<const char*, std::vector<int64_t>> fixed[] = {
-      {kActStepsKey, {4}}, {kKStepsKey, {kv}}, {kVStepsKey, {kv}}, {qsim::kRotationsKey, {4}}};
+      {kActStepsKey, {4}}, {kKStepsKey, {kv}}, {kVStepsKey, {kv}}, {kRotationsKey, {4}}};
   auto read = [&](const std::string& key, const std::vector<int64_t>* shape) -> Status {
     if (!ckpt.Has(p + key)) return Status();
     QCAL_ASSIGN_OR_RETURN(auto found, ckpt.Find(p + key));

@@ -67,7 +67,7 @@ Status InstallStaticInference(model::DecoderBlock& block, const LlamaConfig& con
                               const PrefixquantConfig& q, const qsim::RotationPlan& plan,
                               int64_t layer);
 
-// Steps 1–5 above on a block prepared by qsim::RotateBlockWeights (float dense linears);
+// Steps 1–5 above on a block prepared by RotateAndMarkBlock (float dense linears);
 // `prefix` (or null) is the block's prefix K/V from the float model. x: the block's calibration
 // inputs [N, S, hidden]; with `propagate` replaced by the quantized block's outputs. x_float: the
 // float model's inputs [N, S, hidden] (needed with block_ft, else may be null), replaced by the

@@ -10,6 +10,7 @@
 #include "methods/prefixquant/static_quant.h"
 #include "engine/model/tensor_io.h"
 #include "engine/qsim/rotate.h"
+#include "methods/rotated_block.h"
 
 namespace qcal::methods::prefixquant {
 namespace {
@@ -34,7 +35,7 @@ class PrefixquantParts final : public ModelTransform,
 
   // --- ModelTransform: QuaRot's rotations
   Status PrepareBlock(int64_t layer, model::BlockWeights* weights) const override {
-    return Annotate(qsim::RotateBlockWeights(*weights, config_, plan_, layer),
+    return Annotate(RotateAndMarkBlock(*weights, config_, plan_, layer),
                     absl::StrCat("block ", layer));
   }
   StatusOr<at::Tensor> PrepareEmbeddingRows(const at::Tensor& rows) const override {
@@ -97,10 +98,10 @@ class PrefixquantParts final : public ModelTransform,
     QCAL_ASSIGN_OR_RETURN(model::BlockWeights w, standard_.LoadBlock(ckpt, layer));
     QCAL_RETURN_IF_ERROR(LoadPrefixquantExtras(ckpt, config_, layer, &w));
     const bool planned[4] = {plan_.r1, plan_.r2, plan_.r3, plan_.r4};
-    auto applied = w.extra.find(qsim::kRotationsKey);
+    auto applied = w.extra.find(kRotationsKey);
     if (applied == w.extra.end()) {
       return absl::InvalidArgumentError(absl::StrCat(ckpt.dir(), ": block ", layer, " has no ",
-                                                     qsim::kRotationsKey,
+                                                     kRotationsKey,
                                                      " (not written by a rotation method)"));
     }
     for (int i = 0; i < 4; ++i) {
@@ -118,12 +119,11 @@ class PrefixquantParts final : public ModelTransform,
   Status Install(model::DecoderBlock* block, int64_t layer) const override {
     return InstallStaticInference(*block, config_, *q_, plan_, layer);
   }
-  Status CheckPlainForward() const override {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "recipe '", recipe_.name, "' (method prefixquant) computes static activation and KV "
-        "quantization, online Hadamards", q_->prefix ? " and a prefixed KV cache" : "",
-        " at inference time, which a plain Llama forward pass (and so this format) cannot "
-        "express"));
+  StatusOr<ServedForward> Served() const override {
+    ServedForward served;
+    served.online = {{"static activation and KV quantization"}, {"online Hadamards"}};
+    if (q_->prefix) served.online.push_back({"a prefixed KV cache"});
+    return served;
   }
 
  private:

@@ -11,6 +11,7 @@
 #include "engine/model/tensor_io.h"
 #include "engine/qsim/act_quant.h"
 #include "engine/qsim/rotate.h"
+#include "methods/rotated_block.h"
 #include "engine/quant/scalar_linear.h"
 
 namespace qcal::methods::quarot {

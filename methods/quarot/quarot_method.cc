@@ -4,7 +4,6 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "common/log.h"
 #include "methods/quarot/checkpoint.h"
 #include "methods/quarot/quarot_model.h"
@@ -57,49 +56,30 @@ Status QuarotParts::Install(model::DecoderBlock* block, int64_t layer) const {
   return InstallQuantizedInference(*block, config_, layer, recipe_, plan_);
 }
 
-Status QuarotParts::CheckPlainForward() const { return CheckForward(false); }
-
-Status QuarotParts::CheckPlainForwardWithQuantizedInputs() const { return CheckForward(true); }
-
-Status QuarotParts::CheckForward(bool inputs_allowed) const {
+StatusOr<ServedForward> QuarotParts::Served() const {
   // R1 and R2 are fused into the stored weights (and R1 into the embedding and head): a plain
   // forward reproduces them. The rest runs at inference time.
   QCAL_ASSIGN_OR_RETURN(const QuarotConfig* q, QuarotSettings(recipe_));
-  std::vector<std::string> online;
-  if (plan_.r3) online.push_back("the online Hadamard R3 on queries and keys");
-  if (plan_.r4 && !(inputs_allowed && plan_.r4_block > 0)) {
-    online.push_back(plan_.r4_block > 0
-                         ? "the online Hadamard R4 on the down_proj input"
-                         : "the online Hadamard R4 on the down_proj input (of the whole "
-                           "intermediate size; rotation.r4_block makes it one compressed-tensors "
-                           "describes)");
+  ServedForward served;
+  if (plan_.r3) served.online.push_back({"the online Hadamard R3 on queries and keys"});
+  if (plan_.r4 && plan_.r4_block > 0) {
+    served.online.push_back({"the online Hadamard R4 on the down_proj input", true});
+    served.input_hadamards.push_back({model::LinearKind::kDown, plan_.r4_block});
+  } else if (plan_.r4) {
+    served.online.push_back({"the online Hadamard R4 on the down_proj input (of the whole "
+                             "intermediate size; rotation.r4_block makes it block-diagonal)"});
   }
-  if (q->activations.enabled() && !inputs_allowed) {
-    online.push_back(absl::StrCat(q->activations.bits, "-bit activation quantization"));
+  if (q->activations.enabled()) {
+    served.online.push_back({absl::StrCat(q->activations.bits, "-bit activation quantization"),
+                             true});
+    served.linear_inputs = q->activations;
   }
   if (q->kv_cache.enabled()) {
-    online.push_back(absl::StrCat(q->kv_cache.bits, "-bit ", q->kv_cache.format,
-                                  " KV-cache quantization",
-                                  q->kv_cache.k_sort ? " with K-sort" : ""));
+    served.online.push_back({absl::StrCat(q->kv_cache.bits, "-bit ", q->kv_cache.format,
+                                          " KV-cache quantization",
+                                          q->kv_cache.k_sort ? " with K-sort" : "")});
   }
-  if (online.empty()) return Status();
-  return absl::FailedPreconditionError(absl::StrCat(
-      "recipe '", recipe_.name, "' (method ", recipe_.method, ") computes ",
-      absl::StrJoin(online, ", "),
-      " at inference time, which a plain Llama forward pass",
-      inputs_allowed ? " with quantized linear inputs" : "",
-      " (and so this format) cannot express"));
-}
-
-std::optional<ActivationQuantSpec> QuarotParts::LinearInputQuantization() const {
-  StatusOr<const QuarotConfig*> q = QuarotSettings(recipe_);
-  if (!q.ok() || !(*q)->activations.enabled()) return std::nullopt;
-  return (*q)->activations;
-}
-
-std::vector<Inference::InputHadamard> QuarotParts::OnlineInputHadamards() const {
-  if (!plan_.r4 || plan_.r4_block == 0) return {};
-  return {InputHadamard{model::LinearKind::kDown, plan_.r4_block}};
+  return served;
 }
 
 StatusOr<StaticInputParams> QuarotParts::StaticLinearInputParams(

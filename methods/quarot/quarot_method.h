@@ -42,18 +42,12 @@ class QuarotParts final : public ModelTransform,
                             SafetensorsWriter* writer) const override;
   StatusOr<model::BlockWeights> LoadBlock(CheckpointReader& ckpt, int64_t layer) const override;
   Status Install(model::DecoderBlock* block, int64_t layer) const override;
-  Status CheckPlainForward() const override;
-  Status CheckPlainForwardWithQuantizedInputs() const override;
-  std::optional<ActivationQuantSpec> LinearInputQuantization() const override;
-  std::vector<InputHadamard> OnlineInputHadamards() const override;
+  StatusOr<ServedForward> Served() const override;
   StatusOr<StaticInputParams> StaticLinearInputParams(const model::BlockWeights& weights,
                                                       int64_t layer,
                                                       model::LinearKind kind) const override;
 
  private:
-  // What a plain forward cannot compute; with `inputs_allowed`, the linears' input quantizer and
-  // a block-diagonal R4 are not counted.
-  Status CheckForward(bool inputs_allowed) const;
 
   const Recipe recipe_;
   const LlamaConfig config_;

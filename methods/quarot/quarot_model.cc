@@ -10,6 +10,7 @@
 #include "common/log.h"
 #include "engine/calib/calibration.h"
 #include "engine/calib/hessian.h"
+#include "methods/rotated_block.h"
 #include "engine/qsim/act_quant.h"
 #include "engine/qsim/bfp_kv.h"
 #include "engine/qsim/ksort.h"
@@ -108,7 +109,7 @@ StatusOr<quant::BlockTaskResult> RoundRotatedBlock(const QuarotConfig& q, int64_
   const auto t0 = Clock::now();
   if (rotated.extra.count(kRotationsKey) == 0) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "block ", layer, ": method quarot needs the block rotated by qsim::RotateBlockWeights "
+        "block ", layer, ": method quarot needs the block rotated by RotateAndMarkBlock "
         "first (methods/quarot/quarot_model.h PrepareBlockWeights)"));
   }
   if (q.gptq() && hessians == nullptr) {
@@ -185,7 +186,7 @@ StatusOr<const QuarotConfig*> QuarotSettings(const Recipe& recipe) {
 Status PrepareBlockWeights(model::BlockWeights& weights, const LlamaConfig& config,
                            const Recipe& recipe, const RotationPlan& plan, int64_t layer) {
   QCAL_ASSIGN_OR_RETURN(const QuarotConfig* q, QuarotSettings(recipe));
-  QCAL_RETURN_IF_ERROR(RotateBlockWeights(weights, config, plan, layer));
+  QCAL_RETURN_IF_ERROR(RotateAndMarkBlock(weights, config, plan, layer));
   if (q->kv_cache.k_sort) {
     QCAL_RETURN_IF_ERROR(KSortBlock(config, weights, KSortOptions{}).status());
   }

@@ -40,7 +40,7 @@ namespace qcal::methods::quarot {
 StatusOr<const QuarotConfig*> QuarotSettings(const Recipe& recipe);
 
 // The float transforms of one block, before it is quantized: norm fusion and R1/R2/R4's fused
-// halves (qsim::RotateBlockWeights), then, for `kv_cache.k_sort`, K-sort (Algorithm 1: W_k/W_q
+// halves (RotateAndMarkBlock), then, for `kv_cache.k_sort`, K-sort (Algorithm 1: W_k/W_q
 // rows and the RoPE tables per KV head, V rows with o_proj columns). Function-preserving; the
 // online halves are installed on the DecoderBlock (qsim::InstallOnlineRotations).
 Status PrepareBlockWeights(model::BlockWeights& weights, const LlamaConfig& config,

@@ -29,6 +29,7 @@
 #include "methods/quarot/checkpoint.h"
 #include "methods/quarot/quarot_model.h"
 #include "methods/quarot/quarot_spec.h"
+#include "methods/rotated_block.h"
 #include "methods/registry.h"
 #include "methods/method_factory.h"
 #include "tests/model_fixtures.h"
@@ -296,7 +297,7 @@ TEST_F(QuarotQuantizeTest, JobCheckpointStoresThePackedLayout) {
       EXPECT_EQ(f->second->dtype, DType::kI8);
     }
     EXPECT_EQ((*ckpt)->Has(down + ".weight"), !q.quantizes_weights());
-    EXPECT_EQ((*ckpt)->Has(std::string("model.layers.0.") + qsim::kActRangesKey),
+    EXPECT_EQ((*ckpt)->Has(std::string("model.layers.0.") + methods::kActRangesKey),
               q.static_activations());
     EXPECT_TRUE((*ckpt)->Has("lm_head.weight"));
     auto config = LoadLlamaConfig(out);

@@ -22,6 +22,7 @@
 #include "methods/registry.h"
 #include "methods/method_factory.h"
 #include "engine/qsim/rotate.h"
+#include "methods/rotated_block.h"
 
 namespace qcal {
 namespace {
@@ -281,7 +282,7 @@ TEST(SyntheticRotationTest, QuarotBlockTaskNeedsARotatedBlock) {
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
   model::BlockWeights prepared = DenseCopy(m->block(0).weights());
   ASSERT_TRUE((*method)->transform().PrepareBlock(0, &prepared).ok());
-  const at::Tensor flags = prepared.extra.at(qsim::kRotationsKey);
+  const at::Tensor flags = prepared.extra.at(methods::kRotationsKey);
   EXPECT_TRUE(at::equal(flags, at::tensor({1.0, 1.0, 0.0, 0.0}, at::kDouble)));  // R3/R4 off
   auto done = (*method)->quantizer().QuantizeBlock(std::move(prepared), in);
   ASSERT_TRUE(done.ok()) << done.status();

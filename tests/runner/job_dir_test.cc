@@ -158,8 +158,8 @@ TEST(JobLayoutTest, PlanResumesIntactBlocksAndRefusesAnotherRecipe) {
   EXPECT_EQ(plan->job_dir, out + ".job");
   EXPECT_EQ(plan->num_blocks, 2);
   EXPECT_EQ(plan->pending_blocks(), (std::vector<int64_t>{0, 1}));
-  EXPECT_FALSE(plan->needs_calibration(recipe));  // rtn without fine-tuning
-  EXPECT_TRUE(plan->needs_calibration(TinyRecipe("gptq")));
+  EXPECT_FALSE(plan->has_calibrate_task(recipe));  // rtn without fine-tuning
+  EXPECT_TRUE(plan->has_calibrate_task(TinyRecipe("gptq")));
 
   auto journal = Journal::Open(plan->job_dir + "/journal.jsonl");
   ASSERT_TRUE(journal.ok());

@@ -182,7 +182,8 @@ class FinetuneTest : public ::testing::Test {
       chunks.push_back(h);
     }
     t.hidden = at::cat(chunks, 0);
-    t.head = [](const at::Tensor& h) { return model_->Head(h); };
+    t.final_norm = model_->final_norm();
+    t.head = &model_->head();
     return t;
   }
 

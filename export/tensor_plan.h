@@ -1,0 +1,115 @@
+// What every export format (export/gptq_format, compressed_tensors_format, dense_format) builds
+// on: the checkpoint being exported (Source), its output tensors planned in order with the bytes
+// made only when their shard is written (TensorPlan: one block in memory at a time), and the
+// integer grids linears are stored on, read as data.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/dtype.h"
+#include "common/hf_config.h"
+#include "common/safetensors.h"
+#include "common/status.h"
+#include "engine/model/llama.h"
+#include "engine/quant/scalar_linear.h"
+#include "methods/method.h"
+
+namespace qcal::exporter {
+
+using Sink = SafetensorsWriter::ByteSink;
+
+// The finished qcal checkpoint being exported, opened once.
+struct Source {
+  std::string dir;
+  LlamaConfig config;
+  DType model_dtype = DType::kF32;  // config.json torch_dtype; float32 when absent
+  std::unique_ptr<methods::Method> method;
+  methods::ServedForward served;    // what the method says inference computes
+  std::unique_ptr<CheckpointReader> ckpt;
+};
+
+// "model.layers.<layer>.<self_attn.q_proj | ... | mlp.down_proj>"
+std::string LinearPrefix(int64_t layer, model::LinearKind k);
+
+// Hands float32 values to `sink` as `dtype`, in pieces.
+Status SinkAs(DType dtype, const float* data, size_t n, const Sink& sink);
+
+// Refuses what the format cannot express of `source.served`: any online step, or, with
+// `linear_inputs_allowed`, any step not on linear inputs. FailedPrecondition naming the
+// checkpoint, the format and every such step.
+Status CheckServed(const Source& source, const std::string& format, bool linear_inputs_allowed);
+
+// The integer grid a linear is stored on (its qconfig): what a packed format's layout follows.
+struct GridShape {
+  int bits = 0;
+  int64_t in = 0, out = 0, groups = 0, group_size = -1;
+  bool symmetric = true;
+};
+// The grid of linear `prefix`; FailedPrecondition when it is stored in another layer format
+// (lattice or trellis codes), naming the method and the dense export.
+StatusOr<GridShape> ReadGridShape(const Source& source, const std::string& prefix);
+// Its scales [out, groups] as stored (float32).
+StatusOr<std::vector<float>> ReadGridScales(const Source& source, const std::string& prefix,
+                                            const GridShape& g);
+
+// One quantization_config describes every linear: the first linear's grid, and each next one
+// checked against it.
+class UniformGrid {
+ public:
+  Status Add(const Source& source, const std::string& format, const std::string& prefix,
+             const GridShape& g);
+  const GridShape& grid() const { return *grid_; }
+
+ private:
+  std::optional<GridShape> grid_;
+};
+
+// One block of the input, loaded when the first of its tensors is written (tensors are written in
+// order, so each block is loaded once): through the checkpoint's method (norms, static input
+// ranges, dense weights) and, for packed formats, each linear's stored grid as data.
+struct LoadedBlock {
+  model::BlockWeights weights;
+  quant::ScalarLinearData grids[7];
+  const quant::ScalarLinearData& grid(model::LinearKind k) const {
+    return grids[static_cast<int>(k)];
+  }
+};
+
+// One tensor of the output: its place, and how its bytes are made when its shard is written.
+struct PlannedTensor {
+  std::string name;
+  DType dtype;
+  std::vector<int64_t> shape;
+  uint64_t bytes = 0;
+  SafetensorsWriter::Producer produce;
+};
+
+class TensorPlan {
+ public:
+  // `read_grids`: blocks also carry their linears' stored grids (packed formats).
+  TensorPlan(const Source* source, bool read_grids);
+  ~TensorPlan();
+
+  // A table (embedding, head) stored in the checkpoint, converted to `dtype` in row chunks.
+  Status AddTable(const std::string& name, DType dtype);
+  // A float tensor of the checkpoint read whole (the final norm), in `dtype`.
+  Status AddSmall(const std::string& name, DType dtype);
+  // Tensor `name` of block `layer`, made from the loaded block by `make`.
+  void AddBlockTensor(std::string name, DType dtype, std::vector<int64_t> shape, int64_t layer,
+                      std::function<Status(const LoadedBlock&, const Sink&)> make);
+
+  const std::vector<PlannedTensor>& tensors() const { return tensors_; }
+
+ private:
+  class BlockCache;
+  const Source* source_;
+  std::unique_ptr<BlockCache> cache_;  // shared by the producers
+  std::vector<PlannedTensor> tensors_;
+};
+
+}  // namespace qcal::exporter

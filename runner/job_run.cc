@@ -1,0 +1,34 @@
+#include "runner/job_run.h"
+
+#include <utility>
+
+#include "runner/journal.h"
+
+namespace qcal::job {
+
+JobRun::JobRun(std::string id, int world_size, const Recipe& recipe, const JobPlan& plan,
+               const std::vector<v1::EvalParams>& evals, int max_attempts, int64_t wait_ms)
+    : tasks_(MakeTaskPlan(recipe, plan, evals)),
+      scheduler_(std::move(id), world_size, tasks_, max_attempts, wait_ms) {
+  for (const auto& [layer, entry] : plan.block_done) finished_[layer] = BlockResultFromEntry(entry);
+}
+
+v1::Task JobRun::Next(const std::string& worker_id, int rank) {
+  v1::Task task = scheduler_.Next(worker_id, rank);
+  if (task.kind() == v1::TASK_KIND_FINETUNE_E2E) {
+    for (const auto& [layer, block] : finished_) *task.add_finished_blocks() = block;
+  }
+  return task;
+}
+
+StatusOr<JobScheduler::Completion> JobRun::Record(const std::string& worker_id, int rank,
+                                                  const v1::CompleteTaskRequest& result) {
+  QCAL_ASSIGN_OR_RETURN(JobScheduler::Completion c,
+                        scheduler_.Complete(worker_id, rank, result.task_id()));
+  if (!c.duplicate && c.kind == v1::TASK_KIND_QUANTIZE_BLOCK) {
+    finished_[c.block] = BlockResultFromEntry(BlockDoneEntry(result.block()));
+  }
+  return c;
+}
+
+}  // namespace qcal::job
