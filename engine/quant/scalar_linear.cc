@@ -271,10 +271,16 @@ StatusOr<ScalarLinearData> ScalarQuantLinear::ReadGrid(CheckpointReader& ckpt,
   return d;
 }
 
-StatusOr<ScalarLinearData> ReadScalarLinear(CheckpointReader& ckpt, const std::string& prefix) {
-  auto fail = [&](const Status& s) {
-    return Annotate(s, absl::StrCat("ScalarQuantLinear '", prefix, "' in ", ckpt.dir()));
-  };
+namespace {
+
+std::string LayerIn(const CheckpointReader& ckpt, const std::string& prefix) {
+  return absl::StrCat("ScalarQuantLinear '", prefix, "' in ", ckpt.dir());
+}
+
+// The stored tensors of layer `prefix`, not yet checked (ReadScalarLinear checks them; Load
+// leaves that to Create, which checks once).
+StatusOr<ScalarLinearData> ReadStored(CheckpointReader& ckpt, const std::string& prefix) {
+  auto fail = [&](const Status& s) { return Annotate(s, LayerIn(ckpt, prefix)); };
   QCAL_ASSIGN_OR_RETURN(ScalarLinearData d, ScalarQuantLinear::ReadGrid(ckpt, prefix));
   const int64_t groups = NumGroups(d);
   const bool wide = d.bits > 8;
@@ -312,17 +318,24 @@ StatusOr<ScalarLinearData> ReadScalarLinear(CheckpointReader& ckpt, const std::s
       ReadInts(ckpt, prefix + ".g_idx", {DType::kI32}, {d.in_features});
   if (!g_idx.ok()) return fail(g_idx.status());
   d.g_idx.assign(g_idx->begin(), g_idx->end());
-  if (Status checked = CheckScalarLinearData(&d); !checked.ok()) return fail(checked);
+  return d;
+}
+
+}  // namespace
+
+StatusOr<ScalarLinearData> ReadScalarLinear(CheckpointReader& ckpt, const std::string& prefix) {
+  QCAL_ASSIGN_OR_RETURN(ScalarLinearData d, ReadStored(ckpt, prefix));
+  if (Status checked = CheckScalarLinearData(&d); !checked.ok()) {
+    return Annotate(checked, LayerIn(ckpt, prefix));
+  }
   return d;
 }
 
 StatusOr<std::unique_ptr<ScalarQuantLinear>> ScalarQuantLinear::Load(CheckpointReader& ckpt,
                                                                      const std::string& prefix) {
-  QCAL_ASSIGN_OR_RETURN(ScalarLinearData d, ReadScalarLinear(ckpt, prefix));
+  QCAL_ASSIGN_OR_RETURN(ScalarLinearData d, ReadStored(ckpt, prefix));
   StatusOr<std::unique_ptr<ScalarQuantLinear>> layer = Create(std::move(d));
-  if (!layer.ok()) {
-    return Annotate(layer.status(), absl::StrCat("ScalarQuantLinear '", prefix, "' in ", ckpt.dir()));
-  }
+  if (!layer.ok()) return Annotate(layer.status(), LayerIn(ckpt, prefix));
   return layer;
 }
 
