@@ -108,17 +108,17 @@ int main(int argc, char** argv) {
           recipe->method_config<methods::quarot::QuarotConfig>().rotation, probe);
       if (!plan.ok()) return Fail(path + ": " + plan.status().ToString());
       out["rotations"] = plan->Describe();
-      job::QuantizeJobOptions opt;
-      opt.model_dir = model_dir;
-      opt.data_root = data_root;
-      opt.calib_batch = 8;
+      v1::JobSpec opt;
+      opt.set_model_dir(model_dir);
+      opt.set_data_root(data_root);
+      opt.set_calib_batch(8);
       if (save_dir.empty()) {
         char tmpl[] = "/tmp/quarot_results.XXXXXX";
         if (::mkdtemp(tmpl) == nullptr) return Fail("cannot make a temporary directory");
         temp_dir = tmpl;
-        opt.out_dir = temp_dir + "/out";
+        opt.set_out_dir(temp_dir + "/out");
       } else {
-        opt.out_dir = save_dir + "/" + recipe->name;  // its job directory: the default, beside it
+        opt.set_out_dir(save_dir + "/" + recipe->name);  // its job directory: the default, beside it
       }
       auto result = job::RunQuantizeJob(*recipe, opt);
       if (!result.ok()) return Fail(path + ": " + result.status().ToString());
@@ -130,8 +130,8 @@ int main(int argc, char** argv) {
       out["code_bits"] = result->code_bits;
       out["stored_bits"] = result->stored_bits;
       out["quantize_s"] = Since(t0);
-      if (!save_dir.empty()) out["saved"] = opt.out_dir;
-      auto loaded = methods::LoadModel(opt.out_dir);
+      if (!save_dir.empty()) out["saved"] = opt.out_dir();
+      auto loaded = methods::LoadModel(opt.out_dir());
       if (!loaded.ok()) return Fail(loaded.status().ToString());
       m = std::move(*loaded);
     }

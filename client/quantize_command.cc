@@ -24,9 +24,13 @@
 namespace qcal::client {
 namespace {
 
+// The command line; RunQuantize makes the job's record (v1::JobSpec) from it.
 struct QuantizeOptions {
   std::string recipe_path;
-  job::QuantizeJobOptions job;
+  std::string model_dir, out_dir, job_dir;
+  std::string data_root = kDefaultDataRoot;
+  int threads = 0;
+  bool overwrite = false;
   std::string max_memory;
   std::string device = "auto";
   bool json = false;
@@ -76,22 +80,30 @@ class PhaseSums {
   std::map<std::string, Sum> sums_;
 };
 
-int RunQuantize(const QuantizeOptions& o_in) {
-  QuantizeOptions o = o_in;
+int RunQuantize(const QuantizeOptions& o) {
+  v1::JobSpec spec;
+  spec.set_recipe_path(o.recipe_path);
+  spec.set_model_dir(o.model_dir);
+  spec.set_out_dir(o.out_dir);
+  spec.set_job_dir(o.job_dir);
+  spec.set_data_root(o.data_root);
+  spec.set_workers(1);
+  spec.set_threads_per_worker(o.threads);
+  spec.set_device(o.device);
+  spec.set_overwrite(o.overwrite);
   if (!o.max_memory.empty()) {
     auto bytes = ParseBytes(o.max_memory, "--max-memory");
     if (!bytes.ok()) return Fail(bytes.status());
-    o.job.max_memory = *bytes;
+    spec.set_max_memory_bytes(*bytes);
   }
   auto device = kernels::SelectComputeDevice(o.device);
   if (!device.ok()) return Fail(device.status());
   QCAL_LOG_INFO("quantize: device {}", *device);
   auto recipe = LoadRecipe(o.recipe_path);
   if (!recipe.ok()) return Fail(recipe.status());
-  o.job.recipe_source = o.recipe_path;
   std::unique_ptr<ProgressBar> bar;
   std::string phase;
-  auto result = job::RunQuantizeJob(*recipe, o.job, [&](const job::JobEvent& e) {
+  auto result = job::RunQuantizeJob(*recipe, spec, [&](const job::JobEvent& e) {
     if (e.phase == "block") {  // inside the running block: a note on the quantize bar
       if (bar) bar->Note(absl::StrCat(e.message, " (", e.done, "/", e.total, ")"));
       return;
@@ -201,18 +213,17 @@ void AddQuantizeCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--recipe", o->recipe_path, "recipe YAML (jobs/*.yaml)")
       ->required()
       ->check(CLI::ExistingFile);
-  cmd->add_option("--model", o->job.model_dir, "float model directory (HF layout)")
+  cmd->add_option("--model", o->model_dir, "float model directory (HF layout)")
       ->required()
       ->check(CLI::ExistingDirectory);
-  cmd->add_option("--out", o->job.out_dir, "output checkpoint directory")
+  cmd->add_option("--out", o->out_dir, "output checkpoint directory")
       ->transform(qcal::CanonicalFlagPath)->required();
-  cmd->add_option("--job-dir", o->job.job_dir,
+  cmd->add_option("--job-dir", o->job_dir,
                   "journal, Hessians and other resumable state (default: OUT.job)");
-  o->job.data_root = kDefaultDataRoot;
-  cmd->add_option("--data-root", o->job.data_root,
+  cmd->add_option("--data-root", o->data_root,
                   "where the recipe's calibration files are resolved")
       ->capture_default_str();
-  cmd->add_option("--threads", o->job.threads, "compute threads (0 = auto)")
+  cmd->add_option("--threads", o->threads, "compute threads (0 = auto)")
       ->check(CLI::Range(0, kMaxThreads));
   cmd->add_option("--max-memory", o->max_memory,
                   "activations kept in memory before spilling them to the job directory: 8G, "
@@ -222,7 +233,7 @@ void AddQuantizeCommand(CLI::App& app, int* exit_code) {
                   "cuda:N")
       ->capture_default_str();
   cmd->add_flag("--json", o->json, "print one JSON object");
-  cmd->add_flag("--overwrite", o->job.overwrite,
+  cmd->add_flag("--overwrite", o->overwrite,
                 "replace a finished checkpoint in --out that this job directory did not write");
   cmd->callback([o, exit_code] { *exit_code = RunQuantize(*o); });
 }

@@ -14,8 +14,8 @@
 // Every write of the job layout goes through here: AtomicFileWriter (common/atomic_file.h) and
 // the few files opened in place (the job directory's lock, the journal, the activation spill,
 // the calibration cache's partial files, the workers' log). tests/common/safe_fs_test.cc checks
-// that no other source file opens a file for writing, and tests/runtime/job_links_test.sh plants
-// a link at every path a job writes (found with QCAL_TRACE_WRITES, below).
+// that no other source file opens a file for writing, and tests/coordinator/job_links_test.sh
+// plants a link at every path a job writes (found with QCAL_TRACE_WRITES, below).
 //
 // QCAL_TRACE_WRITES=FILE: every path created or opened for writing through this module is
 // appended to FILE, one per line (for the tests that find what a job writes).

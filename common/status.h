@@ -2,7 +2,7 @@
 //
 // Functions that can fail on input, I/O or the environment return absl::Status or
 // absl::StatusOr<T>. abseil's status codes are gRPC's codes; the RPC edge converts them in one
-// place (coordinator/grpc_status.h). Debian's abseil (20220623) has no RETURN_IF_ERROR macros,
+// place (rpc/grpc_status.h). Debian's abseil (20220623) has no RETURN_IF_ERROR macros,
 // so qcal defines its own here.
 //
 // Note: Debian's abseil is built with its own absl::string_view (not std::string_view), so pass

@@ -140,15 +140,11 @@ StatusOr<Recipe> ValidateJobSpec(v1::JobSpec* spec) {
     QCAL_ASSIGN_OR_RETURN(std::string root, NormalizeAbsolute("data_root", spec->data_root()));
     spec->set_data_root(root);
   }
-  // The same checks `qcal quantize` makes (runner/job_inputs.h).
-  JobInputs inputs;
-  inputs.model_dir = model_dir;
-  inputs.out_dir = out_dir;
-  inputs.job_dir = JobDirFor(spec->job_dir(), out_dir);
-  inputs.data_root = spec->data_root();
-  inputs.recipe_source = source;
-  inputs.overwrite = spec->overwrite();
-  StatusOr<LlamaConfig> config = CheckJobInputs(*recipe, inputs);
+  // The same checks `qcal quantize` makes, on the spec resolved as the workers will resolve it
+  // (runner/job_inputs.h). The stored spec keeps what the user gave.
+  v1::JobSpec resolved = *spec;
+  ResolveJobSpec(&resolved);
+  StatusOr<LlamaConfig> config = CheckJobInputs(*recipe, resolved);
   if (!config.ok()) return Invalid(std::string(config.status().message()));
   if (spec->max_memory_bytes() < 0) {
     return Invalid(absl::StrCat("max_memory_bytes must be >= 0 (got ", spec->max_memory_bytes(),

@@ -104,7 +104,7 @@ Status JobManager::RejectResultLocked(JobRuntime& rt, const WorkerInfo& w,
 //   1. (locked) the worker, the task and the result's shape; the one attempt that may commit
 //      this work is chosen (JobRuntime::committing);
 //   2. (unlocked; the job's files_mu) its staged files checked, renamed into the output and
-//      journaled (block_done / e2e_done), fsynced;
+//      journaled (block_done / e2e_done / phase_done), fsynced;
 //   3. (locked) the scheduler and the job's record updated.
 // A shard is in place and journaled before the scheduler counts it, so the driver, which
 // finalizes once the scheduler has every block, never sees a block it cannot read.
@@ -135,10 +135,15 @@ Status JobManager::CompleteTask(const v1::CompleteTaskRequest& request) {
     StatusOr<std::vector<v1::WrittenFile>> named = job::ResultFiles(request, *info);
     if (!named.ok()) return RejectResultLocked(*rt, w, task_id, named.status());
     files = std::move(*named);
-    // A result without files (calibration, evaluation) is recorded at once.
-    if (files.empty()) return RecordCompletionLocked(rt.get(), w, request);
-    work = job::WorkKey(*info);
-    if (!rt->committing.insert(work).second) {
+    // A result with neither files nor journal entries (evaluation; calibration without a
+    // trained phase) is recorded at once; one with journal entries only (rank 0's calibration
+    // with a trained phase: the scheduler retires a duplicate, and a repeated phase_done only
+    // repeats a curve) is journaled first.
+    if (files.empty() && job::JournalEntries(request).empty()) {
+      return RecordCompletionLocked(rt.get(), w, request);
+    }
+    if (!files.empty()) work = job::WorkKey(*info);
+    if (!work.empty() && !rt->committing.insert(work).second) {
       // Another attempt of the same work is committing its (identical) files; its completion
       // retires this attempt too.
       EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG,
@@ -156,7 +161,7 @@ Status JobManager::CompleteTask(const v1::CompleteTaskRequest& request) {
   }
   Lock lock(mu_);
   if (!accepted.check.ok()) {
-    rt->committing.erase(work);
+    if (!work.empty()) rt->committing.erase(work);
     if (IsFinalState(rt->job.state())) return absl::OkStatus();
     return RejectResultLocked(*rt, w, task_id, accepted.check);
   }

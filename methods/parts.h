@@ -24,6 +24,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -80,10 +81,26 @@ struct GlobalPhaseInputs {
   std::string state_key;
 };
 
+// A phase that trains says how it went, in a form that names no method: the training loss of
+// each step and the held-out scores (after which step, which loss). The runner journals it
+// (phase_done) and the job report plots it under the phase's name. Empty: the phase trains
+// nothing.
+struct TrainingCurve {
+  std::vector<double> losses;
+  std::vector<std::pair<int64_t, double>> validation;
+  bool empty() const { return losses.empty() && validation.empty(); }
+};
+
+// What a global phase returns: the products the block tasks are made with, and its curve.
+struct PhaseResult {
+  PhaseProducts products;
+  TrainingCurve curve;
+};
+
 class GlobalPhase {
  public:
   virtual ~GlobalPhase() = default;
-  virtual StatusOr<PhaseProducts> Run(const GlobalPhaseInputs& inputs) const = 0;
+  virtual StatusOr<PhaseResult> Run(const GlobalPhaseInputs& inputs) const = 0;
 };
 
 // What a block task hands BlockQuantizer::QuantizeBlock besides the float block: exactly what

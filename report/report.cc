@@ -1,29 +1,22 @@
 #include "report/report.h"
 
-#include <sys/stat.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
 #include <map>
 #include <optional>
 #include <sstream>
+#include <utility>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/atomic_file.h"
-#include "common/safetensors.h"
 
 namespace qcal::report {
 namespace {
-
-bool IsFile(const std::string& path) {
-  struct stat st;
-  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
-}
 
 std::string Escape(const std::string& s) {
   std::string out;
@@ -304,6 +297,8 @@ struct Journal {
   nlohmann::json start;                     // the last job_start
   std::map<int64_t, nlohmann::json> blocks;  // the latest block_done of each layer
   nlohmann::json e2e;                       // the last e2e_done (null: none)
+  // The latest phase_done of each global phase that trained, in the order they first appear.
+  std::vector<std::pair<std::string, nlohmann::json>> phases;
   bool done = false;
 };
 
@@ -333,6 +328,16 @@ StatusOr<Journal> ReadJournal(const std::string& path) {
       j.e2e = e;
     } else if (event == "job_done") {
       j.done = true;
+    } else if (event == "phase_done") {
+      if (!e.contains("phase") || !e["phase"].is_string()) continue;
+      const std::string phase = e["phase"].get<std::string>();
+      auto it = std::find_if(j.phases.begin(), j.phases.end(),
+                             [&](const auto& p) { return p.first == phase; });
+      if (it == j.phases.end()) {
+        j.phases.emplace_back(phase, e);
+      } else {
+        it->second = e;
+      }
     }
   }
   if (j.start.is_null()) {
@@ -341,40 +346,31 @@ StatusOr<Journal> ReadJournal(const std::string& path) {
   return j;
 }
 
-// A phase's training curve: its products' "losses" and "validation" [k, 2] (step, loss).
+// A global phase's training curve: its phase_done entry's "losses" (one per step) and
+// "validation" ([step, loss] pairs).
 struct Training {
   std::string phase;
   std::vector<double> losses;
   std::vector<double> val_step, val_loss;
 };
 
-// Every phase product file in `phases_dir` that holds training losses, by phase name.
-std::vector<Training> ReadTrainings(const std::string& phases_dir) {
+std::vector<Training> TrainingsOf(const Journal& j) {
   std::vector<Training> out;
-  if (phases_dir.empty()) return out;
-  std::error_code ec;
-  std::vector<std::filesystem::path> files;
-  for (auto it = std::filesystem::directory_iterator(phases_dir, ec);
-       !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
-    if (it->path().extension() == ".safetensors") files.push_back(it->path());
-  }
-  std::sort(files.begin(), files.end());
-  for (const std::filesystem::path& path : files) {
-    if (!IsFile(path.string())) continue;
-    StatusOr<std::unique_ptr<SafetensorsFile>> f = SafetensorsFile::Open(path.string());
-    if (!f.ok()) continue;
+  for (const auto& [phase, e] : j.phases) {
     Training t;
-    t.phase = path.stem().string();
-    StatusOr<std::vector<float>> losses = (*f)->ReadF32("losses");
-    if (!losses.ok() || losses->empty()) continue;
-    t.losses.assign(losses->begin(), losses->end());
-    StatusOr<std::vector<float>> val = (*f)->ReadF32("validation");
-    if (val.ok()) {
-      for (size_t i = 0; i + 1 < val->size(); i += 2) {
-        t.val_step.push_back((*val)[i]);
-        t.val_loss.push_back((*val)[i + 1]);
-      }
+    t.phase = phase;
+    const nlohmann::json none = nlohmann::json::array();
+    const nlohmann::json& losses =
+        e.contains("losses") && e["losses"].is_array() ? e["losses"] : none;
+    const nlohmann::json& validation =
+        e.contains("validation") && e["validation"].is_array() ? e["validation"] : none;
+    for (const auto& v : losses) t.losses.push_back(v.is_number() ? v.get<double>() : kNan);
+    for (const auto& p : validation) {
+      if (!p.is_array() || p.size() != 2 || !p[0].is_number()) continue;
+      t.val_step.push_back(p[0].get<double>());
+      t.val_loss.push_back(p[1].is_number() ? p[1].get<double>() : kNan);
     }
+    if (t.losses.empty() && t.val_step.empty()) continue;
     out.push_back(std::move(t));
   }
   return out;
@@ -519,7 +515,7 @@ StatusOr<std::string> RenderReport(const ReportInputs& inputs) {
         "proxy-loss", relative ? "Relative proxy loss by linear" : "Proxy loss by linear",
         "layer", relative ? "tr(ΔW H ΔWᵀ) / tr(W H Wᵀ)" : "tr(ΔW H ΔWᵀ)", series, true);
     if (chart.empty()) {
-      notes.push_back("No proxy loss: the recipe rounds without Hessians (RTN).");
+      notes.push_back("No proxy loss: the recipe rounds to nearest, without Hessians.");
     }
     html += chart;
   }
@@ -571,8 +567,8 @@ StatusOr<std::string> RenderReport(const ReportInputs& inputs) {
     html += LineChart("ft-train", "Fine-tuning: training loss per epoch",
                       "epoch (groups of linears one after another)", "mean batch MSE", train, true);
   }
-  // Global phases that train (their products hold the losses).
-  for (const Training& t : ReadTrainings(inputs.phases_dir)) {
+  // Global phases that trained (the journal's phase_done entries), by the phase's name.
+  for (const Training& t : TrainingsOf(j)) {
     Series loss{"training loss", {}, t.losses};
     for (size_t i = 0; i < t.losses.size(); ++i) loss.x.push_back(static_cast<double>(i + 1));
     std::vector<Series> s = {loss};

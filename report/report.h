@@ -5,9 +5,9 @@
 //
 // Everything comes from the files of a job the caller names (runner/workspace.h ReportInputsOf
 // names them in the job directory, docs/formats.md "Job directory"): the journal's job_start /
-// block_done / e2e_done / job_done entries (the latest block_done of each layer) and the phase
-// products of the method's global phases (a phase that trains stores its "losses", and
-// "validation" [k, 2] pairs of step and held-out loss: plotted, titled by the phase's name).
+// block_done / e2e_done / phase_done / job_done entries (the latest block_done of each layer;
+// the latest phase_done of each global phase that trained, whose losses and held-out scores are
+// plotted under the phase's name: the report names no method).
 // Perplexity and KL are not in the journal: the caller measures them (`qcal report --eval`) and
 // passes them in. Torch-free, so both job drivers write the report when a job finishes.
 #pragma once
@@ -31,7 +31,6 @@ struct EvalRow {
 
 struct ReportInputs {
   std::string journal;     // the job's journal
-  std::string phases_dir;  // the job's phase products ("": none)
   std::string out_dir;     // the job's output checkpoint (from the journal when empty)
   std::vector<EvalRow> evals;
 };

@@ -30,7 +30,7 @@ StatusOr<bool> ShardHessians(comm::Comm& comm, const JobContext& ctx) {
   int64_t want = 0;
   const int64_t need = BlockParams(ctx.config) * 4 + HessianSumBytes(ctx.config);
   if (comm.size() > 1 && ctx.gpu == nullptr &&
-      need > ctx.options.max_memory) {
+      need > ctx.max_memory) {
     want = 1;
   }
   QCAL_RETURN_IF_ERROR(comm.AllReduceSum(&want, 1));
@@ -38,14 +38,14 @@ StatusOr<bool> ShardHessians(comm::Comm& comm, const JobContext& ctx) {
     QCAL_LOG_INFO("calibration: a block's fp32 weights and exact Hessian sums ({:.2f} GiB) exceed "
                   "this rank's memory budget ({:.2f} GiB): the {} ranks shard the sums by row "
                   "bands ({:.2f} GiB each) and gather each other's linear inputs",
-                  need / 1073741824.0, ctx.options.max_memory / 1073741824.0, comm.size(),
+                  need / 1073741824.0, ctx.max_memory / 1073741824.0, comm.size(),
                   HessianSumBytes(ctx.config) / static_cast<double>(comm.size()) / 1073741824.0);
   }
   return want > 0;
 }
 
 int64_t ActivationBudget(const JobContext& ctx) {
-  return std::max<int64_t>(0, ctx.options.max_memory - BlockWorkingBytes(ctx.config));
+  return std::max<int64_t>(0, ctx.max_memory - BlockWorkingBytes(ctx.config));
 }
 
 }  // namespace qcal::job

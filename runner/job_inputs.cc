@@ -39,17 +39,17 @@ bool IsInsideOrEqual(const std::string& path, const std::string& dir) {
 // An output directory: outside the model, a directory if it exists, creatable otherwise.
 // A checkpoint already in out_dir is this job's (its journal names a run into out_dir: a resume
 // or a rerun) or is replaced only when asked.
-Status CheckExistingCheckpoint(const JobInputs& in) {
-  if (in.overwrite) return absl::OkStatus();
+Status CheckExistingCheckpoint(const v1::JobSpec& in) {
+  if (in.overwrite()) return absl::OkStatus();
   std::error_code ec;
   bool holds = false;
   for (const char* f : {"config.json", "model.safetensors.index.json", "model.safetensors"}) {
-    holds |= std::filesystem::exists(in.out_dir + "/" + f, ec);
+    holds |= std::filesystem::exists(in.out_dir() + "/" + f, ec);
   }
   if (!holds) return absl::OkStatus();
-  const std::string out = Resolved(in.out_dir);
+  const std::string out = Resolved(in.out_dir());
   // A missing journal has no entries; a damaged one is reported when the job opens it.
-  if (StatusOr<Journal> journal = Journal::Open(JobPaths(in.job_dir).journal); journal.ok()) {
+  if (StatusOr<Journal> journal = Journal::Open(JobPaths(in.job_dir()).journal); journal.ok()) {
     for (const nlohmann::json& e : journal->entries()) {
       if (e.value("event", "") != "job_start") continue;
       // Journals older than the "out" field are taken to be this output's.
@@ -57,7 +57,7 @@ Status CheckExistingCheckpoint(const JobInputs& in) {
     }
   }
   return Invalid(absl::StrCat(
-      "out_dir '", in.out_dir, "' already holds a checkpoint that job directory '", in.job_dir,
+      "out_dir '", in.out_dir(), "' already holds a checkpoint that job directory '", in.job_dir(),
       "' did not write (its journal names no run into it); qcal does not replace a checkpoint "
       "silently: pass --overwrite to replace it, or choose another --out"));
 }
@@ -171,41 +171,53 @@ Status CheckLayerTensors(const LlamaConfig& config, const std::string& model_dir
   return absl::OkStatus();
 }
 
-StatusOr<LlamaConfig> CheckJobInputs(const Recipe& recipe, const JobInputs& in) {
-  QCAL_RETURN_IF_ERROR(CheckReadableDirectory("model_dir", in.model_dir));
-  QCAL_RETURN_IF_ERROR(CheckReadableFile("model config", in.model_dir + "/config.json"));
-  QCAL_ASSIGN_OR_RETURN(LlamaConfig config, LoadLlamaConfig(in.model_dir + "/config.json"));
-  QCAL_RETURN_IF_ERROR(CheckLayerTensors(config, in.model_dir));
+StatusOr<LlamaConfig> CheckJobInputs(const Recipe& recipe, const v1::JobSpec& in) {
+  QCAL_RETURN_IF_ERROR(CheckReadableDirectory("model_dir", in.model_dir()));
+  QCAL_RETURN_IF_ERROR(CheckReadableFile("model config", in.model_dir() + "/config.json"));
+  QCAL_ASSIGN_OR_RETURN(LlamaConfig config, LoadLlamaConfig(in.model_dir() + "/config.json"));
+  QCAL_RETURN_IF_ERROR(CheckLayerTensors(config, in.model_dir()));
   // The files finalize copies into the output: refused now, not after hours of work.
-  QCAL_RETURN_IF_ERROR(CheckTokenizerFilesCopyable(in.model_dir));
-  QCAL_RETURN_IF_ERROR(CheckOutputDir("out_dir", in.out_dir, in.model_dir));
-  QCAL_RETURN_IF_ERROR(CheckOutputDir("job_dir", in.job_dir, in.model_dir));
+  QCAL_RETURN_IF_ERROR(CheckTokenizerFilesCopyable(in.model_dir()));
+  QCAL_RETURN_IF_ERROR(CheckOutputDir("out_dir", in.out_dir(), in.model_dir()));
+  QCAL_RETURN_IF_ERROR(CheckOutputDir("job_dir", in.job_dir(), in.model_dir()));
   QCAL_RETURN_IF_ERROR(CheckExistingCheckpoint(in));
   if (recipe.needs().reads_calibration_text()) {
     // Token ids past the embedding table would fail deep inside the forward pass ("row 2360 was
     // asked for"): say which files disagree before anything runs. A tokenizer that does not load
     // is reported where the job loads it.
-    if (StatusOr<std::unique_ptr<Tokenizer>> tok = LoadTokenizerFromModelDir(in.model_dir);
+    if (StatusOr<std::unique_ptr<Tokenizer>> tok = LoadTokenizerFromModelDir(in.model_dir());
         tok.ok() && (*tok)->vocab_size() > config.vocab_size) {
       return Invalid(absl::StrCat(
-          in.model_dir, ": the tokenizer has ", (*tok)->vocab_size(), " tokens but config.json's "
+          in.model_dir(), ": the tokenizer has ", (*tok)->vocab_size(), " tokens but config.json's "
           "vocab_size is ", config.vocab_size, " (the embedding table's rows): the tokenizer "
           "files do not belong to this model"));
     }
     if (recipe.calibration.files.empty()) {
       return Invalid(
-          absl::StrCat(in.recipe_source, ": the recipe calibrates but lists no calibration files"));
+          absl::StrCat(in.recipe_path(), ": the recipe calibrates but lists no calibration files"));
     }
     bool relative = false;
     for (const std::string& f : recipe.calibration.files) relative |= f.empty() || f[0] != '/';
-    if (relative) QCAL_RETURN_IF_ERROR(CheckReadableDirectory("data_root", in.data_root));
+    if (relative) QCAL_RETURN_IF_ERROR(CheckReadableDirectory("data_root", in.data_root()));
     for (const std::string& f : recipe.calibration.files) {
-      const std::string path = !f.empty() && f[0] == '/' ? f : in.data_root + "/" + f;
+      const std::string path = !f.empty() && f[0] == '/' ? f : in.data_root() + "/" + f;
       QCAL_RETURN_IF_ERROR(CheckReadableFile(
-          absl::StrCat("calibration file (", in.recipe_source, ": '", f, "')"), path));
+          absl::StrCat("calibration file (", in.recipe_path(), ": '", f, "')"), path));
     }
   }
   return config;
+}
+
+}  // namespace qcal
+
+namespace qcal {
+
+void ResolveJobSpec(v1::JobSpec* spec) {
+  spec->set_job_dir(JobDirFor(spec->job_dir(), spec->out_dir()));
+  spec->set_data_root(DataRootOr(spec->data_root()));
+  if (spec->calib_batch() < 1) spec->set_calib_batch(kDefaultCalibBatch);
+  if (spec->recipe_path().empty()) spec->set_recipe_path("recipe");
+  if (spec->workers() < 1) spec->set_workers(1);
 }
 
 }  // namespace qcal

@@ -10,17 +10,9 @@
 #include "common/hf_config.h"
 #include "common/recipe.h"
 #include "common/status.h"
+#include "proto/job.pb.h"
 
 namespace qcal {
-
-struct JobInputs {
-  std::string model_dir;
-  std::string out_dir;
-  std::string job_dir;    // resolved (JobDirFor: DefaultJobDir(out_dir) by default)
-  std::string data_root;  // what relative calibration paths are read under
-  std::string recipe_source;  // the recipe's file, for messages
-  bool overwrite = false;     // replace a checkpoint in out_dir that job_dir did not write
-};
 
 // Where a job's relative calibration paths resolve when it names no data root: ../shared beside
 // the working directory (the bundled data). The one default; DataRootOr applies it.
@@ -29,11 +21,22 @@ inline std::string DataRootOr(const std::string& data_root) {
   return data_root.empty() ? std::string(kDefaultDataRoot) : data_root;
 }
 
-// InvalidArgument naming the field (model_dir, out_dir, job_dir, data_root, calibration file),
-// the path and the problem; the model's config on success. An out_dir that already holds a
-// checkpoint (config.json, an index or model.safetensors) is refused unless job_dir's journal
-// names a run into it (the same job, resumed or rerun) or `overwrite` is set.
-StatusOr<LlamaConfig> CheckJobInputs(const Recipe& recipe, const JobInputs& inputs);
+// Sequences per calibration forward when the spec names none.
+inline constexpr int kDefaultCalibBatch = 8;
+
+// The job record's defaults, filled in by the one function every driver (`qcal quantize`, the
+// coordinator's validation) and the worker call: job_dir JobDirFor(job_dir, out_dir), data_root
+// DataRootOr, calib_batch kDefaultCalibBatch, recipe_path "recipe", workers 1. What depends on
+// the node a rank runs on (max_memory_bytes 0: the node's default, threads 0: automatic) stays
+// for the rank to resolve.
+void ResolveJobSpec(v1::JobSpec* spec);
+
+// The checks of a resolved spec (ResolveJobSpec). InvalidArgument naming the field (model_dir,
+// out_dir, job_dir, data_root, calibration file), the path and the problem; the model's config on
+// success. An out_dir that already holds a checkpoint (config.json, an index or
+// model.safetensors) is refused unless job_dir's journal names a run into it (the same job,
+// resumed or rerun) or `overwrite` is set. Messages name the recipe by spec.recipe_path().
+StatusOr<LlamaConfig> CheckJobInputs(const Recipe& recipe, const v1::JobSpec& spec);
 
 // Every block 0..num_hidden_layers-1 has tensors in the model's checkpoint (index or
 // model.safetensors; not checked when neither opens). InvalidArgument naming config.json, the

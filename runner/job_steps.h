@@ -15,9 +15,11 @@
 //                     in memory at a time
 //   FinalizeJob       (runner/job_plan.h) by whoever owns the journal
 //
-// What the steps share lives in small files beside this one: budgets.h (memory budgets, the
-// sharding vote), shard_writers.h (staged shards), sequential_store.h (a sequential method's
-// block inputs), phase_products.h (global phases' products).
+// Each step is its own file (job_steps.cc: OpenJob; calibrate_step.cc, quantize_block_step.cc,
+// finetune_step.cc, evaluate_step.cc), and what the steps share lives in small files beside
+// them: budgets.h (memory budgets, the sharding vote), shard_writers.h (staged shards),
+// sequential_store.h (a sequential method's block inputs), phase_products.h (global phases'
+// products and training curves), step_util.h (the clock and progress events).
 //
 // Steps only read the source model, the job directory's calibration products and the committed
 // output, and write staged files, so a step run on any rank (after CalibrateStep finished on all
@@ -45,20 +47,12 @@
 
 namespace qcal::job {
 
-struct QuantizeJobOptions {
-  std::string model_dir;
-  std::string out_dir;
-  std::string job_dir;    // default: DefaultJobDir(out_dir) (runner/job_dir.h)
-  std::string data_root;  // where recipe calibration paths are resolved (DataRootOr)
-  std::string recipe_source = "recipe";  // the recipe's file, for messages
-  // Replace a finished checkpoint in out_dir that job_dir's journal did not write (otherwise
-  // refused: runner/job_inputs.h).
-  bool overwrite = false;
-  int64_t calib_batch = 8;
-  int threads = 0;        // 0: model::AutoComputeThreads
-  // Bytes of activations a rank holds in memory (calibration, evaluation, sequential inputs);
-  // above it they are spilled to the job directory. 0: calib::DefaultMaxMemory().
-  int64_t max_memory = 0;
+// What one rank brings to a job beside its record (v1::JobSpec): the process's settings and
+// what the job's driver planned. Not part of the job.
+struct RankOptions {
+  // The process's compute threads when it was told (the worker's --threads); 0: the spec's
+  // threads_per_worker (0 there: model::AutoComputeThreads).
+  int threads = 0;
   // GPU ranks: the NCCL all-reduce of device buffers (calib::CalibrationOptions::device_sum);
   // empty on CPU ranks and in single-process jobs.
   kernels::DeviceInt64Sum device_sum;
@@ -67,17 +61,6 @@ struct QuantizeJobOptions {
   // fingerprints the inputs itself (hashes cached in JOB/inputs.json).
   std::string inputs_key;
 };
-
-// The job's record (v1::JobSpec, what the coordinator stores and hands its workers) and a rank's
-// options, translated in one place each way: the worker's options from the spec it registered
-// for (threads, device reduction and inputs key are then the process's own), and the spec of a
-// `qcal quantize` job (one worker) from its options.
-QuantizeJobOptions OptionsForSpec(const v1::JobSpec& spec);
-v1::JobSpec SpecForOptions(const QuantizeJobOptions& options);
-// The defaults, applied once by whoever opens the job (OpenJob, RunQuantizeJob): job_dir
-// JobDirFor(job_dir, out_dir), data_root DataRootOr, calib_batch 8, max_memory
-// model::DefaultMaxMemory().
-void ResolveDefaults(QuantizeJobOptions* options);
 
 struct JobEvent {
   std::string phase;  // "calibrate", "activations", "quantize", "block", "finetune", ...
@@ -89,7 +72,12 @@ using JobEventFn = std::function<void(const JobEvent&)>;
 // What a job's steps share. Created by OpenJob; not thread-safe (one per rank).
 struct JobContext {
   Recipe recipe;
-  QuantizeJobOptions options;  // job_dir, data_root and max_memory resolved
+  v1::JobSpec spec;  // the job's record, resolved (ResolveJobSpec)
+  RankOptions rank;  // inputs_key filled in
+  // Bytes of activations this rank holds in memory (calibration, evaluation, sequential inputs);
+  // above it they are spilled to the job directory: the spec's max_memory_bytes, else the node's
+  // default (model::DefaultMaxMemory).
+  int64_t max_memory = 0;
   LlamaConfig config;
   std::unique_ptr<methods::Method> method;
   // The rank's GPU backend (null: the CPU), as the process's device selection installed it
@@ -108,12 +96,12 @@ struct JobContext {
   bool method_bound = false;
 };
 
-// Resolves the options (ResolveDefaults; inputs_key), opens the float model as a streamed
-// source, makes the recipe's method and sets the compute threads (options.threads, else
-// AutoComputeThreads). A calibration seq_len above the model's context is capped to it, with a
-// warning (CalibrationSeqLen).
-StatusOr<std::unique_ptr<JobContext>> OpenJob(const Recipe& recipe,
-                                              const QuantizeJobOptions& options);
+// Resolves the spec (ResolveJobSpec), the rank's memory budget and the inputs key, opens the
+// float model as a streamed source, makes the recipe's method and sets the compute threads
+// (rank.threads, else the spec's threads_per_worker, else AutoComputeThreads). A calibration
+// seq_len above the model's context is capped to it, with a warning (CalibrationSeqLen).
+StatusOr<std::unique_ptr<JobContext>> OpenJob(const Recipe& recipe, const v1::JobSpec& spec,
+                                              const RankOptions& rank = {});
 
 // The calibration sequence length: the recipe's, capped at the model's context
 // (max_position_embeddings). When capped, *note (if given) says so and why.

@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <fstream>
@@ -151,6 +152,44 @@ nlohmann::json E2eDoneEntry(const v1::FinetuneResult& r) {
           {"seconds", r.seconds()}};
 }
 
+nlohmann::json PhaseDoneEntry(const v1::PhaseCurve& c) {
+  nlohmann::json losses = nlohmann::json::array(), validation = nlohmann::json::array();
+  for (double v : c.losses()) losses.push_back(FiniteOrNull(v));
+  const int n = std::min(c.validation_steps_size(), c.validation_losses_size());
+  for (int i = 0; i < n; ++i) {
+    validation.push_back({c.validation_steps(i), FiniteOrNull(c.validation_losses(i))});
+  }
+  return {{"event", "phase_done"},
+          {"phase", c.phase()},
+          {"losses", losses},
+          {"validation", validation}};
+}
+
+StatusOr<v1::PhaseCurve> PhaseCurveFromEntry(const nlohmann::json& e) {
+  auto bad = [](const std::string& what) {
+    return absl::InvalidArgumentError(absl::StrCat("phase_done entry: ", what));
+  };
+  if (!e.is_object() || e.value("event", "") != "phase_done") return bad("not a phase_done");
+  if (!e.contains("phase") || !e["phase"].is_string()) return bad("no phase name");
+  v1::PhaseCurve c;
+  c.set_phase(e["phase"].get<std::string>());
+  auto number = [](const nlohmann::json& v) {
+    return v.is_number() ? v.get<double>() : std::numeric_limits<double>::quiet_NaN();
+  };
+  const nlohmann::json losses = e.value("losses", nlohmann::json::array());
+  const nlohmann::json validation = e.value("validation", nlohmann::json::array());
+  if (!losses.is_array() || !validation.is_array()) return bad("losses or validation not a list");
+  for (const auto& v : losses) c.add_losses(number(v));
+  for (const auto& p : validation) {
+    if (!p.is_array() || p.size() != 2 || !p[0].is_number_integer()) {
+      return bad("a validation score is not [step, loss]");
+    }
+    c.add_validation_steps(p[0].get<int64_t>());
+    c.add_validation_losses(number(p[1]));
+  }
+  return c;
+}
+
 std::vector<v1::WrittenFile> FilesOf(const v1::BlockResult& r) {
   std::vector<v1::WrittenFile> files = {r.shard()};
   files.insert(files.end(), r.also_wrote().begin(), r.also_wrote().end());
@@ -236,7 +275,7 @@ std::string JournalEntryProblem(const nlohmann::json& e) {
   if (!e.is_object()) return "not a JSON object";
   if (!e.contains("event") || !e["event"].is_string()) return "no string 'event'";
   for (const char* key :
-       {"recipe", "recipe_hash", "model", "out", "shard", "checksum", "inputs_key"}) {
+       {"recipe", "recipe_hash", "model", "out", "shard", "checksum", "inputs_key", "phase"}) {
     if (e.contains(key) && !e[key].is_string()) return absl::StrCat("'", key, "' is not a string");
   }
   if (e.contains("layer") && !e["layer"].is_number_integer()) return "'layer' is not an integer";
@@ -252,6 +291,9 @@ std::string JournalEntryProblem(const nlohmann::json& e) {
     if (e.contains(key) && !e[key].is_number() && !e[key].is_null()) {
       return absl::StrCat("'", key, "' is not a number or null");
     }
+  }
+  for (const char* key : {"losses", "validation"}) {
+    if (e.contains(key) && !e[key].is_array()) return absl::StrCat("'", key, "' is not a list");
   }
   for (const char* key : {"also_wrote", "checksums", "inputs"}) {
     if (!e.contains(key)) continue;

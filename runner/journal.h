@@ -23,6 +23,11 @@ v1::BlockResult BlockResultFromEntry(const nlohmann::json& entry);
 // {"event":"e2e_done","checksums":{shard: checksum},"kl_before","kl_after","best_epoch",
 //  "head_tuned","seconds"}
 nlohmann::json E2eDoneEntry(const v1::FinetuneResult& result);
+// {"event":"phase_done","phase","losses":[...],"validation":[[step, loss], ...]}: a global
+// phase's training curve (CalibrateResult::curves), which the job report plots by the phase's
+// name. PhaseCurveFromEntry: InvalidArgument for anything else.
+nlohmann::json PhaseDoneEntry(const v1::PhaseCurve& curve);
+StatusOr<v1::PhaseCurve> PhaseCurveFromEntry(const nlohmann::json& entry);
 // Every output file a result wrote.
 std::vector<v1::WrittenFile> FilesOf(const v1::BlockResult& result);
 

@@ -54,8 +54,8 @@ constexpr char kWorkerId[] = "in-process";
 // tasks executed here one at a time by the workers' executor (runner/task_executor.h) and
 // accepted as the coordinator accepts a worker's result (runner/task_results.h: staged files
 // checked, committed, journaled).
-StatusOr<QuantizeJobResult> RunPlannedJob(const Recipe& recipe, const QuantizeJobOptions& opt,
-                                          const v1::JobSpec& spec, JobPlan plan,
+StatusOr<QuantizeJobResult> RunPlannedJob(const Recipe& recipe, const v1::JobSpec& spec,
+                                          JobPlan plan,
                                           JobWorkspace& workspace, const JobEventFn& on_event,
                                           PhaseTrace* trace) {
   const auto t0 = Clock::now();
@@ -63,12 +63,12 @@ StatusOr<QuantizeJobResult> RunPlannedJob(const Recipe& recipe, const QuantizeJo
   auto emit = [&](const std::string& phase, int64_t done, int64_t total, std::string msg = "") {
     if (on_event) on_event(JobEvent{phase, done, total, std::move(msg)});
   };
-  QuantizeJobOptions with_key = opt;
-  with_key.inputs_key = plan.inputs.key;  // the steps key their caches by it
-  QCAL_ASSIGN_OR_RETURN(std::unique_ptr<JobContext> ctx, OpenJob(recipe, with_key));
+  RankOptions rank;
+  rank.inputs_key = plan.inputs.key;  // the steps key their caches by it
+  QCAL_ASSIGN_OR_RETURN(std::unique_ptr<JobContext> ctx, OpenJob(recipe, spec, rank));
   const int64_t blocks = plan.num_blocks;
   QuantizeJobResult result;
-  result.out_dir = opt.out_dir;
+  result.out_dir = spec.out_dir();
   std::map<int64_t, nlohmann::json>& done = plan.block_done;  // finished layers' entries
   std::map<int64_t, std::vector<v1::PhaseTiming>> block_phases;
 
@@ -103,7 +103,7 @@ StatusOr<QuantizeJobResult> RunPlannedJob(const Recipe& recipe, const QuantizeJo
                           ExecuteTask(*self, ctx.get(), task, on_event));
     QCAL_ASSIGN_OR_RETURN(JobScheduler::TaskInfo info, run.scheduler().Lookup(task.task_id()));
     QCAL_ASSIGN_OR_RETURN(std::vector<v1::WrittenFile> files, ResultFiles(outcome, info));
-    if (!files.empty()) {
+    if (!files.empty() || !JournalEntries(outcome).empty()) {
       const Acceptance accepted = AcceptResultFiles(workspace, outcome, files);
       QCAL_RETURN_IF_ERROR(accepted.check);
       QCAL_RETURN_IF_ERROR(accepted.commit);
@@ -176,40 +176,38 @@ StatusOr<QuantizeJobResult> RunPlannedJob(const Recipe& recipe, const QuantizeJo
 
 }  // namespace
 
-StatusOr<QuantizeJobResult> RunQuantizeJob(const Recipe& recipe, const QuantizeJobOptions& opt_in,
+StatusOr<QuantizeJobResult> RunQuantizeJob(const Recipe& recipe, const v1::JobSpec& spec_in,
                                            const JobEventFn& on_event) {
-  QuantizeJobOptions opt = opt_in;
-  // Where the job writes is made canonical once, here: below it no component may be a link
-  // (common/safe_fs.h).
-  QCAL_ASSIGN_OR_RETURN(opt.out_dir, CanonicalPath(opt.out_dir));
-  ResolveDefaults(&opt);
-  QCAL_ASSIGN_OR_RETURN(opt.job_dir, CanonicalPath(opt.job_dir));
+  // The job's record, resolved by the function the coordinator's validation and the workers use
+  // (runner/job_inputs.h); where the job writes is made canonical once, here: below it no
+  // component may be a link (common/safe_fs.h).
+  v1::JobSpec spec = spec_in;
+  QCAL_ASSIGN_OR_RETURN(*spec.mutable_out_dir(), CanonicalPath(spec.out_dir()));
+  ResolveJobSpec(&spec);
+  QCAL_ASSIGN_OR_RETURN(*spec.mutable_job_dir(), CanonicalPath(spec.job_dir()));
+  if (spec.workers() != 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "qcal quantize runs a job in one process; the spec asks for ", spec.workers(),
+        " workers (qcal run / qcal submit run more)"));
+  }
 
   // ---- Inputs: the checks the coordinator makes for a submitted job, before anything exists.
-  JobInputs inputs;
-  inputs.model_dir = opt.model_dir;
-  inputs.out_dir = opt.out_dir;
-  inputs.job_dir = opt.job_dir;
-  inputs.data_root = opt.data_root;
-  inputs.recipe_source = opt.recipe_source;
-  inputs.overwrite = opt.overwrite;
-  QCAL_RETURN_IF_ERROR(CheckJobInputs(recipe, inputs).status());
+  QCAL_RETURN_IF_ERROR(CheckJobInputs(recipe, spec).status());
 
   // ---- The job directory, as the coordinator opens it for a service job: held (one driver: a
   // second run on it is refused, naming this one), planned (creates the directories;
   // fingerprints the inputs), the output directory held, the journal opened.
-  const v1::JobSpec spec = SpecForOptions(opt);
   std::error_code ec;
-  const bool out_existed = std::filesystem::exists(opt.out_dir, ec);
-  const bool job_existed = std::filesystem::exists(opt.job_dir, ec);
+  const bool out_existed = std::filesystem::exists(spec.out_dir(), ec);
+  const bool job_existed = std::filesystem::exists(spec.job_dir(), ec);
   std::unique_ptr<JobWorkspace> workspace =
-      MakeDiskWorkspace(absl::StrCat("qcal quantize --out ", opt.out_dir));
+      MakeDiskWorkspace(absl::StrCat("qcal quantize --out ", spec.out_dir()));
   StatusOr<QuantizeJobResult> result = [&]() -> StatusOr<QuantizeJobResult> {
     PhaseTrace trace;
     trace.Begin("plan");
     QCAL_ASSIGN_OR_RETURN(JobPlan plan, workspace->Open(recipe, spec));
     QCAL_ASSIGN_OR_RETURN(QuantizeJobResult done,
-                          RunPlannedJob(recipe, opt, spec, std::move(plan), *workspace, on_event,
+                          RunPlannedJob(recipe, spec, std::move(plan), *workspace, on_event,
                                         &trace));
     done.phases = trace.phases();
     for (const v1::PhaseTiming& p : done.phases) {
@@ -223,9 +221,9 @@ StatusOr<QuantizeJobResult> RunQuantizeJob(const Recipe& recipe, const QuantizeJ
   // A job refused before it produced anything leaves nothing behind: the directories it created
   // are removed. Anything produced (a shard, a cached Hessian) is kept for a resume, whatever
   // failed (a full disk included). A job refused for another holder's lock touches nothing.
-  if (!result.ok() && locked && !HoldsFinishedWork(opt.job_dir, opt.out_dir)) {
-    if (!job_existed) std::filesystem::remove_all(opt.job_dir, ec);
-    if (!out_existed) std::filesystem::remove_all(opt.out_dir, ec);
+  if (!result.ok() && locked && !HoldsFinishedWork(spec.job_dir(), spec.out_dir())) {
+    if (!job_existed) std::filesystem::remove_all(spec.job_dir(), ec);
+    if (!out_existed) std::filesystem::remove_all(spec.out_dir(), ec);
   }
   return result;
 }

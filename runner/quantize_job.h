@@ -80,7 +80,8 @@ struct QuantizeJobResult {
   int64_t peak_device_bytes = -1;  // the same on the rank's GPU (-1: a CPU rank)
 };
 
-StatusOr<QuantizeJobResult> RunQuantizeJob(const Recipe& recipe, const QuantizeJobOptions& options,
+// Runs the job `spec` describes (workers 1; resolved here with ResolveJobSpec) in this process.
+StatusOr<QuantizeJobResult> RunQuantizeJob(const Recipe& recipe, const v1::JobSpec& spec,
                                            const std::function<void(const JobEvent&)>& on_event =
                                                nullptr);
 

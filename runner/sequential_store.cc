@@ -57,7 +57,7 @@ StatusOr<std::optional<at::Tensor>> LoadSequentialFile(JobContext* ctx, const st
 // layer-1's task, or rebuilt through the float blocks before it.
 StatusOr<at::Tensor> SequentialFloatInputs(JobContext* ctx, int64_t layer) {
   if (layer == 0) return EmbeddedCalibrationInputs(ctx);
-  const std::string path = JobPaths(ctx->options.job_dir).SequentialFloatInputs(layer);
+  const std::string path = JobPaths(ctx->spec.job_dir()).SequentialFloatInputs(layer);
   QCAL_ASSIGN_OR_RETURN(std::optional<at::Tensor> loaded,
                         LoadSequentialFile(ctx, path, layer, "float inputs"));
   if (loaded) return std::move(*loaded);
@@ -69,7 +69,7 @@ StatusOr<at::Tensor> SequentialFloatInputs(JobContext* ctx, int64_t layer) {
     QCAL_RETURN_IF_ERROR(ctx->method->transform().PrepareBlock(l, &w));
     QCAL_ASSIGN_OR_RETURN(x, ctx->method->sequential().PropagateFloatBlock(
                                  std::move(w), l, x, ctx->source->rope(),
-                                 ctx->options.calib_batch));
+                                 ctx->spec.calib_batch()));
   }
   return x;
 }
@@ -79,18 +79,18 @@ StatusOr<at::Tensor> SequentialInputs(JobContext* ctx, int64_t layer) {
   const int64_t blocks = ctx->config.num_hidden_layers;
   auto embedded = [&]() { return EmbeddedCalibrationInputs(ctx); };
   if (layer == 0) return embedded();
-  const std::string path = JobPaths(ctx->options.job_dir).SequentialInputs(layer);
+  const std::string path = JobPaths(ctx->spec.job_dir()).SequentialInputs(layer);
   QCAL_ASSIGN_OR_RETURN(std::optional<at::Tensor> loaded,
                         LoadSequentialFile(ctx, path, layer, "calibration inputs"));
   if (loaded) return std::move(*loaded);
   // Gone (removed after block `layer` was done once, which is now being redone): rebuild from the
   // embedding through the quantized blocks before it, as committed in out_dir.
   QCAL_LOG_WARN("block {}: {} is missing; recomputing it through blocks 0..{} read back from {}",
-                layer, path, layer - 1, ctx->options.out_dir);
+                layer, path, layer - 1, ctx->spec.out_dir());
   QCAL_ASSIGN_OR_RETURN(at::Tensor x, embedded());
   std::vector<std::string> shards;
   for (int64_t l = 0; l < layer; ++l) shards.push_back(ShardName(l + 1, blocks));
-  auto ckpt = CheckpointReader::OpenShards(ctx->options.out_dir, shards);
+  auto ckpt = CheckpointReader::OpenShards(ctx->spec.out_dir(), shards);
   if (!ckpt.ok()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "block ", layer, ": no calibration inputs (", path,
@@ -101,14 +101,14 @@ StatusOr<at::Tensor> SequentialInputs(JobContext* ctx, int64_t layer) {
                           ctx->method->block_format().LoadBlock(**ckpt, l));
     QCAL_ASSIGN_OR_RETURN(x, ctx->method->sequential().PropagateFinishedBlock(
                                  std::move(w), l, x, ctx->source->rope(),
-                                 ctx->options.calib_batch));
+                                 ctx->spec.calib_batch()));
   }
   return x;
 }
 
 Status SaveSequentialInputs(JobContext* ctx, int64_t layer, const at::Tensor& x,
                             const at::Tensor* x_float) {
-  const JobPaths paths(ctx->options.job_dir);
+  const JobPaths paths(ctx->spec.job_dir());
   QCAL_RETURN_IF_ERROR(MakeDirs(paths.sequential));
   QCAL_RETURN_IF_ERROR(
       calib::SaveActivation(paths.SequentialInputs(layer + 1), x, ctx->calib_key));
@@ -120,7 +120,7 @@ Status SaveSequentialInputs(JobContext* ctx, int64_t layer, const at::Tensor& x,
 }
 
 void DropSequentialInputs(JobContext* ctx, int64_t layer) {
-  const JobPaths paths(ctx->options.job_dir);
+  const JobPaths paths(ctx->spec.job_dir());
   std::remove(paths.SequentialInputs(layer - 1).c_str());
   std::remove(paths.SequentialFloatInputs(layer - 1).c_str());
 }

@@ -70,7 +70,7 @@ StatusOr<v1::WrittenFile> WritePreparedNonBlockShardStaged(JobContext* ctx,
         QCAL_ASSIGN_OR_RETURN(at::Tensor rows, source->HeadRows(begin, n));
         return method->transform().PrepareHeadRows(rows, norm);
       }));
-  return WriteStagedFile(ctx->options.out_dir, ShardName(0, ctx->config.num_hidden_layers),
+  return WriteStagedFile(ctx->spec.out_dir(), ShardName(0, ctx->config.num_hidden_layers),
                          attempt, writer);
 }
 
@@ -86,7 +86,7 @@ StatusOr<v1::WrittenFile> WriteTunedNonBlockShardStaged(JobContext* ctx,
   QCAL_RETURN_IF_ERROR(ctx->source->AddStoredTensor(&writer, "model.embed_tokens.weight"));
   QCAL_RETURN_IF_ERROR(model::AddF32Tensor(&writer, "model.norm.weight", final_norm));
   if (!head_tied) QCAL_RETURN_IF_ERROR(model::AddF32Tensor(&writer, "lm_head.weight", head));
-  return WriteStagedFile(ctx->options.out_dir, ShardName(0, ctx->config.num_hidden_layers),
+  return WriteStagedFile(ctx->spec.out_dir(), ShardName(0, ctx->config.num_hidden_layers),
                          attempt, writer);
 }
 
@@ -98,7 +98,7 @@ StatusOr<v1::WrittenFile> WriteBlockShardStaged(JobContext* ctx, int64_t layer,
   writer.SetMetadata("format", "pt");
   writer.SetMetadata("qcal_block", std::to_string(layer));
   QCAL_RETURN_IF_ERROR(ctx->method->block_format().AppendBlockTensors(layer, weights, &writer));
-  return WriteStagedFile(ctx->options.out_dir,
+  return WriteStagedFile(ctx->spec.out_dir(),
                          ShardName(layer + 1, ctx->config.num_hidden_layers), attempt, writer);
 }
 

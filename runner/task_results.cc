@@ -1,6 +1,7 @@
 #include "runner/task_results.h"
 
 #include "absl/strings/str_cat.h"
+#include "runner/journal.h"
 
 namespace qcal::job {
 
@@ -41,10 +42,23 @@ Acceptance AcceptResultFiles(JobWorkspace& workspace, const v1::CompleteTaskRequ
   if (!a.check.ok()) return a;
   a.commit = workspace.Commit(files);
   if (!a.commit.ok()) return a;
-  a.commit = Annotate(workspace.Append(result.has_block() ? BlockDoneEntry(result.block())
-                                                          : E2eDoneEntry(result.finetune())),
-                      "journal");
+  for (const nlohmann::json& entry : JournalEntries(result)) {
+    a.commit = Annotate(workspace.Append(entry), "journal");
+    if (!a.commit.ok()) return a;
+  }
   return a;
+}
+
+std::vector<nlohmann::json> JournalEntries(const v1::CompleteTaskRequest& result) {
+  std::vector<nlohmann::json> entries;
+  if (result.has_block()) entries.push_back(BlockDoneEntry(result.block()));
+  if (result.has_finetune()) entries.push_back(E2eDoneEntry(result.finetune()));
+  if (result.has_calibrate()) {
+    for (const v1::PhaseCurve& c : result.calibrate().curves()) {
+      entries.push_back(PhaseDoneEntry(c));
+    }
+  }
+  return entries;
 }
 
 }  // namespace qcal::job

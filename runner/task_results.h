@@ -1,10 +1,12 @@
-// What both drivers of a job do with a task's result (runner/run_job.h in process,
+// What both drivers of a job do with a task's result (runner/quantize_job.cc in process,
 // coordinator/worker_requests.cc for remote workers): check it against the task it answers, and
 // accept its staged files into the output (checked, renamed, journaled). Torch-free.
 #pragma once
 
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "common/status.h"
 #include "proto/qcal.pb.h"
@@ -21,9 +23,15 @@ std::string WorkKey(const JobScheduler::TaskInfo& info);
 StatusOr<std::vector<v1::WrittenFile>> ResultFiles(const v1::CompleteTaskRequest& result,
                                                    const JobScheduler::TaskInfo& info);
 
-// Accepting an attempt's staged files, in two outcomes: `check` fails when the files are not as
-// the result claims (a bad attempt: its work may be retried), `commit` when renaming them into
-// the output or journaling them (block_done / e2e_done) failed (the job cannot go on).
+// What a result adds to the journal (runner/journal.h): a block's block_done, end-to-end
+// fine-tuning's e2e_done, calibration's phase_done per global phase that trained (rank 0's
+// result); nothing for evaluation.
+std::vector<nlohmann::json> JournalEntries(const v1::CompleteTaskRequest& result);
+
+// Accepting an attempt, in two outcomes: `check` fails when its staged files are not as the
+// result claims (a bad attempt: its work may be retried), `commit` when renaming them into the
+// output or journaling the result (JournalEntries) failed (the job cannot go on). A driver
+// accepts every result with files or journal entries, and records the others at once.
 struct Acceptance {
   Status check;
   Status commit;

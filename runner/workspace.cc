@@ -94,7 +94,6 @@ report::ReportInputs ReportInputsOf(const std::string& job_dir, const std::strin
   const JobPaths paths(job_dir);
   report::ReportInputs in;
   in.journal = paths.journal;
-  in.phases_dir = paths.phases;
   in.out_dir = out_dir;
   return in;
 }

@@ -1,9 +1,8 @@
 // The job directory side of a job, behind an interface so the coordinator's JobManager is
 // testable without real checkpoints (tests/coordinator/fakes.h). The disk implementation is
 // runner/job_dir.h, journal.h and job_plan.h: planning, journal, staged files and their commit,
-// finalization. Both drivers
-// of a job's task plan use it (runner/run_job.h: `qcal quantize` in process, the coordinator with
-// remote workers), so both write identical checkpoints.
+// finalization. Both drivers of a job's task plan use it (runner/quantize_job.h: `qcal quantize`
+// in process; the coordinator with remote workers), so both write identical checkpoints.
 //
 // One workspace per job, never called concurrently: Open before any task runs, Check*/Commit/
 // Append as tasks complete (the coordinator serializes them with the job's file mutex, outside
@@ -65,8 +64,8 @@ std::unique_ptr<JobWorkspace> MakeDiskWorkspace(std::string holder = "");
 // The job directory a spec resolves to (JobDirFor: job_dir, or DefaultJobDir(out_dir)).
 std::string JobDirOf(const v1::JobSpec& spec);
 
-// What the job report reads from a job directory (its journal and phase products), for the
-// job whose output is `out_dir` ("": the journal's).
+// What the job report reads from a job directory (its journal), for the job whose output is
+// `out_dir` ("": the journal's).
 report::ReportInputs ReportInputsOf(const std::string& job_dir, const std::string& out_dir);
 
 }  // namespace qcal::job

@@ -125,8 +125,8 @@ case "${1:-}" in
     echo "device-build: the GPU tests to build: $(gpu_targets "$b")"
     # One target per kind of dependency: protobuf/gRPC (qcal_rpc), yaml-cpp (qcal_recipe),
     # spdlog/fmt/absl/PCRE2 (qcal_common), BLAS/LAPACK (qcal_kernels), CUDA and GoogleTest
-    # (kernels_gpu_ops_test), MPI and NCCL (runtime_nccl_comm_test).
-    built="qcal_rpc qcal_recipe qcal_common qcal_kernels kernels_gpu_ops_test runtime_nccl_comm_test"
+    # (kernels_gpu_ops_test), MPI and NCCL (engine_nccl_comm_test).
+    built="qcal_rpc qcal_recipe qcal_common qcal_kernels kernels_gpu_ops_test engine_nccl_comm_test"
     start=$(date +%s.%N)
     ninja -C "$b" $built > /tmp/qcal-device-check-build.log 2>&1 ||
       { tail -30 /tmp/qcal-device-check-build.log; exit 1; }

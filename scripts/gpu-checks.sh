@@ -10,7 +10,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-}
 bundle=.device/bundle
-tests=(kernels_gpu_ops_test kernels_hadamard_cuda_test runtime_nccl_comm_test)
+tests=(kernels_gpu_ops_test kernels_hadamard_cuda_test engine_nccl_comm_test)
 benches=(bench_gpu_kernels)
 case "$mode" in
   prepare)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device block forward's test (worker_gpu_block_forward_test), then stories260K jobs of every
+# The device block forward's test (engine_gpu_block_forward_test), then stories260K jobs of every
 # method family on the GPU against the same jobs on the CPU (issue 37, deliverable 2):
 # `qcal quantize --device cuda` and `--device cpu` on the same machine for quip-e8p-2bit,
 # quip-e8p-2bit-ft, rtn-4bit, gptq-4bit, quarot-w4a4kv4, prefixquant-w4a4kv4-ft and
@@ -25,9 +25,9 @@ case "${1:-}" in
     build=${2:-build}
     shared=${QCAL_SHARED_DIR:-../shared}
     stage=$(mktemp -d)/qb
-    ninja -C "$build" qcal worker_gpu_block_forward_test || exit 1
-    bash scripts/gpu-bundle.sh "$build" "$stage" qcal worker_gpu_block_forward_test > /dev/null || exit 1
-    strip --strip-debug "$stage/qcal" "$stage/worker_gpu_block_forward_test"
+    ninja -C "$build" qcal engine_gpu_block_forward_test || exit 1
+    bash scripts/gpu-bundle.sh "$build" "$stage" qcal engine_gpu_block_forward_test > /dev/null || exit 1
+    strip --strip-debug "$stage/qcal" "$stage/engine_gpu_block_forward_test"
     mkdir -p "$stage/shared/models" "$stage/shared/data/wikitext2" "$stage/shared/data/tinystories"
     cp -r "$shared/models/stories260K" "$stage/shared/models/"
     cp -r "$shared/models/llama3-tokenizer" "$stage/shared/models/"  # bench/gpu-scale.sh
@@ -56,8 +56,8 @@ case "${1:-}" in
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
       # The device block forward and its Hessians against the CPU block (fp32 and bf16), and its
       # batch invariance.
-      timeout 300 /tmp/qb/worker_gpu_block_forward_test > "$out/block-forward-test.log" 2>&1
-      echo "STEP worker_gpu_block_forward_test rc=$?"
+      timeout 300 /tmp/qb/engine_gpu_block_forward_test > "$out/block-forward-test.log" 2>&1
+      echo "STEP engine_gpu_block_forward_test rc=$?"
       grep -E '^\[ +(OK|FAILED|SKIPPED) |seed|Hessian' "$out/block-forward-test.log" | head -20
     fi
     $Q import llama2c "$S/models/stories260K/stories260K.bin" "$S/models/stories260K/tok512.bin" \

@@ -1,5 +1,5 @@
 // The worker's side of qcal.v1.WorkerService, behind an interface so the task loop runs against a
-// fake in unit tests (tests/runtime/fake_coordinator_client.h) and against the coordinator over
+// fake in unit tests (tests/worker/fake_coordinator_client.h) and against the coordinator over
 // gRPC in qcal-worker. Every gRPC call carries `authorization: Bearer <token>`.
 //
 // Thread-safety: implementations are safe to call from several threads at once (the task loop's

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 #include "methods/registry.h"
+#include "runner/job_inputs.h"
 #include "runner/job_steps.h"
 #include "runner/task_executor.h"
 
@@ -173,12 +174,14 @@ class Worker {
   // first task.
   Status EnsureContext() {
     if (ctx_) return absl::OkStatus();
-    job::QuantizeJobOptions opt = job::OptionsForSpec(spec_);
-    QCAL_ASSIGN_OR_RETURN(Recipe recipe, ParseRecipe(spec_.recipe_yaml(), opt.recipe_source));
-    if (options_.threads > 0) opt.threads = options_.threads;  // the process's --threads
-    opt.device_sum = options_.device_sum;
-    opt.inputs_key = inputs_key_;
-    QCAL_ASSIGN_OR_RETURN(ctx_, job::OpenJob(recipe, opt));
+    v1::JobSpec spec = spec_;
+    ResolveJobSpec(&spec);  // as the coordinator resolved it to check it (OpenJob again: a no-op)
+    QCAL_ASSIGN_OR_RETURN(Recipe recipe, ParseRecipe(spec.recipe_yaml(), spec.recipe_path()));
+    job::RankOptions rank;
+    rank.threads = options_.threads;  // the process's --threads, when given
+    rank.device_sum = options_.device_sum;
+    rank.inputs_key = inputs_key_;
+    QCAL_ASSIGN_OR_RETURN(ctx_, job::OpenJob(recipe, spec, rank));
     return absl::OkStatus();
   }
 

@@ -189,14 +189,10 @@ class Walk {
         QCAL_RETURN_IF_ERROR(
             ForwardCollectingHessians(*block, none, source_.rope(), options_.batch, &h).status());
       }
-      for (int64_t i = 0; i < store_->chunks(); ++i) {
-        QCAL_ASSIGN_OR_RETURN(at::Tensor x, store_->Get(i));
-        QCAL_ASSIGN_OR_RETURN(at::Tensor y,
-                              ForwardCollectingHessians(*block, x, source_.rope(), options_.batch,
-                                                        hessians_ ? &h : nullptr,
-                                                        /*flush_device=*/false));
-        QCAL_RETURN_IF_ERROR(store_->Put(i, y));
-      }
+      QCAL_RETURN_IF_ERROR(walk_->Map([&](const at::Tensor& x) {
+        return ForwardCollectingHessians(*block, x, source_.rope(), options_.batch,
+                                         hessians_ ? &h : nullptr, /*flush_device=*/false);
+      }));
       return reduce_on_device_ ? Status() : FlushDeviceHessians(&h);
     }();
     QCAL_RETURN_IF_ERROR(AgreeOk(comm_, Annotate(forward, where), where));
@@ -253,10 +249,9 @@ class Walk {
           }
           return Status();
         }
-        QCAL_ASSIGN_OR_RETURN(at::Tensor x, store_->Get(step));
-        QCAL_ASSIGN_OR_RETURN(at::Tensor y, ForwardCapturingInputs(*block, x, source_.rope(),
-                                                                   options_.batch, &inputs));
-        return store_->Put(step, y);
+        return walk_->MapChunk(step, [&](const at::Tensor& x) {
+          return ForwardCapturingInputs(*block, x, source_.rope(), options_.batch, &inputs);
+        });
       }();
       QCAL_RETURN_IF_ERROR(AgreeOk(comm_, Annotate(local, where), where));
       for (HessianKind k : kAllHessianKinds) {
@@ -293,8 +288,8 @@ class Walk {
   const int64_t blocks_, num_seqs_, seq_len_, hidden_, chunks_;
   std::vector<std::vector<int64_t>> shapes_;  // this rank's chunks
   std::vector<int64_t> first_seq_;
-  std::unique_ptr<model::BlockWalk> walk_;  // this rank's chunks (the forward per block is
-                                            // calibration's own: it collects Hessians)
+  std::unique_ptr<model::BlockWalk> walk_;  // this rank's chunks; each block's step over them is
+                                            // calibration's forward (it collects Hessians)
   model::ActivationStore* store_ = nullptr;  // walk_'s
   bool reduce_on_device_ = false;
   std::chrono::steady_clock::time_point lap_;

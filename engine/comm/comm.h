@@ -2,11 +2,11 @@
 // through this interface, never through the coordinator.
 //
 // Implementations:
-//   MpiComm    (worker/mpi_comm.cc)   host buffers over an MPI communicator
-//   NcclComm   (worker/nccl_comm.cc)  device buffers; rank 0 makes the ncclUniqueId and
-//                                              broadcasts it over MPI (built with QCAL_CUDA)
-//   ThreadComm (worker/thread_comm.cc) N ranks as N threads of one process (tests;
-//                                              c10d-style threads-as-ranks)
+//   MpiComm    (engine/comm/mpi_comm.cc)    host buffers over an MPI communicator
+//   NcclComm   (engine/comm/nccl_comm.cc)   device buffers; rank 0 makes the ncclUniqueId and
+//                                           broadcasts it over MPI (built with QCAL_CUDA)
+//   ThreadComm (engine/comm/thread_comm.cc) N ranks as N threads of one process (tests;
+//                                           c10d-style threads-as-ranks)
 //   SelfComm   world of one (the single-process `qcal quantize`)
 //
 // Contract: every rank calls the same collectives in the same order with the same counts.

@@ -29,16 +29,21 @@ StatusOr<std::unique_ptr<BlockWalk>> BlockWalk::Embed(ModelSource& source,
 }
 
 Status BlockWalk::Forward(const DecoderBlock& block, const Rope& rope, const at::Device& device) {
-  for (int64_t i = 0; i < store_->chunks(); ++i) {
-    QCAL_ASSIGN_OR_RETURN(at::Tensor x, store_->Get(i));
-    if (device.is_cpu()) {
-      x = block.Forward(x, rope);
-    } else {
-      x = block.Forward(x.to(device), rope).to(at::kCPU);
-    }
-    QCAL_RETURN_IF_ERROR(store_->Put(i, x));
-  }
+  return Map([&](const at::Tensor& x) -> StatusOr<at::Tensor> {
+    if (device.is_cpu()) return block.Forward(x, rope);
+    return block.Forward(x.to(device), rope).to(at::kCPU);
+  });
+}
+
+Status BlockWalk::Map(const ChunkStep& step) {
+  for (int64_t i = 0; i < store_->chunks(); ++i) QCAL_RETURN_IF_ERROR(MapChunk(i, step));
   return Status();
+}
+
+Status BlockWalk::MapChunk(int64_t i, const ChunkStep& step) {
+  QCAL_ASSIGN_OR_RETURN(at::Tensor x, store_->Get(i));
+  QCAL_ASSIGN_OR_RETURN(at::Tensor y, step(x));
+  return store_->Put(i, y);
 }
 
 }  // namespace qcal::model

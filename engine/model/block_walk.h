@@ -7,10 +7,12 @@
 //
 //   auto walk = BlockWalk::Embed(source, chunks, budget, spill);   // chunk i: ids [b_i, s]
 //   for each layer l: block = source.LoadBlock(l); walk->Forward(*block, source.rope());
+//                     (or walk->Map(step): the caller's forward of each chunk)
 //   walk->store().Get(i)                                          // block outputs, chunk i
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -37,6 +39,15 @@ class BlockWalk {
   // Every chunk through `block`: on the CPU, or moved to `device` for the forward and back.
   Status Forward(const DecoderBlock& block, const Rope& rope,
                  const at::Device& device = at::Device(at::kCPU));
+
+  // A block's step over a chunk: its activations in, the next ones out (calibration's forward,
+  // which also collects Hessians or captures the linears' inputs). Errors return as Status.
+  using ChunkStep = std::function<StatusOr<at::Tensor>(const at::Tensor& x)>;
+  // Every chunk through `step`, in order.
+  Status Map(const ChunkStep& step);
+  // Chunk i through `step` (a caller that steps in lockstep with other ranks walks the chunks
+  // itself).
+  Status MapChunk(int64_t i, const ChunkStep& step);
 
   ActivationStore& store() { return *store_; }
   int64_t chunks() const { return store_->chunks(); }

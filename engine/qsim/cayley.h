@@ -14,7 +14,7 @@
 //   P ← Yᵀ.
 // The one departure: the reference stops after 5 iterations, which leaves the retraction
 // orthogonal only to O(2⁻⁵·α‖W‖); over 1,000 steps at lr 1.5 that drifted to |R·Rᵀ − I| =
-// 2.9e-4 (tests/qsim/cayley_test.cc). Converged, the Cayley transform of a skew-symmetric W is
+// 2.9e-4 (tests/engine/qsim/cayley_test.cc). Converged, the Cayley transform of a skew-symmetric W is
 // orthogonal to rounding, and the drift stays below 1e-6.
 // Computed in float64 (the rotations' master copies are float64; the model reads float32 casts).
 // Deterministic: the retraction steps come from a hash of (seed, step, parameter index), not from a

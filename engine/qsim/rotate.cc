@@ -137,7 +137,7 @@ StatusOr<RotationPlan> PlanRotations(const RotationSpec& spec, const LlamaConfig
   } else {
     plan.r4 = online(spec.r4, plan.intermediate, "R4", "intermediate size");
   }
-  for (const std::string& w : plan.warnings) QCAL_LOG_WARN("QuaRot: {}", w);
+  for (const std::string& w : plan.warnings) QCAL_LOG_WARN("rotation plan: {}", w);
   return plan;
 }
 

@@ -47,7 +47,7 @@ at::Tensor IndexTensor(const std::vector<int64_t>& idx, int64_t begin, int64_t e
 // The parameters of one Adam run, by learning rate.
 struct TunableParams {
   std::vector<at::Tensor> plain;  // lr: norms, float weights, untied head
-  std::vector<at::Tensor> signs;  // sign_lr: QuipLinear su/sv
+  std::vector<at::Tensor> signs;  // sign_lr: the layers' tunable vectors (Linear::TunableVectors)
   std::vector<at::Tensor> All() const {
     std::vector<at::Tensor> all = plain;
     all.insert(all.end(), signs.begin(), signs.end());

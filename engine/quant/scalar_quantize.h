@@ -18,7 +18,7 @@ struct ScalarQuantizeOptions {
   bool gptq = false;       // GPTQ with the Hessian (else round to nearest, which needs none)
   double damp = 0.01;      // GPTQ only
   int refine_sweeps = 0;   // GPTQ only: kernels::RefineRounding after the pass
-  bool pack_int4 = false;  // store codes two per byte (bits <= 4): QuaRot checkpoints
+  bool pack_int4 = false;  // store codes two per byte (bits <= 4)
   // The rank's GPU backend (null: the CPU): GPTQ runs there (kernels::RunGptq).
   kernels::GpuBackend* gpu = nullptr;
 };

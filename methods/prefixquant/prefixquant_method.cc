@@ -152,8 +152,10 @@ class PrefixPhase final : public GlobalPhase {
   PrefixPhase(std::shared_ptr<const ModelTransform> transform, const PrefixquantConfig* q,
               qsim::RotationPlan plan)
       : transform_(std::move(transform)), q_(q), plan_(std::move(plan)) {}
-  StatusOr<PhaseProducts> Run(const GlobalPhaseInputs& in) const override {
-    return RunPrefixSearch(*transform_, *q_, plan_, in);
+  StatusOr<PhaseResult> Run(const GlobalPhaseInputs& in) const override {
+    PhaseResult out;  // the search trains nothing: no curve
+    QCAL_ASSIGN_OR_RETURN(out.products, RunPrefixSearch(*transform_, *q_, plan_, in));
+    return out;
   }
 
  private:

@@ -15,7 +15,7 @@
 //
 // Forward(x) maps every vector x_b ← T x_b; Inverse(x) maps x_b ← Tᵀ x_b (= T⁻¹ x_b). Equal to
 // kernels::ApplyTransform with all signs +1 (RandomizedFftTransform for kRfft) to fp32 rounding
-// for float tensors and to ~1e-15 for double tensors (tests/worker/quantized_linear_test.cc).
+// for float tensors and to ~1e-15 for double tensors (tests/methods/quantized_linear_test.cc).
 //
 // Implementation: the 2^k factor is split into Sylvester blocks of at most 64 (H_{2^k} =
 // H_{2^a} ⊗ H_{2^b} ⊗ …, each block scaled by 1/sqrt(its order)), and every Kronecker factor (the

@@ -70,7 +70,7 @@ class RotationsPhase final : public GlobalPhase {
   RotationsPhase(LlamaConfig config, const SpinquantConfig* s, qsim::RotationPlan plan)
       : config_(std::move(config)), s_(s), plan_(std::move(plan)) {}
 
-  StatusOr<PhaseProducts> Run(const GlobalPhaseInputs& in) const override {
+  StatusOr<PhaseResult> Run(const GlobalPhaseInputs& in) const override {
     if (in.comm == nullptr || in.source == nullptr || in.tokens == nullptr) {
       return absl::InvalidArgumentError("rotations phase: missing inputs");
     }
@@ -92,16 +92,17 @@ class RotationsPhase final : public GlobalPhase {
     }
     QCAL_LOG_INFO("rotations phase: {} steps; training loss, mean of the first / last {} steps: "
                   "{:.4f} / {:.4f}", n, k, first, last);
-    PhaseProducts out;
-    out["r1"] = r.t1;
-    out["r2"] = r.t2;
-    if (r.smooth.defined()) out["smooth"] = r.smooth;
-    out["losses"] = at::tensor(r.losses, at::kDouble);
-    // What the run did, for its record: the start (0 Hadamard, 1 identity), the held-out scores
-    // [k, 2] (steps, loss) and the step whose rotations these are.
-    out["identity_start"] = at::tensor({r.init == "identity" ? int64_t{1} : int64_t{0}});
-    out["selected_step"] = at::tensor({r.selected_step});
-    if (!r.validation.empty()) out["validation"] = ScoresTensor(r.validation);
+    PhaseResult out;
+    out.products["r1"] = r.t1;
+    out.products["r2"] = r.t2;
+    if (r.smooth.defined()) out.products["smooth"] = r.smooth;
+    // What the run did, for its record: the start (0 Hadamard, 1 identity) and the step whose
+    // rotations these are. Its losses and held-out scores are its curve.
+    out.products["identity_start"] =
+        at::tensor({r.init == "identity" ? int64_t{1} : int64_t{0}});
+    out.products["selected_step"] = at::tensor({r.selected_step});
+    out.curve.losses = r.losses;
+    out.curve.validation = r.validation;
     return out;
   }
 

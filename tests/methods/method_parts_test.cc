@@ -75,12 +75,12 @@ TEST(MethodPartsTest, AToyMethodOfOnePartRunsThroughTheJobRunner) {
   const std::string model_dir = testing::RealModelDir("stories260K");
   const std::string dir = testing::MakeTempDir("method_parts");
   const Recipe recipe = ToyRecipe();
-  job::QuantizeJobOptions opt;
-  opt.model_dir = model_dir;
-  opt.out_dir = dir + "/out";
-  opt.data_root = testing::SharedDir();
-  opt.threads = 1;
-  ASSERT_TRUE(PlanJob(recipe, opt.model_dir, opt.out_dir, opt.out_dir + ".job", opt.data_root)
+  v1::JobSpec opt;
+  opt.set_model_dir(model_dir);
+  opt.set_out_dir(dir + "/out");
+  opt.set_data_root(testing::SharedDir());
+  opt.set_threads_per_worker(1);
+  ASSERT_TRUE(PlanJob(recipe, opt.model_dir(), opt.out_dir(), opt.out_dir() + ".job", opt.data_root())
                   .ok());
   auto ctx = job::OpenJob(recipe, opt);
   ASSERT_TRUE(ctx.ok()) << ctx.status();
@@ -94,10 +94,10 @@ TEST(MethodPartsTest, AToyMethodOfOnePartRunsThroughTheJobRunner) {
   auto result = job::QuantizeBlockStep(ctx->get(), layer, "toy-attempt");
   ASSERT_TRUE(result.ok()) << result.status();
   ASSERT_EQ(result->metrics_size(), 7);
-  ASSERT_TRUE(CommitFiles(opt.out_dir, FilesOf(*result)).ok());
+  ASSERT_TRUE(CommitFiles(opt.out_dir(), FilesOf(*result)).ok());
 
   // Read back through the method's block format: the toy's rounding of the float block.
-  auto ckpt = CheckpointReader::OpenShards(opt.out_dir, {result->shard().name()});
+  auto ckpt = CheckpointReader::OpenShards(opt.out_dir(), {result->shard().name()});
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
   auto back = (*ctx)->method->block_format().LoadBlock(**ckpt, layer);
   ASSERT_TRUE(back.ok()) << back.status();

@@ -75,16 +75,16 @@ class PrefixquantTest : public ::testing::Test {
   static std::string RunJob(const Recipe& recipe, const std::string& name,
                             job::QuantizeJobResult* result = nullptr,
                             const std::string& model = "") {
-    job::QuantizeJobOptions opt;
-    opt.model_dir = model.empty() ? *planted_ : model;
-    opt.out_dir = *root_ + "/" + name;
-    opt.data_root = testing::SharedDir();
-    opt.calib_batch = 8;
-    opt.threads = 1;
+    v1::JobSpec opt;
+    opt.set_model_dir(model.empty() ? *planted_ : model);
+    opt.set_out_dir(*root_ + "/" + name);
+    opt.set_data_root(testing::SharedDir());
+    opt.set_calib_batch(8);
+    opt.set_threads_per_worker(1);
     auto r = job::RunQuantizeJob(recipe, opt);
     EXPECT_TRUE(r.ok()) << r.status();
     if (result != nullptr && r.ok()) *result = *r;
-    return opt.out_dir;
+    return opt.out_dir();
   }
 
   // Perplexity and KL to the float model (the planted one unless given) on TinyStories, in

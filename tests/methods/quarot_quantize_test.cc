@@ -133,16 +133,16 @@ class QuarotQuantizeTest : public ::testing::Test {
   static StatusOr<std::unique_ptr<model::LlamaModel>> QuantizeWithJob(
       const std::string& model_dir, const Recipe& recipe, std::string* out_dir = nullptr,
       double* seconds = nullptr) {
-    job::QuantizeJobOptions opt;
-    opt.model_dir = model_dir;
-    opt.out_dir = testing::MakeTempDir("quarot_job") + "/out";
-    opt.data_root = testing::SharedDir();
-    opt.calib_batch = 8;
-    opt.threads = 1;
+    v1::JobSpec opt;
+    opt.set_model_dir(model_dir);
+    opt.set_out_dir(testing::MakeTempDir("quarot_job") + "/out");
+    opt.set_data_root(testing::SharedDir());
+    opt.set_calib_batch(8);
+    opt.set_threads_per_worker(1);
     QCAL_ASSIGN_OR_RETURN(job::QuantizeJobResult result, job::RunQuantizeJob(recipe, opt));
-    if (out_dir != nullptr) *out_dir = opt.out_dir;
+    if (out_dir != nullptr) *out_dir = opt.out_dir();
     if (seconds != nullptr) *seconds = result.seconds;
-    return methods::LoadModel(opt.out_dir);
+    return methods::LoadModel(opt.out_dir());
   }
 
   // Quantizes the model in `which` ("float" or "planted") with the recipe, returns perplexity.
@@ -394,12 +394,12 @@ TEST_F(QuarotQuantizeTest, JobRedoesALostShardAndTheBlocksAfterItBitForBit) {
   Recipe recipe = LoadJob("quarot-w4a4kv4");
   recipe.calibration.num_sequences = 16;
   recipe.calibration.seq_len = 128;
-  job::QuantizeJobOptions opt;
-  opt.model_dir = *float_dir_;
-  opt.out_dir = testing::MakeTempDir("quarot_job") + "/out";
-  opt.data_root = testing::SharedDir();
-  opt.calib_batch = 8;
-  opt.threads = 1;
+  v1::JobSpec opt;
+  opt.set_model_dir(*float_dir_);
+  opt.set_out_dir(testing::MakeTempDir("quarot_job") + "/out");
+  opt.set_data_root(testing::SharedDir());
+  opt.set_calib_batch(8);
+  opt.set_threads_per_worker(1);
   // Progress inside each block: the Hessians of the rotated block, the GPTQ rounding, then (when
   // a later block needs the outputs) the propagation, counted 1, 2[, 3].
   std::map<std::string, std::vector<std::string>> steps;  // "block l" -> its steps
@@ -422,39 +422,39 @@ TEST_F(QuarotQuantizeTest, JobRedoesALostShardAndTheBlocksAfterItBitForBit) {
   EXPECT_EQ(first->blocks_resumed, 0);
   EXPECT_NEAR(first->code_bits, 4.0, 1e-9);
 
-  auto from_job = methods::LoadModel(opt.out_dir);
+  auto from_job = methods::LoadModel(opt.out_dir());
   ASSERT_TRUE(from_job.ok()) << from_job.status();
-  auto config = LoadLlamaConfig(opt.out_dir);
+  auto config = LoadLlamaConfig(opt.out_dir());
   ASSERT_TRUE(config.ok());
-  EXPECT_TRUE(IsQuarotCheckpoint(opt.out_dir));
+  EXPECT_TRUE(IsQuarotCheckpoint(opt.out_dir()));
   EXPECT_FALSE(config->tie_word_embeddings);
   at::Tensor ids = at::randint(1, 512, {2, 64}, at::kLong);
   ids.select(1, 0).fill_(1);
   const at::Tensor logits = (*from_job)->Forward(ids);
   // Only the last block's inputs are left in the job directory.
-  EXPECT_FALSE(std::ifstream(JobPaths(DefaultJobDir(opt.out_dir)).SequentialInputs(2)).good());
-  EXPECT_TRUE(std::ifstream(JobPaths(DefaultJobDir(opt.out_dir)).SequentialInputs(4)).good());
+  EXPECT_FALSE(std::ifstream(JobPaths(DefaultJobDir(opt.out_dir())).SequentialInputs(2)).good());
+  EXPECT_TRUE(std::ifstream(JobPaths(DefaultJobDir(opt.out_dir())).SequentialInputs(4)).good());
 
   // Lose block 2's shard: blocks 2..4 are redone (their inputs rebuilt from blocks 0 and 1 read
   // back), 0 and 1 resumed, and the model is the same.
-  const std::string shard = opt.out_dir + "/" + ShardName(3, 5);
+  const std::string shard = opt.out_dir() + "/" + ShardName(3, 5);
   auto before = ReadFile(shard);
   ASSERT_TRUE(before.ok());
   ASSERT_EQ(std::remove(shard.c_str()), 0);
-  ASSERT_EQ(std::remove((opt.out_dir + "/config.json").c_str()), 0);
+  ASSERT_EQ(std::remove((opt.out_dir() + "/config.json").c_str()), 0);
   auto second = job::RunQuantizeJob(recipe, opt);
   ASSERT_TRUE(second.ok()) << second.status();
   EXPECT_EQ(second->blocks_resumed, 2);
   auto after = ReadFile(shard);
   ASSERT_TRUE(after.ok());
   EXPECT_EQ(*before, *after);
-  auto again = methods::LoadModel(opt.out_dir);
+  auto again = methods::LoadModel(opt.out_dir());
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_TRUE(at::equal((*again)->Forward(ids), logits));
 
   // The rotated shard 0 is block 0's (its entry's also_wrote checksum): a damaged shard 0 redoes
   // block 0, hence every block, and comes back identical.
-  const std::string shard0 = opt.out_dir + "/" + ShardName(0, 5);
+  const std::string shard0 = opt.out_dir() + "/" + ShardName(0, 5);
   auto good0 = ReadFile(shard0);
   ASSERT_TRUE(good0.ok());
   std::string bad0 = *good0;
@@ -475,17 +475,17 @@ TEST_F(QuarotQuantizeTest, BlocksAlternatingBetweenProcessesMatchOneProcess) {
   recipe.calibration.num_sequences = 16;
   recipe.calibration.seq_len = 128;
   const std::string dir = testing::MakeTempDir("quarot_handoff");
-  job::QuantizeJobOptions opt;
-  opt.model_dir = *float_dir_;
-  opt.out_dir = dir + "/single";
-  opt.data_root = testing::SharedDir();
-  opt.calib_batch = 8;
-  opt.threads = 1;
+  v1::JobSpec opt;
+  opt.set_model_dir(*float_dir_);
+  opt.set_out_dir(dir + "/single");
+  opt.set_data_root(testing::SharedDir());
+  opt.set_calib_batch(8);
+  opt.set_threads_per_worker(1);
   ASSERT_TRUE(job::RunQuantizeJob(recipe, opt).ok());
 
-  job::QuantizeJobOptions split = opt;
-  split.out_dir = dir + "/split";
-  ASSERT_TRUE(PlanJob(recipe, split.model_dir, split.out_dir, split.out_dir + ".job", split.data_root).ok());
+  v1::JobSpec split = opt;
+  split.set_out_dir(dir + "/split");
+  ASSERT_TRUE(PlanJob(recipe, split.model_dir(), split.out_dir(), split.out_dir() + ".job", split.data_root()).ok());
   auto a = job::OpenJob(recipe, split);
   auto b = job::OpenJob(recipe, split);
   ASSERT_TRUE(a.ok()) << a.status();
@@ -494,18 +494,18 @@ TEST_F(QuarotQuantizeTest, BlocksAlternatingBetweenProcessesMatchOneProcess) {
     job::JobContext* ctx = (l % 2 == 0 ? *a : *b).get();
     auto result = job::QuantizeBlockStep(ctx, l, "block-" + std::to_string(l));
     ASSERT_TRUE(result.ok()) << "block " << l << ": " << result.status();
-    ASSERT_TRUE(CommitFiles(split.out_dir, FilesOf(*result)).ok());
+    ASSERT_TRUE(CommitFiles(split.out_dir(), FilesOf(*result)).ok());
     // Block l handed block l+1's inputs over and dropped its own predecessor's.
     if (l < 4) {
-      EXPECT_TRUE(std::ifstream(JobPaths(DefaultJobDir(split.out_dir)).SequentialInputs(l + 1)).good());
+      EXPECT_TRUE(std::ifstream(JobPaths(DefaultJobDir(split.out_dir())).SequentialInputs(l + 1)).good());
     }
     if (l >= 1) {
-      EXPECT_FALSE(std::ifstream(JobPaths(DefaultJobDir(split.out_dir)).SequentialInputs(l - 1)).good());
+      EXPECT_FALSE(std::ifstream(JobPaths(DefaultJobDir(split.out_dir())).SequentialInputs(l - 1)).good());
     }
   }
   for (int i = 0; i <= 5; ++i) {
-    auto want = ReadFile(opt.out_dir + "/" + ShardName(i, 5));
-    auto got = ReadFile(split.out_dir + "/" + ShardName(i, 5));
+    auto want = ReadFile(opt.out_dir() + "/" + ShardName(i, 5));
+    auto got = ReadFile(split.out_dir() + "/" + ShardName(i, 5));
     ASSERT_TRUE(want.ok()) << want.status();
     ASSERT_TRUE(got.ok()) << got.status();
     EXPECT_TRUE(*want == *got) << ShardName(i, 5) << " differs";

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # A spinquant job killed (SIGKILL) during its rotations phase resumes from the last saved training
 # state (checkpoint_every: 1 here) and writes the checkpoint an uninterrupted job writes, byte for
-# byte. Usage (ctest runs it): spinquant_job_resume_test.sh SOURCE_DIR BUILD_DIR
+# byte. Both jobs journal the phase's training curve (phase_done: 40 losses), and the report each
+# writes plots it under the phase's name (the report names no method).
+# Usage (ctest runs it): spinquant_job_resume_test.sh SOURCE_DIR BUILD_DIR
 set -euo pipefail
 src=$1 build=$2
 shared=${QCAL_SHARED_DIR:-$src/../shared}
@@ -38,3 +40,14 @@ for f in $(cd "$work/whole" && ls | sort); do
   cmp -s "$work/whole/$f" "$work/cut/$f" || { echo "FAIL: $f differs from the uninterrupted job's"; exit 1; }
 done
 echo "resumed job: $(ls "$work/whole" | wc -l) files identical to the uninterrupted job's"
+for j in whole cut; do
+  /usr/bin/python3 - "$work/$j.job/journal.jsonl" <<'PY' || exit 1
+import json, sys
+done = [json.loads(l) for l in open(sys.argv[1]) if '"phase_done"' in l]
+if not done or done[-1]["phase"] != "rotations" or len(done[-1]["losses"]) != 40:
+    sys.exit(f"FAIL: {sys.argv[1]}: no phase_done of 'rotations' with 40 losses: {done}")
+print(f"{sys.argv[1]}: phase_done 'rotations', {len(done[-1]['losses'])} losses")
+PY
+  grep -q 'id="training-rotations"' "$work/$j.job/report.html" \
+    || { echo "FAIL: $j.job/report.html plots no training of the 'rotations' phase"; exit 1; }
+done

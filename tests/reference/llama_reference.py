@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """An independent numpy reference of the Hugging Face Llama forward pass (float64), with the RoPE
 scaling types of transformers' modeling_rope_utils (default, linear, llama3), for
-tests/worker/rope_scaling_test.cc. Written from the Hugging Face formulas; it shares no code with
+tests/engine/rope_scaling_test.cc. Written from the Hugging Face formulas; it shares no code with
 qcal.
 
   llama_reference.py make --out DIR --seed N [--rope-scaling JSON] [--hidden 128 ...]

@@ -46,11 +46,11 @@ TEST(Quip4BitTest, FineTunedRecipeIsWithinFivePercentOfFloat) {
   ASSERT_TRUE(recipe.ok()) << recipe.status();
   ASSERT_EQ(recipe->bits(), 4);
   ASSERT_TRUE(recipe->finetune.enabled);
-  job::QuantizeJobOptions o;
-  o.model_dir = testing::RealModelDir("stories260K");
-  o.out_dir = root + "/q4";
-  o.data_root = testing::SharedDir();
-  o.threads = 1;
+  v1::JobSpec o;
+  o.set_model_dir(testing::RealModelDir("stories260K"));
+  o.set_out_dir(root + "/q4");
+  o.set_data_root(testing::SharedDir());
+  o.set_threads_per_worker(1);
   auto job = job::RunQuantizeJob(*recipe, o);
   ASSERT_TRUE(job.ok()) << job.status();
 

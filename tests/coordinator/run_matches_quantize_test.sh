@@ -66,6 +66,17 @@ for recipe in quip2 ft "${families[@]}"; do
       echo "FAIL $label: the workers did not shard the Hessian sums"; fail=1
     fi
     compare "$ref" "$out" "$label" || fail=1
+    # A global phase that trained is journaled by the coordinator as by `qcal quantize`
+    # (phase_done, from rank 0's calibration result), so the reports plot the same curve.
+    if [ "$recipe" = spinquant-w4a4kv4 ]; then
+      a=$(grep '"phase_done"' "$ref.job/journal.jsonl" | tail -1)
+      b=$(grep '"phase_done"' "$out.job/journal.jsonl" | tail -1)
+      if [ -z "$a" ] || [ "$a" != "$b" ]; then
+        echo "FAIL $label: phase_done differs from qcal quantize's or is missing"; fail=1
+      else
+        echo "ok   $label: the same phase_done as qcal quantize (${#a} bytes)"
+      fi
+    fi
   done
 done
 exit $fail

@@ -140,14 +140,14 @@ class JobDirTest : public ::testing::Test {
     delete m2_;
   }
 
-  job::QuantizeJobOptions Options(const std::string& model, const std::string& out,
+  v1::JobSpec Options(const std::string& model, const std::string& out,
                                   const std::string& job) {
-    job::QuantizeJobOptions o;
-    o.model_dir = model;
-    o.out_dir = out;
-    o.job_dir = job;
-    o.data_root = testing::SharedDir();
-    o.threads = 1;
+    v1::JobSpec o;
+    o.set_model_dir(model);
+    o.set_out_dir(out);
+    o.set_job_dir(job);
+    o.set_data_root(testing::SharedDir());
+    o.set_threads_per_worker(1);
     return o;
   }
 

@@ -69,13 +69,13 @@ class QuantizeJobTest : public ::testing::Test {
     delete eval_tokens_;
   }
 
-  job::QuantizeJobOptions Options(const std::string& out) {
-    job::QuantizeJobOptions o;
-    o.model_dir = testing::RealModelDir("stories260K");
-    o.out_dir = *root_ + "/" + out;
-    o.job_dir = *root_ + "/" + out + ".job";
-    o.data_root = testing::SharedDir();
-    o.threads = 1;
+  v1::JobSpec Options(const std::string& out) {
+    v1::JobSpec o;
+    o.set_model_dir(testing::RealModelDir("stories260K"));
+    o.set_out_dir(*root_ + "/" + out);
+    o.set_job_dir(*root_ + "/" + out + ".job");
+    o.set_data_root(testing::SharedDir());
+    o.set_threads_per_worker(1);
     return o;
   }
 
@@ -146,30 +146,30 @@ TEST_F(QuantizeJobTest, TrellisJobRoundTripsResumesAndBeatsE8p) {
   ASSERT_TRUE(first.ok()) << first.status();
   const double weights = 5 * 45312.0, down = 5 * 11008.0;
   EXPECT_NEAR(first->code_bits, 2.0 * (weights - down + down * 176.0 / 172.0) / weights, 1e-9);
-  auto config = LoadLlamaConfig(opt.out_dir);
+  auto config = LoadLlamaConfig(opt.out_dir());
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_EQ(config->raw["quantization_config"]["codebook"], "qtip_1mad_l16_k2");
-  const double ppl = Perplexity(opt.out_dir);
+  const double ppl = Perplexity(opt.out_dir());
   const double e8p = QuantizeAndEval(MakeRecipe("e8p2-48", "quip", 2, "e8p"));
   std::printf("qtip2            ppl %8.3f  (E8P, same calibration: %.3f)\n", ppl, e8p);
   EXPECT_LT(ppl, e8p);
 
-  auto model_a = methods::LoadModel(opt.out_dir);
+  auto model_a = methods::LoadModel(opt.out_dir());
   ASSERT_TRUE(model_a.ok()) << model_a.status();
   at::Tensor ids = at::arange(1, 60, at::kLong).unsqueeze(0);
   const int64_t blocks = config->num_hidden_layers;
-  const std::string shard2 = opt.out_dir + "/" + ShardName(3, blocks);
+  const std::string shard2 = opt.out_dir() + "/" + ShardName(3, blocks);
   auto before = ReadFile(shard2);
   ASSERT_TRUE(before.ok());
   ASSERT_EQ(std::remove(shard2.c_str()), 0);
-  ASSERT_EQ(std::remove((opt.out_dir + "/config.json").c_str()), 0);
+  ASSERT_EQ(std::remove((opt.out_dir() + "/config.json").c_str()), 0);
   auto second = job::RunQuantizeJob(recipe, opt);
   ASSERT_TRUE(second.ok()) << second.status();
   EXPECT_EQ(second->blocks_resumed, blocks - 1);
   auto after = ReadFile(shard2);
   ASSERT_TRUE(after.ok());
   EXPECT_EQ(*before, *after) << "the redone block must be bit-identical";
-  auto model_b = methods::LoadModel(opt.out_dir);
+  auto model_b = methods::LoadModel(opt.out_dir());
   ASSERT_TRUE(model_b.ok()) << model_b.status();
   EXPECT_TRUE(at::equal((*model_a)->Forward(ids), (*model_b)->Forward(ids)));
 }
@@ -209,17 +209,17 @@ TEST_F(QuantizeJobTest, CheckpointRoundTripsAndJobResumes) {
   EXPECT_NEAR(first->code_bits, 2.0 * (weights - down + down * 176.0 / 172.0) / weights, 1e-9);
 
   // Write / load / same outputs: the block quantized in memory equals the block read back.
-  auto config = LoadLlamaConfig(opt.out_dir);
+  auto config = LoadLlamaConfig(opt.out_dir());
   ASSERT_TRUE(config.ok()) << config.status();
   ASSERT_TRUE(config->raw.contains("quantization_config"));
-  auto ckpt = CheckpointReader::Open(opt.out_dir);
+  auto ckpt = CheckpointReader::Open(opt.out_dir());
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
-  auto float_model = model::LlamaModel::Load(opt.model_dir);
+  auto float_model = model::LlamaModel::Load(opt.model_dir());
   ASSERT_TRUE(float_model.ok());
   // Recompute block 1 exactly as the job did (same recipe, seed, Hessians from the cache).
-  auto tok = LoadTokenizerFromModelDir(opt.model_dir);
+  auto tok = LoadTokenizerFromModelDir(opt.model_dir());
   ASSERT_TRUE(tok.ok());
-  auto method = methods::CheckpointMethod(*config, opt.out_dir);
+  auto method = methods::CheckpointMethod(*config, opt.out_dir());
   ASSERT_TRUE(method.ok()) << method.status();
   auto loaded = (*method)->block_format().LoadBlock(**ckpt, 1);
   ASSERT_TRUE(loaded.ok()) << loaded.status();
@@ -232,19 +232,19 @@ TEST_F(QuantizeJobTest, CheckpointRoundTripsAndJobResumes) {
   EXPECT_LT((y_disk - y_float).pow(2).mean().item<double>(),
             0.1 * y_float.pow(2).mean().item<double>());  // ...and close
   // Loading twice gives identical results (deterministic decode).
-  auto model_a = methods::LoadModel(opt.out_dir);
-  auto model_b = methods::LoadModel(opt.out_dir);
+  auto model_a = methods::LoadModel(opt.out_dir());
+  auto model_b = methods::LoadModel(opt.out_dir());
   ASSERT_TRUE(model_a.ok() && model_b.ok());
   at::Tensor ids = at::arange(1, 60, at::kLong).unsqueeze(0);
   EXPECT_TRUE(at::equal((*model_a)->Forward(ids), (*model_b)->Forward(ids)));
 
   // Simulate a crash after block 2: its shard and the final config are lost.
   const int64_t blocks = config->num_hidden_layers;
-  const std::string shard2 = opt.out_dir + "/" + ShardName(3, blocks);
+  const std::string shard2 = opt.out_dir() + "/" + ShardName(3, blocks);
   auto before = ReadFile(shard2);
   ASSERT_TRUE(before.ok());
   ASSERT_EQ(std::remove(shard2.c_str()), 0);
-  ASSERT_EQ(std::remove((opt.out_dir + "/config.json").c_str()), 0);
+  ASSERT_EQ(std::remove((opt.out_dir() + "/config.json").c_str()), 0);
   events.clear();
   auto second = job::RunQuantizeJob(recipe, opt, record);
   ASSERT_TRUE(second.ok()) << second.status();
@@ -258,7 +258,7 @@ TEST_F(QuantizeJobTest, CheckpointRoundTripsAndJobResumes) {
   auto after = ReadFile(shard2);
   ASSERT_TRUE(after.ok());
   EXPECT_EQ(*before, *after) << "the redone block must be bit-identical";
-  auto model_c = methods::LoadModel(opt.out_dir);
+  auto model_c = methods::LoadModel(opt.out_dir());
   ASSERT_TRUE(model_c.ok()) << model_c.status();
   EXPECT_TRUE(at::equal((*model_a)->Forward(ids), (*model_c)->Forward(ids)));
 
@@ -275,30 +275,36 @@ TEST_F(QuantizeJobTest, CheckpointRoundTripsAndJobResumes) {
 TEST_F(QuantizeJobTest, BadInputIsAClearErrorAndLeavesNothingBehind) {
   namespace fs = std::filesystem;
   auto expect_refused = [](const StatusOr<job::QuantizeJobResult>& r,
-                           const job::QuantizeJobOptions& opt, const std::string& piece) {
+                           const v1::JobSpec& opt, const std::string& piece) {
     ASSERT_FALSE(r.ok());
     EXPECT_NE(r.status().message().find(piece), std::string::npos) << r.status();
-    EXPECT_FALSE(fs::exists(opt.out_dir)) << opt.out_dir << " left behind after: " << r.status();
-    EXPECT_FALSE(fs::exists(opt.job_dir)) << opt.job_dir << " left behind after: " << r.status();
+    EXPECT_FALSE(fs::exists(opt.out_dir())) << opt.out_dir() << " left behind after: " << r.status();
+    EXPECT_FALSE(fs::exists(opt.job_dir())) << opt.job_dir() << " left behind after: " << r.status();
   };
   Recipe recipe = MakeRecipe("bad", "quip", 2, "e8p");
   auto opt = Options("bad");
-  opt.out_dir = opt.model_dir + "/inside";
-  opt.job_dir = *root_ + "/bad.job";
+  opt.set_out_dir(opt.model_dir() + "/inside");
+  opt.set_job_dir(*root_ + "/bad.job");
   // Named as resolved (the model's directory may be spelt "/tmp//..." by the fixture).
   auto resolved = [](const std::string& p) { return fs::weakly_canonical(p).string(); };
   expect_refused(job::RunQuantizeJob(recipe, opt), opt,
-                 "out_dir '" + resolved(opt.out_dir) + "' is inside");
+                 "out_dir '" + resolved(opt.out_dir()) + "' is inside");
 
   // The job directory inside the model directory, as the service refuses it.
   opt = Options("bad-job-dir");
-  opt.job_dir = opt.model_dir + "/jobdir";
+  opt.set_job_dir(opt.model_dir() + "/jobdir");
   expect_refused(job::RunQuantizeJob(recipe, opt), opt,
-                 "job_dir '" + resolved(opt.job_dir) + "' is inside");
+                 "job_dir '" + resolved(opt.job_dir()) + "' is inside");
 
   opt = Options("bad2");
   recipe = MakeRecipe("bad", "quip", 2, "e8p", "calibration: {files: [data/does-not-exist.txt]}\n");
   expect_refused(job::RunQuantizeJob(recipe, opt), opt, "does-not-exist.txt");
+
+  // The record asks for more than the one process `qcal quantize` runs.
+  opt = Options("bad-workers");
+  opt.set_workers(2);
+  expect_refused(job::RunQuantizeJob(MakeRecipe("bad", "quip", 2, "e8p"), opt), opt,
+                 "runs a job in one process; the spec asks for 2 workers");
 
   // Found only while calibrating (too little text for one sequence): the directories the job
   // created are removed, since nothing in them is worth keeping.
@@ -314,15 +320,15 @@ TEST_F(QuantizeJobTest, BadInputIsAClearErrorAndLeavesNothingBehind) {
 TEST_F(QuantizeJobTest, AnOutputDirectoryInUseIsRefused) {
   Recipe recipe = MakeRecipe("locked", "rtn", 4, "", "calibration: {num_sequences: 4}\n");
   auto opt = Options("locked");
-  ASSERT_TRUE(MakeDirs(opt.out_dir).ok());
-  auto held = OutputDirLock::Acquire(opt.out_dir);  // another job's lock (flock is per open file)
+  ASSERT_TRUE(MakeDirs(opt.out_dir()).ok());
+  auto held = OutputDirLock::Acquire(opt.out_dir());  // another job's lock (flock is per open file)
   ASSERT_TRUE(held.ok()) << held.status();
   auto r = job::RunQuantizeJob(recipe, opt);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
-  EXPECT_NE(r.status().message().find(opt.out_dir + ": another qcal job is writing"),
+  EXPECT_NE(r.status().message().find(opt.out_dir() + ": another qcal job is writing"),
             std::string::npos) << r.status();
-  EXPECT_TRUE(std::filesystem::exists(opt.out_dir));
+  EXPECT_TRUE(std::filesystem::exists(opt.out_dir()));
   *held = OutputDirLock();  // released: the job runs
   auto ok = job::RunQuantizeJob(recipe, opt);
   EXPECT_TRUE(ok.ok()) << ok.status();

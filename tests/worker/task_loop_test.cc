@@ -16,7 +16,7 @@
 #include "runner/job_dir.h"
 #include "methods/registry.h"
 #include "runner/task_executor.h"
-#include "tests/runtime/fake_coordinator_client.h"
+#include "tests/worker/fake_coordinator_client.h"
 #include "tests/model_fixtures.h"
 #include "tests/test_util.h"
 #include "engine/calib/calibration.h"
@@ -129,12 +129,12 @@ class TaskLoopTest : public ::testing::Test {
     auto recipe = ParseRecipe(yaml, "test.yaml");
     ASSERT_TRUE(recipe.ok()) << recipe.status();
     // Single process.
-    job::QuantizeJobOptions opt;
-    opt.model_dir = testing::RealModelDir("stories260K");
-    opt.out_dir = root + "/" + name + "-single";
-    opt.data_root = testing::SharedDir();
-    opt.calib_batch = 4;
-    opt.threads = 1;
+    v1::JobSpec opt;
+    opt.set_model_dir(testing::RealModelDir("stories260K"));
+    opt.set_out_dir(root + "/" + name + "-single");
+    opt.set_data_root(testing::SharedDir());
+    opt.set_calib_batch(4);
+    opt.set_threads_per_worker(1);
     auto single = job::RunQuantizeJob(*recipe, opt);
     ASSERT_TRUE(single.ok()) << single.status();
 
@@ -158,10 +158,10 @@ class TaskLoopTest : public ::testing::Test {
       for (const auto& [w, n] : fake.blocks_by_worker())
         std::printf(" %s=%lld", w.c_str(), (long long)n);
       std::printf("; bits %.4f\n", fake.summary().value("code_bits", 0.0));
-      ExpectSameCheckpoint(opt.out_dir, root + "/" + out);
+      ExpectSameCheckpoint(opt.out_dir(), root + "/" + out);
       // The calibration products too.
       for (int64_t l = 0; l < 5 && recipe->needs().float_hessians; ++l) {
-        auto h1 = ReadFile(calib::HessianPath(JobPaths(DefaultJobDir(opt.out_dir)).hessians, l));
+        auto h1 = ReadFile(calib::HessianPath(JobPaths(DefaultJobDir(opt.out_dir())).hessians, l));
         auto h2 = ReadFile(calib::HessianPath(JobPaths(DefaultJobDir(root + "/" + out)).hessians, l));
         ASSERT_TRUE(h1.ok() && h2.ok());
         EXPECT_TRUE(*h1 == *h2) << "Hessians of block " << l;

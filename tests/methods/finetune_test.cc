@@ -361,11 +361,11 @@ std::map<std::string, std::string> ShardBytes(const std::string& dir, int64_t bl
 // The job: activations cached, blocks fine-tuned, e2e journaled once, resumable, reproducible.
 TEST_F(FinetuneTest, QuantizeJobFinetunesResumesAndReproduces) {
   const Recipe recipe = MakeRecipe(*calib_file_, true, /*sequences=*/16, /*epochs=*/2);
-  job::QuantizeJobOptions opt;
-  opt.model_dir = *dir_;
-  opt.out_dir = *tmp_ + "/job-out";
-  opt.data_root = "/";
-  opt.threads = 1;
+  v1::JobSpec opt;
+  opt.set_model_dir(*dir_);
+  opt.set_out_dir(*tmp_ + "/job-out");
+  opt.set_data_root("/");
+  opt.set_threads_per_worker(1);
   std::vector<std::string> phases;
   std::vector<std::string> block0_steps;  // "block" events: steps inside a block task
   auto first = job::RunQuantizeJob(recipe, opt, [&](const job::JobEvent& e) {
@@ -401,16 +401,16 @@ TEST_F(FinetuneTest, QuantizeJobFinetunesResumesAndReproduces) {
   EXPECT_FALSE(first->e2e_resumed);
   struct stat st;
   for (int64_t l = 0; l <= blocks; ++l) {
-    EXPECT_EQ(::stat((opt.out_dir + ".job/activations/block_" + std::to_string(l) +
+    EXPECT_EQ(::stat((opt.out_dir() + ".job/activations/block_" + std::to_string(l) +
                       ".safetensors").c_str(), &st), 0);
   }
-  const std::string journal = opt.out_dir + ".job/journal.jsonl";
+  const std::string journal = opt.out_dir() + ".job/journal.jsonl";
   ASSERT_EQ(JournalEvents(journal, "e2e_done").size(), 1u);
 
   // The checkpoint loads, carries the tuned final norm, and is a working model.
-  auto loaded = methods::LoadModel(opt.out_dir);
+  auto loaded = methods::LoadModel(opt.out_dir());
   ASSERT_TRUE(loaded.ok()) << loaded.status();
-  auto qckpt = CheckpointReader::Open(opt.out_dir);
+  auto qckpt = CheckpointReader::Open(opt.out_dir());
   auto fckpt = CheckpointReader::Open(*dir_);
   ASSERT_TRUE(qckpt.ok() && fckpt.ok());
   auto qnorm = (*qckpt)->ReadF32("model.norm.weight");
@@ -420,7 +420,7 @@ TEST_F(FinetuneTest, QuantizeJobFinetunesResumesAndReproduces) {
   const double ppl = Perplexity(**loaded);
   std::printf("job model perplexity %.4f\n", ppl);
   EXPECT_TRUE(std::isfinite(ppl));
-  const auto bytes = ShardBytes(opt.out_dir, blocks);
+  const auto bytes = ShardBytes(opt.out_dir(), blocks);
 
   // A rerun resumes everything and does not redo the end-to-end stage.
   auto second = job::RunQuantizeJob(recipe, opt);
@@ -429,11 +429,11 @@ TEST_F(FinetuneTest, QuantizeJobFinetunesResumesAndReproduces) {
   EXPECT_TRUE(second->e2e_resumed);
   EXPECT_EQ(second->e2e_kl_after, first->e2e_kl_after);
   EXPECT_EQ(JournalEvents(journal, "e2e_done").size(), 1u);
-  EXPECT_EQ(ShardBytes(opt.out_dir, blocks), bytes);
+  EXPECT_EQ(ShardBytes(opt.out_dir(), blocks), bytes);
 
   // Losing a shard after e2e: every block and the e2e stage are redone (from cached Hessians
   // and activations) and give byte-identical shards.
-  ASSERT_EQ(::unlink((opt.out_dir + "/" + ShardName(3, blocks)).c_str()), 0);
+  ASSERT_EQ(::unlink((opt.out_dir() + "/" + ShardName(3, blocks)).c_str()), 0);
   auto third = job::RunQuantizeJob(recipe, opt);
   ASSERT_TRUE(third.ok()) << third.status();
   EXPECT_EQ(third->blocks_resumed, 0);
@@ -441,7 +441,7 @@ TEST_F(FinetuneTest, QuantizeJobFinetunesResumesAndReproduces) {
   EXPECT_TRUE(third->activations_from_cache);
   EXPECT_FALSE(third->e2e_resumed);
   EXPECT_EQ(JournalEvents(journal, "e2e_done").size(), 2u);
-  EXPECT_EQ(ShardBytes(opt.out_dir, blocks), bytes);
+  EXPECT_EQ(ShardBytes(opt.out_dir(), blocks), bytes);
 }
 
 }  // namespace

@@ -185,15 +185,15 @@ void ExpectSameBytesThroughTheBackend(const std::string& yaml, const std::string
   auto recipe = ParseRecipe(yaml, tag + ".yaml");
   ASSERT_TRUE(recipe.ok()) << recipe.status();
   auto run = [&](const std::string& name) {
-    job::QuantizeJobOptions o;
-    o.model_dir = testing::RealModelDir("stories260K");
-    o.out_dir = root + "/" + name;
-    o.job_dir = root + "/" + name + ".job";
-    o.data_root = testing::SharedDir();
-    o.threads = 1;
+    v1::JobSpec o;
+    o.set_model_dir(testing::RealModelDir("stories260K"));
+    o.set_out_dir(root + "/" + name);
+    o.set_job_dir(root + "/" + name + ".job");
+    o.set_data_root(testing::SharedDir());
+    o.set_threads_per_worker(1);
     auto r = job::RunQuantizeJob(*recipe, o);
     EXPECT_TRUE(r.ok()) << r.status();
-    return o.out_dir;
+    return o.out_dir();
   };
   const std::string cpu = run("cpu");
   std::unique_ptr<kernels::GpuBackend> backend = std::make_unique<FakeBackend>();
@@ -266,12 +266,12 @@ TEST(GpuBackendTest, TheRecipeChoosesTheDeviceForwardsPrecision) {
       "quip-bf16.yaml");
   ASSERT_TRUE(recipe.ok()) << recipe.status();
   EXPECT_EQ(recipe->ToJson()["calibration"]["precision"], "bf16");
-  job::QuantizeJobOptions o;
-  o.model_dir = testing::RealModelDir("stories260K");
-  o.data_root = testing::SharedDir();
-  o.threads = 1;
-  o.recipe_source = "quip-bf16.yaml";
-  o.out_dir = root + "/cpu";
+  v1::JobSpec o;
+  o.set_model_dir(testing::RealModelDir("stories260K"));
+  o.set_data_root(testing::SharedDir());
+  o.set_threads_per_worker(1);
+  o.set_recipe_path("quip-bf16.yaml");
+  o.set_out_dir(root + "/cpu");
   auto refused = job::RunQuantizeJob(*recipe, o);
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.status().message().find("quip-bf16.yaml: calibration.precision bf16"),
@@ -282,13 +282,13 @@ TEST(GpuBackendTest, TheRecipeChoosesTheDeviceForwardsPrecision) {
   ASSERT_TRUE(config.ok()) << config.status();
   ASSERT_EQ(kernels::SetActiveGpuBackend(std::make_unique<FakeBlockBackend>(*config)), nullptr);
   g_precisions.clear();
-  o.out_dir = root + "/gpu";
+  o.set_out_dir(root + "/gpu");
   auto done = job::RunQuantizeJob(*recipe, o);
   kernels::SetActiveGpuBackend(nullptr);
   ASSERT_TRUE(done.ok()) << done.status();
   EXPECT_EQ(g_precisions, std::vector<kernels::BlockForwardPrecision>(
                               5, kernels::BlockForwardPrecision::kBf16));
-  auto written = LoadLlamaConfig(o.out_dir + "/config.json");
+  auto written = LoadLlamaConfig(o.out_dir() + "/config.json");
   ASSERT_TRUE(written.ok()) << written.status();
   EXPECT_EQ(written->raw["quantization_config"]["recipe"]["calibration"]["precision"], "bf16");
 }
@@ -317,15 +317,15 @@ TEST(GpuBackendTest, PhasesCarryTheDevicesPeakMemory) {
   auto recipe = ParseRecipe(
       std::string("name: gptq-peaks\nmethod: gptq\nbits: 4\n") + kCalib, "gptq-peaks.yaml");
   ASSERT_TRUE(recipe.ok()) << recipe.status();
-  job::QuantizeJobOptions o;
-  o.model_dir = testing::RealModelDir("stories260K");
-  o.data_root = testing::SharedDir();
-  o.threads = 1;
+  v1::JobSpec o;
+  o.set_model_dir(testing::RealModelDir("stories260K"));
+  o.set_data_root(testing::SharedDir());
+  o.set_threads_per_worker(1);
   constexpr int64_t kPeak = int64_t{3} << 30;
   auto backend = std::make_unique<FakeBackend>();
   backend->set_peak(kPeak);
   ASSERT_EQ(kernels::SetActiveGpuBackend(std::move(backend)), nullptr);
-  o.out_dir = root + "/gpu";
+  o.set_out_dir(root + "/gpu");
   auto gpu = job::RunQuantizeJob(*recipe, o);
   kernels::SetActiveGpuBackend(nullptr);
   ASSERT_TRUE(gpu.ok()) << gpu.status();
@@ -341,7 +341,7 @@ TEST(GpuBackendTest, PhasesCarryTheDevicesPeakMemory) {
       EXPECT_EQ(p.peak_device_bytes(), kPeak) << "block " << b.layer << ": " << p.name();
     }
   }
-  o.out_dir = root + "/cpu";
+  o.set_out_dir(root + "/cpu");
   auto cpu = job::RunQuantizeJob(*recipe, o);
   ASSERT_TRUE(cpu.ok()) << cpu.status();
   EXPECT_EQ(cpu->peak_device_bytes, -1);

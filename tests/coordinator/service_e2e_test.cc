@@ -150,12 +150,12 @@ class ServiceEndToEndTest : public ::testing::Test {
 TEST_F(ServiceEndToEndTest, TwoAndThreeRankJobsWriteTheSingleProcessCheckpoint) {
   auto recipe = ParseRecipe(kRecipe, "recipe.yaml");
   ASSERT_TRUE(recipe.ok()) << recipe.status();
-  job::QuantizeJobOptions opt;
-  opt.model_dir = testing::RealModelDir("stories260K");
-  opt.out_dir = root_ + "/single";
-  opt.data_root = testing::SharedDir();
-  opt.calib_batch = 4;
-  opt.threads = 1;
+  v1::JobSpec opt;
+  opt.set_model_dir(testing::RealModelDir("stories260K"));
+  opt.set_out_dir(root_ + "/single");
+  opt.set_data_root(testing::SharedDir());
+  opt.set_calib_batch(4);
+  opt.set_threads_per_worker(1);
   auto single = job::RunQuantizeJob(*recipe, opt);
   ASSERT_TRUE(single.ok()) << single.status();
 
@@ -172,11 +172,11 @@ TEST_F(ServiceEndToEndTest, TwoAndThreeRankJobsWriteTheSingleProcessCheckpoint) 
                 job.id().c_str(), secs);
     for (const auto& b : job.blocks()) std::printf(" %lld:r%d", (long long)b.block(), b.rank());
     std::printf("\n");
-    const auto files = ListFiles(opt.out_dir);
+    const auto files = ListFiles(opt.out_dir());
     ASSERT_FALSE(files.empty());
     EXPECT_EQ(files, ListFiles(root_ + "/" + out));
     for (const std::string& f : files) {
-      auto a = ReadFile(opt.out_dir + "/" + f);
+      auto a = ReadFile(opt.out_dir() + "/" + f);
       auto b = ReadFile(root_ + "/" + out + "/" + f);
       ASSERT_TRUE(a.ok() && b.ok()) << f;
       EXPECT_TRUE(*a == *b) << workers << " workers: " << f << " differs";

@@ -1,4 +1,4 @@
-// qcal tool plant-outliers (worker/quarot/plant_outliers.h): the planted variant of each real
+// qcal tool plant-outliers (tools/plant_outliers.h): the planted variant of each real
 // model computes the same logits (1e-5 relative) while its activation outlier ratios rise.
 #include "tools/plant_outliers.h"
 

@@ -4,7 +4,7 @@
 // and its exact fixed-point Hessian sums) on 1, 2 and 3 thread-ranks sharing the GPU, with
 // batches of 4 and of 3 sequences; then block 0's seven linears rounded on the device (E8P
 // BlockLDLQ) from each run's Hessians. The CPU's twin of these properties is
-// runtime_calibration_test (ranks, budgets) and worker_thread_invariance_test (threads).
+// engine_calibration_test (ranks, budgets) and engine_thread_invariance_test (threads).
 // The device case skips visibly without a CUDA device; the same checks run on the CPU everywhere.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>

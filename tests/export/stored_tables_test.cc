@@ -120,12 +120,12 @@ Recipe MakeRecipe(const std::string& yaml) {
   return *r;
 }
 
-job::QuantizeJobOptions Options(const std::string& model, const std::string& out) {
-  job::QuantizeJobOptions o;
-  o.model_dir = model;
-  o.out_dir = out;
-  o.data_root = SharedDir();
-  o.threads = 1;
+v1::JobSpec Options(const std::string& model, const std::string& out) {
+  v1::JobSpec o;
+  o.set_model_dir(model);
+  o.set_out_dir(out);
+  o.set_data_root(SharedDir());
+  o.set_threads_per_worker(1);
   return o;
 }
 
