@@ -19,6 +19,7 @@
 #include "methods/method_factory.h"
 #include "engine/qsim/bfp_kv.h"
 #include "engine/qsim/ksort.h"
+#include "tools/expert_load.h"
 #include "tools/model_compare.h"
 #include "tools/model_dir.h"
 #include "tools/outlier_stats.h"
@@ -128,18 +129,31 @@ void PrintTokenReport(const tools::TokenOutlierReport& r, const Tokenizer& tok) 
   std::printf("o = %lld\n", (long long)r.o);
 }
 
+// The first `max_tokens` tokens (<= 0: all) of the text file at `path`.
+StatusOr<std::vector<int32_t>> FirstTokens(const Tokenizer& tokenizer, const std::string& path,
+                                           int64_t max_tokens) {
+  QCAL_ASSIGN_OR_RETURN(std::string text, ReadTextFile(path));
+  std::vector<int32_t> tokens = tokenizer.Encode(text);
+  if (max_tokens > 0 && static_cast<int64_t>(tokens.size()) > max_tokens) {
+    tokens.resize(max_tokens);
+  }
+  return tokens;
+}
+
 }  // namespace
 
 int RunOutlierStats(const OutlierStatsOptions& o) {
   auto model = methods::LoadModel(o.model_dir);
   if (!model.ok()) return Fail(model.status());
+  if (auto s = tools::DenseOnly("outlier-stats", o.model_dir, (*model)->config()); !s.ok()) {
+    return Fail(s);
+  }
   model::SetComputeThreads(model::AutoComputeThreads((*model)->config()));
   auto tokenizer = LoadTokenizerFromModelDir(o.model_dir);
   if (!tokenizer.ok()) return Fail(tokenizer.status());
-  auto text = ReadTextFile(o.data_path);
-  if (!text.ok()) return Fail(text.status());
-  std::vector<int32_t> tokens = (*tokenizer)->Encode(*text);
-  if (o.tokens > 0 && static_cast<int64_t>(tokens.size()) > o.tokens) tokens.resize(o.tokens);
+  auto encoded = FirstTokens(**tokenizer, o.data_path, o.tokens);
+  if (!encoded.ok()) return Fail(encoded.status());
+  const std::vector<int32_t>& tokens = *encoded;
   if (o.prefix != "none" && o.prefix != "detect") {
     return Fail(absl::InvalidArgumentError("--prefix '" + o.prefix + "': expected none or detect"));
   }
@@ -311,9 +325,68 @@ int RunPlantSinks(const PlantSinksCliOptions& o) {
   return 0;
 }
 
+int RunExpertLoad(const ExpertLoadOptions& o) {
+  auto model = methods::LoadModel(o.model_dir);
+  if (!model.ok()) return Fail(model.status());
+  const LlamaConfig& c = (*model)->config();
+  if (!c.is_moe()) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+        o.model_dir, "/config.json: ", c.architecture,
+        " is a dense model; expert-load counts the routing of a mixture of experts")));
+  }
+  if (o.ctx < 2 || o.ctx > c.max_position_embeddings) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("--ctx ", o.ctx, ": must be in [2, ", c.max_position_embeddings, "]")));
+  }
+  model::SetComputeThreads(o.threads > 0 ? o.threads : model::AutoComputeThreads(c));
+  auto tokenizer = LoadTokenizerFromModelDir(o.model_dir);
+  if (!tokenizer.ok()) return Fail(tokenizer.status());
+  auto tokens = FirstTokens(**tokenizer, o.data_path, o.tokens);
+  if (!tokens.ok()) return Fail(tokens.status());
+  const auto windows =
+      tools::TextWindows(*tokens, o.ctx, /*with_bos=*/true, (*tokenizer)->bos_id());
+  auto load = tools::MeasureExpertLoad(**model, windows);
+  if (!load.ok()) return Fail(load.status());
+  nlohmann::json layers = nlohmann::json::array();
+  for (const auto& l : load->layers) {
+    layers.push_back({{"layer", l.layer}, {"tokens_per_expert", l.counts}, {"min", l.min()},
+                      {"max", l.max()}, {"unrouted", l.Unrouted()},
+                      {"below_rank", l.BelowRank(load->inputs)}});
+  }
+  if (o.json) {
+    const nlohmann::json j = {{"model", o.model_dir}, {"data", o.data_path},
+                              {"architecture", c.architecture}, {"experts", c.num_experts},
+                              {"top_k", load->top_k}, {"tokens", load->tokens},
+                              {"inputs", load->inputs}, {"layers", layers}};
+    std::printf("%s\n", j.dump().c_str());
+    return 0;
+  }
+  std::printf("model  %s (%s, %lld experts, top %lld)\ndata   %s (%lld tokens in windows of "
+              "BOS + %lld)\n",
+              o.model_dir.c_str(), c.architecture.c_str(), (long long)c.num_experts,
+              (long long)load->top_k, o.data_path.c_str(), (long long)load->tokens,
+              (long long)(o.ctx - 1));
+  std::printf("%-6s %8s %8s %9s %11s  %s\n", "layer", "min", "max", "unrouted", "< inputs",
+              "tokens per expert");
+  for (const auto& l : load->layers) {
+    std::string counts;
+    for (int64_t n : l.counts) counts += absl::StrCat(counts.empty() ? "" : " ", n);
+    std::printf("%-6lld %8lld %8lld %9zu %11zu  %s\n", (long long)l.layer, (long long)l.min(),
+                (long long)l.max(), l.Unrouted().size(), l.BelowRank(load->inputs).size(),
+                counts.c_str());
+  }
+  std::printf("(< inputs: experts routed fewer tokens than their %lld inputs, whose Hessian on "
+              "this text is rank-deficient)\n",
+              (long long)load->inputs);
+  return 0;
+}
+
 int RunKvEval(const KvEvalOptions& o) {
   auto model = methods::LoadModel(o.model_dir);
   if (!model.ok()) return Fail(model.status());
+  if (auto s = tools::DenseOnly("kv-eval", o.model_dir, (*model)->config()); !s.ok()) {
+    return Fail(s);
+  }
   model::LlamaModel& m = **model;
   model::SetComputeThreads(o.threads > 0 ? o.threads : model::AutoComputeThreads(m.config()));
   if (o.k_sort_order != "pairs" && o.k_sort_order != "channels") {
@@ -542,6 +615,21 @@ void AddToolCommands(CLI::App& app, int* exit_code) {
       ->check(CLI::Range(0, kMaxThreads));
   kv->add_flag("--json", ko->json, "print one JSON object");
   kv->callback([ko, exit_code] { *exit_code = RunKvEval(*ko); });
+
+  auto* el = tool->add_subcommand(
+      "expert-load", "Tokens per expert of each mixture-of-experts layer on a text (real routing)");
+  auto eo = std::make_shared<ExpertLoadOptions>();
+  el->add_option("--model", eo->model_dir, "model directory")
+      ->required()
+      ->check(CLI::ExistingDirectory);
+  el->add_option("--data", eo->data_path, "UTF-8 text file")->required()->check(CLI::ExistingFile);
+  el->add_option("--tokens", eo->tokens, "use the first N text tokens (0 = all)")
+      ->capture_default_str();
+  el->add_option("--ctx", eo->ctx, "window length (BOS + ctx-1 tokens)")->capture_default_str();
+  el->add_option("--threads", eo->threads, "compute threads (0 = auto)")
+      ->check(CLI::Range(0, kMaxThreads));
+  el->add_flag("--json", eo->json, "print one JSON object");
+  el->callback([eo, exit_code] { *exit_code = RunExpertLoad(*eo); });
 }
 
 }  // namespace qcal::client

@@ -83,6 +83,16 @@ struct KvEvalOptions {
   bool json = false;
 };
 
+// `qcal tool expert-load`: tokens per expert of each MoE layer on a text (tools/expert_load.h).
+struct ExpertLoadOptions {
+  std::string model_dir;
+  std::string data_path;
+  int64_t tokens = 4096;  // the first N text tokens (0: all)
+  int64_t ctx = 128;      // window length: BOS + ctx-1 text tokens
+  int threads = 0;
+  bool json = false;
+};
+
 // Registers `tool` and its subcommands on `app`; callbacks store their exit code in *exit_code.
 void AddToolCommands(CLI::App& app, int* exit_code);
 
@@ -90,5 +100,6 @@ int RunPlantOutliers(const PlantOutliersCliOptions& options);
 int RunOutlierStats(const OutlierStatsOptions& options);
 int RunPlantSinks(const PlantSinksCliOptions& options);
 int RunKvEval(const KvEvalOptions& options);
+int RunExpertLoad(const ExpertLoadOptions& options);
 
 }  // namespace qcal::client

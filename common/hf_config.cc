@@ -161,10 +161,132 @@ class FieldReader {
   absl::string_view source_;
 };
 
+// The architectures qcal reads, their model_type and family.
+struct Architecture {
+  const char* name;
+  const char* model_type;
+  ModelFamily family;
+};
+constexpr Architecture kArchitectures[] = {
+    {kLlamaArchitecture, "llama", ModelFamily::kLlama},
+    {"MixtralForCausalLM", "mixtral", ModelFamily::kMixtral},
+    {"Llama4ForCausalLM", "llama4_text", ModelFamily::kLlama4},
+    {"Llama4ForConditionalGeneration", "llama4", ModelFamily::kLlama4},
+};
+
 Status Unsupported(absl::string_view source, absl::string_view what) {
-  return absl::InvalidArgumentError(
-      absl::StrCat(source, ": unsupported architecture '", Printable(what), "' (qcal supports ",
-                   kLlamaArchitecture, ")"));
+  return absl::InvalidArgumentError(absl::StrCat(
+      source, ": unsupported architecture '", Printable(what),
+      "' (qcal supports LlamaForCausalLM, MixtralForCausalLM, Llama4ForCausalLM and "
+      "Llama4ForConditionalGeneration)"));
+}
+
+// A list of layer indices (moe_layers) or of 0/1 flags per layer (no_rope_layers).
+Status LayerList(const FieldReader& fields, const char* key, const json& value, int64_t layers,
+                 bool flags, std::vector<bool>* out) {
+  if (!value.is_array()) return fields.TypeError(key, "a list of integers", value);
+  out->assign(layers, false);
+  if (flags && static_cast<int64_t>(value.size()) != layers) {
+    return fields.Error(absl::StrCat("field '", key, "' has ", value.size(), " entries for ",
+                                     layers, " layers"));
+  }
+  for (size_t i = 0; i < value.size(); ++i) {
+    int64_t v = 0;
+    QCAL_RETURN_IF_ERROR(fields.Int(key, value[i], &v));
+    if (flags) {
+      if (v != 0 && v != 1) {
+        return fields.Error(absl::StrCat("field '", key, "'[", i, "] is ", v, ", not 0 or 1"));
+      }
+      (*out)[i] = v == 1;
+    } else {
+      if (v < 0 || v >= layers) {
+        return fields.Error(absl::StrCat("field '", key, "' names layer ", v, ", outside [0, ",
+                                         layers, ")"));
+      }
+      (*out)[v] = true;
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The experts and, for Llama 4, the attention variants (hf_config.h). Hugging Face's defaults for
+// absent keys (MixtralConfig, Llama4TextConfig).
+Status ParseMoeFields(const FieldReader& fields, const json& text, LlamaConfig* c) {
+  const int64_t layers = c->num_hidden_layers;
+  const bool llama4 = c->family == ModelFamily::kLlama4;
+  QCAL_RETURN_IF_ERROR(fields.OptionalSize("num_local_experts", llama4 ? 16 : 8, &c->num_experts));
+  QCAL_RETURN_IF_ERROR(
+      fields.OptionalSize("num_experts_per_tok", llama4 ? 1 : 2, &c->experts_per_token));
+  if (c->experts_per_token > c->num_experts) {
+    return fields.Error(absl::StrCat("num_experts_per_tok ", c->experts_per_token,
+                                     " exceeds num_local_experts ", c->num_experts));
+  }
+  if (!llama4) {
+    c->router = RouterKind::kSoftmaxTopK;
+    c->moe_layers.assign(layers, true);
+    return absl::OkStatus();
+  }
+  c->router = RouterKind::kSigmoidTopKInput;
+  c->shared_expert = true;
+  c->rope_interleaved = true;
+  QCAL_RETURN_IF_ERROR(
+      fields.OptionalSize("intermediate_size_mlp", 16384, &c->intermediate_size_mlp));
+  if (const json* moe = fields.Get("moe_layers")) {
+    QCAL_RETURN_IF_ERROR(LayerList(fields, "moe_layers", *moe, layers, false, &c->moe_layers));
+  } else {
+    int64_t step = 1;
+    QCAL_RETURN_IF_ERROR(fields.OptionalSize("interleave_moe_layer_step", 1, &step));
+    c->moe_layers.assign(layers, false);
+    for (int64_t l = step - 1; l < layers; l += step) c->moe_layers[l] = true;
+  }
+  // no_rope_layers[l] == 0 marks a NoPE layer; absent or empty: every no_rope_layer_interval-th.
+  const json* no_rope = fields.Get("no_rope_layers");
+  std::vector<bool> rope;
+  if (no_rope != nullptr && !(no_rope->is_array() && no_rope->empty())) {
+    QCAL_RETURN_IF_ERROR(LayerList(fields, "no_rope_layers", *no_rope, layers, true, &rope));
+  } else {
+    int64_t interval = 4;
+    QCAL_RETURN_IF_ERROR(fields.OptionalSize("no_rope_layer_interval", 4, &interval));
+    rope.assign(layers, false);
+    for (int64_t l = 0; l < layers; ++l) rope[l] = (l + 1) % interval != 0;
+  }
+  c->nope_layers.assign(layers, false);
+  for (int64_t l = 0; l < layers; ++l) c->nope_layers[l] = !rope[l];
+  QCAL_RETURN_IF_ERROR(fields.OptionalBool("use_qk_norm", true, &c->use_qk_norm));
+  // Meta's own configs write attn_temperature_tuning as an integer (4); any nonzero is on.
+  if (const json* tuning = fields.Get("attn_temperature_tuning");
+      tuning != nullptr && tuning->is_number_integer()) {
+    c->attn_temperature_tuning = tuning->get<int64_t>() != 0;
+  } else {
+    QCAL_RETURN_IF_ERROR(
+        fields.OptionalBool("attn_temperature_tuning", true, &c->attn_temperature_tuning));
+  }
+  QCAL_RETURN_IF_ERROR(fields.OptionalPositiveNumber("floor_scale", 8192, &c->floor_scale));
+  QCAL_RETURN_IF_ERROR(fields.OptionalPositiveNumber("attn_scale", 0.1, &c->attn_scale));
+  // attention_chunk_size: absent is 8192; null is none.
+  const auto chunk = text.find("attention_chunk_size");
+  if (chunk == text.end()) {
+    c->attention_chunk_size = 8192;
+  } else if (!chunk->is_null()) {
+    QCAL_RETURN_IF_ERROR(fields.OptionalSize("attention_chunk_size", 8192,
+                                             &c->attention_chunk_size));
+  }
+  // layer_types, when given, must say what the flags above imply: chunked attention on RoPE
+  // layers, full attention on NoPE layers.
+  if (const json* types = fields.Get("layer_types")) {
+    if (!types->is_array() || static_cast<int64_t>(types->size()) != layers) {
+      return fields.Error(absl::StrCat("field 'layer_types' must list ", layers, " strings"));
+    }
+    for (int64_t l = 0; l < layers; ++l) {
+      const std::string want = c->UsesRope(l) ? "chunked_attention" : "full_attention";
+      if (!(*types)[l].is_string() || (*types)[l].get<std::string>() != want) {
+        return fields.Error(absl::StrCat("layer_types[", l, "] is ", (*types)[l].dump(),
+                                         "; qcal supports ", want, " there (layer ", l, " is a ",
+                                         c->UsesRope(l) ? "RoPE" : "NoPE", " layer)"));
+      }
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -213,9 +335,10 @@ Status ParseRopeScaling(const FieldReader& fields, RopeScaling* out) {
     return fields.Error("rope_scaling original_max_position_embeddings must be an integer");
   }
   out->original_max_position_embeddings = static_cast<int64_t>(original);
-  if (out->high_freq_factor <= out->low_freq_factor) {
+  // Equal factors (Llama 4 Scout's 1.0 and 1.0) leave no band to interpolate in.
+  if (out->high_freq_factor < out->low_freq_factor) {
     return fields.Error(absl::StrCat("rope_scaling high_freq_factor ", out->high_freq_factor,
-                                     " must exceed low_freq_factor ", out->low_freq_factor));
+                                     " must not be below low_freq_factor ", out->low_freq_factor));
   }
   return absl::OkStatus();
 }
@@ -234,31 +357,57 @@ StatusOr<LlamaConfig> ParseLlamaConfig(std::string_view json_text,
     return absl::InvalidArgumentError(
         absl::StrCat(source, ": must be a JSON object, got ", JsonTypeName(root)));
   }
-  const FieldReader fields(root, source);
+  const FieldReader top(root, source);
   LlamaConfig config;
 
-  // Architecture: "architectures" must list LlamaForCausalLM; without it, model_type decides.
+  // Architecture: "architectures" must list one qcal reads; without it, model_type decides.
   std::string model_type;
-  QCAL_RETURN_IF_ERROR(fields.OptionalString("model_type", "", &model_type));
-  if (const json* architectures = fields.Get("architectures")) {
+  QCAL_RETURN_IF_ERROR(top.OptionalString("model_type", "", &model_type));
+  const Architecture* arch = nullptr;
+  if (const json* architectures = top.Get("architectures")) {
     if (!architectures->is_array()) {
-      return fields.TypeError("architectures", "a list of strings", *architectures);
+      return top.TypeError("architectures", "a list of strings", *architectures);
     }
     std::vector<std::string> names;
     for (const json& element : *architectures) {
       const auto* name = element.get_ptr<const json::string_t*>();
-      if (name == nullptr) return fields.TypeError("architectures", "a list of strings", element);
+      if (name == nullptr) return top.TypeError("architectures", "a list of strings", element);
       names.push_back(*name);
     }
-    if (std::find(names.begin(), names.end(), kLlamaArchitecture) == names.end()) {
+    for (const Architecture& a : kArchitectures) {
+      if (arch == nullptr && std::find(names.begin(), names.end(), a.name) != names.end()) arch = &a;
+    }
+    if (arch == nullptr) {
       return Unsupported(source, names.empty() ? "(empty list)" : absl::StrJoin(names, ", "));
     }
-  } else if (model_type != "llama") {
-    return Unsupported(source, model_type.empty() ? "(neither architectures nor model_type given)"
-                                                  : model_type);
+  } else {
+    for (const Architecture& a : kArchitectures) {
+      if (model_type == a.model_type) arch = &a;
+    }
+    if (arch == nullptr) {
+      return Unsupported(source, model_type.empty()
+                                     ? "(neither architectures nor model_type given)"
+                                     : model_type);
+    }
   }
-  config.architecture = kLlamaArchitecture;
-  config.model_type = model_type.empty() ? "llama" : model_type;
+  config.architecture = arch->name;
+  config.model_type = model_type.empty() ? arch->model_type : model_type;
+  config.family = arch->family;
+
+  // Llama4ForConditionalGeneration: the text model is described by text_config and its tensors
+  // sit under language_model.
+  const json* text = &root;
+  std::string text_source(source);
+  if (config.architecture == std::string("Llama4ForConditionalGeneration")) {
+    text = top.Get("text_config");
+    if (text == nullptr || !text->is_object()) {
+      return top.Error("Llama4ForConditionalGeneration needs a 'text_config' object");
+    }
+    text_source = absl::StrCat(source, ": text_config");
+    config.tensor_prefix = "language_model.";
+  }
+  const FieldReader fields(*text, text_source);
+  const bool dense = config.family == ModelFamily::kLlama;
 
   QCAL_RETURN_IF_ERROR(fields.RequiredSize("hidden_size", &config.hidden_size));
   QCAL_RETURN_IF_ERROR(fields.RequiredSize("intermediate_size", &config.intermediate_size));
@@ -290,8 +439,11 @@ StatusOr<LlamaConfig> ParseLlamaConfig(std::string_view json_text,
     config.head_dim = config.hidden_size / config.num_attention_heads;
   }
   QCAL_RETURN_IF_ERROR(
-      fields.OptionalPositiveNumber("rms_norm_eps", 1e-6, &config.rms_norm_eps));
-  QCAL_RETURN_IF_ERROR(fields.OptionalPositiveNumber("rope_theta", 10000.0, &config.rope_theta));
+      fields.OptionalPositiveNumber("rms_norm_eps", dense ? 1e-6 : 1e-5, &config.rms_norm_eps));
+  const double theta = config.family == ModelFamily::kMixtral  ? 1e6
+                       : config.family == ModelFamily::kLlama4 ? 5e5
+                                                               : 1e4;
+  QCAL_RETURN_IF_ERROR(fields.OptionalPositiveNumber("rope_theta", theta, &config.rope_theta));
   QCAL_RETURN_IF_ERROR(
       fields.OptionalBool("tie_word_embeddings", false, &config.tie_word_embeddings));
   QCAL_RETURN_IF_ERROR(fields.OptionalSize("max_position_embeddings", 2048,
@@ -324,8 +476,19 @@ StatusOr<LlamaConfig> ParseLlamaConfig(std::string_view json_text,
         absl::StrCat("hidden_act '", Printable(hidden_act), "' is unsupported (expected silu)"));
   }
 
+  if (!dense) QCAL_RETURN_IF_ERROR(ParseMoeFields(fields, *text, &config));
+
   config.raw = std::move(root);
   return config;
+}
+
+const char* ModelFamilyName(ModelFamily family) {
+  switch (family) {
+    case ModelFamily::kLlama: return "llama";
+    case ModelFamily::kMixtral: return "mixtral";
+    case ModelFamily::kLlama4: return "llama4";
+  }
+  return "?";
 }
 
 StatusOr<LlamaConfig> LoadLlamaConfig(const std::string& path) {
@@ -339,9 +502,12 @@ StatusOr<LlamaConfig> LoadLlamaConfig(const std::string& path) {
 }
 
 json LlamaConfigToJson(const LlamaConfig& config) {
-  json j = config.raw.is_object() ? config.raw : json::object();
-  j["architectures"] = json::array({config.architecture});
-  j["model_type"] = config.model_type;
+  json root = config.raw.is_object() ? config.raw : json::object();
+  root["architectures"] = json::array({config.architecture});
+  root["model_type"] = config.model_type;
+  const bool nested = !config.tensor_prefix.empty();
+  if (nested && !root["text_config"].is_object()) root["text_config"] = json::object();
+  json& j = nested ? root["text_config"] : root;
   j["hidden_size"] = config.hidden_size;
   j["intermediate_size"] = config.intermediate_size;
   j["num_hidden_layers"] = config.num_hidden_layers;
@@ -361,7 +527,7 @@ json LlamaConfigToJson(const LlamaConfig& config) {
                              (*eos)[0].is_number_integer() &&
                              (*eos)[0].get<int64_t>() == config.eos_token_id;
   if (!keep_eos_list) j["eos_token_id"] = config.eos_token_id;
-  return j;
+  return root;
 }
 
 }  // namespace qcal

@@ -139,7 +139,7 @@ Status CheckLayerTensors(const LlamaConfig& config, const std::string& model_dir
   // Without a readable checkpoint there is nothing to compare; opening the model says why later.
   auto ckpt = CheckpointReader::Open(model_dir);
   if (!ckpt.ok()) return absl::OkStatus();
-  const std::string prefix = "model.layers.";
+  const std::string prefix = config.TensorName("model.layers.");
   std::set<int64_t> layers;
   for (const std::string& name : (*ckpt)->TensorNames()) {
     if (name.compare(0, prefix.size(), prefix) != 0) continue;
@@ -175,6 +175,13 @@ StatusOr<LlamaConfig> CheckJobInputs(const Recipe& recipe, const v1::JobSpec& in
   QCAL_RETURN_IF_ERROR(CheckReadableDirectory("model_dir", in.model_dir()));
   QCAL_RETURN_IF_ERROR(CheckReadableFile("model config", in.model_dir() + "/config.json"));
   QCAL_ASSIGN_OR_RETURN(LlamaConfig config, LoadLlamaConfig(in.model_dir() + "/config.json"));
+  if (config.is_moe()) {
+    return Invalid(absl::StrCat(
+        in.model_dir(), "/config.json: ", config.architecture, " is a mixture-of-experts model (",
+        config.num_experts, " experts, top ", config.experts_per_token,
+        "); qcal reads and evaluates it (qcal eval, qcal generate) but does not quantize "
+        "mixtures of experts yet"));
+  }
   QCAL_RETURN_IF_ERROR(CheckLayerTensors(config, in.model_dir()));
   // The files finalize copies into the output: refused now, not after hours of work.
   QCAL_RETURN_IF_ERROR(CheckTokenizerFilesCopyable(in.model_dir()));

@@ -12,9 +12,18 @@
 
 namespace qcal::tools {
 
+Status DenseOnly(const std::string& tool, const std::string& model_dir,
+                 const LlamaConfig& config) {
+  if (!config.is_moe()) return Status();
+  return absl::InvalidArgumentError(absl::StrCat(
+      model_dir, "/config.json: ", config.architecture, " is a mixture-of-experts model; ", tool,
+      " works on dense Llama models (LlamaForCausalLM)"));
+}
+
 Status CheckDerivedModelDirs(const std::string& tool, const std::string& model_dir,
                              const LlamaConfig& config, const std::string& out_dir) {
   namespace fs = std::filesystem;
+  QCAL_RETURN_IF_ERROR(DenseOnly(tool, model_dir, config));
   if (config.raw.contains("quantization_config")) {
     return absl::InvalidArgumentError(absl::StrCat(
         model_dir, "/config.json: has quantization_config; ", tool, " needs a float model"));

@@ -13,7 +13,11 @@
 namespace qcal::tools {
 
 // InvalidArgument when `model_dir` holds a quantized model (its config has quantization_config)
-// or `out_dir` is `model_dir`; `tool` names the command in the message.
+// or a mixture-of-experts one (DenseOnly), or `out_dir` is `model_dir`; `tool` names the command
+// in the message.
+// InvalidArgument naming `tool` and the architecture for a mixture-of-experts model: the
+// analysis and planting tools work on dense Llama blocks.
+Status DenseOnly(const std::string& tool, const std::string& model_dir, const LlamaConfig& config);
 Status CheckDerivedModelDirs(const std::string& tool, const std::string& model_dir,
                              const LlamaConfig& config, const std::string& out_dir);
 

@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/cpu.h"
+#include "common/dtype.h"
 #include "engine/model/tensor_io.h"
 #include "kernels/blas_threads.h"
 
@@ -157,13 +158,23 @@ at::Tensor CausalMask(int64_t s, int64_t o, const at::Device& device) {
   return mask;
 }
 
+// CausalMask, and true too where key j and query i are in different chunks of `chunk` positions
+// (Llama 4's chunked attention).
+at::Tensor ChunkedMask(int64_t s, int64_t o, int64_t chunk, const at::Device& device) {
+  const at::Tensor qpos = at::arange(o, o + s, at::kLong).div(chunk, "floor").unsqueeze(1);
+  const at::Tensor kpos = at::arange(0, o + s, at::kLong).div(chunk, "floor").unsqueeze(0);
+  return (CausalMask(s, o, at::Device(at::kCPU)) | qpos.ne(kpos)).to(device);
+}
+
 at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   at::Tensor var = x.pow(2).mean(-1, /*keepdim=*/true);
   return x * at::rsqrt(var + eps) * weight;
 }
 
-Rope::Rope(int64_t head_dim, double theta, int64_t max_positions, const RopeScaling& scaling)
-    : max_positions_(std::min(max_positions, kMaxRopePositions + kMaxPrefixTokens)) {
+Rope::Rope(int64_t head_dim, double theta, int64_t max_positions, const RopeScaling& scaling,
+           bool interleaved)
+    : max_positions_(std::min(max_positions, kMaxRopePositions + kMaxPrefixTokens)),
+      interleaved_(interleaved) {
   // Computed in double, stored in float: matches references that build the tables in float64.
   const int64_t half = head_dim / 2;
   at::Tensor inv_freq = at::empty({half}, at::kDouble);
@@ -180,7 +191,7 @@ Rope::Rope(int64_t head_dim, double theta, int64_t max_positions, const RopeScal
       const double wavelen = 2.0 * M_PI / inv[i];
       if (wavelen > low_freq_wavelen) {
         inv[i] /= scaling.factor;
-      } else if (wavelen >= high_freq_wavelen) {
+      } else if (wavelen >= high_freq_wavelen && scaling.high_freq_factor > scaling.low_freq_factor) {
         const double smooth = (original / wavelen - scaling.low_freq_factor) /
                               (scaling.high_freq_factor - scaling.low_freq_factor);
         inv[i] = (1.0 - smooth) * inv[i] / scaling.factor + smooth * inv[i];
@@ -189,7 +200,8 @@ Rope::Rope(int64_t head_dim, double theta, int64_t max_positions, const RopeScal
   }
   at::Tensor pos = at::arange(max_positions_, at::kDouble);
   at::Tensor freqs = at::outer(pos, inv_freq);     // [P, half]
-  at::Tensor emb = at::cat({freqs, freqs}, -1);    // [P, head_dim]
+  // [P, head_dim]: frequency i at channels i and i + half, or (interleaved) at 2i and 2i + 1.
+  at::Tensor emb = interleaved ? freqs.repeat_interleave(2, -1) : at::cat({freqs, freqs}, -1);
   cos_ = emb.cos().to(at::kFloat);
   sin_ = emb.sin().to(at::kFloat);
 }
@@ -199,6 +211,12 @@ at::Tensor Rope::Apply(const at::Tensor& x, int64_t offset) const {
   const int64_t half = x.size(3) / 2;
   at::Tensor cos = cos_.narrow(0, offset, seq).to(x.device());
   at::Tensor sin = sin_.narrow(0, offset, seq).to(x.device());
+  if (interleaved_) {  // rotated[2i] = -x[2i+1], rotated[2i+1] = x[2i]
+    const at::Tensor pairs = x.reshape({-1, 2});
+    const at::Tensor rotated =
+        at::stack({-pairs.select(1, 1), pairs.select(1, 0)}, 1).view(x.sizes());
+    return x * cos + rotated * sin;
+  }
   at::Tensor x1 = x.narrow(-1, 0, half);
   at::Tensor x2 = x.narrow(-1, half, half);
   at::Tensor rotated = at::cat({-x2, x1}, -1);
@@ -207,6 +225,7 @@ at::Tensor Rope::Apply(const at::Tensor& x, int64_t offset) const {
 
 at::Tensor Rope::Apply(const at::Tensor& x, const at::Tensor& perm, int64_t offset) const {
   if (!perm.defined()) return Apply(x, offset);
+  TORCH_CHECK(!interleaved_, "K-sorted channels assume half-split RoPE pairs");
   const int64_t heads = x.size(1), seq = x.size(2), d = x.size(3), half = d / 2;
   const at::Tensor p = perm.to(x.device(), at::kLong);
   // cos/sin [heads, seq, d]: the column of channel j is that of its half-split channel p[h][j].
@@ -229,18 +248,46 @@ DecoderBlock::DecoderBlock(const LlamaConfig& config, BlockWeights weights)
       kv_heads_(config.num_key_value_heads),
       head_dim_(config.head_dim),
       eps_(config.rms_norm_eps),
-      weights_(std::move(weights)) {}
+      weights_(std::move(weights)) {
+  const int64_t layer = weights_.layer;
+  rope_ = config.UsesRope(layer);
+  qk_norm_ = rope_ && config.use_qk_norm;
+  temperature_ = !rope_ && config.attn_temperature_tuning;
+  floor_scale_ = config.floor_scale;
+  attn_scale_ = config.attn_scale;
+  chunk_ = rope_ ? config.attention_chunk_size : 0;
+  router_ = config.router;
+  top_k_ = config.experts_per_token;
+}
+
+namespace {
+// Llama 4's L2 norm of each head (no weight).
+at::Tensor HeadNorm(const at::Tensor& x, double eps) {
+  return x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps);
+}
+}  // namespace
 
 void DecoderBlock::Project(const at::Tensor& h, const Rope& rope, int64_t offset, at::Tensor* q_out,
                            at::Tensor* k_out, at::Tensor* v_out) const {
   const int64_t b = h.size(0), s = h.size(1);
   const int64_t rep = heads_ / kv_heads_;
   // The 1/sqrt(d) scale is folded into q (a [b, s, H·d] tensor) rather than applied to the
-  // [b, H, s, s] scores: attention on CPU is bound by passes over the score tensor.
-  at::Tensor q = weights_.linear(LinearKind::kQ).Forward(h) * (1.0 / std::sqrt(double(head_dim_)));
+  // [b, H, s, s] scores: attention on CPU is bound by passes over the score tensor. With
+  // qk-norm it follows the norm.
+  const double scale = 1.0 / std::sqrt(double(head_dim_));
+  at::Tensor q = weights_.linear(LinearKind::kQ).Forward(h);
+  if (!qk_norm_) q = q * scale;
   at::Tensor k = weights_.linear(LinearKind::kK).Forward(h);
   at::Tensor v = weights_.linear(LinearKind::kV).Forward(h);
-  if (!weights_.rope_perm.defined()) {
+  if (!rope_) {  // a NoPE layer (Llama 4)
+    q = q.view({b, s, heads_, head_dim_}).transpose(1, 2);
+    k = k.view({b, s, kv_heads_, head_dim_}).transpose(1, 2);
+    if (temperature_) {  // log1p(⌊(pos + 1) / floor_scale⌋) · attn_scale + 1 per position
+      at::Tensor t = at::arange(offset + 1, offset + s + 1, at::kDouble);
+      t = (at::log1p(at::floor(t / floor_scale_)) * attn_scale_ + 1.0).to(at::kFloat);
+      q = q * t.to(q.device()).view({1, 1, s, 1});
+    }
+  } else if (!weights_.rope_perm.defined()) {
     q = rope.Apply(q.view({b, s, heads_, head_dim_}).transpose(1, 2), offset);     // [b, H, s, d]
     k = rope.Apply(k.view({b, s, kv_heads_, head_dim_}).transpose(1, 2), offset);  // [b, KV, s, d]
   } else {  // K-sorted channels (engine/qsim/ksort.h)
@@ -248,6 +295,10 @@ void DecoderBlock::Project(const at::Tensor& h, const Rope& rope, int64_t offset
     q = rope.Apply(q.view({b, s, heads_, head_dim_}).transpose(1, 2), kp.repeat_interleave(rep, 0),
                    offset);
     k = rope.Apply(k.view({b, s, kv_heads_, head_dim_}).transpose(1, 2), kp, offset);
+  }
+  if (qk_norm_) {
+    q = HeadNorm(q, eps_) * scale;
+    k = HeadNorm(k, eps_);
   }
   v = v.view({b, s, kv_heads_, head_dim_}).transpose(1, 2);              // [b, KV, s, d]
   if (hooks_.qk_rotation.defined()) {  // QuaRot R3, after RoPE; cancels in q·kᵀ
@@ -295,7 +346,9 @@ at::Tensor DecoderBlock::Attention(const at::Tensor& h, const Rope& rope) const 
   // view q as [b, KV, rep·s, d] and attend each group against its one K/V.
   q = q.reshape({b, kv_heads_, rep * s, head_dim_});
   at::Tensor scores = at::matmul(q, k.transpose(-2, -1)).view({b, kv_heads_, rep, s, o + s});
-  scores.masked_fill_(CausalMask(s, o, h.device()), -std::numeric_limits<float>::infinity());
+  scores.masked_fill_(chunk_ > 0 && o + s > chunk_ ? ChunkedMask(s, o, chunk_, h.device())
+                                                   : CausalMask(s, o, h.device()),
+                      -std::numeric_limits<float>::infinity());
   at::Tensor probs = at::softmax(scores.view({b, kv_heads_, rep * s, o + s}), -1);
   at::Tensor out = at::matmul(probs, v)                         // [b, KV, rep·s, d]
                        .view({b, heads_, s, head_dim_})
@@ -310,9 +363,72 @@ at::Tensor DecoderBlock::Mlp(const at::Tensor& h) const {
   return weights_.linear(LinearKind::kDown).Forward(at::silu(gate) * up);
 }
 
+Routing DecoderBlock::Route(const at::Tensor& h) const {
+  const at::Tensor x = h.reshape({-1, h.size(-1)});
+  const at::Tensor logits = LinearRows(x, weights_.moe->router.to(x.device()));  // [n, E]
+  Routing r;
+  if (router_ == RouterKind::kSoftmaxTopK) {  // Mixtral: softmax, top k, renormalized
+    auto [p, e] = at::softmax(logits, -1).topk(top_k_, -1, /*largest=*/true, /*sorted=*/true);
+    r.weights = p / p.sum(-1, /*keepdim=*/true);
+    r.experts = e;
+  } else {  // Llama 4: the top k logits through a sigmoid
+    auto [l, e] = logits.topk(top_k_, -1, /*largest=*/true, /*sorted=*/true);
+    r.weights = at::sigmoid(l);
+    r.experts = e;
+  }
+  return r;
+}
+
+at::Tensor DecoderBlock::RoutedExperts(const at::Tensor& h, const Routing& routing,
+                                       const ExpertInputFn& expert_inputs) const {
+  const at::Tensor x = h.reshape({-1, h.size(-1)});
+  at::Tensor out = at::zeros_like(x);
+  const int64_t experts = static_cast<int64_t>(weights_.moe->experts.size());
+  // Tokens per expert from one host copy of the routing (no per-expert device sync).
+  const at::Tensor chosen = routing.experts.to(at::kCPU).contiguous();
+  const int64_t n = chosen.size(0), k = chosen.size(1);
+  const int64_t* c = chosen.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> rows(experts), slots(experts);
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t j = 0; j < k; ++j) {
+      rows[c[t * k + j]].push_back(t);
+      slots[c[t * k + j]].push_back(t * k + j);
+    }
+  }
+  const at::Tensor flat_weights = routing.weights.reshape({-1});
+  for (int64_t e = 0; e < experts; ++e) {
+    if (rows[e].empty()) continue;
+    const int64_t m = static_cast<int64_t>(rows[e].size());
+    // Copies (the callback may keep the rows), on x's device.
+    const at::Tensor idx = at::from_blob(rows[e].data(), {m}, at::kLong).clone().to(x.device());
+    const at::Tensor slot = at::from_blob(slots[e].data(), {m}, at::kLong).to(x.device(), at::kLong,
+                                                                             false, true);
+    const at::Tensor w = flat_weights.index_select(0, slot).unsqueeze(1);  // [m, 1]
+    at::Tensor in = x.index_select(0, idx);
+    if (router_ == RouterKind::kSigmoidTopKInput) in = in * w;
+    if (expert_inputs) expert_inputs(e, idx, in);
+    const ExpertWeights& ex = weights_.moe->experts[e];
+    at::Tensor y = ex.linear(ExpertLinear::kDown)
+                       .Forward(at::silu(ex.linear(ExpertLinear::kGate).Forward(in)) *
+                                ex.linear(ExpertLinear::kUp).Forward(in));
+    if (router_ == RouterKind::kSoftmaxTopK) y = y * w;
+    out.index_add_(0, idx, y);  // each row once per expert: the sum runs in expert order
+  }
+  return out.view(h.sizes());
+}
+
+at::Tensor DecoderBlock::FeedForward(const at::Tensor& h) const {
+  if (!is_moe()) return Mlp(h);
+  const Routing routing = Route(h);
+  if (hooks_.on_routing) hooks_.on_routing(routing);
+  at::Tensor routed = RoutedExperts(h, routing);
+  // Llama 4 adds the routed sum to the shared expert's output.
+  return weights_.has(LinearKind::kGate) ? Mlp(h) + routed : routed;
+}
+
 at::Tensor DecoderBlock::Forward(const at::Tensor& x, const Rope& rope) const {
   at::Tensor h = x + Attention(RmsNorm(x, weights_.input_norm, eps_), rope);
-  return h + Mlp(RmsNorm(h, weights_.post_norm, eps_));
+  return h + FeedForward(RmsNorm(h, weights_.post_norm, eps_));
 }
 
 StatusOr<at::Tensor> LoadTensorF32(CheckpointReader& ckpt, const std::string& name,
@@ -329,8 +445,13 @@ StatusOr<at::Tensor> LoadTensorF32(CheckpointReader& ckpt, const std::string& na
   at::Tensor t = at::empty(expected_shape, at::kFloat);
   QCAL_RETURN_IF_ERROR(found.first->ReadF32Into(name, t.data_ptr<float>(),
                                                 static_cast<size_t>(t.numel())));
-  // A NaN or infinite weight poisons every Hessian and output downstream, where the message
-  // could no longer say where it came from: name the file and the tensor here.
+  QCAL_RETURN_IF_ERROR(CheckFinite(t, found.first->path(), name));
+  return t;
+}
+
+// A NaN or infinite weight poisons every Hessian and output downstream, where the message could
+// no longer say where it came from: name the file and the tensor here.
+Status CheckFinite(const at::Tensor& t, const std::string& path, const std::string& name) {
   const float* p = t.data_ptr<float>();
   const int64_t n = t.numel();
   int64_t bad = 0, first = -1;
@@ -342,15 +463,40 @@ StatusOr<at::Tensor> LoadTensorF32(CheckpointReader& ckpt, const std::string& na
   }
   if (bad > 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        found.first->path(), ": tensor '", name, "' has ", bad, " non-finite value(s) of ", n,
+        path, ": tensor '", name, "' has ", bad, " non-finite value(s) of ", n,
         " (the first, element ", first, ", is ", std::isnan(p[first]) ? "NaN" : "infinite",
         "): the checkpoint is damaged or was saved from a diverged model"));
   }
+  return Status();
+}
+
+StatusOr<at::Tensor> LoadSlabF32(CheckpointReader& ckpt, const std::string& name,
+                                 const std::vector<int64_t>& expected_shape, int64_t index) {
+  QCAL_ASSIGN_OR_RETURN(auto found, ckpt.Find(name));
+  const TensorInfo& info = *found.second;
+  if (info.shape != expected_shape || !IsFloatingDType(info.dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        found.first->path(), ": tensor '", name, "' is ", std::string(DTypeName(info.dtype)),
+        " [", absl::StrJoin(info.shape, ", "), "], expected a floating [",
+        absl::StrJoin(expected_shape, ", "), "] from config.json"));
+  }
+  const std::vector<int64_t> slab(expected_shape.begin() + 1, expected_shape.end());
+  at::Tensor t = at::empty(slab, at::kFloat);
+  const uint64_t bytes = static_cast<uint64_t>(t.numel()) * DTypeSize(info.dtype);
+  ConvertToF32(info.dtype, found.first->Data(info) + index * bytes,
+               static_cast<size_t>(t.numel()), t.data_ptr<float>());
+  found.first->ReleasePages(info, index * bytes, (index + 1) * bytes);
+  QCAL_RETURN_IF_ERROR(CheckFinite(t, found.first->path(), absl::StrCat(name, "[", index, "]")));
   return t;
 }
 
 std::vector<int64_t> LinearShape(const LlamaConfig& c, LinearKind kind) {
-  const int64_t hid = c.hidden_size, inter = c.intermediate_size;
+  return LinearShape(c, kind, -1);
+}
+
+std::vector<int64_t> LinearShape(const LlamaConfig& c, LinearKind kind, int64_t layer) {
+  const int64_t hid = c.hidden_size;
+  const int64_t inter = layer < 0 ? c.intermediate_size : c.MlpSize(layer);
   switch (kind) {
     case LinearKind::kQ: return {c.q_dim(), hid};
     case LinearKind::kK:
@@ -369,19 +515,67 @@ StatusOr<BlockWeights> LoadBlockWeights(CheckpointReader& ckpt, const LlamaConfi
     return absl::OutOfRangeError(absl::StrCat("block ", layer, " out of range [0, ",
                                               c.num_hidden_layers, ")"));
   }
-  const std::string p = absl::StrCat("model.layers.", layer, ".");
+  const std::string p = c.TensorName(absl::StrCat("model.layers.", layer, "."));
   const int64_t hid = c.hidden_size;
   BlockWeights w;
+  w.layer = layer;
   QCAL_ASSIGN_OR_RETURN(w.input_norm, LoadTensorF32(ckpt, p + "input_layernorm.weight", {hid}));
   QCAL_ASSIGN_OR_RETURN(w.post_norm,
                         LoadTensorF32(ckpt, p + "post_attention_layernorm.weight", {hid}));
+  const bool moe = c.IsMoeLayer(layer);
   for (LinearKind k : kAllLinears) {
     const int i = static_cast<int>(k);
+    const bool mlp = k == LinearKind::kGate || k == LinearKind::kUp || k == LinearKind::kDown;
+    if (moe && mlp && !c.shared_expert) continue;  // Mixtral: no dense MLP beside the experts
     QCAL_ASSIGN_OR_RETURN(at::Tensor t,
-                          LoadTensorF32(ckpt, p + LinearName(k) + ".weight", LinearShape(c, k)));
+                          LoadTensorF32(ckpt, LinearTensorName(c, layer, k) + ".weight",
+                                        LinearShape(c, k, layer)));
     w.linears[i] = std::make_unique<DenseLinear>(std::move(t));
   }
+  if (!moe) return w;
+  const int64_t experts = c.num_experts, inter = c.intermediate_size;
+  w.moe = std::make_unique<MoeWeights>();
+  w.moe->experts.resize(experts);
+  auto set = [&](int64_t e, ExpertLinear k, at::Tensor t) {
+    w.moe->experts[e].linears[static_cast<int>(k)] = std::make_unique<DenseLinear>(std::move(t));
+  };
+  if (c.family == ModelFamily::kMixtral) {
+    const std::string m = p + "block_sparse_moe.";
+    QCAL_ASSIGN_OR_RETURN(w.moe->router, LoadTensorF32(ckpt, m + "gate.weight", {experts, hid}));
+    for (int64_t e = 0; e < experts; ++e) {
+      const std::string ep = absl::StrCat(m, "experts.", e, ".");
+      QCAL_ASSIGN_OR_RETURN(at::Tensor w1, LoadTensorF32(ckpt, ep + "w1.weight", {inter, hid}));
+      QCAL_ASSIGN_OR_RETURN(at::Tensor w3, LoadTensorF32(ckpt, ep + "w3.weight", {inter, hid}));
+      QCAL_ASSIGN_OR_RETURN(at::Tensor w2, LoadTensorF32(ckpt, ep + "w2.weight", {hid, inter}));
+      set(e, ExpertLinear::kGate, std::move(w1));
+      set(e, ExpertLinear::kUp, std::move(w3));
+      set(e, ExpertLinear::kDown, std::move(w2));
+    }
+    return w;
+  }
+  // Llama 4: fused experts, gate_up_proj [E, hidden, 2·inter] (gate columns first) and
+  // down_proj [E, inter, hidden] (x · W, not x · Wᵀ), split per expert as they are read.
+  const std::string f = p + "feed_forward.";
+  QCAL_ASSIGN_OR_RETURN(w.moe->router, LoadTensorF32(ckpt, f + "router.weight", {experts, hid}));
+  for (int64_t e = 0; e < experts; ++e) {
+    QCAL_ASSIGN_OR_RETURN(at::Tensor gate_up, LoadSlabF32(ckpt, f + "experts.gate_up_proj",
+                                                          {experts, hid, 2 * inter}, e));
+    QCAL_ASSIGN_OR_RETURN(at::Tensor down, LoadSlabF32(ckpt, f + "experts.down_proj",
+                                                       {experts, inter, hid}, e));
+    set(e, ExpertLinear::kGate, gate_up.narrow(1, 0, inter).t().contiguous());
+    set(e, ExpertLinear::kUp, gate_up.narrow(1, inter, inter).t().contiguous());
+    set(e, ExpertLinear::kDown, down.t().contiguous());
+  }
   return w;
+}
+
+std::string LinearTensorName(const LlamaConfig& c, int64_t layer, LinearKind kind) {
+  const std::string p = c.TensorName(absl::StrCat("model.layers.", layer, "."));
+  const bool mlp = kind == LinearKind::kGate || kind == LinearKind::kUp || kind == LinearKind::kDown;
+  if (!mlp || c.family != ModelFamily::kLlama4) return p + LinearName(kind);
+  // Llama 4: "feed_forward.<gate_proj|up_proj|down_proj>", the shared expert's in a MoE layer.
+  const std::string name = std::string(LinearName(kind)).substr(4);  // without "mlp."
+  return absl::StrCat(p, "feed_forward.", c.IsMoeLayer(layer) ? "shared_expert." : "", name);
 }
 
 LlamaModel::LlamaModel(LlamaConfig config, at::Tensor embed, std::vector<DecoderBlock> blocks,
@@ -397,7 +591,7 @@ StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& dir) {
   QCAL_ASSIGN_OR_RETURN(LlamaConfig config, LoadLlamaConfig(dir));
   QCAL_ASSIGN_OR_RETURN(auto ckpt, CheckpointReader::Open(dir));
   QCAL_ASSIGN_OR_RETURN(at::Tensor embed,
-                        LoadTensorF32(*ckpt, "model.embed_tokens.weight",
+                        LoadTensorF32(*ckpt, config.TensorName("model.embed_tokens.weight"),
                                       {config.vocab_size, config.hidden_size}));
   std::vector<DecoderBlock> blocks;
   blocks.reserve(config.num_hidden_layers);
@@ -405,11 +599,12 @@ StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& dir) {
     QCAL_ASSIGN_OR_RETURN(BlockWeights w, LoadBlockWeights(*ckpt, config, l));
     blocks.emplace_back(config, std::move(w));
   }
-  QCAL_ASSIGN_OR_RETURN(at::Tensor norm,
-                        LoadTensorF32(*ckpt, "model.norm.weight", {config.hidden_size}));
+  QCAL_ASSIGN_OR_RETURN(at::Tensor norm, LoadTensorF32(*ckpt, config.TensorName("model.norm.weight"),
+                                                       {config.hidden_size}));
   at::Tensor head = embed;
-  if (!config.tie_word_embeddings || ckpt->Has("lm_head.weight")) {
-    QCAL_ASSIGN_OR_RETURN(head, LoadTensorF32(*ckpt, "lm_head.weight",
+  const std::string head_name = config.TensorName("lm_head.weight");
+  if (!config.tie_word_embeddings || ckpt->Has(head_name)) {
+    QCAL_ASSIGN_OR_RETURN(head, LoadTensorF32(*ckpt, head_name,
                                               {config.vocab_size, config.hidden_size}));
   }
   return std::make_unique<LlamaModel>(std::move(config), std::move(embed), std::move(blocks),
@@ -427,8 +622,17 @@ Status DecoderBlock::MoveTo(const at::Device& device) {
         " (the cache's simulation runs on the host)"));
   }
   for (LinearKind k : kAllLinears) {
+    if (!weights_.has(k)) continue;
     QCAL_RETURN_IF_ERROR(Annotate(weights_.linears[static_cast<int>(k)]->MoveTo(device),
                                   LinearName(k)));
+  }
+  if (weights_.moe) {
+    for (size_t e = 0; e < weights_.moe->experts.size(); ++e) {
+      for (auto& l : weights_.moe->experts[e].linears) {
+        QCAL_RETURN_IF_ERROR(Annotate(l->MoveTo(device), absl::StrCat("expert ", e)));
+      }
+    }
+    weights_.moe->router = weights_.moe->router.to(device);
   }
   weights_.input_norm = weights_.input_norm.to(device);
   weights_.post_norm = weights_.post_norm.to(device);

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -88,11 +89,41 @@ inline constexpr LinearKind kAllLinears[] = {LinearKind::kQ,    LinearKind::kK, 
 const char* LinearName(LinearKind kind);
 // The [out_features, in_features] of a linear of a block of `config`.
 std::vector<int64_t> LinearShape(const LlamaConfig& config, LinearKind kind);
+// The same for block `layer` (Llama 4's dense layers are intermediate_size_mlp wide).
+std::vector<int64_t> LinearShape(const LlamaConfig& config, LinearKind kind, int64_t layer);
+// Where a linear of block `layer` is stored in `config`'s checkpoints, without ".weight":
+// "model.layers.3.mlp.gate_proj" (Llama, Mixtral's attention), "model.layers.3.feed_forward.
+// gate_proj" (a Llama 4 dense layer), "model.layers.3.feed_forward.shared_expert.gate_proj" (a
+// Llama 4 MoE layer's shared expert), behind config.tensor_prefix.
+std::string LinearTensorName(const LlamaConfig& config, int64_t layer, LinearKind kind);
+
+// The routed experts of a mixture-of-experts block (hf_config.h ModelFamily): a float router
+// and, per expert, a SwiGLU MLP of intermediate_size (down(silu(gate(x)) * up(x))).
+enum class ExpertLinear { kGate = 0, kUp = 1, kDown = 2 };
+struct ExpertWeights {
+  std::unique_ptr<Linear> linears[3];  // indexed by ExpertLinear
+  Linear& linear(ExpertLinear k) const { return *linears[static_cast<int>(k)]; }
+};
+struct MoeWeights {
+  at::Tensor router;                  // [experts, hidden] float32, kept in full precision
+  std::vector<ExpertWeights> experts;
+};
+// A MoE block's routing of n tokens: the top-k experts of each token, and the weight each
+// chosen expert gets (Mixtral: its renormalized softmax probability, multiplied into its output;
+// Llama 4: the sigmoid of its logit, multiplied into its input).
+struct Routing {
+  at::Tensor experts;  // [n, k] int64
+  at::Tensor weights;  // [n, k] float32
+};
 
 struct BlockWeights {
+  int64_t layer = 0;      // which block of the model (its attention and MLP variant)
   at::Tensor input_norm;  // [hidden]
   at::Tensor post_norm;   // [hidden]
-  std::unique_ptr<Linear> linears[7];  // indexed by LinearKind
+  // Indexed by LinearKind. In a MoE block the MLP linears are the shared expert (Llama 4) or
+  // null (Mixtral, which has none).
+  std::unique_ptr<Linear> linears[7];
+  std::unique_ptr<MoeWeights> moe;  // the routed experts of a MoE block; null for a dense one
   // K-sort (engine/qsim/ksort.h): channel j of KV head g holds the half-split RoPE channel
   // rope_perm[g][j]; query heads use their KV head's row. [kv_heads, head_dim] int64, or
   // undefined for the identity (every model not K-sorted).
@@ -102,6 +133,7 @@ struct BlockWeights {
   // float forward pass ignores them.
   std::map<std::string, at::Tensor> extra;
   Linear& linear(LinearKind k) const { return *linears[static_cast<int>(k)]; }
+  bool has(LinearKind k) const { return linears[static_cast<int>(k)] != nullptr; }
 };
 
 // Rotary embedding tables for positions [0, max_positions).
@@ -114,12 +146,13 @@ inline constexpr int64_t kMaxRopePositions = 32768;
 inline constexpr int64_t kMaxPrefixTokens = 64;
 class Rope {
  public:
+  // interleaved: the pairs (2i, 2i+1) rotate by frequency i (Llama 4) instead of (i, i + d/2).
   Rope(int64_t head_dim, double theta, int64_t max_positions,
-       const RopeScaling& scaling = RopeScaling());
+       const RopeScaling& scaling = RopeScaling(), bool interleaved = false);
   explicit Rope(const LlamaConfig& config)
       : Rope(config.head_dim, config.rope_theta,
              std::min(config.max_position_embeddings, kMaxRopePositions) + kMaxPrefixTokens,
-             config.rope_scaling) {}
+             config.rope_scaling, config.rope_interleaved) {}
   // x [batch, heads, seq, head_dim] at positions [offset, offset + seq) -> rotated copy.
   // offset + seq must not exceed max_positions().
   at::Tensor Apply(const at::Tensor& x, int64_t offset = 0) const;
@@ -127,6 +160,7 @@ class Rope {
   // channel perm[h][j]. perm [heads, head_dim] int64; undefined = Apply(x, offset).
   at::Tensor Apply(const at::Tensor& x, const at::Tensor& perm, int64_t offset = 0) const;
   int64_t max_positions() const { return max_positions_; }
+  bool interleaved() const { return interleaved_; }
   // The tables Apply multiplies by: [max_positions, head_dim] float32 (cos and sin of position ·
   // the half-split inverse frequencies, repeated for both halves).
   const at::Tensor& cos_table() const { return cos_; }
@@ -134,6 +168,7 @@ class Rope {
 
  private:
   int64_t max_positions_;
+  bool interleaved_ = false;
   at::Tensor cos_, sin_;  // [max_positions, head_dim]
 };
 
@@ -181,8 +216,18 @@ struct BlockHooks {
   std::shared_ptr<const KvCacheHook> kv_cache;
   // Prefixed keys and values (above). Null: none; positions start at 0.
   std::shared_ptr<const PrefixKv> prefix;
+  // A MoE block calls it with each forward pass's routing (its tokens' rows flattened in order)
+  // before the experts run: what analyses of the routing read (tools/expert_load.h). Empty: none.
+  std::function<void(const Routing&)> on_routing;
 };
 
+// A decoder block of block `weights.layer` of `config`: a dense Llama block, or (hf_config.h
+// ModelFamily) a Mixtral or Llama 4 one: Llama 4's NoPE layers (no RoPE; queries scaled by the
+// temperature log1p(⌊(pos + 1) / floor_scale⌋) · attn_scale + 1 when attn_temperature_tuning), its
+// L2 qk-norm of RoPE layers' heads (x · rsqrt(mean(x²) + eps), after RoPE), its chunked attention
+// on RoPE layers (a query reads keys of its own attention_chunk_size-long chunk of positions),
+// and a MoE feed-forward (BlockWeights::moe): Route, then each expert on its tokens, summed in
+// expert order, plus the shared expert.
 class DecoderBlock {
  public:
   DecoderBlock(const LlamaConfig& config, BlockWeights weights);
@@ -198,6 +243,20 @@ class DecoderBlock {
   // RoPE and qk_rotation), k, v}, as attention computes them before any KvCacheHook.
   std::tuple<at::Tensor, at::Tensor, at::Tensor> Projections(const at::Tensor& x, const Rope& rope,
                                                              int64_t offset) const;
+  // The feed-forward of normalised h [..., hidden]: the dense MLP, or the MoE layer.
+  at::Tensor FeedForward(const at::Tensor& h) const;
+  // A MoE block's routing of normalised h [..., hidden] (its rows flattened, in order).
+  Routing Route(const at::Tensor& h) const;
+  // The routed experts' sum for normalised h [..., hidden] given its routing (without the shared
+  // expert). `expert_inputs`, when set, is called with each expert's index, its token rows (into
+  // the flattened h) and the input its gate/up read ([rows, hidden], Llama 4's scaled by the
+  // router) before the expert runs: calibration's per-expert statistics.
+  using ExpertInputFn =
+      std::function<void(int64_t expert, const at::Tensor& rows, const at::Tensor& input)>;
+  at::Tensor RoutedExperts(const at::Tensor& h, const Routing& routing,
+                           const ExpertInputFn& expert_inputs = nullptr) const;
+  bool is_moe() const { return weights_.moe != nullptr; }
+  int64_t layer() const { return weights_.layer; }
   const BlockWeights& weights() const { return weights_; }
   BlockWeights& mutable_weights() { return weights_; }
   const BlockHooks& hooks() const { return hooks_; }
@@ -221,6 +280,15 @@ class DecoderBlock {
   at::Tensor Mlp(const at::Tensor& h) const;
   int64_t heads_, kv_heads_, head_dim_;
   double eps_;
+  // The attention and feed-forward variant of this layer (the class comment); a dense Llama
+  // block has rope_ and nothing else.
+  bool rope_ = true;
+  bool qk_norm_ = false;
+  bool temperature_ = false;
+  double floor_scale_ = 8192, attn_scale_ = 0.1;
+  int64_t chunk_ = 0;
+  RouterKind router_ = RouterKind::kSoftmaxTopK;
+  int64_t top_k_ = 0;
   BlockWeights weights_;
   BlockHooks hooks_;
 };
@@ -230,7 +298,16 @@ at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // Reads one tensor as float32 and checks its shape. Errors name the tensor and the checkpoint.
 StatusOr<at::Tensor> LoadTensorF32(CheckpointReader& ckpt, const std::string& name,
                                    const std::vector<int64_t>& expected_shape);
-// Loads decoder block `layer` alone (only its tensors are read).
+// Slab `index` of a stacked tensor (expected_shape [n, ...], any floating dtype) as float32
+// [...]: one expert of Llama 4's fused experts, converted and its pages released without the
+// whole stack in memory. Errors as LoadTensorF32.
+StatusOr<at::Tensor> LoadSlabF32(CheckpointReader& ckpt, const std::string& name,
+                                 const std::vector<int64_t>& expected_shape, int64_t index);
+// InvalidArgument naming `path` and tensor `name` when float32 `t` holds a NaN or infinity.
+Status CheckFinite(const at::Tensor& t, const std::string& path, const std::string& name);
+// Loads decoder block `layer` alone (only its tensors are read): Llama's seven linears, and for
+// a MoE layer its router and experts (Mixtral's per-expert w1/w3/w2; Llama 4's fused tensors
+// split per expert) beside the shared expert.
 StatusOr<BlockWeights> LoadBlockWeights(CheckpointReader& ckpt, const LlamaConfig& config,
                                         int64_t layer);
 

@@ -18,7 +18,7 @@ CheckpointSource::CheckpointSource(LlamaConfig config, std::unique_ptr<Checkpoin
 StatusOr<at::Tensor> CheckpointSource::Embed(const at::Tensor& ids_in) {
   const at::Tensor ids = ids_in.to(at::kLong).contiguous();
   std::vector<int64_t> rows(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + ids.numel());
-  const std::string name = "model.embed_tokens.weight";
+  const std::string name = config_.TensorName("model.embed_tokens.weight");
   QCAL_ASSIGN_OR_RETURN(auto found, ckpt_->Find(name));
   const TensorInfo& info = *found.second;
   if (info.shape != std::vector<int64_t>{config_.vocab_size, config_.hidden_size}) {
@@ -41,12 +41,13 @@ StatusOr<std::unique_ptr<DecoderBlock>> CheckpointSource::LoadBlock(int64_t laye
 
 StatusOr<NonBlockWeights> CheckpointSource::LoadNonBlock() {
   NonBlockWeights w;
-  QCAL_ASSIGN_OR_RETURN(w.embed, LoadTensorF32(*ckpt_, "model.embed_tokens.weight",
+  QCAL_ASSIGN_OR_RETURN(w.embed, LoadTensorF32(*ckpt_, config_.TensorName("model.embed_tokens.weight"),
                                                {config_.vocab_size, config_.hidden_size}));
   QCAL_ASSIGN_OR_RETURN(w.final_norm,
-                        LoadTensorF32(*ckpt_, "model.norm.weight", {config_.hidden_size}));
+                        LoadTensorF32(*ckpt_, config_.TensorName("model.norm.weight"),
+                                      {config_.hidden_size}));
   if (!HeadTied()) {
-    QCAL_ASSIGN_OR_RETURN(w.head, LoadTensorF32(*ckpt_, "lm_head.weight",
+    QCAL_ASSIGN_OR_RETURN(w.head, LoadTensorF32(*ckpt_, config_.TensorName("lm_head.weight"),
                                                 {config_.vocab_size, config_.hidden_size}));
     w.head_tied = false;
   } else {
@@ -58,11 +59,12 @@ StatusOr<NonBlockWeights> CheckpointSource::LoadNonBlock() {
 
 bool CheckpointSource::HeadTied() const {
   // As LlamaModel::Load chooses: lm_head when the config unties it or the checkpoint has one.
-  return config_.tie_word_embeddings && !ckpt_->Has("lm_head.weight");
+  return config_.tie_word_embeddings && !ckpt_->Has(config_.TensorName("lm_head.weight"));
 }
 
 StatusOr<std::pair<const SafetensorsFile*, const TensorInfo*>> CheckpointSource::HeadTable() {
-  const std::string name = HeadTied() ? "model.embed_tokens.weight" : "lm_head.weight";
+  const std::string name =
+      config_.TensorName(HeadTied() ? "model.embed_tokens.weight" : "lm_head.weight");
   QCAL_ASSIGN_OR_RETURN(auto found, ckpt_->Find(name));
   const std::vector<int64_t> shape = {config_.vocab_size, config_.hidden_size};
   if (found.second->shape != shape || !IsFloatingDType(found.second->dtype)) {
@@ -91,7 +93,7 @@ StatusOr<at::Tensor> CheckpointSource::HeadRows(int64_t begin, int64_t count) {
 }
 
 StatusOr<at::Tensor> CheckpointSource::FinalNorm() {
-  return LoadTensorF32(*ckpt_, "model.norm.weight", {config_.hidden_size});
+  return LoadTensorF32(*ckpt_, config_.TensorName("model.norm.weight"), {config_.hidden_size});
 }
 
 Status CheckpointSource::AddStoredTensor(SafetensorsWriter* writer, const std::string& name) {

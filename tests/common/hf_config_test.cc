@@ -252,11 +252,12 @@ TEST(HfConfigTest, UnsupportedArchitecture) {
   json j = Minimal();
   j["architectures"] = json::array({"MistralForCausalLM"});
   ExpectInvalid(j, {"config.json: unsupported architecture 'MistralForCausalLM' (qcal supports "
-                    "LlamaForCausalLM)"});
+                    "LlamaForCausalLM, MixtralForCausalLM, Llama4ForCausalLM and "
+                    "Llama4ForConditionalGeneration)"});
   j = Minimal();
   j.erase("architectures");
   j["model_type"] = "gpt2";
-  ExpectInvalid(j, {"unsupported architecture 'gpt2' (qcal supports LlamaForCausalLM)"});
+  ExpectInvalid(j, {"unsupported architecture 'gpt2' (qcal supports LlamaForCausalLM"});
   j = Minimal();
   j.erase("architectures");
   ExpectInvalid(j, {"unsupported architecture", "neither architectures nor model_type"});
@@ -309,7 +310,7 @@ TEST(HfConfigTest, RopeScalingParametersAreChecked) {
   }
   j["rope_scaling"] = llama3;
   j["rope_scaling"]["high_freq_factor"] = 0.5;
-  ExpectInvalid(j, {"high_freq_factor 0.5 must exceed low_freq_factor 1"});
+  ExpectInvalid(j, {"high_freq_factor 0.5 must not be below low_freq_factor 1"});
   j["rope_scaling"] = llama3;
   j["rope_scaling"]["original_max_position_embeddings"] = 8192.5;
   ExpectInvalid(j, {"original_max_position_embeddings must be an integer"});
@@ -400,6 +401,178 @@ TEST(HfConfigTest, ToJsonKeepsUnknownKeysAndRoundTrips) {
   EXPECT_DOUBLE_EQ(again->rms_norm_eps, 1e-5);
   EXPECT_EQ(again->torch_dtype, "bfloat16");
   EXPECT_EQ(again->raw.at("quantization_config").at("bits"), 2);
+}
+
+// Mixtral-8x7B-v0.1's config.json (issue 53).
+const char kMixtral[] = R"({
+  "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
+  "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+  "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mixtral",
+  "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32,
+  "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": false,
+  "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02,
+  "sliding_window": null, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+  "transformers_version": "4.36.0.dev0", "use_cache": true, "vocab_size": 32000
+})";
+
+TEST(HfConfigTest, Mixtral) {
+  auto c = ParseLlamaConfig(kMixtral, "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->architecture, "MixtralForCausalLM");
+  EXPECT_EQ(c->family, ModelFamily::kMixtral);
+  EXPECT_TRUE(c->is_moe());
+  EXPECT_EQ(c->num_experts, 8);
+  EXPECT_EQ(c->experts_per_token, 2);
+  EXPECT_EQ(c->router, RouterKind::kSoftmaxTopK);
+  EXPECT_FALSE(c->shared_expert);
+  EXPECT_FALSE(c->rope_interleaved);
+  EXPECT_EQ(c->tensor_prefix, "");
+  for (int64_t l = 0; l < 32; ++l) {
+    EXPECT_TRUE(c->IsMoeLayer(l));
+    EXPECT_TRUE(c->UsesRope(l));
+    EXPECT_EQ(c->MlpSize(l), 14336);
+  }
+  EXPECT_EQ(c->attention_chunk_size, 0);
+  // Absent keys take MixtralConfig's defaults.
+  json j = json::parse(kMixtral);
+  for (const char* k : {"num_local_experts", "num_experts_per_tok", "rope_theta", "rms_norm_eps"}) {
+    j.erase(k);
+  }
+  c = ParseLlamaConfig(j.dump(), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->num_experts, 8);
+  EXPECT_EQ(c->experts_per_token, 2);
+  EXPECT_EQ(c->rope_theta, 1e6);
+  EXPECT_EQ(c->rms_norm_eps, 1e-5);
+  j["num_experts_per_tok"] = 9;
+  ExpectInvalid(j, {"num_experts_per_tok 9 exceeds num_local_experts 8"});
+  j = json::parse(kMixtral);
+  j["sliding_window"] = 4096;
+  ExpectInvalid(j, {"sliding_window 4096", "unsupported"});
+}
+
+// The text part of Llama-4-Scout-17B-16E's config.json, shortened to 8 layers.
+json Llama4Text() {
+  return json::parse(R"({
+    "attention_bias": false, "attention_chunk_size": 8192, "attn_scale": 0.1,
+    "attn_temperature_tuning": true, "bos_token_id": 200000,
+    "eos_token_id": [200001, 200007, 200008], "floor_scale": 8192, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 5120, "interleave_moe_layer_step": 1,
+    "intermediate_size": 8192, "intermediate_size_mlp": 16384,
+    "max_position_embeddings": 10485760, "model_type": "llama4_text", "moe_layers": null,
+    "no_rope_layers": [1, 1, 1, 0, 1, 1, 1, 0], "num_attention_heads": 40,
+    "num_experts_per_tok": 1, "num_hidden_layers": 8, "num_key_value_heads": 8,
+    "num_local_experts": 16, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 16.0, "high_freq_factor": 1.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "router_aux_loss_coef": 0.001, "tie_word_embeddings": false,
+    "torch_dtype": "bfloat16", "use_qk_norm": true, "vocab_size": 202048
+  })");
+}
+
+TEST(HfConfigTest, Llama4TextAndMultimodal) {
+  json text = Llama4Text();
+  text["architectures"] = json::array({"Llama4ForCausalLM"});
+  auto c = ParseLlamaConfig(text.dump(), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->family, ModelFamily::kLlama4);
+  EXPECT_EQ(c->router, RouterKind::kSigmoidTopKInput);
+  EXPECT_TRUE(c->shared_expert && c->rope_interleaved && c->use_qk_norm &&
+              c->attn_temperature_tuning);
+  EXPECT_EQ(c->attention_chunk_size, 8192);
+  EXPECT_EQ(c->eos_token_id, 200001);
+  for (int64_t l = 0; l < 8; ++l) {
+    EXPECT_TRUE(c->IsMoeLayer(l)) << l;
+    EXPECT_EQ(c->UsesRope(l), (l + 1) % 4 != 0) << l;
+    EXPECT_EQ(c->MlpSize(l), 8192) << l;
+  }
+
+  // Maverick's interleaving: MoE on every 2nd layer, the others dense of intermediate_size_mlp.
+  json maverick = text;
+  maverick["interleave_moe_layer_step"] = 2;
+  c = ParseLlamaConfig(maverick.dump(), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  for (int64_t l = 0; l < 8; ++l) {
+    EXPECT_EQ(c->IsMoeLayer(l), l % 2 == 1) << l;
+    EXPECT_EQ(c->MlpSize(l), l % 2 == 1 ? 8192 : 16384) << l;
+  }
+  maverick["moe_layers"] = json::array({0, 5});
+  c = ParseLlamaConfig(maverick.dump(), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->IsMoeLayer(0) && c->IsMoeLayer(5) && !c->IsMoeLayer(1));
+
+  // Absent keys take Llama4TextConfig's defaults; a null chunk size is no chunking; Meta's
+  // integer attn_temperature_tuning counts as on.
+  json bare = text;
+  for (const char* k : {"no_rope_layers", "use_qk_norm", "attn_temperature_tuning",
+                        "attention_chunk_size", "rope_theta", "num_local_experts",
+                        "num_experts_per_tok", "intermediate_size_mlp"}) {
+    bare.erase(k);
+  }
+  c = ParseLlamaConfig(bare.dump(), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->attention_chunk_size, 8192);
+  EXPECT_TRUE(c->use_qk_norm && c->attn_temperature_tuning);
+  EXPECT_EQ(c->rope_theta, 5e5);
+  EXPECT_EQ(c->num_experts, 16);
+  EXPECT_EQ(c->experts_per_token, 1);
+  EXPECT_EQ(c->intermediate_size_mlp, 16384);
+  EXPECT_FALSE(c->UsesRope(3));
+  EXPECT_TRUE(c->UsesRope(4));
+  bare["attention_chunk_size"] = nullptr;
+  bare["attn_temperature_tuning"] = 4;
+  bare["no_rope_layer_interval"] = 2;
+  c = ParseLlamaConfig(bare.dump(), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->attention_chunk_size, 0);
+  EXPECT_TRUE(c->attn_temperature_tuning);
+  EXPECT_FALSE(c->UsesRope(1));
+
+  // The multimodal checkpoint: the text model in text_config, tensors under language_model.
+  json mm = {{"architectures", json::array({"Llama4ForConditionalGeneration"})},
+             {"model_type", "llama4"},
+             {"text_config", text},
+             {"vision_config", {{"model_type", "llama4_vision_model"}, {"hidden_size", 1408}}}};
+  mm["text_config"].erase("architectures");
+  c = ParseLlamaConfig(mm.dump(), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->architecture, "Llama4ForConditionalGeneration");
+  EXPECT_EQ(c->tensor_prefix, "language_model.");
+  EXPECT_EQ(c->hidden_size, 5120);
+  EXPECT_EQ(c->TensorName("model.norm.weight"), "language_model.model.norm.weight");
+  // Written back, the text fields stay in text_config and the vision config is untouched.
+  const json out = LlamaConfigToJson(*c);
+  EXPECT_FALSE(out.contains("hidden_size"));
+  EXPECT_EQ(out["text_config"]["hidden_size"], 5120);
+  EXPECT_EQ(out["vision_config"]["hidden_size"], 1408);
+  auto again = ParseLlamaConfig(out.dump(), "config.json");
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->num_experts, 16);
+
+  // Errors name the field, under text_config for the multimodal layout.
+  json bad = mm;
+  bad.erase("text_config");
+  ExpectInvalid(bad, {"Llama4ForConditionalGeneration needs a 'text_config' object"});
+  bad = mm;
+  bad["text_config"]["no_rope_layers"] = json::array({1, 1});
+  ExpectInvalid(bad, {"config.json: text_config: field 'no_rope_layers' has 2 entries for 8 layers"});
+  bad = mm;
+  bad["text_config"]["no_rope_layers"][0] = 2;
+  ExpectInvalid(bad, {"'no_rope_layers'[0] is 2, not 0 or 1"});
+  bad = mm;
+  bad["text_config"]["moe_layers"] = json::array({8});
+  ExpectInvalid(bad, {"'moe_layers' names layer 8, outside [0, 8)"});
+  bad = mm;
+  bad["text_config"]["layer_types"] = json::array();
+  for (int l = 0; l < 8; ++l) bad["text_config"]["layer_types"].push_back("full_attention");
+  ExpectInvalid(bad, {"layer_types[0] is \"full_attention\"", "chunked_attention", "RoPE layer"});
+  // Scout's own rope_scaling: equal high and low factors, no band to interpolate in.
+  json scout = Llama4Text();
+  scout["architectures"] = json::array({"Llama4ForCausalLM"});
+  c = ParseLlamaConfig(scout.dump(), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->rope_scaling.type, RopeScaling::Type::kLlama3);
+  EXPECT_EQ(c->rope_scaling.factor, 16.0);
 }
 
 TEST(HfConfigTest, ToJsonFromDefaultConstructedConfig) {

@@ -36,9 +36,15 @@ def read_safetensors(path):
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        assert info["dtype"] == "F32", (name, info["dtype"])
         b, e = info["data_offsets"]
-        out[name] = np.frombuffer(data[8 + n + b:8 + n + e], dtype="<f4").reshape(info["shape"]).astype(np.float64)
+        raw = data[8 + n + b:8 + n + e]
+        if info["dtype"] == "F32":
+            a = np.frombuffer(raw, dtype="<f4")
+        elif info["dtype"] == "BF16":  # the upper half of a float32
+            a = (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view("<f4")
+        else:
+            raise ValueError(f"{path}: tensor {name} is {info['dtype']} (F32 and BF16 are read)")
+        out[name] = a.reshape(info["shape"]).astype(np.float64)
     return out
 
 

@@ -17,17 +17,21 @@ fused ([E, D, 2I] gate_up_proj, [E, I, D] down_proj), and the shared expert is a
 layers are a dense MLP of intermediate_size_mlp.
 
   moe_reference.py upcycle --dense DIR --layout mixtral|llama4|llama4-mm --out DIR
-        [--experts 4 --top-k 2 --noise 0.0 --seed 0 --shared-scale 1.0]
+        [--experts 4 --top-k 2 --noise 0.0 --seed 0 --shared-scale 1.0 --router-scale 1.0]
+        [--moe-step 1 --mlp-pad 0 --nope-interval 0 --qk-norm --temperature-tuning
+         --floor-scale 8192 --chunk 8192]  (Llama 4 layouts)
       a MoE model made from a dense Llama (DIR/config.json + DIR/model.safetensors, F32): every
       expert a copy of the block's MLP (perturbed by N(0, noise^2) relative noise); Llama 4's
       q/k rows permuted from half-split to interleaved RoPE pairs (the same model), its shared
       expert the MLP times shared-scale and its routed experts' down_proj times 1 - shared-scale.
       With noise 0 the Mixtral layout, and the Llama 4 layouts with shared-scale 1, compute the
-      dense model's logits.
+      dense model's logits. Other files of the dense directory (the tokenizer's) are copied.
+  moe_reference.py bf16-shards --model DIR --out DIR [--shards 2]
+      the model as bfloat16 (rounded to nearest even) in shards with model.safetensors.index.json
   moe_reference.py logits --model DIR --tokens 1,2,3 --out FILE
       the logits [len(tokens), vocab] as little-endian float32
 """
-import argparse, json, math, os, sys
+import argparse, json, math, os, shutil, struct, sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -120,10 +124,14 @@ def llama4_forward(c, w, ids, prefix=""):
     eps, s = c["rms_norm_eps"], len(ids)
     freqs = np.outer(np.arange(s, dtype=np.float64), inv_freq(c))
     cos, sin = np.cos(freqs)[:, None, :], np.sin(freqs)[:, None, :]  # [s, 1, hd / 2]
-    no_rope = c.get("no_rope_layers") or [1] * c["num_hidden_layers"]
+    # Hugging Face's Llama4TextConfig defaults: absent (or empty) no_rope_layers make every 4th
+    # layer NoPE; qk-norm and temperature tuning on; 8192-token chunks (null: none).
+    no_rope = c.get("no_rope_layers") or [int((l + 1) % c.get("no_rope_layer_interval", 4) != 0)
+                                           for l in range(c["num_hidden_layers"])]
     moe = llama4_moe_layers(c)
-    top_k, experts = c["num_experts_per_tok"], c["num_local_experts"]
-    chunk = c.get("attention_chunk_size")
+    top_k, experts = c.get("num_experts_per_tok", 1), c.get("num_local_experts", 16)
+    chunk = c.get("attention_chunk_size", 8192)
+    qk_norm, tuning = c.get("use_qk_norm", True), c.get("attn_temperature_tuning", True)
     pos = np.arange(s, dtype=np.float64)
     temperature = np.log1p(np.floor((pos + 1.0) / c.get("floor_scale", 8192))) * c.get(
         "attn_scale", 0.1) + 1.0
@@ -138,10 +146,10 @@ def llama4_forward(c, w, ids, prefix=""):
         v = (h @ g(p + "self_attn.v_proj.weight").T).reshape(s, kv, hd)
         if use_rope:
             q, k = rope_interleaved(q, cos, sin), rope_interleaved(k, cos, sin)
-            if c.get("use_qk_norm"):
+            if qk_norm:
                 q = q / np.sqrt((q * q).mean(-1, keepdims=True) + eps)
                 k = k / np.sqrt((k * k).mean(-1, keepdims=True) + eps)
-        elif c.get("attn_temperature_tuning"):
+        elif tuning:
             q = q * temperature[:, None, None]
         mask = causal_mask(s, chunk=chunk if use_rope else None)
         x = x + attention(q, k, v, mask) @ g(p + "self_attn.o_proj.weight").T
@@ -169,10 +177,62 @@ def llama4_forward(c, w, ids, prefix=""):
 
 
 def read_model(d):
+    """config.json and the weights of model.safetensors or of the shards its index names."""
     with open(os.path.join(d, "config.json")) as f:
         config = json.load(f)
-    w = read_safetensors(os.path.join(d, "model.safetensors"))
+    index = os.path.join(d, "model.safetensors.index.json")
+    if not os.path.exists(index):
+        return config, read_safetensors(os.path.join(d, "model.safetensors"))
+    with open(index) as f:
+        files = sorted(set(json.load(f)["weight_map"].values()))
+    w = {}
+    for name in files:
+        w.update(read_safetensors(os.path.join(d, name)))
     return config, w
+
+
+def to_bf16(x):
+    """float -> bfloat16 bits, rounded to nearest even."""
+    u = np.ascontiguousarray(x, dtype="<f4").view("<u4").astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2")
+
+
+def bf16_shards(a):
+    """The model of --model as bfloat16 in --shards files with an index, as Hugging Face
+    checkpoints are stored (tensors in name order, split into contiguous runs)."""
+    config, w = read_model(a.model)
+    names = sorted(w)
+    per = -(-len(names) // a.shards)
+    os.makedirs(a.out, exist_ok=True)
+    weight_map = {}
+    for i in range(a.shards):
+        fname = f"model-{i + 1:05d}-of-{a.shards:05d}.safetensors"
+        chunk = names[i * per:(i + 1) * per]
+        header, offset, blobs = {"__metadata__": {"format": "pt"}}, 0, []
+        for name in chunk:
+            b = to_bf16(w[name]).tobytes()
+            header[name] = {"dtype": "BF16", "shape": list(w[name].shape),
+                            "data_offsets": [offset, offset + len(b)]}
+            offset += len(b)
+            blobs.append(b)
+            weight_map[name] = fname
+        h = json.dumps(header).encode()
+        h += b" " * ((8 - len(h) % 8) % 8)
+        with open(os.path.join(a.out, fname), "wb") as f:
+            f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+    with open(os.path.join(a.out, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+    for name in os.listdir(a.model):
+        src = os.path.join(a.model, name)
+        if os.path.isfile(src) and not name.endswith(".safetensors") and not name.endswith(
+                ".index.json"):
+            shutil.copyfile(src, os.path.join(a.out, name))
+    with open(os.path.join(a.out, "config.json")) as f:
+        c = json.load(f)
+    (c.get("text_config") or c)["torch_dtype"] = "bfloat16"
+    c["torch_dtype"] = "bfloat16"
+    with open(os.path.join(a.out, "config.json"), "w") as f:
+        json.dump(c, f, indent=1)
 
 
 def forward(config, w, ids):
@@ -202,7 +262,8 @@ def upcycle(a):
     hidden, inter = c["hidden_size"], c["intermediate_size"]
     f32 = lambda x: np.asarray(x, dtype=np.float32)  # noqa: E731
     noisy = lambda W: f32(W * (1 + a.noise * rng.standard_normal(W.shape)))  # noqa: E731
-    router = lambda: f32(rng.standard_normal((E, hidden)) / math.sqrt(hidden))  # noqa: E731
+    router = lambda: f32(rng.standard_normal((E, hidden)) * a.router_scale /  # noqa: E731
+                         math.sqrt(hidden))
     tensors = [(n, f32(w[n])) for n in ("model.embed_tokens.weight", "model.norm.weight")]
     if "lm_head.weight" in w:
         tensors.append(("lm_head.weight", f32(w["lm_head.weight"])))
@@ -226,6 +287,13 @@ def upcycle(a):
                     tensors.append((f"{m}experts.{e}.{name}.weight", noisy(mlp[key])))
             continue
         f = p + "feed_forward."
+        if (l + 1) % a.moe_step != 0:  # a dense layer: the MLP widened by mlp_pad inert channels
+            pad = rng.standard_normal((a.mlp_pad, hidden)) * 0.1
+            tensors += [(f + "gate_proj.weight", f32(np.concatenate([mlp["gate"], pad]))),
+                        (f + "up_proj.weight", f32(np.concatenate([mlp["up"], pad]))),
+                        (f + "down_proj.weight",
+                         f32(np.concatenate([mlp["down"], np.zeros((hidden, a.mlp_pad))], 1)))]
+            continue
         tensors.append((f + "router.weight", router()))
         routed = 1.0 - a.shared_scale
         gate_up = np.stack([np.concatenate([noisy(mlp["gate"]).T, noisy(mlp["up"]).T], 1)
@@ -245,10 +313,13 @@ def upcycle(a):
         config = dict(base, architectures=["MixtralForCausalLM"], model_type="mixtral",
                       intermediate_size=inter, sliding_window=None, router_aux_loss_coef=0.02)
     else:
+        no_rope = [int(a.nope_interval == 0 or (l + 1) % a.nope_interval != 0) for l in range(L)]
         text = dict(base, model_type="llama4_text", intermediate_size=inter,
-                    intermediate_size_mlp=inter, interleave_moe_layer_step=1,
-                    no_rope_layers=[1] * L, use_qk_norm=False, attn_temperature_tuning=False,
-                    attention_chunk_size=8192, floor_scale=8192, attn_scale=0.1)
+                    intermediate_size_mlp=inter + a.mlp_pad, interleave_moe_layer_step=a.moe_step,
+                    no_rope_layers=no_rope, use_qk_norm=a.qk_norm,
+                    attn_temperature_tuning=a.temperature_tuning,
+                    attention_chunk_size=a.chunk or None, floor_scale=a.floor_scale,
+                    attn_scale=0.1)
         config = dict(text, architectures=["Llama4ForCausalLM"])
         if a.layout == "llama4-mm":
             vision = {"model_type": "llama4_vision_model", "hidden_size": 32, "vision_output_dim": 16}
@@ -261,6 +332,11 @@ def upcycle(a):
                          f32(rng.standard_normal((hidden, 16))))]
     os.makedirs(a.out, exist_ok=True)
     write_safetensors(os.path.join(a.out, "model.safetensors"), tensors)
+    # The tokenizer files (and anything else beside the weights) come along unchanged.
+    for name in os.listdir(a.dense):
+        src = os.path.join(a.dense, name)
+        if os.path.isfile(src) and name not in ("config.json", "model.safetensors"):
+            shutil.copyfile(src, os.path.join(a.out, name))
     with open(os.path.join(a.out, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
 
@@ -283,12 +359,29 @@ def main():
     u.add_argument("--noise", type=float, default=0.0)
     u.add_argument("--seed", type=int, default=0)
     u.add_argument("--shared-scale", type=float, default=1.0)
+    # The router's rows are N(0, router_scale^2 / hidden): a larger scale gives larger logits
+    # (Llama 4: sigmoid scores nearer 1 for the chosen experts; Mixtral: peakier softmax).
+    u.add_argument("--router-scale", type=float, default=1.0)
+    # Llama 4 only: MoE on every moe-step-th layer (the others dense, their MLP widened by mlp-pad
+    # inert channels so intermediate_size_mlp differs); NoPE on every nope-interval-th layer (0:
+    # none); qk-norm; temperature tuning with floor-scale; attention chunks (0: none).
+    u.add_argument("--moe-step", type=int, default=1)
+    u.add_argument("--mlp-pad", type=int, default=0)
+    u.add_argument("--nope-interval", type=int, default=0)
+    u.add_argument("--qk-norm", action="store_true")
+    u.add_argument("--temperature-tuning", action="store_true")
+    u.add_argument("--floor-scale", type=int, default=8192)
+    u.add_argument("--chunk", type=int, default=8192)
     g = sub.add_parser("logits")
     g.add_argument("--model", required=True)
     g.add_argument("--tokens", required=True)
     g.add_argument("--out", required=True)
+    b = sub.add_parser("bf16-shards")
+    b.add_argument("--model", required=True)
+    b.add_argument("--out", required=True)
+    b.add_argument("--shards", type=int, default=2)
     a = p.parse_args()
-    upcycle(a) if a.cmd == "upcycle" else logits(a)
+    {"upcycle": upcycle, "logits": logits, "bf16-shards": bf16_shards}[a.cmd](a)
 
 
 if __name__ == "__main__":

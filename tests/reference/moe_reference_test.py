@@ -34,7 +34,8 @@ def rel(a, b):
 
 def upcycle(dense, out, layout, **kw):
     a = argparse.Namespace(dense=dense, layout=layout, out=out, experts=4, top_k=2, noise=0.0,
-                           seed=3, shared_scale=1.0)
+                           seed=3, shared_scale=1.0, router_scale=1.0, moe_step=1, mlp_pad=0, nope_interval=0,
+                           qk_norm=False, temperature_tuning=False, floor_scale=8192, chunk=8192)
     for k, v in kw.items():
         setattr(a, k, v)
     moe_ref.upcycle(a)
@@ -63,6 +64,20 @@ def main():
     check(any(n.startswith("vision_model.") for n in m) and
           all(n.startswith(("language_model.", "vision_model.", "multi_modal_projector."))
               for n in m), "the multimodal layout: text under language_model., vision beside it")
+
+    c, m = upcycle(dense, os.path.join(tmp, "interleaved"), "llama4", moe_step=2, mlp_pad=8)
+    r = rel(moe_ref.forward(c, m, ids), want)
+    check(r < 1e-12 and c["intermediate_size_mlp"] == c["intermediate_size"] + 8 and
+          f"model.layers.0.feed_forward.gate_proj.weight" in m and
+          "model.layers.1.feed_forward.router.weight" in m,
+          f"Llama 4 with MoE on every 2nd layer, dense layers of intermediate_size_mlp: dense "
+          f"logits (rel {r:.1e})")
+    bare = {k: v for k, v in c.items() if k not in ("no_rope_layers", "use_qk_norm",
+                                                    "attn_temperature_tuning",
+                                                    "attention_chunk_size")}
+    r = rel(moe_ref.forward(bare, m, ids), want)
+    check(r > 1e-4, f"absent Llama 4 keys take Hugging Face's defaults (NoPE every 4th layer, "
+                    f"qk-norm, temperature tuning): the logits change (rel {r:.1e})")
 
     # Each check can fail.
     c, m = upcycle(dense, os.path.join(tmp, "noisy"), "mixtral", noise=0.05)
