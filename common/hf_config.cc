@@ -335,7 +335,7 @@ Status ParseRopeScaling(const FieldReader& fields, RopeScaling* out) {
     return fields.Error("rope_scaling original_max_position_embeddings must be an integer");
   }
   out->original_max_position_embeddings = static_cast<int64_t>(original);
-  // Equal factors (Llama 4 Scout's 1.0 and 1.0) leave no band to interpolate in.
+  // Equal factors leave no band to interpolate in (transformers computes them the same way).
   if (out->high_freq_factor < out->low_freq_factor) {
     return fields.Error(absl::StrCat("rope_scaling high_freq_factor ", out->high_freq_factor,
                                      " must not be below low_freq_factor ", out->low_freq_factor));

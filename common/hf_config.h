@@ -18,7 +18,7 @@ namespace qcal {
 // frequency by `factor`; `llama3` (Llama 3.1 and later) divides the low frequencies (wavelength
 // above original_max_position_embeddings / low_freq_factor) by `factor`, keeps the high ones
 // (wavelength below original_max_position_embeddings / high_freq_factor) and interpolates
-// smoothly in between (no band when the two factors are equal, as in Llama 4 Scout), as Hugging
+// smoothly in between (no band when the two factors are equal), as Hugging
 // Face's _compute_llama3_parameters does. Neither changes the
 // attention scale.
 struct RopeScaling {

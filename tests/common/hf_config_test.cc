@@ -451,7 +451,8 @@ TEST(HfConfigTest, Mixtral) {
   ExpectInvalid(j, {"sliding_window 4096", "unsupported"});
 }
 
-// The text part of Llama-4-Scout-17B-16E's config.json, shortened to 8 layers.
+// A Llama 4 text config with Scout's sizes (Llama4TextConfig's defaults: hidden 5120, 16 experts,
+// top 1, 40 heads / 8 KV heads), shortened to 8 layers, with equal rope_scaling frequency factors.
 json Llama4Text() {
   return json::parse(R"({
     "attention_bias": false, "attention_chunk_size": 8192, "attn_scale": 0.1,
@@ -566,7 +567,7 @@ TEST(HfConfigTest, Llama4TextAndMultimodal) {
   bad["text_config"]["layer_types"] = json::array();
   for (int l = 0; l < 8; ++l) bad["text_config"]["layer_types"].push_back("full_attention");
   ExpectInvalid(bad, {"layer_types[0] is \"full_attention\"", "chunked_attention", "RoPE layer"});
-  // Scout's own rope_scaling: equal high and low factors, no band to interpolate in.
+  // Equal high and low frequency factors: no band to interpolate in.
   json scout = Llama4Text();
   scout["architectures"] = json::array({"Llama4ForCausalLM"});
   c = ParseLlamaConfig(scout.dump(), "config.json");

@@ -205,7 +205,7 @@ INSTANTIATE_TEST_SUITE_P(
              /*bf16_shards=*/true}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
-// Llama 4 Scout's rope_scaling: llama3 with equal high and low frequency factors (1.0, 1.0)
+// llama3 rope_scaling with equal high and low frequency factors (1.0, 1.0)
 // leaves no band to interpolate in: long wavelengths divided by the factor, short ones kept, no
 // division by zero.
 TEST(MoeModel, Llama3RopeScalingWithEqualFactors) {
