@@ -140,14 +140,18 @@ StatusOr<std::vector<int32_t>> FirstTokens(const Tokenizer& tokenizer, const std
   return tokens;
 }
 
+// Refuses a mixture-of-experts model from its config alone, before the weights are loaded.
+Status DenseModelDir(const std::string& tool, const std::string& model_dir) {
+  QCAL_ASSIGN_OR_RETURN(LlamaConfig config, LoadLlamaConfig(model_dir));
+  return tools::DenseOnly(tool, model_dir, config);
+}
+
 }  // namespace
 
 int RunOutlierStats(const OutlierStatsOptions& o) {
+  if (auto s = DenseModelDir("outlier-stats", o.model_dir); !s.ok()) return Fail(s);
   auto model = methods::LoadModel(o.model_dir);
   if (!model.ok()) return Fail(model.status());
-  if (auto s = tools::DenseOnly("outlier-stats", o.model_dir, (*model)->config()); !s.ok()) {
-    return Fail(s);
-  }
   model::SetComputeThreads(model::AutoComputeThreads((*model)->config()));
   auto tokenizer = LoadTokenizerFromModelDir(o.model_dir);
   if (!tokenizer.ok()) return Fail(tokenizer.status());
@@ -326,14 +330,16 @@ int RunPlantSinks(const PlantSinksCliOptions& o) {
 }
 
 int RunExpertLoad(const ExpertLoadOptions& o) {
+  auto config = LoadLlamaConfig(o.model_dir);  // refuse a dense model before loading it
+  if (!config.ok()) return Fail(config.status());
+  if (!config->is_moe()) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+        o.model_dir, "/config.json: ", config->architecture,
+        " is a dense model; expert-load counts the routing of a mixture of experts")));
+  }
   auto model = methods::LoadModel(o.model_dir);
   if (!model.ok()) return Fail(model.status());
   const LlamaConfig& c = (*model)->config();
-  if (!c.is_moe()) {
-    return Fail(absl::InvalidArgumentError(absl::StrCat(
-        o.model_dir, "/config.json: ", c.architecture,
-        " is a dense model; expert-load counts the routing of a mixture of experts")));
-  }
   if (o.ctx < 2 || o.ctx > c.max_position_embeddings) {
     return Fail(absl::InvalidArgumentError(
         absl::StrCat("--ctx ", o.ctx, ": must be in [2, ", c.max_position_embeddings, "]")));
@@ -382,11 +388,9 @@ int RunExpertLoad(const ExpertLoadOptions& o) {
 }
 
 int RunKvEval(const KvEvalOptions& o) {
+  if (auto s = DenseModelDir("kv-eval", o.model_dir); !s.ok()) return Fail(s);
   auto model = methods::LoadModel(o.model_dir);
   if (!model.ok()) return Fail(model.status());
-  if (auto s = tools::DenseOnly("kv-eval", o.model_dir, (*model)->config()); !s.ok()) {
-    return Fail(s);
-  }
   model::LlamaModel& m = **model;
   model::SetComputeThreads(o.threads > 0 ? o.threads : model::AutoComputeThreads(m.config()));
   if (o.k_sort_order != "pairs" && o.k_sort_order != "channels") {

@@ -398,11 +398,9 @@ at::Tensor DecoderBlock::RoutedExperts(const at::Tensor& h, const Routing& routi
   const at::Tensor flat_weights = routing.weights.reshape({-1});
   for (int64_t e = 0; e < experts; ++e) {
     if (rows[e].empty()) continue;
-    const int64_t m = static_cast<int64_t>(rows[e].size());
-    // Copies (the callback may keep the rows), on x's device.
-    const at::Tensor idx = at::from_blob(rows[e].data(), {m}, at::kLong).clone().to(x.device());
-    const at::Tensor slot = at::from_blob(slots[e].data(), {m}, at::kLong).to(x.device(), at::kLong,
-                                                                             false, true);
+    // Copies of the index lists (the callback may keep the rows), on x's device.
+    const at::Tensor idx = at::tensor(rows[e], at::kLong).to(x.device());
+    const at::Tensor slot = at::tensor(slots[e], at::kLong).to(x.device());
     const at::Tensor w = flat_weights.index_select(0, slot).unsqueeze(1);  // [m, 1]
     at::Tensor in = x.index_select(0, idx);
     if (router_ == RouterKind::kSigmoidTopKInput) in = in * w;

@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <random>
 #include <string>
@@ -41,6 +42,7 @@
 #include "runner/job_inputs.h"
 #include "tests/model_fixtures.h"
 #include "tools/expert_load.h"
+#include "tools/model_dir.h"
 #include "tests/test_util.h"
 
 namespace qcal {
@@ -282,6 +284,50 @@ TEST(MoeModel, ExpertLoadCountsEveryRoutedToken) {
   auto dense = model::LlamaModel::Load(DenseDir());
   ASSERT_TRUE(dense.ok());
   EXPECT_FALSE(tools::MeasureExpertLoad(**dense, windows).ok());
+}
+
+// One expert's slab of a stacked tensor: converted from bf16, the slab asked for; a shape that is
+// not the config's names the tensor, its shape and the expected one.
+TEST(MoeModel, LoadSlabReadsOneExpert) {
+  const std::string dir = MakeTempDir("moe-slab");
+  std::vector<uint16_t> bf16(2 * 3 * 4);
+  for (size_t i = 0; i < bf16.size(); ++i) {  // bf16 of the float i: its upper 16 bits
+    const float f = static_cast<float>(i);
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    bf16[i] = static_cast<uint16_t>(u >> 16);
+  }
+  SafetensorsWriter writer;
+  ASSERT_TRUE(writer.Add("experts.down_proj", DType::kBF16, {2, 3, 4}, bf16.data(),
+                         bf16.size() * 2).ok());
+  ASSERT_TRUE(writer.Write(dir + "/model.safetensors").ok());
+  auto ckpt = CheckpointReader::Open(dir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  auto slab = model::LoadSlabF32(**ckpt, "experts.down_proj", {2, 3, 4}, 1);
+  ASSERT_TRUE(slab.ok()) << slab.status();
+  EXPECT_TRUE(at::equal(*slab, at::arange(12, 24, at::kFloat).view({3, 4})));
+  auto wrong = model::LoadSlabF32(**ckpt, "experts.down_proj", {3, 3, 4}, 0);
+  ASSERT_FALSE(wrong.ok());
+  for (const char* part : {"model.safetensors", "'experts.down_proj'", "BF16 [2, 3, 4]",
+                           "expected a floating [3, 3, 4]"}) {
+    EXPECT_NE(wrong.status().message().find(part), std::string::npos) << wrong.status();
+  }
+}
+
+// The dense-only tools refuse a MoE model by its config, naming the tool and the architecture.
+TEST(MoeModel, DenseOnlyToolsRefuseIt) {
+  const std::string dir = Upcycle("tools", "--layout mixtral --top-k 2");
+  auto config = LoadLlamaConfig(dir);
+  ASSERT_TRUE(config.ok()) << config.status();
+  const Status s = tools::CheckDerivedModelDirs("plant-outliers", dir, *config, dir + "-out");
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("MixtralForCausalLM is a mixture-of-experts model; plant-outliers "
+                             "works on dense Llama models"),
+            std::string::npos)
+      << s;
+  auto dense = LoadLlamaConfig(DenseDir());
+  ASSERT_TRUE(dense.ok());
+  EXPECT_TRUE(tools::DenseOnly("kv-eval", DenseDir(), *dense).ok());
 }
 
 // Until MoE quantization lands, a job on a MoE model is refused up front with the reason.
