@@ -85,7 +85,8 @@ std::vector<std::string> MethodNames(const std::vector<const MethodSpec*>& metho
 Status ReadCalibration(const RecipeSection& top, CalibrationSpec* spec) {
   QCAL_ASSIGN_OR_RETURN(
       RecipeSection calibration,
-      top.ReadSection("calibration", {"files", "num_sequences", "seq_len", "seed", "precision"}));
+      top.ReadSection("calibration", {"files", "num_sequences", "seq_len", "seed", "precision",
+                                      "moe_route_all", "moe_min_tokens"}));
   spec->files = {kDefaultCalibrationFile};
   if (const RecipeSection::Entry* files = calibration.Find("files")) {
     if (!files->value.IsSequence()) {
@@ -120,6 +121,11 @@ Status ReadCalibration(const RecipeSection& top, CalibrationSpec* spec) {
                    " tokens"),
       absl::StrCat(spec->num_sequences, " × ", spec->seq_len)));
   QCAL_RETURN_IF_ERROR(calibration.ReadChoice("precision", {"fp32", "bf16"}, &spec->precision));
+  QCAL_RETURN_IF_ERROR(calibration.ReadBool("moe_route_all", &spec->moe_route_all));
+  QCAL_RETURN_IF_ERROR(calibration.ReadInt("moe_min_tokens", &spec->moe_min_tokens));
+  QCAL_RETURN_IF_ERROR(calibration.RequireRange(
+      "moe_min_tokens", spec->moe_min_tokens >= -1,
+      ">= 0, or -1 for the model's hidden size", std::to_string(spec->moe_min_tokens)));
   return calibration.ReadUint("seed", &spec->seed);
 }
 
@@ -271,6 +277,12 @@ nlohmann::json Recipe::ToJson() const {
                       {"seq_len", calibration.seq_len},
                       {"seed", calibration.seed},
                       {"precision", calibration.precision}};
+  // The MoE keys only when set: every other recipe's JSON (and the checkpoints that carry it)
+  // stays as it was.
+  if (calibration.moe_route_all) j["calibration"]["moe_route_all"] = true;
+  if (calibration.moe_min_tokens != -1) {
+    j["calibration"]["moe_min_tokens"] = calibration.moe_min_tokens;
+  }
   j["finetune"] = {{"enabled", finetune.enabled},
                    {"block", StageJson(finetune.block, /*with_enabled=*/false)},
                    {"end_to_end", StageJson(finetune.end_to_end, /*with_enabled=*/true)}};

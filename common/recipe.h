@@ -46,6 +46,13 @@ struct CalibrationSpec {
   // summation order) or "bf16" (bf16 inputs and weights, fp32 accumulation on tensor cores). A CPU
   // rank computes in fp32 and refuses "bf16". docs/algorithms.md "Calibration precision".
   std::string precision = "fp32";
+  // Mixture-of-experts models (docs/algorithms.md "Calibrating routed experts"): calibrate every
+  // routed expert on every token while the block's output keeps the real routing; otherwise an
+  // expert the router sends fewer than moe_min_tokens calibration tokens (-1: the model's hidden
+  // size; 0: never) is calibrated on every token, with a warning naming layer and expert. Dense
+  // models ignore both.
+  bool moe_route_all = false;
+  int64_t moe_min_tokens = -1;
 };
 
 struct FinetuneStage {

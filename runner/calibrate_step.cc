@@ -94,6 +94,8 @@ Status CalibrationWalk(comm::Comm& comm, JobContext* ctx, bool hessians, bool ac
   options.device_sum = ctx->rank.device_sum;
   options.gpu = ctx->gpu;
   options.precision = calib::ForwardPrecision(ctx->recipe.calibration);
+  options.moe_route_all = ctx->recipe.calibration.moe_route_all;
+  options.moe_min_tokens = ctx->recipe.calibration.moe_min_tokens;
   if (options.hessians) {
     QCAL_ASSIGN_OR_RETURN(options.shard_hessians, ShardHessians(comm, *ctx));
   }

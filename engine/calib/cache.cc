@@ -28,6 +28,11 @@ int64_t FileSize(const std::string& path) {
 // The cache format written by SaveBlockHessians (files without it hold fp64 sums: stale).
 constexpr char kHessianFormat[] = "3";
 
+// "experts.<e>.gate_up" / "experts.<e>.down": a routed expert's sums, dimension and count.
+std::string ExpertTensorBase(int64_t expert, ExpertInput input) {
+  return absl::StrCat("experts.", expert, ".", ExpertInputName(input));
+}
+
 // The errno of the failed call, with the free space when the disk is full (io::ErrnoError).
 Status Errno(const std::string& path, const char* what) { return io::ErrnoError(errno, path, what); }
 
@@ -59,6 +64,11 @@ std::string CalibrationKey(const std::string& inputs_key, const LlamaConfig& con
   absl::StrAppend(&canon, "|n=", spec.num_sequences, "|len=", seq_len, "|seed=", spec.seed);
   // fp32 is what every key meant before the precision was a recipe key: its caches stay valid.
   if (spec.precision != "fp32") absl::StrAppend(&canon, "|precision=", spec.precision);
+  // The MoE settings change a MoE model's expert Hessians; dense keys stay as they were.
+  if (config.is_moe()) {
+    absl::StrAppend(&canon, "|moe_route_all=", spec.moe_route_all ? 1 : 0,
+                    "|moe_min_tokens=", spec.moe_min_tokens);
+  }
   return Fnv1aHex(canon);
 }
 
@@ -116,6 +126,34 @@ Status SaveBlockHessians(const std::string& path, const BlockHessians& h, const 
     const int64_t count = acc.count();
     QCAL_RETURN_IF_ERROR(writer.Add(base + ".count", DType::kI64, {}, &count, sizeof(count)));
   }
+  // A MoE block's experts (a dense block's file has none of these tensors).
+  std::vector<int64_t> routed, route_all;
+  for (const ExpertHessians& e : h.experts) {
+    routed.push_back(e.routed_tokens);
+    route_all.push_back(e.route_all ? 1 : 0);
+  }
+  if (!h.experts.empty()) {
+    const int64_t n = static_cast<int64_t>(h.experts.size());
+    QCAL_RETURN_IF_ERROR(writer.Add("experts.routed_tokens", DType::kI64, {n}, routed.data(),
+                                    routed.size() * sizeof(int64_t)));
+    QCAL_RETURN_IF_ERROR(writer.Add("experts.route_all", DType::kI64, {n}, route_all.data(),
+                                    route_all.size() * sizeof(int64_t)));
+  }
+  for (size_t e = 0; e < h.experts.size(); ++e) {
+    for (ExpertInput i : kExpertInputs) {
+      const HessianAccumulator& acc = h.experts[e].at(i);
+      const std::string base = ExpertTensorBase(static_cast<int64_t>(e), i);
+      const std::vector<Fixed128>* packed = &acc.packed();
+      QCAL_RETURN_IF_ERROR(writer.AddStreamed(
+          base + ".fixed", DType::kI64, {static_cast<int64_t>(packed->size()), 2},
+          [packed](const SafetensorsWriter::ByteSink& sink) {
+            return sink(packed->data(), packed->size() * sizeof(Fixed128));
+          }));
+      const int64_t n = acc.dim(), count = acc.count();
+      QCAL_RETURN_IF_ERROR(writer.Add(base + ".dim", DType::kI64, {}, &n, sizeof(n)));
+      QCAL_RETURN_IF_ERROR(writer.Add(base + ".count", DType::kI64, {}, &count, sizeof(count)));
+    }
+  }
   QCAL_RETURN_IF_ERROR(writer.Write(path));
   return WriteCacheChecksum(path);
 }
@@ -130,23 +168,64 @@ class MappedHessianFile final : public StoredHessianSums {
     int64_t n = 0, count = 0;
     const TensorInfo* fixed = nullptr;
   };
-  MappedHessianFile(std::unique_ptr<SafetensorsFile> file, std::array<Kind, 4> kinds)
-      : file_(std::move(file)), kinds_(kinds) {}
+  MappedHessianFile(std::unique_ptr<SafetensorsFile> file, std::array<Kind, 4> kinds,
+                    std::vector<std::array<Kind, 2>> experts)
+      : file_(std::move(file)), kinds_(kinds), experts_(std::move(experts)) {}
   int64_t dim(HessianKind k) const override { return kinds_[static_cast<int>(k)].n; }
   int64_t count(HessianKind k) const override { return kinds_[static_cast<int>(k)].count; }
-  at::Tensor Mean(HessianKind k) const override {
-    const Kind& kind = kinds_[static_cast<int>(k)];
+  at::Tensor Mean(HessianKind k) const override { return MeanOf(kinds_[static_cast<int>(k)]); }
+  at::Tensor ExpertMean(int64_t expert, ExpertInput input) const override {
+    if (expert < 0 || expert >= static_cast<int64_t>(experts_.size())) return at::Tensor();
+    return MeanOf(experts_[expert][static_cast<int>(input)]);
+  }
+
+ private:
+  at::Tensor MeanOf(const Kind& kind) const {
     if (kind.count == 0) return at::zeros({kind.n, kind.n}, at::kDouble);
     at::Tensor mean = SymmetricSumFromPacked(file_->Data(*kind.fixed), kind.n)
                           .div_(static_cast<double>(kind.count));
     file_->ReleasePages(*kind.fixed);
     return mean;
   }
-
- private:
   std::unique_ptr<SafetensorsFile> file_;
   std::array<Kind, 4> kinds_;
+  std::vector<std::array<Kind, 2>> experts_;
 };
+
+// One stored sum's tensors "<base>.fixed/.dim/.count", checked. DataLoss naming `path` when
+// missing or malformed.
+StatusOr<MappedHessianFile::Kind> FindStoredSum(const SafetensorsFile& file,
+                                                const std::string& path, const std::string& base) {
+  const TensorInfo* fixed = file.Find(base + ".fixed");
+  const TensorInfo* dim = file.Find(base + ".dim");
+  const TensorInfo* count = file.Find(base + ".count");
+  if (!fixed || !dim || !count || fixed->dtype != DType::kI64 || fixed->shape.size() != 2 ||
+      fixed->shape[1] != 2 || dim->dtype != DType::kI64 || dim->numel() != 1 ||
+      count->dtype != DType::kI64 || count->numel() != 1) {
+    return absl::DataLossError(absl::StrCat(path, ": missing or malformed '", base, "'"));
+  }
+  int64_t n;
+  std::memcpy(&n, file.Data(*dim), sizeof(n));
+  if (n < 0 || n > (int64_t{1} << 20) || fixed->shape[0] != n * (n + 1) / 2) {
+    return absl::DataLossError(absl::StrCat(path, ": '", base, ".fixed' has ", fixed->shape[0],
+                                            " values, expected ", n * (n + 1) / 2));
+  }
+  int64_t c;
+  std::memcpy(&c, file.Data(*count), sizeof(c));
+  if (c < 0) return absl::DataLossError(absl::StrCat(path, ": '", base, ".count' is ", c));
+  return MappedHessianFile::Kind{n, c, fixed};
+}
+
+// The accumulator of a stored sum, read into memory.
+StatusOr<HessianAccumulator> ReadStoredSum(SafetensorsFile& file, const std::string& path,
+                                           const MappedHessianFile::Kind& kind) {
+  std::vector<Fixed128> packed(kind.fixed->shape[0]);
+  std::memcpy(packed.data(), file.Data(*kind.fixed), packed.size() * sizeof(Fixed128));
+  file.ReleasePages(*kind.fixed);
+  auto acc = HessianAccumulator::FromFixed(kind.n, std::move(packed), kind.count);
+  if (!acc.ok()) return Annotate(acc.status(), path);
+  return acc;
+}
 
 }  // namespace
 
@@ -173,36 +252,49 @@ StatusOr<BlockHessians> LoadBlockHessians(const std::string& path, const std::st
   BlockHessians h;
   std::array<MappedHessianFile::Kind, 4> kinds;
   for (HessianKind k : kAllHessianKinds) {
-    const std::string base = HessianKindName(k);
-    const TensorInfo* fixed = file->Find(base + ".fixed");
-    const TensorInfo* dim = file->Find(base + ".dim");
-    const TensorInfo* count = file->Find(base + ".count");
-    if (!fixed || !dim || !count || fixed->dtype != DType::kI64 || fixed->shape.size() != 2 ||
-        fixed->shape[1] != 2 || dim->dtype != DType::kI64 || dim->numel() != 1 ||
-        count->dtype != DType::kI64 || count->numel() != 1) {
-      return absl::DataLossError(absl::StrCat(path, ": missing or malformed '", base, "'"));
+    QCAL_ASSIGN_OR_RETURN(kinds[static_cast<int>(k)],
+                          FindStoredSum(*file, path, HessianKindName(k)));
+    if (!mapped) {
+      QCAL_ASSIGN_OR_RETURN(h.at(k), ReadStoredSum(*file, path, kinds[static_cast<int>(k)]));
     }
-    int64_t n;
-    std::memcpy(&n, file->Data(*dim), sizeof(n));
-    if (n < 0 || n > (int64_t{1} << 20) || fixed->shape[0] != n * (n + 1) / 2) {
-      return absl::DataLossError(absl::StrCat(path, ": '", base, ".fixed' has ", fixed->shape[0],
-                                              " values, expected ", n * (n + 1) / 2));
-    }
-    int64_t c;
-    std::memcpy(&c, file->Data(*count), sizeof(c));
-    if (c < 0) return absl::DataLossError(absl::StrCat(path, ": '", base, ".count' is ", c));
-    if (mapped) {
-      kinds[static_cast<int>(k)] = {n, c, fixed};
-      continue;
-    }
-    std::vector<Fixed128> packed(fixed->shape[0]);
-    std::memcpy(packed.data(), file->Data(*fixed), packed.size() * sizeof(Fixed128));
-    file->ReleasePages(*fixed);
-    auto acc = HessianAccumulator::FromFixed(n, std::move(packed), c);
-    if (!acc.ok()) return Annotate(acc.status(), path);
-    h.at(k) = std::move(*acc);
   }
-  if (mapped) h.stored = std::make_shared<MappedHessianFile>(std::move(file), kinds);
+  // A MoE block's experts.
+  std::vector<std::array<MappedHessianFile::Kind, 2>> experts;
+  if (const TensorInfo* routed = file->Find("experts.routed_tokens")) {
+    const TensorInfo* route_all = file->Find("experts.route_all");
+    if (routed->dtype != DType::kI64 || routed->shape.size() != 1 || route_all == nullptr ||
+        route_all->dtype != DType::kI64 || route_all->shape != routed->shape ||
+        routed->shape[0] < 1 || routed->shape[0] > (int64_t{1} << 16)) {
+      return absl::DataLossError(
+          absl::StrCat(path, ": malformed 'experts.routed_tokens' or 'experts.route_all'"));
+    }
+    const int64_t n = routed->shape[0];
+    std::vector<int64_t> tokens(n), flags(n);
+    std::memcpy(tokens.data(), file->Data(*routed), n * sizeof(int64_t));
+    std::memcpy(flags.data(), file->Data(*route_all), n * sizeof(int64_t));
+    h.experts.resize(n);
+    experts.resize(n);
+    for (int64_t e = 0; e < n; ++e) {
+      if (tokens[e] < 0 || (flags[e] != 0 && flags[e] != 1)) {
+        return absl::DataLossError(
+            absl::StrCat(path, ": expert ", e, " has routed tokens ", tokens[e],
+                         " and route-all flag ", flags[e]));
+      }
+      h.experts[e].routed_tokens = tokens[e];
+      h.experts[e].route_all = flags[e] != 0;
+      for (ExpertInput i : kExpertInputs) {
+        QCAL_ASSIGN_OR_RETURN(experts[e][static_cast<int>(i)],
+                              FindStoredSum(*file, path, ExpertTensorBase(e, i)));
+        if (!mapped) {
+          QCAL_ASSIGN_OR_RETURN(h.experts[e].at(i),
+                                ReadStoredSum(*file, path, experts[e][static_cast<int>(i)]));
+        }
+      }
+    }
+  }
+  if (mapped) {
+    h.stored = std::make_shared<MappedHessianFile>(std::move(file), kinds, std::move(experts));
+  }
   return h;
 }
 
@@ -331,6 +423,10 @@ SafetensorsWriter HessianFileLayout(const BlockHessians& h, const std::string& k
 // equal SaveBlockHessians's for the whole sums. Collective.
 Status SaveShardedBlockHessians(comm::Comm& comm, const std::string& path,
                                 const BlockHessians& h, const std::string& key) {
+  if (!h.experts.empty()) {
+    return absl::UnimplementedError(absl::StrCat(
+        path, ": sharded Hessian files hold dense blocks only (this one has experts)"));
+  }
   QCAL_ASSIGN_OR_RETURN(auto file,
                         SharedSafetensorsFile::Begin(comm, path, HessianFileLayout(h, key)));
   Status local;

@@ -4,7 +4,10 @@
 // Files (in the directories the job driver gives, CalibrationDirs: runner/job_dir.h names them
 // JOB/hessians, JOB/activations, JOB/spill): HESSIANS/block_<l>.safetensors, per kind "<kind>.fixed" (I64 [n(n+1)/2, 2]:
 // the exact int128 sums T as little-endian (low, high) words), "<kind>.dim" (I64, n) and
-// "<kind>.count" (I64), metadata calibration_key and hessian_format "3". Files of older formats
+// "<kind>.count" (I64), metadata calibration_key and hessian_format "3"; a mixture-of-experts
+// block's file also holds "experts.routed_tokens" and "experts.route_all" (I64 [E]) and each
+// routed expert's sums as "experts.<e>.gate_up.{fixed,dim,count}" and "experts.<e>.down.*"
+// (hessian.h ExpertHessians; a dense block's file is unchanged). Files of older formats
 // ("2" also held an fp64 copy of the sums, doubling the file; without hessian_format: fp64
 // sums only) are treated as stale and recomputed. ACTIVATIONS/block_<l>.safetensors:
 // tensor "hidden" [N, S, hidden] F32 = the float model's input of block l (l = num_blocks: the

@@ -134,7 +134,9 @@ class Walk {
     Lap(&result_->forward_seconds);  // (the progress callback, if any)
     if (activations_) QCAL_RETURN_IF_ERROR(Annotate(SaveBoundary(l), where));
     Lap(&result_->save_seconds);
-    return sharded_ ? ShardedBlock(l, where) : ReplicatedBlock(l, where);
+    // A MoE block's experts are summed replicated (the bands hold dense inputs only).
+    return sharded_ && !source_.config().IsMoeLayer(l) ? ShardedBlock(l, where)
+                                                       : ReplicatedBlock(l, where);
   }
 
   // The last block's outputs (activations).
@@ -168,17 +170,67 @@ class Walk {
     return file->Finish(comm_);
   }
 
+  // The starved-expert rule (CalibrationOptions::moe_min_tokens) for MoE block `block`: the
+  // router's tokens per expert over every rank's chunks (attention and router only), and which
+  // experts fall below the minimum and so calibrate on every token. Collective.
+  Status StarvedExperts(model::DecoderBlock& block, int64_t l, const std::string& where,
+                        std::vector<bool>* route_all) {
+    const int64_t min_tokens =
+        options_.moe_min_tokens < 0 ? hidden_ : options_.moe_min_tokens;
+    const int64_t experts = source_.config().num_experts;
+    std::vector<int64_t> tokens(experts, 0);
+    Status local;
+    for (int64_t i = 0; i < store_->chunks() && local.ok(); ++i) {
+      StatusOr<at::Tensor> x = store_->Get(i);
+      local = x.ok() ? CountRoutedTokens(block, *x, source_.rope(), options_.batch, &tokens)
+                     : x.status();
+    }
+    QCAL_RETURN_IF_ERROR(AgreeOk(comm_, Annotate(local, where), where));
+    QCAL_RETURN_IF_ERROR(comm_.AllReduceSum(tokens.data(), tokens.size()));
+    route_all->assign(experts, false);
+    std::vector<int64_t> starved;
+    for (int64_t e = 0; e < experts; ++e) {
+      if (tokens[e] >= min_tokens) continue;
+      (*route_all)[e] = true;
+      starved.push_back(e);
+      if (comm_.rank() == 0) {
+        QCAL_LOG_WARN("calibration, block {}: the router sends expert {} {} of {} calibration "
+                      "tokens, fewer than the minimum {} (calibration.moe_min_tokens): it is "
+                      "calibrated on every token instead",
+                      l, e, tokens[e], num_seqs_ * seq_len_, min_tokens);
+      }
+    }
+    if (!starved.empty()) result_->starved_experts[l] = std::move(starved);
+    return Status();
+  }
+
   // Replicated sums: every rank sums its own chunks into whole accumulators (on a GPU they stay
-  // on the device for the whole block), then the ranks reduce them and rank 0 saves them.
+  // on the device for the whole block), then the ranks reduce them and rank 0 saves them. A MoE
+  // block's sums are on the host (hessian.h) and reduced there.
   Status ReplicatedBlock(int64_t l, const std::string& where) {
     BlockHessians h;
     h.backend = options_.gpu;
     h.forward_precision = options_.precision;
-    const Status forward = [&]() -> Status {
-      QCAL_ASSIGN_OR_RETURN(std::unique_ptr<model::DecoderBlock> block, source_.LoadBlock(l));
+    const bool moe = source_.config().IsMoeLayer(l);
+    const bool reduce_on_device = reduce_on_device_ && !moe;
+    std::unique_ptr<model::DecoderBlock> block;
+    const Status loaded = [&]() -> Status {
+      QCAL_ASSIGN_OR_RETURN(block, source_.LoadBlock(l));
       Lap(&result_->read_seconds);
+      return Status();
+    }();
+    QCAL_RETURN_IF_ERROR(AgreeOk(comm_, Annotate(loaded, where), where));
+    if (moe && hessians_) {
+      if (options_.moe_route_all) {
+        h.route_all.assign(source_.config().num_experts, true);
+      } else if (options_.moe_min_tokens != 0) {
+        QCAL_RETURN_IF_ERROR(StarvedExperts(*block, l, where, &h.route_all));  // collective
+      }
+    }
+    const Status forward = [&]() -> Status {
       if (hessians_ && options_.hessian_strip_rows != kHessianStripRows) {
         for (model::LinearKind k : model::kAllLinears) {
+          if (!block->weights().has(k)) continue;
           const int64_t n = block->weights().linear(k).in_features();
           h.at(HessianKindOf(k)) = HessianAccumulator(n, options_.hessian_strip_rows);
         }
@@ -193,12 +245,12 @@ class Walk {
         return ForwardCollectingHessians(*block, x, source_.rope(), options_.batch,
                                          hessians_ ? &h : nullptr, /*flush_device=*/false);
       }));
-      return reduce_on_device_ ? Status() : FlushDeviceHessians(&h);
+      return reduce_on_device ? Status() : FlushDeviceHessians(&h);
     }();
     QCAL_RETURN_IF_ERROR(AgreeOk(comm_, Annotate(forward, where), where));
     Lap(&result_->forward_seconds);
     if (!hessians_) return Status();
-    if (reduce_on_device_) {
+    if (reduce_on_device) {
       QCAL_RETURN_IF_ERROR(Annotate(
           AllReduceDeviceHessians(comm_, options_.device_sum,
                                   comm_.rank() == 0 || options_.keep_hessians, &h,
@@ -215,6 +267,10 @@ class Walk {
     }
     QCAL_RETURN_IF_ERROR(AgreeOk(comm_, saved, where));
     Lap(&result_->save_seconds);
+    if (moe) {
+      std::vector<int64_t>& tokens = result_->expert_tokens[l];
+      for (const ExpertHessians& e : h.experts) tokens.push_back(e.routed_tokens);
+    }
     if (options_.keep_hessians) result_->hessians[l] = std::move(h);
     return Status();
   }
@@ -336,6 +392,9 @@ StatusOr<CalibrationResult> Calibrate(comm::Comm& comm, model::ModelSource& sour
   if (result.from_cache && options.keep_hessians) {
     for (int64_t l = 0; l < blocks; ++l) {
       QCAL_ASSIGN_OR_RETURN(BlockHessians h, LoadBlockHessians(HessianPath(dirs.hessians, l), key));
+      for (size_t e = 0; e < h.experts.size(); ++e) {
+        result.expert_tokens[l].push_back(h.experts[e].routed_tokens);
+      }
       result.hessians.push_back(std::move(h));
     }
   }

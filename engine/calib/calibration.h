@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -59,6 +60,14 @@ struct CalibrationOptions {
   kernels::GpuBackend* gpu = nullptr;
   // The device block forward's arithmetic (CalibrationSpec::precision; the CPU's is fp32).
   kernels::BlockForwardPrecision precision = kernels::BlockForwardPrecision::kFloat32;
+  // MoE blocks (CalibrationSpec::moe_route_all, moe_min_tokens). The starved-expert rule: unless
+  // every expert calibrates on every token, a first pass over the block's chunks counts the
+  // router's tokens per expert (attention and the router only, CountRoutedTokens), summed over
+  // the ranks; an expert below the minimum then calibrates on every token in the Hessian pass
+  // (ExpertHessians::route_all), and rank 0 logs a warning naming the block and the expert. An
+  // expert is never left without a Hessian: one no token reaches gets every token's.
+  bool moe_route_all = false;
+  int64_t moe_min_tokens = -1;  // -1: the model's hidden size; 0: no minimum
 };
 
 // The device block forward's arithmetic a recipe asks for (CalibrationSpec::precision).
@@ -77,6 +86,11 @@ struct CalibrationResult {
   double forward_seconds = 0;
   double reduce_seconds = 0;
   double save_seconds = 0;
+  // MoE blocks walked here or kept from the cache (keep_hessians): the calibration tokens the
+  // router sent each expert (all ranks); the experts the starved-expert rule calibrated on every
+  // token (walked blocks).
+  std::map<int64_t, std::vector<int64_t>> expert_tokens;
+  std::map<int64_t, std::vector<int64_t>> starved_experts;
 };
 
 // Collective: every rank of `comm` calls it with the same model, all `tokens`

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -209,6 +210,19 @@ at::Tensor BlockHessians::Mean(HessianKind k) const {
   return stored->Mean(k);
 }
 
+at::Tensor BlockHessians::ExpertMean(int64_t expert, ExpertInput input) const {
+  if (expert >= 0 && expert < static_cast<int64_t>(experts.size())) {
+    const HessianAccumulator& acc = experts[expert].at(input);
+    if (acc.dim() > 0 || stored == nullptr) return acc.Mean();
+  }
+  if (stored == nullptr) return at::Tensor();
+  return stored->ExpertMean(expert, input);
+}
+
+const char* ExpertInputName(ExpertInput input) {
+  return input == ExpertInput::kGateUp ? "gate_up" : "down";
+}
+
 at::Tensor HessianMeans::For(model::LinearKind linear) {
   if (h_ == nullptr) return at::Tensor();
   const int kind = static_cast<int>(HessianKindOf(linear));
@@ -271,14 +285,31 @@ Status AddOnDevice(kernels::DeviceHessian* device, const at::Tensor& x) {
   return device->Add(c.data_ptr<float>(), seqs, t);
 }
 
+// A linear wrapped for one calibration pass: it forwards to the wrapped one and records what it
+// reads; the first error sticks (the caller reports it after the pass), and Release gives the
+// wrapped linear back.
+class WrappedLinear : public model::Linear {
+ public:
+  explicit WrappedLinear(std::unique_ptr<model::Linear> inner) : inner_(std::move(inner)) {}
+  const Status& status() const { return status_; }
+  int64_t in_features() const override { return inner_->in_features(); }
+  int64_t out_features() const override { return inner_->out_features(); }
+  at::Tensor DenseWeight() const override { return inner_->DenseWeight(); }
+  std::unique_ptr<model::Linear> Release() { return std::move(inner_); }
+
+ protected:
+  std::unique_ptr<model::Linear> inner_;
+  mutable Status status_;
+};
+
 // Forwards to the wrapped layer and records the input (all borrowed): into the CPU accumulator,
 // the GPU backend's when one is active, or, for sharded calibration, as a captured tensor.
-class RecordingLinear final : public model::Linear {
+class RecordingLinear final : public WrappedLinear {
  public:
   RecordingLinear(std::unique_ptr<model::Linear> inner, HessianAccumulator* acc,
                   kernels::DeviceHessian* device = nullptr,
                   std::vector<at::Tensor>* captured = nullptr)
-      : inner_(std::move(inner)), acc_(acc), device_(device), captured_(captured) {}
+      : WrappedLinear(std::move(inner)), acc_(acc), device_(device), captured_(captured) {}
   at::Tensor Forward(const at::Tensor& x) const override {
     // The first error sticks (the accumulator is unusable after it); the forward goes on and
     // the caller reports it after the pass.
@@ -294,20 +325,81 @@ class RecordingLinear final : public model::Linear {
     } else if (acc_ && status_.ok()) {
       status_ = acc_->Add(x);
     }
-    return inner_->Forward(x);
+    at::Tensor y = inner_->Forward(x);
+    if (keep_output_) last_output_ = y;
+    return y;
   }
-  const Status& status() const { return status_; }
-  int64_t in_features() const override { return inner_->in_features(); }
-  int64_t out_features() const override { return inner_->out_features(); }
-  at::Tensor DenseWeight() const override { return inner_->DenseWeight(); }
-  std::unique_ptr<model::Linear> Release() { return std::move(inner_); }
+  // Keeps the last output (o_proj's, from which route-all calibration rebuilds the MoE input).
+  void keep_output() { keep_output_ = true; }
+  const at::Tensor& last_output() const { return last_output_; }
 
  private:
-  std::unique_ptr<model::Linear> inner_;
   HessianAccumulator* acc_;
   kernels::DeviceHessian* device_;
   std::vector<at::Tensor>* captured_;
-  mutable Status status_;
+  bool keep_output_ = false;
+  mutable at::Tensor last_output_;
+};
+
+// The routing of the chunk being forwarded, as the experts' recorders split their rows by
+// sequence: rows[e][s] = how many of expert e's rows (in token order, as RoutedExperts gathers
+// them) belong to sequence s of the chunk.
+struct ChunkRouting {
+  int64_t seq_len = 1;
+  std::vector<std::vector<int64_t>> rows;
+};
+
+// A routed expert's gate or down_proj that records its input [m, n] (the rows the router sent
+// it) into `acc`, each sequence's rows one product (so the sums are those of any rank split);
+// null `acc`: forwards only (an expert calibrated on every token is summed apart).
+class ExpertRecorder final : public WrappedLinear {
+ public:
+  ExpertRecorder(std::unique_ptr<model::Linear> inner, HessianAccumulator* acc,
+                 const ChunkRouting* routing, int64_t expert)
+      : WrappedLinear(std::move(inner)), acc_(acc), routing_(routing), expert_(expert) {}
+  at::Tensor Forward(const at::Tensor& x) const override {
+    if (acc_ && status_.ok()) status_ = Record(x);
+    return inner_->Forward(x);
+  }
+
+ private:
+  Status Record(const at::Tensor& x) const {
+    const std::vector<int64_t>& per_seq = routing_->rows[expert_];
+    const at::Tensor rows = x.reshape({-1, x.size(-1)});
+    int64_t total = 0;
+    for (int64_t c : per_seq) total += c;
+    if (total != rows.size(0)) {
+      return absl::InternalError(absl::StrCat("expert ", expert_, " ran on ", rows.size(0),
+                                              " rows, its routing gave it ", total));
+    }
+    int64_t first = 0;
+    for (int64_t c : per_seq) {
+      if (c == 0) continue;
+      QCAL_RETURN_IF_ERROR(acc_->Add(rows.narrow(0, first, c)));
+      first += c;
+    }
+    return Status();
+  }
+  HessianAccumulator* acc_;
+  const ChunkRouting* routing_;
+  int64_t expert_;
+};
+
+// A stand-in that returns zeros of the wrapped linear's output shape (CountRoutedTokens).
+class ZeroLinear final : public model::Linear {
+ public:
+  ZeroLinear(int64_t in, int64_t out) : in_(in), out_(out) {}
+  at::Tensor Forward(const at::Tensor& x) const override {
+    std::vector<int64_t> sizes = x.sizes().vec();
+    sizes.back() = out_;
+    return at::zeros(sizes, x.options());
+  }
+  int64_t in_features() const override { return in_; }
+  int64_t out_features() const override { return out_; }
+  at::Tensor DenseWeight() const override { return at::zeros({out_, in_}, at::kFloat); }
+
+ private:
+  int64_t in_, out_;
 };
 
 // The linears that record a distinct input: q (for k and v), o, gate (for up), down.
@@ -365,6 +457,8 @@ StatusOr<bool> DeviceForward(model::DecoderBlock& block, const at::Tensor& x,
   if (hooks.qk_rotation.defined() || hooks.kv_cache || hooks.prefix || w.rope_perm.defined()) {
     return false;
   }
+  // Llama 4's dense layers (NoPE, qk-norm, chunks, interleaved RoPE) run on the CPU.
+  if (!block.plain_llama() || rope.interleaved()) return false;
   auto plain = [](const at::Tensor& t) {
     return t.defined() && t.scalar_type() == at::kFloat && t.is_contiguous() && !t.is_cuda();
   };
@@ -419,6 +513,236 @@ StatusOr<bool> DeviceForward(model::DecoderBlock& block, const at::Tensor& x,
 
 }  // namespace
 
+namespace {
+
+// The block's hooks with on_routing extended by `tap` (called after any hook already there);
+// the block's own hooks come back when the returned cleanup runs.
+auto TapRouting(model::DecoderBlock& block, std::function<void(const model::Routing&)> tap) {
+  model::BlockHooks saved = block.hooks();
+  model::BlockHooks hooks = saved;
+  hooks.on_routing = [prev = saved.on_routing, tap = std::move(tap)](const model::Routing& r) {
+    if (prev) prev(r);
+    tap(r);
+  };
+  block.set_hooks(std::move(hooks));
+  return absl::MakeCleanup([&block, saved = std::move(saved)]() mutable {
+    block.set_hooks(std::move(saved));
+  });
+}
+
+// ForwardCollectingHessians for a MoE block, on the CPU: the dense inputs as in a dense block
+// (Mixtral has no MLP linears; Llama 4's are the shared expert), each routed expert's gate/up and
+// down inputs as the router sends it rows (ExpertRecorder), and for the experts that calibrate on
+// every token, every token's input rebuilt after each chunk from o_proj's output exactly as the
+// block computes it (h = x + o, RmsNorm(h, post_norm); Llama 4 scales it by the sigmoid of the
+// expert's logit, LinearRows(h, router)), through the expert's float gate/up.
+StatusOr<at::Tensor> ForwardCollectingMoe(model::DecoderBlock& block, const at::Tensor& x,
+                                          const model::Rope& rope, int64_t batch,
+                                          BlockHessians* hessians) {
+  model::BlockWeights& w = block.mutable_weights();
+  model::MoeWeights& moe = *w.moe;
+  const int64_t experts = static_cast<int64_t>(moe.experts.size());
+  for (model::LinearKind k : model::kAllLinears) {
+    if (!w.has(k)) continue;
+    HessianAccumulator& acc = hessians->at(HessianKindOf(k));
+    const int64_t n = w.linear(k).in_features();
+    if (acc.dim() == 0) acc = HessianAccumulator(n);
+    if (acc.dim() != n) {
+      return absl::InvalidArgumentError(absl::StrCat("Hessian for ", model::LinearName(k),
+                                                     " has dim ", acc.dim(), ", expected ", n));
+    }
+  }
+  if (!hessians->route_all.empty() &&
+      static_cast<int64_t>(hessians->route_all.size()) != experts) {
+    return absl::InvalidArgumentError(absl::StrCat("route-all flags for ",
+                                                   hessians->route_all.size(),
+                                                   " experts, the block has ", experts));
+  }
+  if (hessians->experts.empty()) hessians->experts.resize(experts);
+  if (static_cast<int64_t>(hessians->experts.size()) != experts) {
+    return absl::InvalidArgumentError(absl::StrCat("Hessians for ", hessians->experts.size(),
+                                                   " experts, the block has ", experts));
+  }
+  for (int64_t e = 0; e < experts; ++e) {
+    ExpertHessians& eh = hessians->experts[e];
+    eh.route_all = !hessians->route_all.empty() && hessians->route_all[e];
+    const model::ExpertWeights& ex = moe.experts[e];
+    const int64_t dims[2] = {ex.linear(model::ExpertLinear::kGate).in_features(),
+                             ex.linear(model::ExpertLinear::kDown).in_features()};
+    for (ExpertInput i : kExpertInputs) {
+      HessianAccumulator& acc = eh.at(i);
+      const int64_t n = dims[static_cast<int>(i)];
+      if (acc.dim() == 0) acc = HessianAccumulator(n);
+      if (acc.dim() != n) {
+        return absl::InvalidArgumentError(absl::StrCat("expert ", e, " ", ExpertInputName(i),
+                                                       " Hessian has dim ", acc.dim(),
+                                                       ", expected ", n));
+      }
+    }
+  }
+  if (x.size(0) == 0) return x;  // a rank without sequences still has sized accumulators
+
+  // The dense linears that are present (q records for k and v, gate for up); o keeps its
+  // output for the route-all inputs.
+  std::array<RecordingLinear*, 4> dense{};
+  for (model::LinearKind k : model::kAllLinears) {
+    auto& slot = w.linears[static_cast<int>(k)];
+    if (slot == nullptr) continue;
+    const bool records = RecordsInput(k);
+    auto rec = std::make_unique<RecordingLinear>(
+        std::move(slot), records ? &hessians->at(HessianKindOf(k)) : nullptr);
+    if (records) dense[static_cast<int>(HessianKindOf(k))] = rec.get();
+    slot = std::move(rec);
+  }
+  RecordingLinear* o = dense[static_cast<int>(HessianKind::kO)];
+  o->keep_output();
+  ChunkRouting routing;
+  routing.seq_len = x.size(1);
+  std::vector<ExpertRecorder*> recorders;  // gate, down of each expert
+  for (int64_t e = 0; e < experts; ++e) {
+    ExpertHessians& eh = hessians->experts[e];
+    for (model::ExpertLinear k : {model::ExpertLinear::kGate, model::ExpertLinear::kDown}) {
+      auto& slot = moe.experts[e].linears[static_cast<int>(k)];
+      HessianAccumulator* acc =
+          eh.route_all ? nullptr
+                       : &eh.at(k == model::ExpertLinear::kGate ? ExpertInput::kGateUp
+                                                                : ExpertInput::kDown);
+      auto rec = std::make_unique<ExpertRecorder>(std::move(slot), acc, &routing, e);
+      recorders.push_back(rec.get());
+      slot = std::move(rec);
+    }
+  }
+  auto unwrap = absl::MakeCleanup([&w, &moe] {
+    for (auto& slot : w.linears) {
+      if (slot != nullptr) slot = static_cast<RecordingLinear*>(slot.get())->Release();
+    }
+    for (model::ExpertWeights& ex : moe.experts) {
+      for (model::ExpertLinear k : {model::ExpertLinear::kGate, model::ExpertLinear::kDown}) {
+        auto& slot = ex.linears[static_cast<int>(k)];
+        slot = static_cast<ExpertRecorder*>(slot.get())->Release();
+      }
+    }
+  });
+  Status tap_status;
+  auto restore_hooks = TapRouting(block, [&](const model::Routing& r) {
+    const at::Tensor chosen = r.experts.to(at::kCPU).contiguous();
+    const int64_t n = chosen.size(0), k = chosen.size(1);
+    const int64_t seqs = (n + routing.seq_len - 1) / routing.seq_len;
+    routing.rows.assign(experts, std::vector<int64_t>(seqs, 0));
+    const int64_t* c = chosen.data_ptr<int64_t>();
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t e = c[t * k + j];
+        if (e < 0 || e >= experts) {
+          if (tap_status.ok()) tap_status = absl::InternalError(absl::StrCat("routed to expert ", e));
+          continue;
+        }
+        ++routing.rows[e][t / routing.seq_len];
+        ++hessians->experts[e].routed_tokens;
+      }
+    }
+  });
+  std::vector<int64_t> all;  // the experts that calibrate on every token
+  for (int64_t e = 0; e < experts; ++e) {
+    if (hessians->experts[e].route_all) all.push_back(e);
+  }
+  const bool scaled_input = block.router_kind() == RouterKind::kSigmoidTopKInput;
+  std::vector<at::Tensor> outs;
+  try {
+    for (int64_t s = 0; s < x.size(0); s += batch) {
+      const at::Tensor xc = x.narrow(0, s, std::min(batch, x.size(0) - s));
+      outs.push_back(block.Forward(xc, rope));
+      if (all.empty()) continue;
+      const at::Tensor h = model::RmsNorm(xc + o->last_output(), w.post_norm, block.rms_eps());
+      at::Tensor logits;  // [rows, experts]
+      if (scaled_input) logits = model::LinearRows(h.reshape({-1, h.size(-1)}), moe.router);
+      for (int64_t e : all) {
+        ExpertHessians& eh = hessians->experts[e];
+        at::Tensor in = h;
+        if (scaled_input) in = h * at::sigmoid(logits.select(1, e)).view({h.size(0), h.size(1), 1});
+        const model::ExpertWeights& ex = moe.experts[e];  // recorders that only forward
+        const at::Tensor down_in = at::silu(ex.linear(model::ExpertLinear::kGate).Forward(in)) *
+                                   ex.linear(model::ExpertLinear::kUp).Forward(in);
+        Status added = eh.at(ExpertInput::kGateUp).Add(in);
+        if (added.ok()) added = eh.at(ExpertInput::kDown).Add(down_in);
+        if (!added.ok()) {
+          return Annotate(added, absl::StrCat("expert ", e, " (every token)"));
+        }
+      }
+    }
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("block forward failed: ", e.what()));
+  }
+  QCAL_RETURN_IF_ERROR(tap_status);
+  for (HessianKind k : kAllHessianKinds) {
+    if (RecordingLinear* r = dense[static_cast<int>(k)]; r != nullptr && !r->status().ok()) {
+      return Annotate(r->status(), absl::StrCat(HessianKindName(k), " input"));
+    }
+  }
+  for (size_t i = 0; i < recorders.size(); ++i) {
+    if (!recorders[i]->status().ok()) {
+      return Annotate(recorders[i]->status(),
+                      absl::StrCat("expert ", i / 2, " ",
+                                   ExpertInputName(static_cast<ExpertInput>(i % 2)), " input"));
+    }
+  }
+  return at::cat(outs, 0);
+}
+
+}  // namespace
+
+Status CountRoutedTokens(model::DecoderBlock& block, const at::Tensor& x, const model::Rope& rope,
+                         int64_t batch, std::vector<int64_t>* tokens) {
+  if (!block.is_moe()) {
+    return absl::InvalidArgumentError(absl::StrCat("block ", block.layer(), " has no experts"));
+  }
+  if (x.dim() != 3) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block inputs must be [seqs, seq, hidden], got ", x.dim(), " dims"));
+  }
+  if (batch < 1) return absl::InvalidArgumentError("batch must be >= 1");
+  at::NoGradGuard no_grad;
+  model::BlockWeights& w = block.mutable_weights();
+  const int64_t experts = static_cast<int64_t>(w.moe->experts.size());
+  if (tokens->empty()) tokens->assign(experts, 0);
+  if (static_cast<int64_t>(tokens->size()) != experts) {
+    return absl::InvalidArgumentError(absl::StrCat("token counts for ", tokens->size(),
+                                                   " experts, the block has ", experts));
+  }
+  // Zero stand-ins for every feed-forward linear, swapped back on every path.
+  std::vector<std::unique_ptr<model::Linear>*> slots;
+  for (model::ExpertWeights& ex : w.moe->experts) {
+    for (auto& slot : ex.linears) slots.push_back(&slot);
+  }
+  for (model::LinearKind k : {model::LinearKind::kGate, model::LinearKind::kUp,
+                              model::LinearKind::kDown}) {
+    if (w.has(k)) slots.push_back(&w.linears[static_cast<int>(k)]);
+  }
+  std::vector<std::unique_ptr<model::Linear>> real;
+  for (auto* slot : slots) {
+    auto zero = std::make_unique<ZeroLinear>((*slot)->in_features(), (*slot)->out_features());
+    real.push_back(std::exchange(*slot, std::move(zero)));
+  }
+  auto swap_back = absl::MakeCleanup([&] {
+    for (size_t i = 0; i < slots.size(); ++i) *slots[i] = std::move(real[i]);
+  });
+  auto restore_hooks = TapRouting(block, [&](const model::Routing& r) {
+    const at::Tensor chosen = r.experts.to(at::kCPU).contiguous();
+    const int64_t* c = chosen.data_ptr<int64_t>();
+    for (int64_t i = 0; i < chosen.numel(); ++i) {
+      if (c[i] >= 0 && c[i] < experts) ++(*tokens)[c[i]];
+    }
+  });
+  try {
+    for (int64_t s = 0; s < x.size(0); s += batch) {
+      (void)block.Forward(x.narrow(0, s, std::min(batch, x.size(0) - s)), rope);
+    }
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("block forward (routing only) failed: ", e.what()));
+  }
+  return Status();
+}
+
 StatusOr<at::Tensor> ForwardCollectingHessians(model::DecoderBlock& block, const at::Tensor& x,
                                                const model::Rope& rope, int64_t batch,
                                                BlockHessians* hessians, bool flush_device) {
@@ -430,6 +754,7 @@ StatusOr<at::Tensor> ForwardCollectingHessians(model::DecoderBlock& block, const
   at::NoGradGuard no_grad;
   auto forward = [&]() { return ForwardInChunks(block, x, rope, batch); };
   if (hessians == nullptr) return x.size(0) == 0 ? x : forward();
+  if (block.is_moe()) return ForwardCollectingMoe(block, x, rope, batch, hessians);
   model::BlockWeights& w = block.mutable_weights();
   for (model::LinearKind k : model::kAllLinears) {
     HessianAccumulator& acc = hessians->at(HessianKindOf(k));
@@ -492,6 +817,11 @@ StatusOr<at::Tensor> ForwardCapturingInputs(model::DecoderBlock& block, const at
         absl::StrCat("block inputs must be [seqs, seq, hidden], got ", x.dim(), " dims"));
   }
   if (batch < 1) return absl::InvalidArgumentError("batch must be >= 1");
+  if (block.is_moe()) {
+    return absl::UnimplementedError(absl::StrCat(
+        "block ", block.layer(), " is a mixture-of-experts block: sharded Hessians "
+        "(calibration.shard_hessians) capture dense inputs only; calibrate it unsharded"));
+  }
   at::NoGradGuard no_grad;
   model::BlockWeights& w = block.mutable_weights();
   std::array<std::vector<at::Tensor>, 4> parts;

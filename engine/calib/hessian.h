@@ -127,6 +127,12 @@ const char* HessianKindName(HessianKind kind);
 // Which Hessian a linear's input belongs to.
 HessianKind HessianKindOf(model::LinearKind linear);
 
+// A routed expert's two distinct linear inputs: gate/up read the block's normalised hidden
+// state (Llama 4: scaled by the expert's router score), down_proj reads silu(gate)·up.
+enum class ExpertInput { kGateUp = 0, kDown = 1 };
+inline constexpr ExpertInput kExpertInputs[] = {ExpertInput::kGateUp, ExpertInput::kDown};
+const char* ExpertInputName(ExpertInput input);  // "gate_up" / "down"
+
 // Exact sums read from where they are stored rather than held in memory (a block's Hessian
 // cache file, mapped: LoadBlockHessians(..., mapped = true)). Mean(kind) makes that kind's fp64
 // mean from the stored sums, exactly as HessianAccumulator::Mean would from the same values.
@@ -136,6 +142,25 @@ class StoredHessianSums {
   virtual int64_t dim(HessianKind kind) const = 0;
   virtual int64_t count(HessianKind kind) const = 0;
   virtual at::Tensor Mean(HessianKind kind) const = 0;
+  // The same for routed expert `expert`'s input (a MoE block's file).
+  virtual at::Tensor ExpertMean(int64_t expert, ExpertInput input) const = 0;
+};
+
+// One routed expert's Hessians (a MoE block, hf_config.h ModelFamily). What its accumulators
+// sum depends on how the expert was calibrated:
+//  * real routing (the default): the rows the router sends it, each sequence's rows one product;
+//  * route_all (CalibrationOptions::moe_route_all, or the starved-expert rule of calibration.h):
+//    every calibration token, as if the router had chosen it for every token (Llama 4: the input
+//    scaled by the sigmoid of its own logit for that token), while the block's output keeps the
+//    real routing.
+// routed_tokens counts the tokens the router really chose it for either way (the report's tokens
+// per expert); count() of its accumulators is the number of rows summed.
+struct ExpertHessians {
+  std::array<HessianAccumulator, 2> h;  // indexed by ExpertInput: [hidden], [intermediate]
+  int64_t routed_tokens = 0;
+  bool route_all = false;
+  HessianAccumulator& at(ExpertInput i) { return h[static_cast<int>(i)]; }
+  const HessianAccumulator& at(ExpertInput i) const { return h[static_cast<int>(i)]; }
 };
 
 // (S + Sᵀ)/2 in fp64 [n, n] from exact packed sums T (n(n+1)/2 values as HessianAccumulator
@@ -143,13 +168,22 @@ class StoredHessianSums {
 at::Tensor SymmetricSumFromPacked(const void* packed, int64_t n);
 
 struct BlockHessians {
+  // The dense inputs. In a MoE block gate_up and down are the shared expert's (Llama 4), or empty
+  // (dimension 0) without one (Mixtral).
   std::array<HessianAccumulator, 4> h;
+  // A MoE block's routed experts, in order; empty for a dense block.
+  std::vector<ExpertHessians> experts;
+  // Which experts calibrate on every token (ExpertHessians). Empty: none; else one flag per
+  // expert. ForwardCollectingHessians reads it and records it in experts[e].route_all.
+  std::vector<bool> route_all;
   // Set by LoadBlockHessians(..., mapped = true): the sums stay in the cache file and a kind's
   // accumulator in h is empty (dimension 0): its mean is made from the file when asked for.
   std::shared_ptr<const StoredHessianSums> stored;
   // The fp64 mean of kind k from the accumulator, or from `stored` when the accumulator is
   // empty; undefined when neither has it.
   at::Tensor Mean(HessianKind k) const;
+  // The same for routed expert `expert`'s input.
+  at::Tensor ExpertMean(int64_t expert, ExpertInput input) const;
   // The rank's GPU backend the sums are collected on (ForwardCollectingHessians) and reduced on
   // (reduce.h AllReduceDeviceHessians); null: the CPU.
   kernels::GpuBackend* backend = nullptr;
@@ -188,7 +222,9 @@ class HessianMeans {
 };
 
 // Runs x [num_seqs, seq, hidden] through `block` in chunks of `batch` sequences, accumulating the
-// block's four input Hessians into *hessians (initialised to the right sizes when empty), and
+// block's four input Hessians into *hessians (initialised to the right sizes when empty), and,
+// for a MoE block, every routed expert's two (hessians->experts, ExpertHessians: each sequence's
+// rows routed to the expert one product, so the sums do not depend on the ranks either), and
 // returns the block's outputs [num_seqs, seq, hidden]. The block is left as it was. With
 // hessians == nullptr it only runs the block (same chunks, same outputs). An overflow is
 // OutOfRange naming the Hessian ("gate_up input: ...").
@@ -197,10 +233,19 @@ class HessianMeans {
 // the device's sums are merged into *hessians before returning; with flush_device = false they
 // stay on the device across calls (one device accumulator per kind for a whole block, instead
 // of an allocation and a download of up to 6.6 GB per call) until FlushDeviceHessians, which
-// the caller must then call before reading the accumulators.
+// the caller must then call before reading the accumulators. A MoE block runs on the CPU (the
+// device block forward has no routed experts), its sums in the host accumulators.
 StatusOr<at::Tensor> ForwardCollectingHessians(model::DecoderBlock& block, const at::Tensor& x,
                                                const model::Rope& rope, int64_t batch,
                                                BlockHessians* hessians, bool flush_device = true);
+
+// A MoE block's real routing of x [num_seqs, seq, hidden] (the same chunks of `batch`
+// sequences as ForwardCollectingHessians): how many tokens the router sends each expert, added
+// to *tokens (resized to the block's experts when empty). Only attention and the router run:
+// while it counts, the block's expert and shared-expert linears are stand-ins that return zeros
+// (the block is restored on every path). The starved-expert rule's first pass (calibration.h).
+Status CountRoutedTokens(model::DecoderBlock& block, const at::Tensor& x, const model::Rope& rope,
+                         int64_t batch, std::vector<int64_t>* tokens);
 
 // Runs x [num_seqs, seq, hidden] through `block` in the same chunks of `batch` sequences as
 // ForwardCollectingHessians (same outputs) and, instead of summing products, returns the four

@@ -38,36 +38,92 @@ Status ReduceHessianHead(comm::Comm& comm, const BlockHessians& h,
 
 }  // namespace
 
+namespace {
+
+// Sums one accumulator's values over the ranks in place (fixed-point digits through
+// AllReduceSum(int64), in pieces: 32 bytes per value in flight); `count`: the reduced row count.
+Status ReduceAccumulator(comm::Comm& comm, HessianAccumulator* acc, int64_t count,
+                         const std::string& what) {
+  constexpr size_t kPiece = size_t{1} << 20;
+  std::vector<int64_t> limbs;
+  const int64_t dim = acc->dim();
+  std::vector<Fixed128> total = acc->ReleasePacked();  // reduced in place, no copy
+  for (size_t off = 0; off < total.size(); off += kPiece) {
+    const size_t m = std::min(kPiece, total.size() - off);
+    limbs.resize(4 * m);
+    HessianAccumulator::SplitDigits(total.data() + off, m, limbs.data());
+    QCAL_RETURN_IF_ERROR(comm.AllReduceSum(limbs.data(), limbs.size()));
+    QCAL_RETURN_IF_ERROR(Annotate(
+        HessianAccumulator::CombineDigits(limbs.data(), m, total.data() + off), what));
+  }
+  QCAL_ASSIGN_OR_RETURN(*acc, HessianAccumulator::FromFixed(dim, std::move(total), count));
+  return absl::OkStatus();
+}
+
+// A MoE block's experts: per expert its routed tokens, route-all flag, both inputs' row counts
+// and dimensions (checked equal on every rank, as the dense head), then the sums.
+Status ReduceExperts(comm::Comm& comm, BlockHessians* h) {
+  std::vector<int64_t> head = {static_cast<int64_t>(h->experts.size())};
+  for (const ExpertHessians& e : h->experts) {
+    head.insert(head.end(), {e.routed_tokens, e.route_all ? 1 : 0});
+    for (ExpertInput i : kExpertInputs) {
+      const int64_t dim = e.at(i).dim();
+      head.insert(head.end(), {e.at(i).count(), dim, dim * dim});
+    }
+  }
+  // Every rank must hold the same number of experts before the per-expert head is reduced.
+  int64_t n[2] = {head[0], head[0] * head[0]};
+  QCAL_RETURN_IF_ERROR(comm.AllReduceSum(n, 2));
+  if (comm.size() * n[1] != n[0] * n[0]) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Hessian reduction: ranks hold different numbers of experts (this rank: ", head[0], ")"));
+  }
+  if (h->experts.empty()) return absl::OkStatus();
+  QCAL_RETURN_IF_ERROR(comm.AllReduceSum(head.data() + 1, head.size() - 1));
+  for (size_t e = 0; e < h->experts.size(); ++e) {
+    const int64_t* v = head.data() + 1 + 8 * e;
+    ExpertHessians& eh = h->experts[e];
+    if (v[1] != 0 && v[1] != comm.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "Hessian reduction: expert ", e, " calibrates on every token on some ranks only"));
+    }
+    eh.routed_tokens = v[0];
+    for (ExpertInput i : kExpertInputs) {
+      const int64_t* d = v + 2 + 3 * static_cast<int>(i);
+      if (comm.size() * d[2] != d[1] * d[1]) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "Hessian reduction: ranks hold expert ", e, " ", ExpertInputName(i),
+            " Hessians of different dimensions (this rank: ", eh.at(i).dim(), ")"));
+      }
+      QCAL_RETURN_IF_ERROR(ReduceAccumulator(
+          comm, &eh.at(i), d[0], absl::StrCat("expert ", e, " ", ExpertInputName(i))));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 Status AllReduceHessians(comm::Comm& comm, BlockHessians* h) {
   if (comm.size() == 1) return absl::OkStatus();
   std::array<int64_t, 4> counts;
   for (size_t ki = 0; ki < 4; ++ki) counts[ki] = h->at(kAllHessianKinds[ki]).count();
   std::vector<int64_t> head;
   QCAL_RETURN_IF_ERROR(ReduceHessianHead(comm, *h, counts, &head));
-  // The sums, in pieces (4 int64 limbs per value: 32 bytes per value in flight).
-  constexpr size_t kPiece = size_t{1} << 20;
-  std::vector<int64_t> limbs;
   for (size_t ki = 0; ki < 4; ++ki) {
-    HessianAccumulator& acc = h->at(kAllHessianKinds[ki]);
-    const int64_t dim = acc.dim();
-    std::vector<Fixed128> total = acc.ReleasePacked();  // reduced in place, no copy
-    for (size_t off = 0; off < total.size(); off += kPiece) {
-      const size_t m = std::min(kPiece, total.size() - off);
-      limbs.resize(4 * m);
-      HessianAccumulator::SplitDigits(total.data() + off, m, limbs.data());
-      QCAL_RETURN_IF_ERROR(comm.AllReduceSum(limbs.data(), limbs.size()));
-      QCAL_RETURN_IF_ERROR(Annotate(
-          HessianAccumulator::CombineDigits(limbs.data(), m, total.data() + off),
-          HessianKindName(kAllHessianKinds[ki])));
-    }
-    QCAL_ASSIGN_OR_RETURN(acc, HessianAccumulator::FromFixed(dim, std::move(total),
-                                                             head[3 * ki]));
+    QCAL_RETURN_IF_ERROR(ReduceAccumulator(comm, &h->at(kAllHessianKinds[ki]), head[3 * ki],
+                                           HessianKindName(kAllHessianKinds[ki])));
   }
-  return absl::OkStatus();
+  return ReduceExperts(comm, h);
 }
 
 Status AllReduceDeviceHessians(comm::Comm& comm, const kernels::DeviceInt64Sum& device_sum,
                                bool download, BlockHessians* h, int64_t* rows) {
+  if (!h->experts.empty()) {
+    return absl::FailedPreconditionError(
+        "a mixture-of-experts block's expert sums are on the host: reduce them with "
+        "AllReduceHessians");
+  }
   kernels::GpuBackend* gpu = h->backend;
   if (gpu == nullptr || !device_sum) {
     return absl::FailedPreconditionError(absl::StrCat(

@@ -256,6 +256,14 @@ class DecoderBlock {
   at::Tensor RoutedExperts(const at::Tensor& h, const Routing& routing,
                            const ExpertInputFn& expert_inputs = nullptr) const;
   bool is_moe() const { return weights_.moe != nullptr; }
+  // A MoE block's router: how scores are made and where they multiply (Routing), and top k.
+  RouterKind router_kind() const { return router_; }
+  int64_t experts_per_token() const { return top_k_; }
+  // A dense Llama block (RoPE on every layer, no qk-norm, temperature or attention chunks, no
+  // experts): what the device block forward (kernels/block_forward_cuda.h) computes.
+  bool plain_llama() const {
+    return !is_moe() && rope_ && !qk_norm_ && !temperature_ && chunk_ == 0;
+  }
   int64_t layer() const { return weights_.layer; }
   const BlockWeights& weights() const { return weights_; }
   BlockWeights& mutable_weights() { return weights_; }

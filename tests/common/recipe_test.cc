@@ -88,6 +88,8 @@ void ExpectSameRecipe(const Recipe& a, const Recipe& b, const std::string& what)
   EXPECT_EQ(a.calibration.seq_len, b.calibration.seq_len);
   EXPECT_EQ(a.calibration.seed, b.calibration.seed);
   EXPECT_EQ(a.calibration.precision, b.calibration.precision);
+  EXPECT_EQ(a.calibration.moe_route_all, b.calibration.moe_route_all);
+  EXPECT_EQ(a.calibration.moe_min_tokens, b.calibration.moe_min_tokens);
   EXPECT_EQ(a.finetune.enabled, b.finetune.enabled);
   for (const auto& [sa, sb] : {std::make_pair(&a.finetune.block, &b.finetune.block),
                                std::make_pair(&a.finetune.end_to_end, &b.finetune.end_to_end)}) {
@@ -337,6 +339,28 @@ TEST(RecipeDefaults, ExplicitValuesAndForms) {
   EXPECT_DOUBLE_EQ(r.finetune.end_to_end.lr, 1e-3);
   EXPECT_DOUBLE_EQ(r.finetune.end_to_end.holdout, 0.0);
   ExpectRoundTrip(r, "explicit");
+}
+
+// The mixture-of-experts calibration keys: defaults (real routing, the hidden-size minimum),
+// explicit values, their range, and a JSON that names them only when set, so that every other
+// recipe's JSON (and the checkpoints that carry it) stays as it was.
+TEST(RecipeDefaults, MoeCalibrationKeys) {
+  const Recipe plain = MustParse("method: gptq\n");
+  EXPECT_FALSE(plain.calibration.moe_route_all);
+  EXPECT_EQ(plain.calibration.moe_min_tokens, -1);
+  EXPECT_FALSE(plain.ToJson()["calibration"].contains("moe_route_all"));
+  EXPECT_FALSE(plain.ToJson()["calibration"].contains("moe_min_tokens"));
+  const Recipe r =
+      MustParse("method: gptq\ncalibration: {moe_route_all: true, moe_min_tokens: 16}\n");
+  EXPECT_TRUE(r.calibration.moe_route_all);
+  EXPECT_EQ(r.calibration.moe_min_tokens, 16);
+  EXPECT_EQ(r.ToJson()["calibration"]["moe_min_tokens"], 16);
+  ExpectRoundTrip(r, "moe");
+  ExpectRoundTrip(MustParse("method: rtn\ncalibration: {moe_min_tokens: 0}\n"), "moe-zero");
+  ExpectError("method: gptq\ncalibration: {moe_min_tokens: -2}\n",
+              {"calibration.moe_min_tokens", "-1 for the model's hidden size", "-2"});
+  ExpectError("method: gptq\ncalibration: {moe_route_all: 3}\n",
+              {"calibration.moe_route_all"});
 }
 
 TEST(RecipeDefaults, JsonIsCompleteForQuip) {

@@ -30,6 +30,13 @@ layers are a dense MLP of intermediate_size_mlp.
       the model as bfloat16 (rounded to nearest even) in shards with model.safetensors.index.json
   moe_reference.py logits --model DIR --tokens 1,2,3 --out FILE
       the logits [len(tokens), vocab] as little-endian float32
+  moe_reference.py expert-hessians --model DIR --tokens 1,2,3/4,5,6 --out DIR [--route-all]
+      each routed expert's input Hessians over the sequences (separated by "/"): for MoE layer
+      l and expert e, OUT/l<l>.e<e>.gate_up.f64 and OUT/l<l>.e<e>.down.f64, the means of x x^T
+      over its rows as little-endian float64 [n, n], and OUT/counts.json {"l": {"e": [routed
+      tokens, rows]}}. Its rows: the tokens the router chose it for (Llama 4: scaled by the
+      sigmoid of its logit), or with --route-all every token (Llama 4: scaled by the sigmoid of
+      its own logit for that token).
 """
 import argparse, json, math, os, shutil, struct, sys
 import numpy as np
@@ -67,7 +74,7 @@ def causal_mask(s, window=None, chunk=None):
     return np.where(allowed, 0.0, -np.inf)
 
 
-def mixtral_forward(c, w, ids):
+def mixtral_forward(c, w, ids, stats=None):
     heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
     hd = c.get("head_dim") or c["hidden_size"] // heads
     eps, s = c["rms_norm_eps"], len(ids)
@@ -89,6 +96,13 @@ def mixtral_forward(c, w, ids):
         m = p + "block_sparse_moe."
         probs = softmax(h @ w[m + "gate.weight"].T)  # [s, E]
         chosen = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
+        if stats is not None:
+            for e in range(experts):
+                ep = f"{m}experts.{e}."
+                routed = np.array([t for t in range(s) if e in chosen[t]], dtype=np.int64)
+                xin = h if stats["route_all"] else h[routed]
+                d = silu(xin @ w[ep + "w1.weight"].T) * (xin @ w[ep + "w3.weight"].T)
+                add_expert_stats(stats, l, e, len(routed), xin, d)
         out = np.zeros_like(h)
         for t in range(s):
             weights = probs[t, chosen[t]]
@@ -118,7 +132,7 @@ def llama4_moe_layers(c):
     return set(range(step - 1, c["num_hidden_layers"], step))
 
 
-def llama4_forward(c, w, ids, prefix=""):
+def llama4_forward(c, w, ids, prefix="", stats=None):
     heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
     hd = c.get("head_dim") or c["hidden_size"] // heads
     eps, s = c["rms_norm_eps"], len(ids)
@@ -163,6 +177,14 @@ def llama4_forward(c, w, ids, prefix=""):
         chosen = np.argsort(-logits, axis=-1, kind="stable")[:, :top_k]
         gate_up, down = g(f + "experts.gate_up_proj"), g(f + "experts.down_proj")
         inter = down.shape[1]
+        if stats is not None:
+            score = 1 / (1 + np.exp(-logits))  # [s, E]
+            for e in range(experts):
+                routed = np.array([t for t in range(s) if e in chosen[t]], dtype=np.int64)
+                rows = np.arange(s) if stats["route_all"] else routed
+                xin = h[rows] * score[rows, e][:, None]
+                gu = xin @ gate_up[e]
+                add_expert_stats(stats, l, e, len(routed), xin, gu[:, inter:] * silu(gu[:, :inter]))
         sh = f + "shared_expert."
         out = (silu(h @ g(sh + "gate_proj.weight").T) * (h @ g(sh + "up_proj.weight").T)) @ g(
             sh + "down_proj.weight").T
@@ -235,15 +257,42 @@ def bf16_shards(a):
         json.dump(c, f, indent=1)
 
 
-def forward(config, w, ids):
+def add_expert_stats(stats, l, e, routed, xin, d):
+    """Adds one sequence's rows of expert e of layer l: sums of x x^T of its two inputs."""
+    key = (l, e)
+    if key not in stats["sums"]:
+        stats["sums"][key] = [np.zeros((xin.shape[1],) * 2), np.zeros((d.shape[1],) * 2), 0, 0]
+    acc = stats["sums"][key]
+    acc[0] += xin.T @ xin
+    acc[1] += d.T @ d
+    acc[2] += routed
+    acc[3] += xin.shape[0]
+
+
+def forward(config, w, ids, stats=None):
     arch = config["architectures"][0]
     if arch == "MixtralForCausalLM":
-        return mixtral_forward(config, w, ids)
+        return mixtral_forward(config, w, ids, stats)
     if arch == "Llama4ForCausalLM":
-        return llama4_forward(config, w, ids)
+        return llama4_forward(config, w, ids, stats=stats)
     if arch == "Llama4ForConditionalGeneration":
-        return llama4_forward(config["text_config"], w, ids, prefix="language_model.")
+        return llama4_forward(config["text_config"], w, ids, prefix="language_model.", stats=stats)
     raise ValueError(f"not a mixture-of-experts architecture: {arch}")
+
+
+def expert_hessians(a):
+    config, w = read_model(a.model)
+    stats = {"route_all": a.route_all, "sums": {}}
+    for seq in a.tokens.split("/"):
+        forward(config, w, np.array([int(t) for t in seq.split(",")]), stats)
+    os.makedirs(a.out, exist_ok=True)
+    counts = {}
+    for (l, e), (gu, down, routed, rows) in sorted(stats["sums"].items()):
+        for name, m in (("gate_up", gu), ("down", down)):
+            (m / max(rows, 1)).astype("<f8").tofile(os.path.join(a.out, f"l{l}.e{e}.{name}.f64"))
+        counts.setdefault(str(l), {})[str(e)] = [int(routed), int(rows)]
+    with open(os.path.join(a.out, "counts.json"), "w") as f:
+        json.dump(counts, f)
 
 
 def interleave_rows(W, heads, hd):
@@ -380,8 +429,14 @@ def main():
     b.add_argument("--model", required=True)
     b.add_argument("--out", required=True)
     b.add_argument("--shards", type=int, default=2)
+    x = sub.add_parser("expert-hessians")
+    x.add_argument("--model", required=True)
+    x.add_argument("--tokens", required=True)
+    x.add_argument("--out", required=True)
+    x.add_argument("--route-all", action="store_true")
     a = p.parse_args()
-    {"upcycle": upcycle, "logits": logits, "bf16-shards": bf16_shards}[a.cmd](a)
+    {"upcycle": upcycle, "logits": logits, "bf16-shards": bf16_shards,
+     "expert-hessians": expert_hessians}[a.cmd](a)
 
 
 if __name__ == "__main__":
