@@ -515,6 +515,22 @@ StatusOr<bool> DeviceForward(model::DecoderBlock& block, const at::Tensor& x,
 
 namespace {
 
+// Sizes the accumulators of the block's dense inputs (those of the linears it has: a Mixtral
+// block has no MLP linears) when empty; InvalidArgument when one already has another size.
+Status SizeDenseAccumulators(const model::BlockWeights& w, BlockHessians* hessians) {
+  for (model::LinearKind k : model::kAllLinears) {
+    if (!w.has(k)) continue;
+    HessianAccumulator& acc = hessians->at(HessianKindOf(k));
+    const int64_t n = w.linear(k).in_features();
+    if (acc.dim() == 0) acc = HessianAccumulator(n);
+    if (acc.dim() != n) {
+      return absl::InvalidArgumentError(absl::StrCat("Hessian for ", model::LinearName(k),
+                                                     " has dim ", acc.dim(), ", expected ", n));
+    }
+  }
+  return Status();
+}
+
 // The block's hooks with on_routing extended by `tap` (called after any hook already there);
 // the block's own hooks come back when the returned cleanup runs.
 auto TapRouting(model::DecoderBlock& block, std::function<void(const model::Routing&)> tap) {
@@ -542,16 +558,7 @@ StatusOr<at::Tensor> ForwardCollectingMoe(model::DecoderBlock& block, const at::
   model::BlockWeights& w = block.mutable_weights();
   model::MoeWeights& moe = *w.moe;
   const int64_t experts = static_cast<int64_t>(moe.experts.size());
-  for (model::LinearKind k : model::kAllLinears) {
-    if (!w.has(k)) continue;
-    HessianAccumulator& acc = hessians->at(HessianKindOf(k));
-    const int64_t n = w.linear(k).in_features();
-    if (acc.dim() == 0) acc = HessianAccumulator(n);
-    if (acc.dim() != n) {
-      return absl::InvalidArgumentError(absl::StrCat("Hessian for ", model::LinearName(k),
-                                                     " has dim ", acc.dim(), ", expected ", n));
-    }
-  }
+  QCAL_RETURN_IF_ERROR(SizeDenseAccumulators(w, hessians));
   if (!hessians->route_all.empty() &&
       static_cast<int64_t>(hessians->route_all.size()) != experts) {
     return absl::InvalidArgumentError(absl::StrCat("route-all flags for ",
@@ -614,12 +621,12 @@ StatusOr<at::Tensor> ForwardCollectingMoe(model::DecoderBlock& block, const at::
   }
   auto unwrap = absl::MakeCleanup([&w, &moe] {
     for (auto& slot : w.linears) {
-      if (slot != nullptr) slot = static_cast<RecordingLinear*>(slot.get())->Release();
+      if (slot != nullptr) slot = static_cast<WrappedLinear*>(slot.get())->Release();
     }
     for (model::ExpertWeights& ex : moe.experts) {
       for (model::ExpertLinear k : {model::ExpertLinear::kGate, model::ExpertLinear::kDown}) {
         auto& slot = ex.linears[static_cast<int>(k)];
-        slot = static_cast<ExpertRecorder*>(slot.get())->Release();
+        slot = static_cast<WrappedLinear*>(slot.get())->Release();
       }
     }
   });
@@ -634,7 +641,10 @@ StatusOr<at::Tensor> ForwardCollectingMoe(model::DecoderBlock& block, const at::
       for (int64_t j = 0; j < k; ++j) {
         const int64_t e = c[t * k + j];
         if (e < 0 || e >= experts) {
-          if (tap_status.ok()) tap_status = absl::InternalError(absl::StrCat("routed to expert ", e));
+          if (tap_status.ok()) {
+            tap_status = absl::InternalError(absl::StrCat(
+                "the router chose expert ", e, ", outside the block's ", experts, " experts"));
+          }
           continue;
         }
         ++routing.rows[e][t / routing.seq_len];
@@ -756,15 +766,7 @@ StatusOr<at::Tensor> ForwardCollectingHessians(model::DecoderBlock& block, const
   if (hessians == nullptr) return x.size(0) == 0 ? x : forward();
   if (block.is_moe()) return ForwardCollectingMoe(block, x, rope, batch, hessians);
   model::BlockWeights& w = block.mutable_weights();
-  for (model::LinearKind k : model::kAllLinears) {
-    HessianAccumulator& acc = hessians->at(HessianKindOf(k));
-    const int64_t n = w.linear(k).in_features();
-    if (acc.dim() == 0) acc = HessianAccumulator(n);
-    if (acc.dim() != n) {
-      return absl::InvalidArgumentError(absl::StrCat("Hessian for ", model::LinearName(k),
-                                                     " has dim ", acc.dim(), ", expected ", n));
-    }
-  }
+  QCAL_RETURN_IF_ERROR(SizeDenseAccumulators(w, hessians));
   if (x.size(0) == 0) return x;  // a rank without sequences still has sized accumulators
   // With a GPU backend the products and their exact sums run on the device; the sums are
   // merged into the CPU accumulators after the pass (the same integer format, so reductions

@@ -17,6 +17,7 @@
 #include "runner/job_steps.h"
 #include "common/tokenizer.h"
 #include "kernels/gpu_backend.h"
+#include "tests/engine/calibration_ranks.h"
 #include "tests/model_fixtures.h"
 #include "tests/test_util.h"
 #include "engine/model/model_source.h"
@@ -83,43 +84,19 @@ class CalibrationRanksTest : public ::testing::Test {
       int ranks, const std::string& job_dir,
       int64_t budget = std::numeric_limits<int64_t>::max(),
       const std::function<void(calib::CalibrationOptions&, comm::Comm&)>& tweak = nullptr) {
-    auto comms = comm::MakeThreadComms(ranks);
-    std::vector<StatusOr<calib::CalibrationResult>> results(ranks, absl::UnknownError("not run"));
-    std::vector<std::thread> threads;
-    for (int r = 0; r < ranks; ++r) {
-      threads.emplace_back([&, r] {
-        auto source = model::OpenFloatCheckpoint(testing::RealModelDir("stories260K"));
-        if (!source.ok()) {
-          results[r] = source.status();
-          comms[r].reset();
-          return;
-        }
-        calib::CalibrationOptions opt;
-        opt.batch = 4;
-        opt.activations = true;
-        opt.memory_budget_bytes = budget;
-        if (tweak) tweak(opt, *comms[r]);
-        results[r] = calib::Calibrate(*comms[r], **source, *tokens_,
-                                      job::CalibrationDirsOf(job_dir), "key", opt);
-        if (!results[r].ok()) comms[r].reset();
-      });
-    }
-    for (auto& t : threads) t.join();
+    auto results = testing::CalibrateOnThreadRanks(
+        ranks, testing::RealModelDir("stories260K"), *tokens_, job_dir,
+        [&](calib::CalibrationOptions& opt, comm::Comm& comm) {
+          opt.batch = 4;
+          opt.activations = true;
+          opt.memory_budget_bytes = budget;
+          if (tweak) tweak(opt, comm);
+        });
     for (int r = 0; r < ranks; ++r) {
       EXPECT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].status();
     }
-    if (!results[0].ok()) return {};
-    for (int r = 1; r < ranks; ++r) {
-      if (!results[r].ok()) continue;
-      for (size_t l = 0; l < results[0]->hessians.size(); ++l) {
-        for (int k = 0; k < 4; ++k) {
-          EXPECT_TRUE(results[r]->hessians[l].h[k].packed() ==
-                      results[0]->hessians[l].h[k].packed())
-              << "rank " << r << " block " << l << " kind " << k;
-        }
-      }
-    }
-    return std::move(*results[0]);
+    EXPECT_EQ(testing::FirstRankDifference(results), "");
+    return results[0].ok() ? std::move(*results[0]) : calib::CalibrationResult{};
   }
 
   static std::string* root_;

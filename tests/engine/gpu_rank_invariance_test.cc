@@ -30,6 +30,7 @@
 #include "kernels/gpu_backend.h"
 #include "kernels/gpu_backend_cuda.h"
 #include "kernels/rounding.h"
+#include "tests/engine/calibration_ranks.h"
 #include "tests/model_fixtures.h"
 #include "tests/test_util.h"
 
@@ -45,38 +46,17 @@ struct CalibRun {
 StatusOr<CalibRun> Calibrate(kernels::GpuBackend* gpu, kernels::BlockForwardPrecision precision,
                         int ranks, int64_t batch, const at::Tensor& tokens,
                         const std::string& job_dir) {
-  auto comms = comm::MakeThreadComms(ranks);
-  std::vector<StatusOr<calib::CalibrationResult>> results(ranks, absl::UnknownError("not run"));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < ranks; ++r) {
-    threads.emplace_back([&, r] {
-      auto source = model::OpenFloatCheckpoint(testing::RealModelDir("stories260K"));
-      if (!source.ok()) {
-        results[r] = source.status();
-        comms[r].reset();
-        return;
-      }
-      calib::CalibrationOptions opt;
-      opt.batch = batch;
-      opt.activations = true;
-      opt.gpu = gpu;
-      opt.precision = precision;
-      results[r] = calib::Calibrate(*comms[r], **source, tokens, job::CalibrationDirsOf(job_dir),
-                                    "key", opt);
-      if (!results[r].ok()) comms[r].reset();
-    });
-  }
-  for (auto& t : threads) t.join();
+  auto results = testing::CalibrateOnThreadRanks(
+      ranks, testing::RealModelDir("stories260K"), tokens, job_dir,
+      [&](calib::CalibrationOptions& opt, comm::Comm&) {
+        opt.batch = batch;
+        opt.activations = true;
+        opt.gpu = gpu;
+        opt.precision = precision;
+      });
   for (int r = 0; r < ranks; ++r) QCAL_RETURN_IF_ERROR(results[r].status());
-  for (int r = 1; r < ranks; ++r) {
-    for (size_t l = 0; l < results[0]->hessians.size(); ++l) {
-      for (int k = 0; k < 4; ++k) {
-        if (!(results[r]->hessians[l].h[k].packed() == results[0]->hessians[l].h[k].packed())) {
-          return absl::InternalError(absl::StrCat("rank ", r, " block ", l, " kind ", k,
-                                                  ": its sums differ from rank 0's"));
-        }
-      }
-    }
+  if (const std::string d = testing::FirstRankDifference(results); !d.empty()) {
+    return absl::InternalError(absl::StrCat(d, ": its sums differ from rank 0's"));
   }
   return CalibRun{std::move(*results[0]), job_dir};
 }

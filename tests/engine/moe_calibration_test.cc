@@ -19,7 +19,6 @@
 #include <fstream>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -35,31 +34,21 @@
 #include "engine/model/llama.h"
 #include "engine/model/model_source.h"
 #include "runner/job_steps.h"
+#include "tests/engine/calibration_ranks.h"
+#include "tests/engine/moe_fixtures.h"
 #include "tests/test_util.h"
 
 namespace qcal {
 namespace {
 
 using testing::MakeTempDir;
-using testing::SourceDir;
 
-constexpr int64_t kVocab = 100;
+using testing::MoeDenseDir;
+using testing::ReferencePython;
+using testing::Shell;
+using testing::UpcycleMoe;
+constexpr int64_t kVocab = testing::kMoeVocab;
 constexpr int64_t kSeqs = 5, kSeqLen = 16, kBatch = 2;  // 3 chunks, the last one short
-
-void Shell(const std::string& cmd) { ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd; }
-
-std::string Python() { return "/usr/bin/python3 " + SourceDir() + "/tests/reference/"; }
-
-const std::string& DenseDir() {
-  static const std::string dir = [] {
-    const std::string d = MakeTempDir("moe-calib-dense");
-    Shell(absl::StrCat(Python(), "llama_reference.py make --out ", d,
-                     " --seed 7 --hidden 64 --intermediate 96 --heads 4 --kv-heads 2 --layers 4",
-                     " --vocab ", kVocab, " --max-position-embeddings 64 --std 0.1"));
-    return d;
-  }();
-  return dir;
-}
 
 struct Case {
   std::string name;
@@ -109,8 +98,9 @@ Reference RunReference(const std::string& model, bool route_all,
                        const at::Tensor& tokens = Tokens()) {
   Reference r;
   r.dir = MakeTempDir("moe-calib-ref");
-  Shell(absl::StrCat(Python(), "moe_reference.py expert-hessians --model ", model, " --tokens ",
-                   TokensArg(tokens), " --out ", r.dir, route_all ? " --route-all" : ""));
+  Shell(absl::StrCat(ReferencePython(), "moe_reference.py expert-hessians --model ", model,
+                     " --tokens ", TokensArg(tokens), " --out ", r.dir,
+                     route_all ? " --route-all" : ""));
   std::ifstream in(r.dir + "/counts.json");
   r.counts = nlohmann::json::parse(in);
   return r;
@@ -121,35 +111,22 @@ double RelDiff(const at::Tensor& a, const at::Tensor& b) {
   return (a - b).abs().max().item<double>() / scale;
 }
 
-// Calibrate on `ranks` thread-ranks; rank 0's result (every rank must succeed).
+// Calibrate on `ranks` thread-ranks; rank 0's result (every rank must succeed and hold rank 0's
+// reduced sums, experts included).
 calib::CalibrationResult RunRanks(const std::string& model, int ranks, const std::string& job_dir,
                                   bool route_all, int64_t min_tokens,
                                   const at::Tensor& tokens = Tokens()) {
-  auto comms = comm::MakeThreadComms(ranks);
-  std::vector<StatusOr<calib::CalibrationResult>> results(ranks, absl::UnknownError("not run"));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < ranks; ++r) {
-    threads.emplace_back([&, r] {
-      auto source = model::OpenFloatCheckpoint(model);
-      if (!source.ok()) {
-        results[r] = source.status();
-        comms[r].reset();
-        return;
-      }
-      calib::CalibrationOptions opt;
-      opt.batch = kBatch;
-      opt.activations = true;
-      opt.moe_route_all = route_all;
-      opt.moe_min_tokens = min_tokens;
-      results[r] = calib::Calibrate(*comms[r], **source, tokens, job::CalibrationDirsOf(job_dir),
-                                    "key", opt);
-      if (!results[r].ok()) comms[r].reset();
-    });
-  }
-  for (auto& t : threads) t.join();
+  auto results = testing::CalibrateOnThreadRanks(
+      ranks, model, tokens, job_dir, [&](calib::CalibrationOptions& o, comm::Comm&) {
+        o.batch = kBatch;
+        o.activations = true;
+        o.moe_route_all = route_all;
+        o.moe_min_tokens = min_tokens;
+      });
   for (int r = 0; r < ranks; ++r) {
     EXPECT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].status();
   }
+  EXPECT_EQ(testing::FirstRankDifference(results), "");
   return results[0].ok() ? std::move(*results[0]) : calib::CalibrationResult{};
 }
 
@@ -157,9 +134,7 @@ class MoeCalibrationTest : public ::testing::TestWithParam<Case> {
  protected:
   void SetUp() override {
     model::SetComputeThreads(1);
-    model_ = MakeTempDir("moe-calib-" + GetParam().name);
-    Shell(absl::StrCat(Python(), "moe_reference.py upcycle --dense ", DenseDir(), " --out ",
-                     model_, " --experts 4 --noise 0.05 --seed 3 ", GetParam().args));
+    model_ = UpcycleMoe("calib-" + GetParam().name, GetParam().args);
     auto config = LoadLlamaConfig(model_ + "/config.json");
     ASSERT_TRUE(config.ok()) << config.status();
     config_ = *config;

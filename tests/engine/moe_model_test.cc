@@ -43,6 +43,7 @@
 #include "tests/model_fixtures.h"
 #include "tools/expert_load.h"
 #include "tools/model_dir.h"
+#include "tests/engine/moe_fixtures.h"
 #include "tests/test_util.h"
 
 namespace qcal {
@@ -50,33 +51,13 @@ namespace {
 
 using testing::MakeTempDir;
 using testing::RelMaxDiff;
-using testing::SourceDir;
 
-constexpr int64_t kVocab = 100;
+using testing::MoeDenseDir;
+using testing::ReferencePython;
+using testing::Shell;
+using testing::UpcycleMoe;
+constexpr int64_t kVocab = testing::kMoeVocab;
 constexpr int64_t kSeq = 24;
-
-void Shell(const std::string& cmd) { ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd; }
-
-std::string Python() { return "/usr/bin/python3 " + SourceDir() + "/tests/reference/"; }
-
-// The dense model every MoE model here is upcycled from (made once per process).
-const std::string& DenseDir() {
-  static const std::string dir = [] {
-    const std::string d = MakeTempDir("moe-dense");
-    Shell(absl::StrCat(Python(), "llama_reference.py make --out ", d,
-                     " --seed 7 --hidden 64 --intermediate 96 --heads 4 --kv-heads 2 --layers 4",
-                     " --vocab ", kVocab, " --max-position-embeddings 64 --std 0.1"));
-    return d;
-  }();
-  return dir;
-}
-
-std::string Upcycle(const std::string& name, const std::string& args) {
-  const std::string dir = MakeTempDir("moe-" + name);
-  Shell(absl::StrCat(Python(), "moe_reference.py upcycle --dense ", DenseDir(), " --out ", dir,
-                   " --experts 4 --noise 0.05 --seed 3 ", args));
-  return dir;
-}
 
 // The Llama 4 variants of the class comment.
 constexpr char kLlama4Args[] =
@@ -92,8 +73,8 @@ std::vector<int64_t> Tokens(uint64_t seed) {
 
 at::Tensor ReferenceLogits(const std::string& dir, const std::string& script) {
   const std::string out = dir + "/reference_logits.f32";
-  Shell(absl::StrCat(Python(), script, " logits --model ", dir, " --tokens ",
-                   absl::StrJoin(Tokens(1), ","), " --out ", out));
+  Shell(absl::StrCat(ReferencePython(), script, " logits --model ", dir, " --tokens ",
+                     absl::StrJoin(Tokens(1), ","), " --out ", out));
   std::ifstream in(out, std::ios::binary);
   std::vector<float> v(kSeq * kVocab);
   in.read(reinterpret_cast<char*>(v.data()), static_cast<std::streamsize>(v.size() * 4));
@@ -118,11 +99,11 @@ class MoeModelTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(MoeModelTest, MatchesTheReference) {
   const Case& c = GetParam();
-  std::string dir = Upcycle(c.name, c.args);
+  std::string dir = UpcycleMoe(c.name, c.args);
   if (c.bf16_shards) {
     const std::string bf16 = MakeTempDir("moe-bf16-" + c.name);
-    Shell(absl::StrCat(Python(), "moe_reference.py bf16-shards --model ", dir, " --out ", bf16,
-                     " --shards 3"));
+    Shell(absl::StrCat(ReferencePython(), "moe_reference.py bf16-shards --model ", dir,
+                       " --out ", bf16, " --shards 3"));
     dir = bf16;
   }
   auto model = model::LlamaModel::Load(dir);
@@ -133,7 +114,7 @@ TEST_P(MoeModelTest, MatchesTheReference) {
 
   const at::Tensor logits = (*model)->Forward(Ids(Tokens(1)))[0];
   const double vs_reference = RelMaxDiff(ReferenceLogits(dir, "moe_reference.py"), logits);
-  const double vs_dense = RelMaxDiff(ReferenceLogits(DenseDir(), "llama_reference.py"), logits);
+  const double vs_dense = RelMaxDiff(ReferenceLogits(MoeDenseDir(), "llama_reference.py"), logits);
   std::printf("%s: qcal vs reference %.3g; vs the dense model %.3g\n", c.name.c_str(), vs_reference,
               vs_dense);
   EXPECT_LT(vs_reference, 1e-4);
@@ -230,7 +211,8 @@ TEST(MoeModel, Llama3RopeScalingWithEqualFactors) {
 // The multimodal layout: the text model's tensors under language_model., the vision tower and
 // projector beside them, which the text model never reads.
 TEST(MoeModel, MultimodalCheckpointKeepsTheVisionTensorsApart) {
-  const std::string dir = Upcycle("mm", std::string("--layout llama4-mm --top-k 1") + kLlama4Args);
+  const std::string dir =
+      UpcycleMoe("mm", std::string("--layout llama4-mm --top-k 1") + kLlama4Args);
   auto ckpt = CheckpointReader::Open(dir);
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
   EXPECT_TRUE((*ckpt)->Has("vision_model.patch_embedding.linear.weight"));
@@ -254,7 +236,7 @@ TEST(MoeModel, MultimodalCheckpointKeepsTheVisionTensorsApart) {
 // activations; dense models refused; the model's hooks restored.
 TEST(MoeModel, ExpertLoadCountsEveryRoutedToken) {
   const std::string dir =
-      Upcycle("load", std::string("--layout llama4 --top-k 2") + kLlama4Args);
+      UpcycleMoe("load", std::string("--layout llama4 --top-k 2") + kLlama4Args);
   auto model = model::LlamaModel::Load(dir);
   ASSERT_TRUE(model.ok()) << model.status();
   std::vector<std::vector<int32_t>> windows;
@@ -281,7 +263,7 @@ TEST(MoeModel, ExpertLoadCountsEveryRoutedToken) {
   for (int64_t l = 0; l < (*model)->num_blocks(); ++l) {
     EXPECT_FALSE((*model)->block(l).hooks().on_routing) << "hooks restored, layer " << l;
   }
-  auto dense = model::LlamaModel::Load(DenseDir());
+  auto dense = model::LlamaModel::Load(MoeDenseDir());
   ASSERT_TRUE(dense.ok());
   EXPECT_FALSE(tools::MeasureExpertLoad(**dense, windows).ok());
 }
@@ -316,7 +298,7 @@ TEST(MoeModel, LoadSlabReadsOneExpert) {
 
 // The dense-only tools refuse a MoE model by its config, naming the tool and the architecture.
 TEST(MoeModel, DenseOnlyToolsRefuseIt) {
-  const std::string dir = Upcycle("tools", "--layout mixtral --top-k 2");
+  const std::string dir = UpcycleMoe("tools", "--layout mixtral --top-k 2");
   auto config = LoadLlamaConfig(dir);
   ASSERT_TRUE(config.ok()) << config.status();
   const Status s = tools::CheckDerivedModelDirs("plant-outliers", dir, *config, dir + "-out");
@@ -325,14 +307,14 @@ TEST(MoeModel, DenseOnlyToolsRefuseIt) {
                              "works on dense Llama models"),
             std::string::npos)
       << s;
-  auto dense = LoadLlamaConfig(DenseDir());
+  auto dense = LoadLlamaConfig(MoeDenseDir());
   ASSERT_TRUE(dense.ok());
-  EXPECT_TRUE(tools::DenseOnly("kv-eval", DenseDir(), *dense).ok());
+  EXPECT_TRUE(tools::DenseOnly("kv-eval", MoeDenseDir(), *dense).ok());
 }
 
 // Until MoE quantization lands, a job on a MoE model is refused up front with the reason.
 TEST(MoeModel, QuantizationIsRefusedWithTheReason) {
-  const std::string dir = Upcycle("refused", "--layout mixtral --top-k 2");
+  const std::string dir = UpcycleMoe("refused", "--layout mixtral --top-k 2");
   auto recipe = ParseRecipe("method: rtn\nbits: 4\n", "recipe.yaml");
   ASSERT_TRUE(recipe.ok()) << recipe.status();
   v1::JobSpec spec;
