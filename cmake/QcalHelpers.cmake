@@ -147,6 +147,9 @@ function(qcal_add_test name)
   set(env "${QCAL_TEST_ENV}")
   if(ARG_DISCOVER)
     include(GoogleTest)
+    # gtest_discover_tests passes only the first variable of a list-valued ENVIRONMENT on to
+    # the discovered tests (QCAL_SHARED_DIR): the others reach them as compiled-in defaults.
+    target_compile_definitions(${name} PRIVATE QCAL_DEFAULT_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
     gtest_discover_tests(${name} TEST_PREFIX "${name}." DISCOVERY_TIMEOUT 60
       PROPERTIES TIMEOUT ${ARG_TIMEOUT} ENVIRONMENT "${env}" LABELS "${ARG_LABELS}")
     return()

@@ -26,8 +26,20 @@ StatusOr<std::vector<std::string>> WriteNonBlockShard(const std::string& path,
                                                       const LlamaConfig& config) {
   SafetensorsWriter writer;
   writer.SetMetadata("format", "pt");
-  std::vector<std::string> names = {"model.embed_tokens.weight", "model.norm.weight"};
-  if (ckpt.Has("lm_head.weight")) names.push_back("lm_head.weight");
+  std::vector<std::string> names = {config.TensorName("model.embed_tokens.weight"),
+                                    config.TensorName("model.norm.weight")};
+  if (ckpt.Has(config.TensorName("lm_head.weight"))) {
+    names.push_back(config.TensorName("lm_head.weight"));
+  }
+  if (!config.tensor_prefix.empty()) {
+    // The text model of a multimodal checkpoint (Llama4ForConditionalGeneration): everything
+    // outside it (the vision tower, the projector) is not qcal's to change and is copied too.
+    for (const std::string& name : ckpt.TensorNames()) {
+      if (name.compare(0, config.tensor_prefix.size(), config.tensor_prefix) != 0) {
+        names.push_back(name);
+      }
+    }
+  }
   for (const std::string& name : names) {
     // As stored (a bf16 128k-vocabulary table stays bf16), streamed from the source file.
     QCAL_ASSIGN_OR_RETURN(auto found, ckpt.Find(name));
@@ -37,14 +49,31 @@ StatusOr<std::vector<std::string>> WriteNonBlockShard(const std::string& path,
   return names;
 }
 
-nlohmann::json MakeQuantizationConfig(const Recipe& recipe, double code_bits,
-                                      double stored_bits) {
+nlohmann::json MakeQuantizationConfig(const Recipe& recipe, const LlamaConfig& config,
+                                      double code_bits, double stored_bits) {
+  nlohmann::json not_quantized = nlohmann::json::array();
+  for (const char* m : {"model.embed_tokens", "model.norm", "lm_head"}) {
+    not_quantized.push_back(config.TensorName(m));
+  }
+  if (config.is_moe()) {
+    // The routers stay in float: a few thousand weights per block that pick every token's
+    // experts.
+    for (int64_t l = 0; l < config.num_hidden_layers; ++l) {
+      if (!config.IsMoeLayer(l)) continue;
+      not_quantized.push_back(config.RouterModule(l));
+    }
+  }
+  if (!config.tensor_prefix.empty()) {
+    // Llama4ForConditionalGeneration's modules outside the text model, copied as stored.
+    not_quantized.push_back("vision_model");
+    not_quantized.push_back("multi_modal_projector");
+  }
   nlohmann::json q = {{"quant_method", "qcal"},
                       {"format_version", 1},
                       {"method", recipe.method},
                       {"bits", recipe.bits()},
                       {"bits_per_weight", {{"codes", code_bits}, {"stored", stored_bits}}},
-                      {"modules_not_quantized", {"model.embed_tokens", "model.norm", "lm_head"}},
+                      {"modules_not_quantized", not_quantized},
                       {"recipe", recipe.ToJson()}};
   if (recipe.config) recipe.config->AddToQuantizationConfig(&q);
   return q;

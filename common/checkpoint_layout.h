@@ -28,13 +28,18 @@ namespace qcal {
 std::string ShardName(int64_t shard, int64_t num_blocks);
 
 // Copies the embeddings, final norm and (untied) head from the float checkpoint as stored (their
-// dtype and bytes), streamed: no table is held in memory.
+// dtype and bytes), streamed: no table is held in memory. Names keep config.tensor_prefix; a
+// multimodal checkpoint's tensors outside the text model (Llama 4's vision tower and projector)
+// are copied the same way. Returns the names written.
 StatusOr<std::vector<std::string>> WriteNonBlockShard(const std::string& path,
                                                       CheckpointReader& float_ckpt,
                                                       const LlamaConfig& config);
 
-// The "quantization_config" object written into config.json.
-nlohmann::json MakeQuantizationConfig(const Recipe& recipe, double code_bits, double stored_bits);
+// The "quantization_config" object written into config.json. Its modules_not_quantized lists
+// the embeddings, final norm and head, a MoE model's routers and a multimodal checkpoint's
+// vision modules, under `config`'s tensor names.
+nlohmann::json MakeQuantizationConfig(const Recipe& recipe, const LlamaConfig& config,
+                                      double code_bits, double stored_bits);
 
 // Copies the tokenizer files a model directory has (tokenizer.model, tokenizer.json,
 // tokenizer_config.json, special_tokens_map.json, generation_config.json) into out_dir.

@@ -530,4 +530,10 @@ json LlamaConfigToJson(const LlamaConfig& config) {
   return root;
 }
 
+std::string LlamaConfig::RouterModule(int64_t layer) const {
+  return TensorName(absl::StrCat("model.layers.", layer, ".",
+                                 family == ModelFamily::kMixtral ? "block_sparse_moe.gate"
+                                                                 : "feed_forward.router"));
+}
+
 }  // namespace qcal

@@ -106,6 +106,9 @@ struct LlamaConfig {
   std::string TensorName(std::string_view name) const {
     return tensor_prefix + std::string(name);
   }
+  // Where MoE block `layer`'s router is stored, without ".weight", behind tensor_prefix:
+  // Mixtral "model.layers.3.block_sparse_moe.gate", Llama 4 "model.layers.3.feed_forward.router".
+  std::string RouterModule(int64_t layer) const;
   int64_t q_dim() const { return num_attention_heads * head_dim; }
   int64_t kv_dim() const { return num_key_value_heads * head_dim; }
   int64_t gqa_groups() const { return num_attention_heads / num_key_value_heads; }

@@ -94,6 +94,10 @@ struct MethodNeeds {
   bool transforms_non_block = false;
   // The method accepts QuIP#'s fine-tuning (finetune.enabled, finetune.end_to_end.enabled).
   bool supports_finetune = false;
+  // The method quantizes mixture-of-experts models (hf_config.h ModelFamily): every routed
+  // expert's linears rounded like a dense MLP's from the expert's own Hessians, the router kept
+  // in float (runner/job_inputs.h CheckJobInputs refuses the others for such a model).
+  bool supports_moe = false;
 
   // Whether the job reads calibration text at all (Hessians, activations, sequential
   // calibration or end-to-end fine-tuning): its calibration files are checked and fingerprinted

@@ -105,6 +105,14 @@ class Exporter {
       return absl::InvalidArgumentError(absl::StrCat(
           o_.in_dir, "/config.json: a float model (no quantization_config): nothing to export"));
     }
+    if (src_.config.is_moe() || !src_.config.tensor_prefix.empty()) {
+      // The exports' tensor plans name a dense Llama's linears; vLLM's MoE loaders read routed
+      // experts under names of their own. Refused rather than written without the experts.
+      return absl::UnimplementedError(absl::StrCat(
+          o_.in_dir, "/config.json: ", src_.config.architecture, " checkpoints (mixture of "
+          "experts or multimodal) are not exported yet; `qcal eval` and `qcal generate` read the "
+          "qcal checkpoint itself"));
+    }
     QCAL_ASSIGN_OR_RETURN(src_.method, methods::CheckpointMethod(src_.config, o_.in_dir));
     QCAL_ASSIGN_OR_RETURN(src_.served, src_.method->inference().Served());
     QCAL_ASSIGN_OR_RETURN(src_.model_dtype, ModelDType(src_.config, o_.in_dir));

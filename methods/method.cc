@@ -65,35 +65,77 @@ StandardBlockFormat::StandardBlockFormat(LlamaConfig config,
 
 Status StandardBlockFormat::AppendBlockTensors(int64_t layer, const model::BlockWeights& weights,
                                                SafetensorsWriter* writer) const {
-  const std::string p = absl::StrCat("model.layers.", layer, ".");
+  const std::string p = config_.TensorName(absl::StrCat("model.layers.", layer, "."));
   QCAL_RETURN_IF_ERROR(model::AddF32Tensor(writer, p + "input_layernorm.weight",
                                            weights.input_norm));
   QCAL_RETURN_IF_ERROR(model::AddF32Tensor(writer, p + "post_attention_layernorm.weight",
                                            weights.post_norm));
   for (model::LinearKind k : model::kAllLinears) {
-    QCAL_RETURN_IF_ERROR(formats_->Append(weights.linear(k), p + model::LinearName(k), writer));
+    if (!weights.has(k)) continue;  // a Mixtral MoE block's (absent) dense MLP
+    QCAL_RETURN_IF_ERROR(
+        formats_->Append(weights.linear(k), model::LinearTensorName(config_, layer, k), writer));
+  }
+  if (weights.moe == nullptr) return Status();
+  QCAL_RETURN_IF_ERROR(model::AddF32Tensor(writer, config_.RouterModule(layer) + ".weight",
+                                           weights.moe->router));
+  for (size_t e = 0; e < weights.moe->experts.size(); ++e) {
+    for (model::ExpertLinear k : model::kExpertLinears) {
+      QCAL_RETURN_IF_ERROR(formats_->Append(
+          weights.moe->experts[e].linear(k),
+          model::ExpertTensorName(config_, layer, static_cast<int64_t>(e), k), writer));
+    }
   }
   return Status();
 }
 
+namespace {
+
+// Reads linear `name` and checks its [out, in] against `shape` (from config.json).
+StatusOr<std::unique_ptr<model::Linear>> LoadLinearChecked(const LayerFormats& formats,
+                                                           CheckpointReader& ckpt,
+                                                           const std::string& name,
+                                                           const std::string& quantized,
+                                                           const std::vector<int64_t>& shape) {
+  QCAL_ASSIGN_OR_RETURN(std::unique_ptr<model::Linear> l, formats.Load(ckpt, name, quantized));
+  if (l->out_features() != shape[0] || l->in_features() != shape[1]) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        ckpt.dir(), ": ", name, " is ", l->out_features(), "x", l->in_features(), ", expected ",
+        shape[0], "x", shape[1], " from config.json"));
+  }
+  return l;
+}
+
+}  // namespace
+
 StatusOr<model::BlockWeights> StandardBlockFormat::LoadBlock(CheckpointReader& ckpt,
                                                              int64_t layer) const {
-  const std::string p = absl::StrCat("model.layers.", layer, ".");
+  const std::string p = config_.TensorName(absl::StrCat("model.layers.", layer, "."));
   model::BlockWeights w;
+  w.layer = layer;
   QCAL_ASSIGN_OR_RETURN(w.input_norm, model::LoadTensorF32(ckpt, p + "input_layernorm.weight",
                                                            {config_.hidden_size}));
   QCAL_ASSIGN_OR_RETURN(w.post_norm,
                         model::LoadTensorF32(ckpt, p + "post_attention_layernorm.weight",
                                              {config_.hidden_size}));
   for (model::LinearKind k : model::kAllLinears) {
-    const std::string name = p + model::LinearName(k);
-    QCAL_ASSIGN_OR_RETURN(w.linears[static_cast<int>(k)], formats_->Load(ckpt, name, quantized_));
-    const model::Linear& l = w.linear(k);
-    const std::vector<int64_t> shape = model::LinearShape(config_, k);
-    if (l.out_features() != shape[0] || l.in_features() != shape[1]) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          ckpt.dir(), ": ", name, " is ", l.out_features(), "x", l.in_features(), ", expected ",
-          shape[0], "x", shape[1], " from config.json"));
+    if (!model::BlockHasLinear(config_, layer, k)) continue;  // Mixtral MoE: no dense MLP
+    QCAL_ASSIGN_OR_RETURN(w.linears[static_cast<int>(k)],
+                          LoadLinearChecked(*formats_, ckpt,
+                                            model::LinearTensorName(config_, layer, k), quantized_,
+                                            model::LinearShape(config_, k, layer)));
+  }
+  if (!config_.IsMoeLayer(layer)) return w;
+  w.moe = std::make_unique<model::MoeWeights>();
+  QCAL_ASSIGN_OR_RETURN(w.moe->router,
+                        model::LoadTensorF32(ckpt, config_.RouterModule(layer) + ".weight",
+                                             {config_.num_experts, config_.hidden_size}));
+  w.moe->experts.resize(config_.num_experts);
+  for (int64_t e = 0; e < config_.num_experts; ++e) {
+    for (model::ExpertLinear k : model::kExpertLinears) {
+      QCAL_ASSIGN_OR_RETURN(
+          w.moe->experts[e].linears[static_cast<int>(k)],
+          LoadLinearChecked(*formats_, ckpt, model::ExpertTensorName(config_, layer, e, k),
+                            quantized_, model::LinearShape(config_, model::ExpertLinearKind(k))));
     }
   }
   return w;

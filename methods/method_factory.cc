@@ -84,7 +84,7 @@ StatusOr<std::unique_ptr<model::LlamaModel>> LoadModel(const std::string& dir) {
   QCAL_ASSIGN_OR_RETURN(std::unique_ptr<Method> method, CheckpointMethod(config, dir));
   QCAL_ASSIGN_OR_RETURN(auto ckpt, CheckpointReader::Open(dir));
   QCAL_ASSIGN_OR_RETURN(at::Tensor embed,
-                        model::LoadTensorF32(*ckpt, "model.embed_tokens.weight",
+                        model::LoadTensorF32(*ckpt, config.TensorName("model.embed_tokens.weight"),
                                              {config.vocab_size, config.hidden_size}));
   std::vector<model::DecoderBlock> blocks;
   blocks.reserve(config.num_hidden_layers);
@@ -94,10 +94,11 @@ StatusOr<std::unique_ptr<model::LlamaModel>> LoadModel(const std::string& dir) {
     QCAL_RETURN_IF_ERROR(method->inference().Install(&blocks.back(), l));
   }
   QCAL_ASSIGN_OR_RETURN(at::Tensor norm,
-                        model::LoadTensorF32(*ckpt, "model.norm.weight", {config.hidden_size}));
+                        model::LoadTensorF32(*ckpt, config.TensorName("model.norm.weight"),
+                                             {config.hidden_size}));
   at::Tensor head = embed;
-  if (ckpt->Has("lm_head.weight")) {
-    QCAL_ASSIGN_OR_RETURN(head, model::LoadTensorF32(*ckpt, "lm_head.weight",
+  if (const std::string head_name = config.TensorName("lm_head.weight"); ckpt->Has(head_name)) {
+    QCAL_ASSIGN_OR_RETURN(head, model::LoadTensorF32(*ckpt, head_name,
                                                      {config.vocab_size, config.hidden_size}));
   }
   return std::make_unique<model::LlamaModel>(std::move(config), std::move(embed),

@@ -237,7 +237,10 @@ class Inference {
 
 // The block format every method without extra per-block tensors uses: both RMSNorm weights
 // (F32) and each linear in its layer format (LayerFormats), the linears' shapes checked against
-// the config on reading. Methods with extras build on it.
+// the config on reading. Methods with extras build on it. Names are the model's own
+// (model::LinearTensorName: Llama 4's "feed_forward.*", a multimodal checkpoint's
+// "language_model." prefix); a MoE block adds its router (F32, not quantized) and each routed
+// expert's three linears under model::ExpertTensorName (docs/formats.md).
 class StandardBlockFormat : public BlockFormat {
  public:
   // `quantized`: the format name quantized linears are read with (quantization_config "format").

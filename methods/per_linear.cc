@@ -15,14 +15,14 @@ class ScalarGrid final : public LinearRounding {
  public:
   ScalarGrid(std::string method, quant::ScalarQuantizeOptions options)
       : method_(std::move(method)), options_(std::move(options)) {}
-  StatusOr<quant::QuantizedLinear> Round(int64_t layer, model::LinearKind kind,
+  StatusOr<quant::QuantizedLinear> Round(int64_t layer, model::LinearKind kind, int64_t expert,
                                          const at::Tensor& weight, const at::Tensor& hessian,
                                          kernels::GpuBackend* gpu,
                                          const LinearProgressFn& /*progress*/) const override {
     // RTN and GPTQ take seconds per linear even at 70B shapes: no notes.
     QCAL_ASSIGN_OR_RETURN(quant::LinearProblem p,
                           quant::PrepareLinear(layer, kind, weight, hessian, method_.c_str(),
-                                               /*needs_hessian=*/options_.gptq));
+                                               /*needs_hessian=*/options_.gptq, expert));
     quant::ScalarQuantizeOptions options = options_;
     options.gpu = gpu;
     return quant::FinishLinear(
@@ -37,17 +37,42 @@ class ScalarGrid final : public LinearRounding {
 // The notes of one linear's rounding as the block's progress: "rounding <linear>: <note>" at the
 // count of linears done so far, at most one every `every`.
 LinearProgressFn LinearNotes(const BlockInputs& in, int64_t done, int64_t steps,
-                             model::LinearKind kind, std::chrono::milliseconds every) {
+                             std::string linear, std::chrono::milliseconds every) {
   if (!in.progress) return nullptr;
   auto last = std::make_shared<std::chrono::steady_clock::time_point>(
       std::chrono::steady_clock::now());
-  return [&in, done, steps, kind, last, every](const std::string& note) {
+  return [&in, done, steps, linear = std::move(linear), last, every](const std::string& note) {
     const auto now = std::chrono::steady_clock::now();
     if (now - *last < every) return;
     *last = now;
-    ReportBlockStep(in, done, steps,
-                    absl::StrCat("rounding ", model::LinearName(kind), ": ", note));
+    ReportBlockStep(in, done, steps, absl::StrCat("rounding ", linear, ": ", note));
   };
+}
+
+// Routed expert `expert`'s Hessian of `input` (undefined without Hessians), its in-memory sums
+// released once the mean exists (a Mixtral-8x7B block's experts hold 8 × 3.3 GB of down_proj
+// sums). An expert whose Hessian is all zero saw no calibration token (the starved-expert rule
+// was turned off: calibration.moe_min_tokens 0): FailedPrecondition naming it, never a rounding
+// against a zero Hessian.
+StatusOr<at::Tensor> ExpertHessian(calib::BlockHessians* hessians, int64_t layer, int64_t expert,
+                                   calib::ExpertInput input) {
+  if (hessians == nullptr) return at::Tensor();
+  at::Tensor mean = hessians->ExpertMean(expert, input);
+  if (expert < static_cast<int64_t>(hessians->experts.size())) {
+    hessians->experts[expert].at(input).ReleasePacked();
+  }
+  if (!mean.defined()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "block ", layer, " expert ", expert, ": the calibration has no ",
+        calib::ExpertInputName(input), " Hessian for it"));
+  }
+  if (mean.abs().max().item<double>() == 0.0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "block ", layer, " expert ", expert, ": no calibration token reached it, so its ",
+        calib::ExpertInputName(input), " Hessian is zero; set calibration.moe_min_tokens above 0 "
+        "(every token for a starved expert) or calibration.moe_route_all: true"));
+  }
+  return mean;
 }
 
 }  // namespace
@@ -72,23 +97,55 @@ StatusOr<quant::BlockTaskResult> PerLinearQuantizer::QuantizeBlock(
   const int64_t layer = in.layer;
   quant::BlockTaskResult result;
   result.layer = layer;
+  result.weights.layer = float_weights.layer;
   result.weights.input_norm = float_weights.input_norm.clone();
   result.weights.post_norm = float_weights.post_norm.clone();
-  calib::HessianMeans means(in.hessians);  // consumes the accumulators kind by kind
-  const int64_t steps = static_cast<int64_t>(std::size(model::kAllLinears));
+  // The dense linears the block has (a Mixtral MoE block has no dense MLP), then each routed
+  // expert's gate, up and down_proj.
+  const model::MoeWeights* moe = float_weights.moe.get();
+  const int64_t experts = moe ? static_cast<int64_t>(moe->experts.size()) : 0;
+  int64_t steps = 3 * experts;
+  for (model::LinearKind kind : model::kAllLinears) steps += float_weights.has(kind) ? 1 : 0;
   int64_t done = 0;
-  for (model::LinearKind kind : model::kAllLinears) {
-    const at::Tensor h = means.For(kind);
+  // Rounds one linear; its float weights are released as soon as it is rounded (at a 70B shape
+  // the others' fp32 weights, 2.5 GB, would otherwise sit beside down_proj's Hessian and GPTQ's
+  // work matrices).
+  auto round = [&](model::LinearKind kind, int64_t expert, std::unique_ptr<model::Linear>& weight,
+                   const at::Tensor& h) -> StatusOr<std::unique_ptr<model::Linear>> {
+    const std::string name = quant::LinearProblemName(kind, expert);
     QCAL_ASSIGN_OR_RETURN(quant::QuantizedLinear q,
-                          rounding_->Round(layer, kind, float_weights.linear(kind).DenseWeight(),
-                                           h, in.gpu,
-                                           LinearNotes(in, done, steps, kind, note_every_)));
-    result.weights.linears[static_cast<int>(kind)] = std::move(q.layer);
+                          rounding_->Round(layer, kind, expert, weight->DenseWeight(), h, in.gpu,
+                                           LinearNotes(in, done, steps, name, note_every_)));
     result.linears.push_back(q.metrics);
-    // The float linear is done with: at a 70B shape the others' fp32 weights (2.5 GB) would
-    // otherwise sit beside down_proj's Hessian and GPTQ's work matrices.
-    float_weights.linears[static_cast<int>(kind)].reset();
-    ReportBlockStep(in, ++done, steps, model::LinearName(kind));
+    weight.reset();
+    ReportBlockStep(in, ++done, steps, name);
+    return std::move(q.layer);
+  };
+  calib::HessianMeans means(in.hessians);  // consumes the accumulators kind by kind
+  for (model::LinearKind kind : model::kAllLinears) {
+    if (!float_weights.has(kind)) continue;
+    const int i = static_cast<int>(kind);
+    QCAL_ASSIGN_OR_RETURN(result.weights.linears[i],
+                          round(kind, -1, float_weights.linears[i], means.For(kind)));
+  }
+  if (moe != nullptr) {
+    result.weights.moe = std::make_unique<model::MoeWeights>();
+    result.weights.moe->router = moe->router.clone();  // kept in float
+    result.weights.moe->experts.resize(experts);
+    for (int64_t e = 0; e < experts; ++e) {
+      auto& from = float_weights.moe->experts[e].linears;
+      auto& to = result.weights.moe->experts[e].linears;
+      for (calib::ExpertInput input : calib::kExpertInputs) {
+        QCAL_ASSIGN_OR_RETURN(const at::Tensor h,
+                              ExpertHessian(in.hessians, layer, e, input));
+        const bool gate_up = input == calib::ExpertInput::kGateUp;
+        for (model::ExpertLinear k : model::kExpertLinears) {
+          if ((k != model::ExpertLinear::kDown) != gate_up) continue;
+          const int i = static_cast<int>(k);
+          QCAL_ASSIGN_OR_RETURN(to[i], round(model::ExpertLinearKind(k), e, from[i], h));
+        }
+      }
+    }
   }
   result.seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -99,6 +156,11 @@ StatusOr<quant::BlockTaskResult> PerLinearQuantizer::QuantizeBlock(
 StatusOr<quant::BlockTaskResult> PerLinearQuantizer::QuantizeWithFinetune(
     model::BlockWeights float_weights, const BlockInputs& in) const {
   const int64_t layer = in.layer;
+  if (float_weights.moe != nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "block ", layer, " is a mixture-of-experts block: QuIP#'s fine-tuning does not tune "
+        "routed experts yet (set finetune.enabled: false)"));
+  }
   auto hessian_of = [&](model::LinearKind k) {
     return in.hessians ? in.hessians->Mean(calib::HessianKindOf(k)) : at::Tensor();
   };
@@ -115,9 +177,10 @@ StatusOr<quant::BlockTaskResult> PerLinearQuantizer::QuantizeWithFinetune(
     std::string group;
     for (model::LinearKind k : groups[g]) {
       QCAL_ASSIGN_OR_RETURN(quant::QuantizedLinear q,
-                            rounding_->Round(layer, k, tuner->Weight(k).to(at::kCPU),
+                            rounding_->Round(layer, k, -1, tuner->Weight(k).to(at::kCPU),
                                              hessian_of(k), in.gpu,
-                                             LinearNotes(in, done, steps, k, note_every_)));
+                                             LinearNotes(in, done, steps, model::LinearName(k),
+                                                         note_every_)));
       QCAL_RETURN_IF_ERROR(tuner->Install(k, std::move(q)));
       ReportBlockStep(in, ++done, steps, model::LinearName(k));
       group += group.empty() ? model::LinearName(k) : std::string(", ") + model::LinearName(k);
@@ -129,8 +192,9 @@ StatusOr<quant::BlockTaskResult> PerLinearQuantizer::QuantizeWithFinetune(
         if (std::find(groups[0].begin(), groups[0].end(), k) != groups[0].end()) continue;
         QCAL_ASSIGN_OR_RETURN(
             quant::QuantizedLinear q,
-            rounding_->Round(layer, k, float_weights.linear(k).DenseWeight(), hessian_of(k),
-                             in.gpu, LinearNotes(in, done, steps, k, note_every_)));
+            rounding_->Round(layer, k, -1, float_weights.linear(k).DenseWeight(), hessian_of(k),
+                             in.gpu, LinearNotes(in, done, steps, model::LinearName(k),
+                                                 note_every_)));
         others[static_cast<int>(k)] = std::move(q.layer);
       }
       QCAL_RETURN_IF_ERROR(tuner->MeasureBaseline(std::move(others)));

@@ -32,8 +32,10 @@ class LinearRounding {
   virtual ~LinearRounding() = default;
   // Rounds one linear of block `layer`: weight [out, in] float, hessian [in, in] fp64 mean
   // (undefined when the method needs none), on the rank's backend `gpu` (null: the CPU);
-  // `progress` may be empty.
+  // `progress` may be empty. `expert` >= 0: routed expert `expert`'s linear of role `kind`
+  // (kGate, kUp or kDown) in a MoE block; -1: the block's dense linear `kind`.
   virtual StatusOr<quant::QuantizedLinear> Round(int64_t layer, model::LinearKind kind,
+                                                 int64_t expert,
                                                  const at::Tensor& weight,
                                                  const at::Tensor& hessian,
                                                  kernels::GpuBackend* gpu,

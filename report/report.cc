@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/atomic_file.h"
 
 namespace qcal::report {
@@ -299,6 +300,7 @@ struct Journal {
   nlohmann::json e2e;                       // the last e2e_done (null: none)
   // The latest phase_done of each global phase that trained, in the order they first appear.
   std::vector<std::pair<std::string, nlohmann::json>> phases;
+  nlohmann::json expert_load;  // the last expert_load (null: a dense model's job)
   bool done = false;
 };
 
@@ -328,6 +330,8 @@ StatusOr<Journal> ReadJournal(const std::string& path) {
       j.e2e = e;
     } else if (event == "job_done") {
       j.done = true;
+    } else if (event == "expert_load") {
+      j.expert_load = e;
     } else if (event == "phase_done") {
       if (!e.contains("phase") || !e["phase"].is_string()) continue;
       const std::string phase = e["phase"].get<std::string>();
@@ -419,6 +423,109 @@ window.addEventListener('load', function () {
 </script>
 )";
 
+// ---- Routing (mixture-of-experts models) -------------------------------------------------------
+
+// The journal's expert_load entry as a section: the tokens per expert of each MoE layer (the
+// fewest, median and most, and the even share), a layers × experts map of each expert's share
+// (red: no token; darker: more), and the experts calibrated on every token. Empty for an entry
+// without layers.
+std::string ExpertLoadSection(const nlohmann::json& entry) {
+  struct Layer {
+    int64_t layer = 0;
+    std::vector<double> tokens;
+    std::vector<int64_t> every_token;
+  };
+  if (!entry.is_object() || !entry.contains("layers") || !entry["layers"].is_array()) return "";
+  std::vector<Layer> layers;
+  for (const auto& l : entry["layers"]) {
+    if (!l.is_object() || !l.contains("routed_tokens") || !l["routed_tokens"].is_array()) continue;
+    Layer x;
+    x.layer = static_cast<int64_t>(NumberOr(l, "layer", -1));
+    for (const auto& t : l["routed_tokens"]) {
+      x.tokens.push_back(t.is_number() ? t.get<double>() : kNan);
+    }
+    for (const auto& e : l.value("every_token", nlohmann::json::array())) {
+      if (e.is_number_integer()) x.every_token.push_back(e.get<int64_t>());
+    }
+    if (!x.tokens.empty()) layers.push_back(std::move(x));
+  }
+  if (layers.empty()) return "";
+  std::string html = "<h2>Routing: calibration tokens per expert</h2>\n<div class=\"plots\">\n";
+  Series lo{"fewest", {}, {}}, mid{"median", {}, {}}, hi{"most", {}, {}};
+  Series even{"even share", {}, {}};
+  size_t experts = 0;
+  for (const Layer& l : layers) {
+    std::vector<double> t = l.tokens;
+    std::sort(t.begin(), t.end());
+    double sum = 0;
+    for (double v : t) sum += v;
+    const double x = static_cast<double>(l.layer);
+    lo.x.push_back(x), lo.y.push_back(t.front());
+    mid.x.push_back(x), mid.y.push_back(t[t.size() / 2]);
+    hi.x.push_back(x), hi.y.push_back(t.back());
+    even.x.push_back(x), even.y.push_back(sum / t.size());
+    experts = std::max(experts, t.size());
+  }
+  html += LineChart("expert-load", "Tokens per expert by MoE layer", "layer",
+                    "calibration tokens routed", {lo, mid, hi, even}, false);
+  // The map: one row per MoE layer, one column per expert.
+  const int x0 = kLeft, x1 = kW - kRight, y1 = kTop, y0 = kTop + kPlotH;
+  const double cw = static_cast<double>(x1 - x0) / experts;
+  const double ch = static_cast<double>(y0 - y1) / layers.size();
+  // Unpadded axes: cell e spans [e, e + 1).
+  Axis ex, ly;
+  ex.hi = static_cast<double>(experts);
+  ly.hi = static_cast<double>(layers.size());
+  std::string map = Frame("expert-map", "Each expert's share (tokens ÷ even share)",
+                          "expert", "MoE layers in order (first at the bottom)", ex, ly, true);
+  for (size_t r = 0; r < layers.size(); ++r) {
+    const Layer& l = layers[r];
+    double sum = 0;
+    for (double v : l.tokens) sum += v;
+    const double share = sum / l.tokens.size();
+    for (size_t e = 0; e < l.tokens.size(); ++e) {
+      const double ratio = share > 0 ? l.tokens[e] / share : 0;
+      std::string fill = "#d62728";  // no token
+      if (ratio > 0) {
+        const double t = std::min(1.0, ratio / 2);  // white .. dark blue at twice the share
+        fill = absl::StrFormat("#%02x%02x%02x", static_cast<int>(247 - t * (247 - 8)),
+                               static_cast<int>(251 - t * (251 - 48)),
+                               static_cast<int>(255 - t * (255 - 107)));
+      }
+      const bool all = std::find(l.every_token.begin(), l.every_token.end(),
+                                 static_cast<int64_t>(e)) != l.every_token.end();
+      absl::StrAppendFormat(
+          &map,
+          "<rect class=\"data\" x=\"%.2f\" y=\"%.2f\" width=\"%.2f\" height=\"%.2f\" "
+          "fill=\"%s\"%s><title>layer %d expert %d: %s tokens (%s× the even share)%s</title>"
+          "</rect>\n",
+          x0 + cw * e, y0 - ch * (r + 1), cw, ch, fill,
+          all ? " stroke=\"#000\" stroke-width=\"1\"" : "", l.layer, static_cast<int64_t>(e),
+          Num(l.tokens[e], 8), Num(ratio, 3), all ? "; calibrated on every token" : "");
+    }
+  }
+  Legend(&map, {});
+  map += "</svg>\n";
+  html += map + "</div>\n";
+  std::vector<std::vector<std::string>> rows = {{"layer", "experts calibrated on every token"}};
+  for (const Layer& l : layers) {
+    if (l.every_token.empty()) continue;
+    std::vector<std::string> names;
+    for (int64_t e : l.every_token) {
+      names.push_back(absl::StrCat(e, " (", Num(e < static_cast<int64_t>(l.tokens.size())
+                                                     ? l.tokens[e] : kNan, 8), " routed)"));
+    }
+    rows.push_back({absl::StrCat(l.layer), absl::StrJoin(names, ", ")});
+  }
+  if (rows.size() > 1) {
+    html += "<p class=\"note\">Experts calibrated on every token (the recipe's "
+            "<code>moe_route_all</code>, or fewer routed tokens than <code>moe_min_tokens</code>;"
+            " outlined in the map):</p>\n";
+    html += Table(rows);
+  }
+  return html;
+}
+
 }  // namespace
 
 StatusOr<JournaledJob> ReadJournaledJob(const std::string& journal) {
@@ -487,6 +594,8 @@ StatusOr<std::string> RenderReport(const ReportInputs& inputs) {
     html += Table(t);
   }
 
+  html += ExpertLoadSection(j.expert_load);
+
   html += "<h2>Rounding and fine-tuning</h2>\n<div class=\"plots\">\n";
   std::vector<std::string> notes;
   // Per-layer proxy loss by linear: relative when measured, else absolute.
@@ -499,14 +608,40 @@ StatusOr<std::string> RenderReport(const ReportInputs& inputs) {
         if (std::isfinite(NumberOr(m, "relative", kNan))) relative = true;
       }
     }
+    const char* key = relative ? "relative" : "proxy_loss";
     for (const auto& [layer, b] : j.blocks) {
+      // A MoE block's routed experts ("experts.<e>.<linear>", hundreds of them) are drawn as
+      // the mean over experts of each linear and the worst expert linear of the block.
+      std::map<std::string, std::pair<double, int64_t>> expert_mean;
+      double worst = kNan;
       for (const auto& m : b.value("metrics", nlohmann::json::array())) {
         const std::string name = m.value("name", "?");
+        const double v = NumberOr(m, key, kNan);
+        if (name.rfind("experts.", 0) == 0) {
+          const size_t dot = name.find('.', 8);
+          auto& [sum, n] = expert_mean[absl::StrCat(
+              "experts ", dot == std::string::npos ? "?" : name.substr(dot + 1), " (mean)")];
+          if (std::isfinite(v)) {
+            sum += v;
+            ++n;
+            worst = std::isfinite(worst) ? std::max(worst, v) : v;
+          }
+          continue;
+        }
         if (!by_linear.count(name)) order.push_back(name);
         Series& s = by_linear[name];
         s.name = name;
         s.x.push_back(static_cast<double>(layer));
-        s.y.push_back(NumberOr(m, relative ? "relative" : "proxy_loss", kNan));
+        s.y.push_back(v);
+      }
+      if (expert_mean.empty()) continue;
+      expert_mean["experts: worst linear"] = {worst, 1};
+      for (const auto& [name, sum_n] : expert_mean) {
+        if (!by_linear.count(name)) order.push_back(name);
+        Series& s = by_linear[name];
+        s.name = name;
+        s.x.push_back(static_cast<double>(layer));
+        s.y.push_back(sum_n.second > 0 ? sum_n.first / sum_n.second : kNan);
       }
     }
     std::vector<Series> series;

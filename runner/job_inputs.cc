@@ -162,7 +162,7 @@ Status CheckLayerTensors(const LlamaConfig& config, const std::string& model_dir
                                 " but the checkpoint has no tensors of layer ", l, " (it holds ",
                                 held, "): the config does not describe these weights"));
   }
-  if (!config.tie_word_embeddings && !(*ckpt)->Has("lm_head.weight")) {
+  if (!config.tie_word_embeddings && !(*ckpt)->Has(config.TensorName("lm_head.weight"))) {
     return Invalid(absl::StrCat(
         model_dir, "/config.json: tie_word_embeddings is false but the checkpoint has no "
         "lm_head.weight: set tie_word_embeddings to true if the head is the embedding table, or "
@@ -171,17 +171,35 @@ Status CheckLayerTensors(const LlamaConfig& config, const std::string& model_dir
   return absl::OkStatus();
 }
 
+namespace {
+
+// What qcal does not yet do with a mixture-of-experts model, refused before any work: the
+// methods that do not quantize routed experts, and QuIP#'s fine-tuning of MoE blocks.
+Status CheckMoeRecipe(const Recipe& recipe, const LlamaConfig& config, const v1::JobSpec& in) {
+  const std::string model = absl::StrCat(in.model_dir(), "/config.json: ", config.architecture,
+                                         " is a mixture-of-experts model (", config.num_experts,
+                                         " experts, top ", config.experts_per_token, ")");
+  if (!recipe.needs().supports_moe) {
+    return Invalid(absl::StrCat(
+        model, "; method ", recipe.method, " (", in.recipe_path(), ") does not quantize routed "
+        "experts yet (its rotations, static activation quantizers or phases are not carried "
+        "through a router): use method rtn, gptq or quip"));
+  }
+  if (recipe.finetune.enabled || recipe.finetune.end_to_end.enabled) {
+    return Invalid(absl::StrCat(
+        model, "; ", in.recipe_path(), " enables QuIP#'s fine-tuning, which does not tune MoE "
+        "blocks yet: set finetune.enabled and finetune.end_to_end.enabled to false"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 StatusOr<LlamaConfig> CheckJobInputs(const Recipe& recipe, const v1::JobSpec& in) {
   QCAL_RETURN_IF_ERROR(CheckReadableDirectory("model_dir", in.model_dir()));
   QCAL_RETURN_IF_ERROR(CheckReadableFile("model config", in.model_dir() + "/config.json"));
   QCAL_ASSIGN_OR_RETURN(LlamaConfig config, LoadLlamaConfig(in.model_dir() + "/config.json"));
-  if (config.is_moe()) {
-    return Invalid(absl::StrCat(
-        in.model_dir(), "/config.json: ", config.architecture, " is a mixture-of-experts model (",
-        config.num_experts, " experts, top ", config.experts_per_token,
-        "); qcal reads and evaluates it (qcal eval, qcal generate) but does not quantize "
-        "mixtures of experts yet"));
-  }
+  if (config.is_moe()) QCAL_RETURN_IF_ERROR(CheckMoeRecipe(recipe, config, in));
   QCAL_RETURN_IF_ERROR(CheckLayerTensors(config, in.model_dir()));
   // The files finalize copies into the output: refused now, not after hours of work.
   QCAL_RETURN_IF_ERROR(CheckTokenizerFilesCopyable(in.model_dir()));

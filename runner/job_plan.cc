@@ -288,30 +288,40 @@ nlohmann::json JobStartEntry(const Recipe& recipe, const JobPlan& plan,
 
 BitsPerWeight AggregateBits(const LlamaConfig& config,
                             const std::map<int64_t, nlohmann::json>& block_done) {
-  // The seven linears of a block in the worker's order (model::kAllLinears) with their sizes.
-  const int64_t h = config.hidden_size, ff = config.intermediate_size;
-  const struct {
-    const char* name;
-    int64_t in, out;
-  } linears[] = {{"self_attn.q_proj", h, config.q_dim()},  {"self_attn.k_proj", h, config.kv_dim()},
-                 {"self_attn.v_proj", h, config.kv_dim()}, {"self_attn.o_proj", config.q_dim(), h},
-                 {"mlp.gate_proj", h, ff},                 {"mlp.up_proj", h, ff},
-                 {"mlp.down_proj", ff, h}};
-  constexpr size_t kLinears = sizeof(linears) / sizeof(linears[0]);
   double code_sum = 0, stored_sum = 0, weights = 0;
   for (const auto& [layer, entry] : block_done) {
     if (!entry.contains("metrics") || !entry["metrics"].is_array()) continue;
+    // The seven linears of a block in the worker's order (model::kAllLinears) with their sizes
+    // (Llama 4's dense layers have an MLP of their own width).
+    const int64_t h = config.hidden_size, ff = config.MlpSize(layer);
+    const struct {
+      const char* name;
+      int64_t in, out;
+    } linears[] = {{"self_attn.q_proj", h, config.q_dim()},
+                   {"self_attn.k_proj", h, config.kv_dim()},
+                   {"self_attn.v_proj", h, config.kv_dim()},
+                   {"self_attn.o_proj", config.q_dim(), h},
+                   {"mlp.gate_proj", h, ff},
+                   {"mlp.up_proj", h, ff},
+                   {"mlp.down_proj", ff, h}};
+    constexpr size_t kLinears = sizeof(linears) / sizeof(linears[0]);
     const nlohmann::json& metrics = entry["metrics"];
     for (size_t i = 0; i < metrics.size(); ++i) {
       const nlohmann::json& m = metrics[i];
-      // By name; a metric without a known name falls back to its position.
-      size_t k = i < kLinears ? i : kLinears;
       const std::string name = m.is_object() ? m.value("name", "") : "";
-      for (size_t j = 0; j < kLinears; ++j) {
-        if (name == linears[j].name) k = j;
+      double n = 0;
+      if (name.rfind("experts.", 0) == 0) {
+        // A routed expert's linear, "experts.<e>.<gate_proj|up_proj|down_proj>".
+        n = static_cast<double>(h * config.intermediate_size);
+      } else {
+        // By name; a metric without a known name falls back to its position.
+        size_t k = i < kLinears ? i : kLinears;
+        for (size_t j = 0; j < kLinears; ++j) {
+          if (name == linears[j].name) k = j;
+        }
+        if (k >= kLinears) continue;
+        n = static_cast<double>(linears[k].in * linears[k].out);
       }
-      if (k >= kLinears) continue;
-      const double n = static_cast<double>(linears[k].in * linears[k].out);
       code_sum += m.value("code_bits", 0.0) * n;
       stored_sum += m.value("stored_bits", 0.0) * n;
       weights += n;
@@ -349,7 +359,7 @@ StatusOr<nlohmann::json> FinalizeJob(const Recipe& recipe, const std::string& mo
         journal->path(), ": cannot finalize: end-to-end fine-tuning has no valid e2e_done entry"));
   }
   const BitsPerWeight bits = AggregateBits(plan.config, plan.block_done);
-  const nlohmann::json quant_config = MakeQuantizationConfig(recipe, bits.code_bits,
+  const nlohmann::json quant_config = MakeQuantizationConfig(recipe, plan.config, bits.code_bits,
                                                              bits.stored_bits);
   // With end-to-end fine-tuning shard 0 already holds the tuned final norm (and head); a method
   // that transforms the non-block weights had block 0's task write them (checked with block 0's

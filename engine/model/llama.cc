@@ -523,8 +523,7 @@ StatusOr<BlockWeights> LoadBlockWeights(CheckpointReader& ckpt, const LlamaConfi
   const bool moe = c.IsMoeLayer(layer);
   for (LinearKind k : kAllLinears) {
     const int i = static_cast<int>(k);
-    const bool mlp = k == LinearKind::kGate || k == LinearKind::kUp || k == LinearKind::kDown;
-    if (moe && mlp && !c.shared_expert) continue;  // Mixtral: no dense MLP beside the experts
+    if (!BlockHasLinear(c, layer, k)) continue;  // Mixtral: no dense MLP beside the experts
     QCAL_ASSIGN_OR_RETURN(at::Tensor t,
                           LoadTensorF32(ckpt, LinearTensorName(c, layer, k) + ".weight",
                                         LinearShape(c, k, layer)));
@@ -537,24 +536,22 @@ StatusOr<BlockWeights> LoadBlockWeights(CheckpointReader& ckpt, const LlamaConfi
   auto set = [&](int64_t e, ExpertLinear k, at::Tensor t) {
     w.moe->experts[e].linears[static_cast<int>(k)] = std::make_unique<DenseLinear>(std::move(t));
   };
+  QCAL_ASSIGN_OR_RETURN(w.moe->router, LoadTensorF32(ckpt, c.RouterModule(layer) + ".weight",
+                                                     {experts, hid}));
   if (c.family == ModelFamily::kMixtral) {
-    const std::string m = p + "block_sparse_moe.";
-    QCAL_ASSIGN_OR_RETURN(w.moe->router, LoadTensorF32(ckpt, m + "gate.weight", {experts, hid}));
     for (int64_t e = 0; e < experts; ++e) {
-      const std::string ep = absl::StrCat(m, "experts.", e, ".");
-      QCAL_ASSIGN_OR_RETURN(at::Tensor w1, LoadTensorF32(ckpt, ep + "w1.weight", {inter, hid}));
-      QCAL_ASSIGN_OR_RETURN(at::Tensor w3, LoadTensorF32(ckpt, ep + "w3.weight", {inter, hid}));
-      QCAL_ASSIGN_OR_RETURN(at::Tensor w2, LoadTensorF32(ckpt, ep + "w2.weight", {hid, inter}));
-      set(e, ExpertLinear::kGate, std::move(w1));
-      set(e, ExpertLinear::kUp, std::move(w3));
-      set(e, ExpertLinear::kDown, std::move(w2));
+      for (ExpertLinear k : kExpertLinears) {
+        QCAL_ASSIGN_OR_RETURN(
+            at::Tensor t, LoadTensorF32(ckpt, ExpertTensorName(c, layer, e, k) + ".weight",
+                                        LinearShape(c, ExpertLinearKind(k))));
+        set(e, k, std::move(t));
+      }
     }
     return w;
   }
   // Llama 4: fused experts, gate_up_proj [E, hidden, 2·inter] (gate columns first) and
   // down_proj [E, inter, hidden] (x · W, not x · Wᵀ), split per expert as they are read.
   const std::string f = p + "feed_forward.";
-  QCAL_ASSIGN_OR_RETURN(w.moe->router, LoadTensorF32(ckpt, f + "router.weight", {experts, hid}));
   for (int64_t e = 0; e < experts; ++e) {
     QCAL_ASSIGN_OR_RETURN(at::Tensor gate_up, LoadSlabF32(ckpt, f + "experts.gate_up_proj",
                                                           {experts, hid, 2 * inter}, e));
@@ -565,6 +562,37 @@ StatusOr<BlockWeights> LoadBlockWeights(CheckpointReader& ckpt, const LlamaConfi
     set(e, ExpertLinear::kDown, down.t().contiguous());
   }
   return w;
+}
+
+bool BlockHasLinear(const LlamaConfig& c, int64_t layer, LinearKind kind) {
+  const bool mlp =
+      kind == LinearKind::kGate || kind == LinearKind::kUp || kind == LinearKind::kDown;
+  return !mlp || !c.IsMoeLayer(layer) || c.shared_expert;
+}
+
+LinearKind ExpertLinearKind(ExpertLinear k) {
+  switch (k) {
+    case ExpertLinear::kGate: return LinearKind::kGate;
+    case ExpertLinear::kUp: return LinearKind::kUp;
+    case ExpertLinear::kDown: return LinearKind::kDown;
+  }
+  return LinearKind::kGate;
+}
+
+std::string ExpertLinearName(int64_t expert, ExpertLinear k) {
+  // "mlp.gate_proj" -> "gate_proj"
+  return absl::StrCat("experts.", expert, ".",
+                      std::string(LinearName(ExpertLinearKind(k))).substr(4));
+}
+
+std::string ExpertTensorName(const LlamaConfig& c, int64_t layer, int64_t expert,
+                             ExpertLinear k) {
+  const std::string p = c.TensorName(absl::StrCat("model.layers.", layer, "."));
+  if (c.family == ModelFamily::kMixtral) {
+    const char* w = k == ExpertLinear::kGate ? "w1" : k == ExpertLinear::kUp ? "w3" : "w2";
+    return absl::StrCat(p, "block_sparse_moe.experts.", expert, ".", w);
+  }
+  return p + "feed_forward." + ExpertLinearName(expert, k);
 }
 
 std::string LinearTensorName(const LlamaConfig& c, int64_t layer, LinearKind kind) {

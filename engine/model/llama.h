@@ -91,6 +91,9 @@ const char* LinearName(LinearKind kind);
 std::vector<int64_t> LinearShape(const LlamaConfig& config, LinearKind kind);
 // The same for block `layer` (Llama 4's dense layers are intermediate_size_mlp wide).
 std::vector<int64_t> LinearShape(const LlamaConfig& config, LinearKind kind, int64_t layer);
+// Whether block `layer` of `config` has dense linear `kind` (a Mixtral MoE block has no dense
+// MLP beside its experts; a Llama 4 MoE block's MLP linears are its shared expert).
+bool BlockHasLinear(const LlamaConfig& config, int64_t layer, LinearKind kind);
 // Where a linear of block `layer` is stored in `config`'s checkpoints, without ".weight":
 // "model.layers.3.mlp.gate_proj" (Llama, Mixtral's attention), "model.layers.3.feed_forward.
 // gate_proj" (a Llama 4 dense layer), "model.layers.3.feed_forward.shared_expert.gate_proj" (a
@@ -100,6 +103,21 @@ std::string LinearTensorName(const LlamaConfig& config, int64_t layer, LinearKin
 // The routed experts of a mixture-of-experts block (hf_config.h ModelFamily): a float router
 // and, per expert, a SwiGLU MLP of intermediate_size (down(silu(gate(x)) * up(x))).
 enum class ExpertLinear { kGate = 0, kUp = 1, kDown = 2 };
+inline constexpr ExpertLinear kExpertLinears[] = {ExpertLinear::kGate, ExpertLinear::kUp,
+                                                  ExpertLinear::kDown};
+// The dense MLP linear an expert linear corresponds to (same role, same [out, in] shape at
+// intermediate_size): kGate -> LinearKind::kGate, ...
+LinearKind ExpertLinearKind(ExpertLinear k);
+// An expert linear's name in qcal's metrics and messages, whatever the family:
+// "experts.3.gate_proj", "experts.3.up_proj", "experts.3.down_proj".
+std::string ExpertLinearName(int64_t expert, ExpertLinear k);
+// Where routed expert `expert`'s linear of MoE block `layer` is stored, without ".weight", behind
+// config.tensor_prefix: Mixtral "model.layers.3.block_sparse_moe.experts.5.w1" (w1 gate, w3 up,
+// w2 down); Llama 4 "model.layers.3.feed_forward.experts.5.gate_proj" (the per-expert names
+// vLLM's Llama 4 loader reads for quantized checkpoints; the float checkpoint fuses them into
+// experts.gate_up_proj / experts.down_proj).
+std::string ExpertTensorName(const LlamaConfig& config, int64_t layer, int64_t expert,
+                             ExpertLinear k);
 struct ExpertWeights {
   std::unique_ptr<Linear> linears[3];  // indexed by ExpertLinear
   Linear& linear(ExpertLinear k) const { return *linears[static_cast<int>(k)]; }
@@ -258,7 +276,6 @@ class DecoderBlock {
   bool is_moe() const { return weights_.moe != nullptr; }
   // A MoE block's router: how scores are made and where they multiply (Routing), and top k.
   RouterKind router_kind() const { return router_; }
-  int64_t experts_per_token() const { return top_k_; }
   // A dense Llama block (RoPE on every layer, no qk-norm, temperature or attention chunks, no
   // experts): what the device block forward (kernels/block_forward_cuda.h) computes.
   bool plain_llama() const {

@@ -73,6 +73,9 @@ struct QuantizedLinear {
 struct LinearProblem {
   int64_t layer = 0;
   model::LinearKind kind = model::LinearKind::kQ;
+  // A MoE block's routed expert whose linear this is (kind: its role, kGate/kUp/kDown); -1 for
+  // the block's dense linears.
+  int64_t expert = -1;
   int64_t out = 0, in = 0;
   at::Tensor w;  // [out, in] fp64 contiguous (a copy)
   at::Tensor h;  // [in, in] fp64 contiguous (the caller's Hessian, read in place), or undefined
@@ -83,10 +86,15 @@ struct LinearProblem {
 
 // `weight` [out, in] (any float dtype; converted to fp64), `hessian` [in, in] (fp64 mean, read in
 // place when contiguous fp64; undefined when the method uses none). `method` names the method in
-// errors; `needs_hessian` refuses an undefined one. Errors name "block <layer> <linear>".
+// errors; `needs_hessian` refuses an undefined one. `expert` >= 0: routed expert `expert`'s
+// linear of role `kind`. Errors name "block <layer> <linear>" (LinearProblemName).
 StatusOr<LinearProblem> PrepareLinear(int64_t layer, model::LinearKind kind,
                                       const at::Tensor& weight, const at::Tensor& hessian,
-                                      const char* method, bool needs_hessian);
+                                      const char* method, bool needs_hessian,
+                                      int64_t expert = -1);
+// The linear's name in metrics: model::LinearName ("mlp.gate_proj") or, for an expert's,
+// model::ExpertLinearName ("experts.3.gate_proj").
+std::string LinearProblemName(model::LinearKind kind, int64_t expert);
 // The rounding's result with metrics.name and seconds filled in, and NaN proxy losses without a
 // Hessian; an error annotated with "block <layer> <linear>".
 StatusOr<QuantizedLinear> FinishLinear(const LinearProblem& problem,

@@ -28,6 +28,7 @@ MethodNeeds GptqConfig::needs() const {
   MethodNeeds n;
   n.float_hessians = true;
   n.supports_finetune = true;
+  n.supports_moe = true;
   return n;
 }
 

@@ -20,13 +20,13 @@ class QuipLinearRounding final : public LinearRounding {
   QuipLinearRounding(uint64_t seed, const QuipConfig& q, std::shared_ptr<const void> owner)
       : seed_(seed), q_(q), owner_(std::move(owner)) {}
 
-  StatusOr<quant::QuantizedLinear> Round(int64_t layer, model::LinearKind kind,
+  StatusOr<quant::QuantizedLinear> Round(int64_t layer, model::LinearKind kind, int64_t expert,
                                          const at::Tensor& weight, const at::Tensor& hessian,
                                          kernels::GpuBackend* gpu,
                                          const LinearProgressFn& progress) const override {
     QCAL_ASSIGN_OR_RETURN(quant::LinearProblem p,
                           quant::PrepareLinear(layer, kind, weight, hessian, "quip",
-                                               /*needs_hessian=*/true));
+                                               /*needs_hessian=*/true, expert));
     return quant::FinishLinear(p, RoundProblem(p, gpu, progress));
   }
 
@@ -43,8 +43,8 @@ class QuipLinearRounding final : public LinearRounding {
     }
     options.codebook = q_.kernel_codebook();
     options.incoherence = q_.incoherence;
-    options.seed_u = TransformSeed(seed_, p.layer, p.kind, true);
-    options.seed_v = TransformSeed(seed_, p.layer, p.kind, false);
+    options.seed_u = TransformSeed(seed_, p.layer, p.kind, true, p.expert);
+    options.seed_v = TransformSeed(seed_, p.layer, p.kind, false, p.expert);
     options.damp = q_.damp;
     options.per_row_scale = q_.scale_mode == "row";
     options.choose_scale = q_.scale_mode == "auto";
@@ -91,10 +91,12 @@ class QuipFormat final : public LayerFormat {
 }  // namespace
 
 uint64_t TransformSeed(uint64_t recipe_seed, int64_t layer, model::LinearKind linear,
-                       bool output) {
+                       bool output, int64_t expert) {
   uint64_t x = SplitMix64(recipe_seed);
   x = SplitMix64(x ^ static_cast<uint64_t>(layer));
   x = SplitMix64(x ^ static_cast<uint64_t>(linear));
+  // A dense linear's seed is what it always was; an expert's mixes its index in.
+  if (expert >= 0) x = SplitMix64(x ^ (static_cast<uint64_t>(expert) + 0x100));
   return SplitMix64(x ^ (output ? 1u : 2u));
 }
 

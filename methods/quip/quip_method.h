@@ -24,7 +24,9 @@ StatusOr<std::unique_ptr<Method>> Make(const Recipe& recipe, const LlamaConfig& 
 // recipe. InvalidArgument for a recipe of another method.
 StatusOr<std::shared_ptr<const LinearRounding>> Rounding(const Recipe& recipe);
 
-// The per-linear seed of the random transforms: a hash of (recipe seed, layer, linear, side).
-uint64_t TransformSeed(uint64_t recipe_seed, int64_t layer, model::LinearKind linear, bool output);
+// The per-linear seed of the random transforms: a hash of (recipe seed, layer, linear, side), and
+// for a routed expert's linear (expert >= 0) of its index too, so no two experts share transforms.
+uint64_t TransformSeed(uint64_t recipe_seed, int64_t layer, model::LinearKind linear, bool output,
+                       int64_t expert = -1);
 
 }  // namespace qcal::methods::quip

@@ -115,6 +115,7 @@ MethodNeeds QuipConfig::needs() const {
   MethodNeeds n;
   n.float_hessians = true;
   n.supports_finetune = true;
+  n.supports_moe = true;
   return n;
 }
 

@@ -29,6 +29,7 @@ class RtnSpec final : public MethodSpec {
 MethodNeeds RtnConfig::needs() const {
   MethodNeeds n;
   n.supports_finetune = true;
+  n.supports_moe = true;
   return n;
 }
 

@@ -18,8 +18,8 @@
 // Also: the streamed path (ModelSource: embedding rows, one block at a time, the head) gives the
 // whole model's logits bit for bit; a batch of two sequences gives each sequence's logits alone
 // (to float rounding, as for dense blocks); tokens per expert
-// add up to tokens × top-k; a MoE recipe is refused with the reason. Needs /usr/bin/python3 with
-// numpy.
+// add up to tokens × top-k. (Quantizing them: runner_moe_quantize_test.) Needs /usr/bin/python3
+// with numpy.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -38,8 +38,6 @@
 #include "common/safetensors.h"
 #include "engine/model/llama.h"
 #include "engine/model/model_source.h"
-#include "methods/registry.h"
-#include "runner/job_inputs.h"
 #include "tests/model_fixtures.h"
 #include "tools/expert_load.h"
 #include "tools/model_dir.h"
@@ -310,23 +308,6 @@ TEST(MoeModel, DenseOnlyToolsRefuseIt) {
   auto dense = LoadLlamaConfig(MoeDenseDir());
   ASSERT_TRUE(dense.ok());
   EXPECT_TRUE(tools::DenseOnly("kv-eval", MoeDenseDir(), *dense).ok());
-}
-
-// Until MoE quantization lands, a job on a MoE model is refused up front with the reason.
-TEST(MoeModel, QuantizationIsRefusedWithTheReason) {
-  const std::string dir = UpcycleMoe("refused", "--layout mixtral --top-k 2");
-  auto recipe = ParseRecipe("method: rtn\nbits: 4\n", "recipe.yaml");
-  ASSERT_TRUE(recipe.ok()) << recipe.status();
-  v1::JobSpec spec;
-  spec.set_model_dir(dir);
-  spec.set_out_dir(MakeTempDir("moe-out") + "/out");
-  ResolveJobSpec(&spec);
-  auto checked = CheckJobInputs(*recipe, spec);
-  ASSERT_FALSE(checked.ok());
-  EXPECT_NE(checked.status().message().find("mixture-of-experts"), std::string::npos)
-      << checked.status();
-  EXPECT_NE(checked.status().message().find("MixtralForCausalLM"), std::string::npos)
-      << checked.status();
 }
 
 }  // namespace

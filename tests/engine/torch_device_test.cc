@@ -127,7 +127,7 @@ std::vector<std::unique_ptr<model::Linear>> EveryStoredFormat() {
   auto rounding = methods::quip::Rounding(recipe);
   EXPECT_TRUE(rounding.ok()) << rounding.status();
   const at::Tensor h = f.hessians.Mean(calib::HessianKindOf(model::LinearKind::kGate));
-  auto quip = (*rounding)->Round(kLayer, model::LinearKind::kGate, w, h, nullptr, nullptr);
+  auto quip = (*rounding)->Round(kLayer, model::LinearKind::kGate, -1, w, h, nullptr, nullptr);
   EXPECT_TRUE(quip.ok()) << quip.status();
   EXPECT_NE(dynamic_cast<methods::quip::QuipLinear*>(quip->layer.get()), nullptr);
   out.push_back(std::move(quip->layer));

@@ -163,8 +163,9 @@ TEST(MethodPartsTest, TheRunnerChecksWhatTheNeedsAskForBeforeTheQuantizerRuns) {
 // the interval at 0 every note arrives, with the default (10 s) a fast linear adds none.
 class NotingRounding final : public methods::LinearRounding {
  public:
-  StatusOr<quant::QuantizedLinear> Round(int64_t, model::LinearKind, const at::Tensor& weight,
-                                         const at::Tensor&, kernels::GpuBackend*,
+  StatusOr<quant::QuantizedLinear> Round(int64_t, model::LinearKind, int64_t,
+                                         const at::Tensor& weight, const at::Tensor&,
+                                         kernels::GpuBackend*,
                                          const methods::LinearProgressFn& progress) const override {
     for (const char* note : {"half", "all"}) {
       if (progress) progress(note);

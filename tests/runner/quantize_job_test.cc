@@ -362,8 +362,8 @@ TEST(QuantizeLinearTest, LayerWeightsMatchReportedProxyLoss) {
           }
           at::Tensor a = at::randn({in, 4 * in}, at::kDouble);
           at::Tensor h = at::matmul(a, a.t()) / (4.0 * in);
-          auto q = (*rounding)->Round(0, model::LinearKind::kQ, w, h, /*gpu=*/nullptr,
-                                      /*progress=*/nullptr);
+          auto q = (*rounding)->Round(0, model::LinearKind::kQ, /*expert=*/-1, w, h,
+                                      /*gpu=*/nullptr, /*progress=*/nullptr);
           ASSERT_TRUE(q.ok()) << q.status();
           auto* quip = dynamic_cast<methods::quip::QuipLinear*>(q->layer.get());
           ASSERT_NE(quip, nullptr);
