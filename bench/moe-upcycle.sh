@@ -10,22 +10,8 @@
 #   bash bench/moe-upcycle.sh [WORK_DIR]          (after scripts/build.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-SHARED=${QCAL_SHARED_DIR:-../shared}
 WORK=${1:-/tmp/qcal-moe-upcycle}
-NOISE=${NOISE:-0.05}
-MAX_TOKENS=${MAX_TOKENS:-40000}
-Q=build/client/qcal
-REF=tests/reference/moe_reference.py
-mkdir -p "$WORK"
-dense="$WORK/dense"
-[ -f "$dense/config.json" ] || $Q import llama2c "$SHARED/models/stories260K/stories260K.bin" \
-    "$SHARED/models/stories260K/tok512.bin" --out "$dense" > /dev/null
-declare -A ARGS=(
-  [mixtral-4x-top2]="--layout mixtral --experts 4 --top-k 2"
-  [llama4-4x-top1]="--layout llama4 --experts 4 --top-k 1 --shared-scale 0.5 --router-scale 16"
-)
-ts="$SHARED/data/tinystories/TinyStories-valid.sample30k.txt"
-wt="$SHARED/data/wikitext2/wiki.test.joined.txt"
+source bench/moe-models.sh
 echo "| model (stories260K upcycled, noise $NOISE) | TinyStories ppl | KL to dense | WikiText-2 ppl ($MAX_TOKENS tokens) | KL to dense | tokens per expert, TinyStories 4096 tokens: min / max over layers |"
 echo "|---|---|---|---|---|---|"
 row() {  # name dir
@@ -44,9 +30,7 @@ row() {  # name dir
   echo "| $name | ${cells[0]} | ${cells[1]} | $load |"
 }
 row dense "$dense"
-for name in mixtral-4x-top2 llama4-4x-top1; do
-  out="$WORK/$name"
-  [ -f "$out/config.json" ] || /usr/bin/python3 $REF upcycle --dense "$dense" --out "$out" \
-      --noise "$NOISE" --seed 1 ${ARGS[$name]}
-  row "$name" "$out"
+for name in "${MOE_MODELS[@]}"; do
+  upcycle "$name"
+  row "$name" "$WORK/$name"
 done

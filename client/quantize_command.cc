@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "client/progress.h"
 #include "common/cli.h"
 #include "common/log.h"
@@ -165,6 +166,17 @@ int RunQuantize(const QuantizeOptions& o) {
                                                   ? nlohmann::json(result->peak_device_bytes)
                                                   : nlohmann::json()},
                         {"blocks", blocks}};
+    if (!result->expert_loads.empty()) {
+      nlohmann::json loads = nlohmann::json::array();
+      for (const v1::ExpertLoad& l : result->expert_loads) {
+        loads.push_back({{"layer", l.layer()},
+                         {"routed_tokens", std::vector<int64_t>(l.routed_tokens().begin(),
+                                                                l.routed_tokens().end())},
+                         {"every_token", std::vector<int64_t>(l.every_token().begin(),
+                                                              l.every_token().end())}});
+      }
+      j["expert_loads"] = loads;
+    }
     std::printf("%s\n", j.dump().c_str());
     return 0;
   }
@@ -173,12 +185,42 @@ int RunQuantize(const QuantizeOptions& o) {
     std::printf("calibration: %lld tokens, %.1f s%s\n", (long long)result->calib_tokens,
                 result->calib_seconds, result->hessians_from_cache ? " (cached Hessians)" : "");
   }
+  // A MoE model's routing of the calibration tokens, one line per MoE block.
+  for (const v1::ExpertLoad& l : result->expert_loads) {
+    std::vector<int64_t> t(l.routed_tokens().begin(), l.routed_tokens().end());
+    if (t.empty()) continue;
+    std::sort(t.begin(), t.end());
+    std::printf("block %lld: tokens per expert %lld fewest / %lld median / %lld most of %zu "
+                "experts%s\n",
+                (long long)l.layer(), (long long)t.front(), (long long)t[t.size() / 2],
+                (long long)t.back(), t.size(),
+                l.every_token_size() > 0
+                    ? absl::StrCat("; calibrated on every token: ",
+                                   absl::StrJoin(l.every_token(), ", "))
+                          .c_str()
+                    : "");
+  }
   std::printf("\n%-6s %-18s %14s %12s %8s\n", "block", "linear", "proxy loss", "relative",
               "bits");
   for (const auto& b : result->blocks) {
+    // A MoE block's routed experts in one line: the mean and the worst of their linears.
+    double expert_sum = 0, worst = -1;
+    int64_t expert_linears = 0;
+    std::string worst_name;
     for (const auto& m : b.linears) {
+      if (m.name.rfind("experts.", 0) == 0) {
+        ++expert_linears;
+        expert_sum += m.relative;
+        if (m.relative > worst) worst = m.relative, worst_name = m.name;
+        continue;
+      }
       std::printf("%-6lld %-18s %14.6g %12.4g %8.3f\n", (long long)b.layer, m.name.c_str(),
                   m.proxy_loss, m.relative, m.stored_bits);
+    }
+    if (expert_linears > 0) {
+      std::printf("%-6lld %-18s relative %.4g mean, %.4g worst (%s) over %lld expert linears\n",
+                  (long long)b.layer, "(routed experts)", expert_sum / expert_linears, worst,
+                  worst_name.c_str(), (long long)expert_linears);
     }
     std::printf("%-6lld %-18s %s%.2f s\n", (long long)b.layer, "(block)",
                 b.resumed ? "resumed from journal, " : "", b.seconds);

@@ -618,9 +618,13 @@ StatusOr<std::string> RenderReport(const ReportInputs& inputs) {
         const std::string name = m.value("name", "?");
         const double v = NumberOr(m, key, kNan);
         if (name.rfind("experts.", 0) == 0) {
+          // "experts.<e>.down_proj" -> "experts down (mean)" (the legend's width).
           const size_t dot = name.find('.', 8);
-          auto& [sum, n] = expert_mean[absl::StrCat(
-              "experts ", dot == std::string::npos ? "?" : name.substr(dot + 1), " (mean)")];
+          std::string linear = dot == std::string::npos ? "?" : name.substr(dot + 1);
+          if (linear.size() > 5 && linear.compare(linear.size() - 5, 5, "_proj") == 0) {
+            linear.resize(linear.size() - 5);
+          }
+          auto& [sum, n] = expert_mean[absl::StrCat("experts ", linear, " (mean)")];
           if (std::isfinite(v)) {
             sum += v;
             ++n;
@@ -635,7 +639,7 @@ StatusOr<std::string> RenderReport(const ReportInputs& inputs) {
         s.y.push_back(v);
       }
       if (expert_mean.empty()) continue;
-      expert_mean["experts: worst linear"] = {worst, 1};
+      expert_mean["experts: worst"] = {worst, 1};
       for (const auto& [name, sum_n] : expert_mean) {
         if (!by_linear.count(name)) order.push_back(name);
         Series& s = by_linear[name];

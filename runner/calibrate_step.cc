@@ -121,6 +121,19 @@ Status CalibrationWalk(comm::Comm& comm, JobContext* ctx, bool hessians, bool ac
   result.set_seconds(calib.seconds);
   result.set_hessians_from_cache(calib.from_cache);
   result.set_activations_from_cache(calib.activations_from_cache);
+  if (comm.rank() == 0) {
+    for (const auto& [layer, tokens] : calib.expert_tokens) {
+      v1::ExpertLoad* load = result.add_expert_loads();
+      load->set_layer(layer);
+      for (int64_t t : tokens) load->add_routed_tokens(t);
+      const int64_t experts = static_cast<int64_t>(tokens.size());
+      if (options.moe_route_all) {
+        for (int64_t e = 0; e < experts; ++e) load->add_every_token(e);
+      } else if (auto it = calib.starved_experts.find(layer); it != calib.starved_experts.end()) {
+        for (int64_t e : it->second) load->add_every_token(e);
+      }
+    }
+  }
   *parts = {{"read weights", calib.read_seconds},
             {"forward", calib.forward_seconds},
             {"reduce", calib.reduce_seconds},

@@ -165,6 +165,18 @@ nlohmann::json PhaseDoneEntry(const v1::PhaseCurve& c) {
           {"validation", validation}};
 }
 
+nlohmann::json ExpertLoadEntry(const v1::CalibrateResult& result) {
+  nlohmann::json layers = nlohmann::json::array();
+  for (const v1::ExpertLoad& l : result.expert_loads()) {
+    layers.push_back({{"layer", l.layer()},
+                      {"routed_tokens", std::vector<int64_t>(l.routed_tokens().begin(),
+                                                             l.routed_tokens().end())},
+                      {"every_token", std::vector<int64_t>(l.every_token().begin(),
+                                                           l.every_token().end())}});
+  }
+  return {{"event", "expert_load"}, {"layers", layers}};
+}
+
 StatusOr<v1::PhaseCurve> PhaseCurveFromEntry(const nlohmann::json& e) {
   auto bad = [](const std::string& what) {
     return absl::InvalidArgumentError(absl::StrCat("phase_done entry: ", what));

@@ -28,6 +28,9 @@ nlohmann::json E2eDoneEntry(const v1::FinetuneResult& result);
 // name. PhaseCurveFromEntry: InvalidArgument for anything else.
 nlohmann::json PhaseDoneEntry(const v1::PhaseCurve& curve);
 StatusOr<v1::PhaseCurve> PhaseCurveFromEntry(const nlohmann::json& entry);
+// {"event":"expert_load","layers":[{"layer","routed_tokens":[...],"every_token":[...]}, ...]}:
+// a MoE model's calibration routing (CalibrateResult::expert_loads), which the job report plots.
+nlohmann::json ExpertLoadEntry(const v1::CalibrateResult& result);
 // Every output file a result wrote.
 std::vector<v1::WrittenFile> FilesOf(const v1::BlockResult& result);
 

@@ -118,6 +118,7 @@ StatusOr<QuantizeJobResult> RunPlannedJob(const Recipe& recipe, const v1::JobSpe
         result.hessians_from_cache = params.hessians() && calib.hessians_from_cache();
         result.activations_from_cache = params.activations() && calib.activations_from_cache();
         result.calibrate_phases.assign(calib.phases().begin(), calib.phases().end());
+        result.expert_loads.assign(calib.expert_loads().begin(), calib.expert_loads().end());
         break;
       }
       case v1::TASK_KIND_QUANTIZE_BLOCK: {

@@ -69,6 +69,9 @@ struct QuantizeJobResult {
   double e2e_kl_after = std::numeric_limits<double>::quiet_NaN();
   bool e2e_resumed = false;
   bool activations_from_cache = false;
+  // A mixture-of-experts model: each MoE block's calibration routing (tokens per expert, the
+  // experts calibrated on every token); empty for a dense model or a recipe without Hessians.
+  std::vector<v1::ExpertLoad> expert_loads;
   double seconds = 0;
   // The job's phases (plan, open, calibrate, quantize, finetune, finalize; those that ran),
   // each with its seconds and the process's peak resident memory (common/phase_trace.h), and

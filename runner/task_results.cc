@@ -57,6 +57,9 @@ std::vector<nlohmann::json> JournalEntries(const v1::CompleteTaskRequest& result
     for (const v1::PhaseCurve& c : result.calibrate().curves()) {
       entries.push_back(PhaseDoneEntry(c));
     }
+    if (result.calibrate().expert_loads_size() > 0) {
+      entries.push_back(ExpertLoadEntry(result.calibrate()));
+    }
   }
   return entries;
 }

@@ -389,13 +389,20 @@ StatusOr<CalibrationResult> Calibrate(comm::Comm& comm, model::ModelSource& sour
     }
     QCAL_RETURN_IF_ERROR(walk.Finish());
   }
-  if (result.from_cache && options.keep_hessians) {
+  if (result.from_cache && (options.keep_hessians || config.is_moe())) {
+    // Reused Hessians: kept when asked for; a MoE block's routing (tokens per expert, the
+    // experts the starved-expert rule moved) read back either way (mapped: no sums read).
     for (int64_t l = 0; l < blocks; ++l) {
-      QCAL_ASSIGN_OR_RETURN(BlockHessians h, LoadBlockHessians(HessianPath(dirs.hessians, l), key));
+      if (!options.keep_hessians && !config.IsMoeLayer(l)) continue;
+      QCAL_ASSIGN_OR_RETURN(BlockHessians h, LoadBlockHessians(HessianPath(dirs.hessians, l), key,
+                                                               /*mapped=*/!options.keep_hessians));
       for (size_t e = 0; e < h.experts.size(); ++e) {
         result.expert_tokens[l].push_back(h.experts[e].routed_tokens);
+        if (h.experts[e].route_all && !options.moe_route_all) {
+          result.starved_experts[l].push_back(static_cast<int64_t>(e));
+        }
       }
-      result.hessians.push_back(std::move(h));
+      if (options.keep_hessians) result.hessians.push_back(std::move(h));
     }
   }
   if (result.tokens == 0 && !result.hessians.empty()) {

@@ -28,6 +28,8 @@
 #include <ATen/ATen.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/atomic_file.h"
+#include "common/checkpoint_layout.h"
 #include "common/hf_config.h"
 #include "common/recipe.h"
 #include "common/safetensors.h"
@@ -72,11 +74,13 @@ const Layout kLayouts[] = {
      "--moe-step 2"},
 };
 
-Recipe MakeRecipe(const std::string& name, const std::string& body) {
+// `calibration`: more keys of the calibration section (", moe_route_all: true").
+Recipe MakeRecipe(const std::string& name, const std::string& body,
+                  const std::string& calibration = "") {
   const std::string yaml = absl::StrCat(
       "name: ", name, "\n", body,
       "calibration: {files: [data/tinystories/TinyStories-valid.sample30k.txt], "
-      "num_sequences: 16, seq_len: 64}\n");
+      "num_sequences: 16, seq_len: 64", calibration, "}\n");
   StatusOr<Recipe> r = ParseRecipe(yaml, name + ".yaml");
   EXPECT_TRUE(r.ok()) << r.status() << "\n" << yaml;
   return r.ok() ? *r : Recipe();
@@ -279,6 +283,60 @@ TEST_F(MoeQuantizeTest, ExpertsRoutersAndVisionComeOutWhereTheyBelong) {
       ++vision;
     }
     EXPECT_GT(vision, 0) << "the multimodal model has no vision tensors";
+  }
+}
+
+// The routing of the calibration tokens comes back with the job (tokens per expert of every MoE
+// block, adding up to tokens × top-k; the experts calibrated on every token: none under the real
+// routing, all with route-all) and into the report; a job whose MoE block shard is lost redoes
+// only that block, bit for bit, from the cached Hessians, and reports the same routing (read
+// back from the Hessian files).
+TEST_F(MoeQuantizeTest, ReportsTheRoutingAndResumesAMoeBlockBitIdentical) {
+  const std::string model = Upcycle("resume", kLayouts[0].args);
+  auto config = LoadLlamaConfig(model);
+  ASSERT_TRUE(config.ok()) << config.status();
+  const int64_t blocks = config->num_hidden_layers, experts = config->num_experts;
+  for (const bool route_all : {false, true}) {
+    SCOPED_TRACE(route_all ? "route-all" : "real routing");
+    const Recipe recipe =
+        MakeRecipe(route_all ? "resume-route-all" : "resume", "method: gptq\nbits: 4\n",
+                   route_all ? ", moe_route_all: true" : "");
+    const v1::JobSpec spec = Spec(model, recipe.name);
+    auto first = job::RunQuantizeJob(recipe, spec);
+    ASSERT_TRUE(first.ok()) << first.status();
+    EXPECT_FALSE(first->hessians_from_cache);
+    ASSERT_EQ(static_cast<int64_t>(first->expert_loads.size()), blocks);  // every block is MoE
+    for (const v1::ExpertLoad& l : first->expert_loads) {
+      ASSERT_EQ(l.routed_tokens_size(), experts);
+      int64_t sum = 0;
+      for (int64_t t : l.routed_tokens()) sum += t;
+      EXPECT_EQ(sum, first->calib_tokens * config->experts_per_token) << "block " << l.layer();
+      EXPECT_EQ(l.every_token_size(), route_all ? experts : 0) << "block " << l.layer();
+    }
+    auto report = ReadFile(spec.job_dir() + "/report.html");
+    ASSERT_TRUE(report.ok()) << report.status();
+    EXPECT_NE(report->find("Routing: calibration tokens per expert"), std::string::npos);
+    EXPECT_NE(report->find("id=\"expert-map\""), std::string::npos);
+    EXPECT_NE(report->find("experts down (mean)"), std::string::npos);
+
+    const std::string shard = spec.out_dir() + "/" + ShardName(3, blocks);
+    auto before = ReadFile(shard);
+    ASSERT_TRUE(before.ok()) << before.status();
+    ASSERT_EQ(std::remove(shard.c_str()), 0);
+    ASSERT_EQ(std::remove((spec.out_dir() + "/config.json").c_str()), 0);
+    auto second = job::RunQuantizeJob(recipe, spec);
+    ASSERT_TRUE(second.ok()) << second.status();
+    EXPECT_EQ(second->blocks_resumed, blocks - 1);
+    EXPECT_TRUE(second->hessians_from_cache);
+    auto after = ReadFile(shard);
+    ASSERT_TRUE(after.ok()) << after.status();
+    EXPECT_TRUE(*before == *after) << "the redone MoE block must be bit-identical";
+    ASSERT_EQ(second->expert_loads.size(), first->expert_loads.size());
+    for (size_t i = 0; i < first->expert_loads.size(); ++i) {
+      EXPECT_EQ(second->expert_loads[i].SerializeAsString(),
+                first->expert_loads[i].SerializeAsString())
+          << "block " << first->expert_loads[i].layer();
+    }
   }
 }
 
