@@ -203,13 +203,15 @@ int RunQuantize(const QuantizeOptions& o) {
   std::printf("\n%-6s %-18s %14s %12s %8s\n", "block", "linear", "proxy loss", "relative",
               "bits");
   for (const auto& b : result->blocks) {
-    // A MoE block's routed experts in one line: the mean and the worst of their linears.
-    double expert_sum = 0, worst = -1;
+    // A MoE block's routed experts in one line: their bits and, with Hessians (not RTN), the
+    // mean and the worst of their relative proxy losses.
+    double expert_sum = 0, worst = -1, expert_bits = 0;
     int64_t expert_linears = 0;
     std::string worst_name;
     for (const auto& m : b.linears) {
       if (m.name.rfind("experts.", 0) == 0) {
         ++expert_linears;
+        expert_bits += m.stored_bits;
         expert_sum += m.relative;
         if (m.relative > worst) worst = m.relative, worst_name = m.name;
         continue;
@@ -218,9 +220,14 @@ int RunQuantize(const QuantizeOptions& o) {
                   m.proxy_loss, m.relative, m.stored_bits);
     }
     if (expert_linears > 0) {
-      std::printf("%-6lld %-18s relative %.4g mean, %.4g worst (%s) over %lld expert linears\n",
-                  (long long)b.layer, "(routed experts)", expert_sum / expert_linears, worst,
-                  worst_name.c_str(), (long long)expert_linears);
+      const std::string loss =
+          worst_name.empty()
+              ? std::string("no proxy loss (no Hessian)")
+              : absl::StrFormat("relative %.4g mean, %.4g worst (%s)",
+                                expert_sum / expert_linears, worst, worst_name);
+      std::printf("%-6lld %-18s %lld expert linears, %.3f bits: %s\n", (long long)b.layer,
+                  "(routed experts)", (long long)expert_linears, expert_bits / expert_linears,
+                  loss.c_str());
     }
     std::printf("%-6lld %-18s %s%.2f s\n", (long long)b.layer, "(block)",
                 b.resumed ? "resumed from journal, " : "", b.seconds);
