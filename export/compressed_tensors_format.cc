@@ -22,11 +22,18 @@ class CompressedTensorsFormat final : public Format {
     QCAL_RETURN_IF_ERROR(
         CheckServed(source_, "compressed-tensors", /*linear_inputs_allowed=*/true));
     if (act_) QCAL_RETURN_IF_ERROR(CheckInputActivations(*act_));
+    if (act_ && source_.config.is_moe()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          source_.dir, ": cannot export to compressed-tensors: the recipe quantizes linear "
+          "inputs, and the export writes input activations for dense linears only, not for a "
+          "mixture-of-experts model's routed experts"));
+    }
     // One config group describes every linear: activation order anywhere puts g_idx on all.
     for (int64_t l = 0; l < source_.config.num_hidden_layers && !actorder_; ++l) {
-      for (model::LinearKind k : model::kAllLinears) {
-        QCAL_ASSIGN_OR_RETURN(const GridShape g, Grid(l, k));
-        QCAL_ASSIGN_OR_RETURN(const bool ordered, HasActOrder(LinearPrefix(l, k), g));
+      for (const LinearRef& ref : BlockLinears(source_.config, l)) {
+        if (FloatInPackedExport(source_.config, ref)) continue;
+        QCAL_ASSIGN_OR_RETURN(const GridShape g, Grid(ref));
+        QCAL_ASSIGN_OR_RETURN(const bool ordered, HasActOrder(ref.prefix, g));
         if (ordered) {
           if (g.group_size == -1) continue;  // one group per row: any order is the same
           actorder_ = true;
@@ -37,15 +44,19 @@ class CompressedTensorsFormat final : public Format {
     return absl::OkStatus();
   }
 
-  Status PlanLinear(int64_t layer, model::LinearKind k) override {
-    const std::string prefix = LinearPrefix(layer, k);
-    QCAL_ASSIGN_OR_RETURN(const GridShape g, Grid(layer, k));
-    if (IntFormat(g)) {
-      PlanIntLinear(prefix, layer, k, g);
-    } else {
-      PlanPackedLinear(prefix, layer, k, g);
+  Status PlanLinear(const LinearRef& ref) override {
+    if (FloatInPackedExport(source_.config, ref)) {
+      plan_->AddDenseWeight(ref, source_.model_dtype);
+      float_attention_ = true;
+      return absl::OkStatus();
     }
-    if (act_ && act_->is_static) PlanStaticInput(prefix, layer, k);
+    QCAL_ASSIGN_OR_RETURN(const GridShape g, Grid(ref));
+    if (IntFormat(g)) {
+      PlanIntLinear(ref, g);
+    } else {
+      PlanPackedLinear(ref, g);
+    }
+    if (act_ && act_->is_static) PlanStaticInput(ref.prefix, ref.layer, ref.kind);
     return absl::OkStatus();
   }
 
@@ -100,7 +111,7 @@ class CompressedTensorsFormat final : public Format {
                         {"quantization_status", "compressed"},
                         {"global_compression_ratio", nullptr},
                         {"kv_cache_scheme", nullptr},
-                        {"ignore", {"lm_head"}},
+                        {"ignore", Ignored()},
                         {"config_groups",
                          {{"group_0",
                            {{"targets", {"Linear"}},
@@ -114,10 +125,29 @@ class CompressedTensorsFormat final : public Format {
   }
 
  private:
-  // The grid of linear `k` of block `layer`, checked: 2 to 8 bits, scales exact in the model's
-  // dtype, the same grid as every other linear.
-  StatusOr<GridShape> Grid(int64_t layer, model::LinearKind k) {
-    const std::string prefix = LinearPrefix(layer, k);
+  // What vLLM and transformers must leave unquantized: the head; a mixture of experts' routers
+  // (kept in float by qcal); Llama 4's q/k/v_proj (FloatInPackedExport), and a multimodal
+  // checkpoint's vision tower and projector (copied as stored). The patterns llm-compressor
+  // writes for the same modules.
+  nlohmann::json Ignored() const {
+    nlohmann::json ignore = {source_.config.tensor_prefix + "lm_head"};
+    if (source_.config.family == ModelFamily::kMixtral) {
+      ignore.push_back(R"(re:.*block_sparse_moe\.gate$)");
+    } else if (source_.config.family == ModelFamily::kLlama4) {
+      if (source_.config.is_moe()) ignore.push_back(R"(re:.*feed_forward\.router$)");
+      if (float_attention_) ignore.push_back(R"(re:.*self_attn\.(q|k|v)_proj$)");
+      if (!source_.config.tensor_prefix.empty()) {
+        ignore.push_back("re:vision_model.*");
+        ignore.push_back("re:multi_modal_projector.*");
+      }
+    }
+    return ignore;
+  }
+
+  // The grid of linear `ref`, checked: 2 to 8 bits, scales exact in the model's dtype, the same
+  // grid as every other linear.
+  StatusOr<GridShape> Grid(const LinearRef& ref) {
+    const std::string& prefix = ref.prefix;
     QCAL_ASSIGN_OR_RETURN(const GridShape g, ReadGridShape(source_, prefix));
     if (g.bits < 2 || g.bits > 8) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -230,12 +260,13 @@ class CompressedTensorsFormat final : public Format {
   // W8A8: weight [out, in] int8 holds the signed codes q (asymmetric: q = c - 2^(b-1), zero
   // point zp = z - 2^(b-1) in weight_zero_point [out, groups] int8), weight_scale and
   // weight_g_idx as for pack-quantized.
-  void PlanIntLinear(const std::string& prefix, int64_t layer, model::LinearKind k,
-                     const GridShape& g) {
+  void PlanIntLinear(const LinearRef& ref, const GridShape& g) {
+    const std::string& prefix = ref.prefix;
+    const int64_t layer = ref.layer;
     const int32_t shift = g.symmetric ? 0 : -(1 << (g.bits - 1));
     plan_->AddBlockTensor(prefix + ".weight", DType::kI8, {g.out, g.in}, layer,
                           [=](const LoadedBlock& b, const Sink& sink) -> Status {
-                            const quant::ScalarLinearData& d = b.grid(k);
+                            const quant::ScalarLinearData& d = b.grid(ref);
                             std::vector<int8_t> row(g.in);
                             for (int64_t r = 0; r < g.out; ++r) {
                               const int32_t* c = d.codes.data() + r * g.in;
@@ -249,7 +280,7 @@ class CompressedTensorsFormat final : public Format {
     if (!g.symmetric) {
       plan_->AddBlockTensor(prefix + ".weight_zero_point", DType::kI8, {g.out, g.groups}, layer,
                             [=](const LoadedBlock& b, const Sink& sink) -> Status {
-                              const quant::ScalarLinearData& d = b.grid(k);
+                              const quant::ScalarLinearData& d = b.grid(ref);
                               std::vector<int8_t> zp(d.zeros.size());
                               for (size_t i = 0; i < zp.size(); ++i) {
                                 zp[i] = static_cast<int8_t>(d.zeros[i] + shift);
@@ -257,20 +288,21 @@ class CompressedTensorsFormat final : public Format {
                               return sink(zp.data(), zp.size());
                             });
     }
-    PlanScaleAndGroups(prefix, layer, k, g);
+    PlanScaleAndGroups(ref, g);
   }
 
   // The pack-quantized layout (compressed-tensors' PackedQuantizationCompressor): signed codes q
   // in [-2^(b-1), 2^(b-1)) (qcal's asymmetric code c and zero z become q = c - 2^(b-1) and
   // zp = z - 2^(b-1), so q - zp = c - z), shifted to unsigned and packed 32/b to an int32 from
   // the low bits, along the input dimension (weight_packed) or, for zero points, the output one.
-  void PlanPackedLinear(const std::string& prefix, int64_t layer, model::LinearKind k,
-                        const GridShape& g) {
+  void PlanPackedLinear(const LinearRef& ref, const GridShape& g) {
+    const std::string& prefix = ref.prefix;
+    const int64_t layer = ref.layer;
     const int bits = g.bits, per_word = 32 / bits;
     const int64_t words = (g.in + per_word - 1) / per_word;
     plan_->AddBlockTensor(prefix + ".weight_packed", DType::kI32, {g.out, words}, layer,
                           [=](const LoadedBlock& b, const Sink& sink) -> Status {
-                            const quant::ScalarLinearData& d = b.grid(k);
+                            const quant::ScalarLinearData& d = b.grid(ref);
                             const int32_t shift = g.symmetric ? 1 << (bits - 1) : 0;
                             std::vector<uint32_t> row(words);
                             for (int64_t r = 0; r < g.out; ++r) {
@@ -290,7 +322,7 @@ class CompressedTensorsFormat final : public Format {
       plan_->AddBlockTensor(
           prefix + ".weight_zero_point", DType::kI32, {zrows, g.groups}, layer,
           [=](const LoadedBlock& b, const Sink& sink) -> Status {
-            const quant::ScalarLinearData& d = b.grid(k);
+            const quant::ScalarLinearData& d = b.grid(ref);
             std::vector<uint32_t> packed(zrows * g.groups, 0u);
             for (int64_t r = 0; r < g.out; ++r) {
               for (int64_t c = 0; c < g.groups; ++c) {
@@ -301,7 +333,7 @@ class CompressedTensorsFormat final : public Format {
             return sink(packed.data(), packed.size() * sizeof(uint32_t));
           });
     }
-    PlanScaleAndGroups(prefix, layer, k, g);
+    PlanScaleAndGroups(ref, g);
     plan_->AddBlockTensor(prefix + ".weight_shape", DType::kI64, {2}, layer,
                           [=](const LoadedBlock&, const Sink& sink) -> Status {
                             const int64_t shape[2] = {g.out, g.in};
@@ -311,18 +343,19 @@ class CompressedTensorsFormat final : public Format {
 
   // weight_scale [out, groups] in the model's dtype and weight_g_idx [in] int32 (actorder
   // "group"): the same in both layouts.
-  void PlanScaleAndGroups(const std::string& prefix, int64_t layer, model::LinearKind k,
-                          const GridShape& g) {
+  void PlanScaleAndGroups(const LinearRef& ref, const GridShape& g) {
+    const std::string& prefix = ref.prefix;
+    const int64_t layer = ref.layer;
     const DType scale_dtype = source_.model_dtype;
     plan_->AddBlockTensor(prefix + ".weight_scale", scale_dtype, {g.out, g.groups}, layer,
                           [=](const LoadedBlock& b, const Sink& sink) -> Status {
-                            const quant::ScalarLinearData& d = b.grid(k);
+                            const quant::ScalarLinearData& d = b.grid(ref);
                             return SinkAs(scale_dtype, d.scales.data(), d.scales.size(), sink);
                           });
     if (!actorder_) return;
     plan_->AddBlockTensor(prefix + ".weight_g_idx", DType::kI32, {g.in}, layer,
                           [=](const LoadedBlock& b, const Sink& sink) -> Status {
-                            const quant::ScalarLinearData& d = b.grid(k);
+                            const quant::ScalarLinearData& d = b.grid(ref);
                             std::vector<int32_t> g_idx(g.in);
                             for (int64_t j = 0; j < g.in; ++j) {
                               g_idx[j] = d.g_idx.empty()
@@ -338,6 +371,7 @@ class CompressedTensorsFormat final : public Format {
   const std::optional<ActivationQuantSpec> act_;  // the linears' input quantizer
   UniformGrid grid_;
   bool actorder_ = false;  // weights carry weight_g_idx ("actorder": "group")
+  bool float_attention_ = false;  // Llama 4's q/k/v_proj written as float weights
 };
 
 }  // namespace

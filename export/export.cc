@@ -105,14 +105,6 @@ class Exporter {
       return absl::InvalidArgumentError(absl::StrCat(
           o_.in_dir, "/config.json: a float model (no quantization_config): nothing to export"));
     }
-    if (src_.config.is_moe() || !src_.config.tensor_prefix.empty()) {
-      // The exports' tensor plans name a dense Llama's linears; vLLM's MoE loaders read routed
-      // experts under names of their own. Refused rather than written without the experts.
-      return absl::UnimplementedError(absl::StrCat(
-          o_.in_dir, "/config.json: ", src_.config.architecture, " checkpoints (mixture of "
-          "experts or multimodal) are not exported yet; `qcal eval` and `qcal generate` read the "
-          "qcal checkpoint itself"));
-    }
     QCAL_ASSIGN_OR_RETURN(src_.method, methods::CheckpointMethod(src_.config, o_.in_dir));
     QCAL_ASSIGN_OR_RETURN(src_.served, src_.method->inference().Served());
     QCAL_ASSIGN_OR_RETURN(src_.model_dtype, ModelDType(src_.config, o_.in_dir));
@@ -142,39 +134,66 @@ class Exporter {
     return format_->Check();
   }
 
-  // The tensors in Hugging Face's order: embedding, each block (norms and linears), final norm,
-  // head. The float ones in the format's dtype, or (nullopt) tables as stored, vectors float32.
+  // The tensors in Hugging Face's order: embedding, each block (norms, attention, the dense MLP
+  // or shared expert, a MoE block's router and routed experts), final norm, head, then anything
+  // outside the text model (a multimodal Llama 4's vision tower and projector, as stored). The
+  // float ones in the format's dtype, or (nullopt) tables as stored, vectors float32.
   Status Plan() {
-    const int64_t hidden = src_.config.hidden_size;
+    const LlamaConfig& c = src_.config;
+    const int64_t hidden = c.hidden_size;
     const std::optional<DType> float_dtype = format_->FloatDType();
     const DType vector_dtype = float_dtype.value_or(DType::kF32);
-    auto table = [&](const char* name) -> Status {
+    auto table = [&](const std::string& name) -> Status {
       QCAL_ASSIGN_OR_RETURN(auto found, src_.ckpt->Find(name));
       return plan_->AddTable(name, float_dtype.value_or(found.second->dtype));
     };
     auto norm = [&](int64_t layer, const char* name, at::Tensor model::BlockWeights::*field) {
-      plan_->AddBlockTensor(absl::StrCat("model.layers.", layer, ".", name), vector_dtype,
-                            {hidden}, layer,
+      plan_->AddBlockTensor(c.TensorName(absl::StrCat("model.layers.", layer, ".", name)),
+                            vector_dtype, {hidden}, layer,
                             [vector_dtype, field](const LoadedBlock& b, const Sink& sink) {
                               const at::Tensor w = (b.weights.*field).to(at::kFloat).contiguous();
                               return SinkAs(vector_dtype, w.data_ptr<float>(), w.numel(), sink);
                             });
     };
-    QCAL_RETURN_IF_ERROR(table(kEmbed));
-    for (int64_t l = 0; l < src_.config.num_hidden_layers; ++l) {
+    QCAL_RETURN_IF_ERROR(table(c.TensorName(kEmbed)));
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+      const std::vector<LinearRef> linears = BlockLinears(c, l);
+      std::vector<LinearRef> experts;
       norm(l, "input_layernorm.weight", &model::BlockWeights::input_norm);
-      for (model::LinearKind k : {model::LinearKind::kQ, model::LinearKind::kK,
-                                  model::LinearKind::kV, model::LinearKind::kO}) {
-        QCAL_RETURN_IF_ERROR(format_->PlanLinear(l, k));
+      bool mlp = false;
+      for (const LinearRef& ref : linears) {
+        if (ref.expert >= 0) {
+          experts.push_back(ref);
+          continue;
+        }
+        if (!mlp && ref.kind == model::LinearKind::kGate) {
+          norm(l, "post_attention_layernorm.weight", &model::BlockWeights::post_norm);
+          mlp = true;
+        }
+        QCAL_RETURN_IF_ERROR(format_->PlanLinear(ref));
       }
-      norm(l, "post_attention_layernorm.weight", &model::BlockWeights::post_norm);
-      for (model::LinearKind k :
-           {model::LinearKind::kGate, model::LinearKind::kUp, model::LinearKind::kDown}) {
-        QCAL_RETURN_IF_ERROR(format_->PlanLinear(l, k));
-      }
+      if (!mlp) norm(l, "post_attention_layernorm.weight", &model::BlockWeights::post_norm);
+      if (!c.IsMoeLayer(l)) continue;
+      // The router, kept in float by qcal: in the format's float dtype (what engines run it in).
+      plan_->AddBlockTensor(c.RouterModule(l) + ".weight", vector_dtype, {c.num_experts, hidden},
+                            l, [vector_dtype](const LoadedBlock& b, const Sink& sink) -> Status {
+                              const at::Tensor w =
+                                  b.weights.moe->router.to(at::kFloat).contiguous();
+                              return SinkAs(vector_dtype, w.data_ptr<float>(), w.numel(), sink);
+                            });
+      QCAL_RETURN_IF_ERROR(format_->PlanExperts(experts));
     }
-    QCAL_RETURN_IF_ERROR(plan_->AddSmall(kNorm, vector_dtype));
-    if (src_.ckpt->Has(kHead)) QCAL_RETURN_IF_ERROR(table(kHead));
+    QCAL_RETURN_IF_ERROR(plan_->AddSmall(c.TensorName(kNorm), vector_dtype));
+    if (src_.ckpt->Has(c.TensorName(kHead))) QCAL_RETURN_IF_ERROR(table(c.TensorName(kHead)));
+    if (!c.tensor_prefix.empty()) {
+      for (const std::string& name : src_.ckpt->TensorNames()) {
+        if (name.compare(0, c.tensor_prefix.size(), c.tensor_prefix) == 0) continue;
+        QCAL_RETURN_IF_ERROR(plan_->AddStored(name));
+        ++copied_as_stored_;
+      }
+      QCAL_LOG_INFO("export: {} tensors outside the text model ({}) copied as stored",
+                    copied_as_stored_, c.tensor_prefix);
+    }
     format_->PlanDone();
     return absl::OkStatus();
   }
@@ -228,6 +247,7 @@ class Exporter {
   Source src_;
   std::unique_ptr<TensorPlan> plan_;  // before format_, which plans into it
   std::unique_ptr<Format> format_;
+  int64_t copied_as_stored_ = 0;
 };
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -26,8 +27,15 @@ class Format {
   // Refuses, before anything is planned, what the format cannot express (FailedPrecondition
   // naming the checkpoint and the reason).
   virtual Status Check() = 0;
-  // Plans linear `k` of block `layer` into the TensorPlan the format was made with.
-  virtual Status PlanLinear(int64_t layer, model::LinearKind k) = 0;
+  // Plans linear `ref` into the TensorPlan the format was made with.
+  virtual Status PlanLinear(const LinearRef& ref) = 0;
+  // Plans the routed experts' linears of one MoE block (every expert's gate, up and down, in
+  // order): each by PlanLinear, unless the format stores them otherwise (the dense export fuses
+  // Llama 4's experts into the float checkpoint's 3-D tensors).
+  virtual Status PlanExperts(const std::vector<LinearRef>& experts) {
+    for (const LinearRef& ref : experts) QCAL_RETURN_IF_ERROR(PlanLinear(ref));
+    return absl::OkStatus();
+  }
   // Every tensor is planned (warnings about the plan go here).
   virtual void PlanDone() {}
   // Every tensor is written into `dir`: sets config.json's quantization_config and torch_dtype in

@@ -19,8 +19,14 @@ class GptqFormat final : public Format {
 
   Status Check() override { return CheckServed(source_, "gptq", /*linear_inputs_allowed=*/false); }
 
-  Status PlanLinear(int64_t layer, model::LinearKind k) override {
-    const std::string prefix = LinearPrefix(layer, k);
+  Status PlanLinear(const LinearRef& ref) override {
+    if (FloatInPackedExport(source_.config, ref)) {
+      plan_->AddDenseWeight(ref, source_.model_dtype);
+      float_linears_ = true;
+      return absl::OkStatus();
+    }
+    const std::string& prefix = ref.prefix;
+    const int64_t layer = ref.layer;
     QCAL_ASSIGN_OR_RETURN(const GridShape g, ReadGridShape(source_, prefix));
     if (g.bits != 2 && g.bits != 3 && g.bits != 4 && g.bits != 8) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -36,10 +42,10 @@ class GptqFormat final : public Format {
     // The packed tensors of this linear, made from its stored grid when the first is written and
     // freed after the last (g_idx).
     auto packed = std::make_shared<Packed>();
-    auto pack = [packed, k, layer](const LoadedBlock& b) -> StatusOr<const quant::GptqTensors*> {
-      if (packed->layer != layer) {
-        QCAL_ASSIGN_OR_RETURN(packed->tensors, quant::PackGptq(b.grid(k), /*pad_words=*/true));
-        packed->layer = layer;
+    auto pack = [packed, ref](const LoadedBlock& b) -> StatusOr<const quant::GptqTensors*> {
+      if (packed->layer != ref.layer) {
+        QCAL_ASSIGN_OR_RETURN(packed->tensors, quant::PackGptq(b.grid(ref), /*pad_words=*/true));
+        packed->layer = ref.layer;
       }
       return &packed->tensors;
     };
@@ -97,6 +103,12 @@ class GptqFormat final : public Format {
                         {"true_sequential", true},
                         {"lm_head", false},
                         {"checkpoint_format", "gptq"}};
+    if (float_linears_) {
+      // Llama 4's q/k/v_proj, written in float (FloatInPackedExport): GPTQModel's "dynamic"
+      // negative rule, which vLLM reads (re.match against the module's name, fused qkv_proj
+      // included), keeps them unquantized.
+      q["dynamic"] = {{R"(-:.*self_attn\.(q|k|v|qkv)_proj$)", nlohmann::json::object()}};
+    }
     (*config)["quantization_config"] = q;
     // AutoGPTQ / GPTQModel read the same fields from quantize_config.json.
     QCAL_RETURN_IF_ERROR(WriteFileAtomic(dir + "/quantize_config.json", q.dump(2) + "\n"));
@@ -142,6 +154,7 @@ class GptqFormat final : public Format {
   UniformGrid grid_;
   std::vector<std::string> padded_;  // linears whose packed runs end in a partial word
   bool desc_act_seen_ = false;
+  bool float_linears_ = false;  // some linear written as a float weight
 };
 
 }  // namespace

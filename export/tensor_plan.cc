@@ -10,8 +10,53 @@
 
 namespace qcal::exporter {
 
-std::string LinearPrefix(int64_t layer, model::LinearKind k) {
-  return absl::StrCat("model.layers.", layer, ".", model::LinearName(k));
+LinearRef DenseLinearRef(const LlamaConfig& config, int64_t layer, model::LinearKind k) {
+  LinearRef r;
+  r.layer = layer;
+  r.kind = k;
+  r.prefix = model::LinearTensorName(config, layer, k);
+  return r;
+}
+
+LinearRef ExpertLinearRef(const LlamaConfig& config, int64_t layer, int64_t expert,
+                          model::ExpertLinear k) {
+  LinearRef r;
+  r.layer = layer;
+  r.kind = model::ExpertLinearKind(k);
+  r.expert = expert;
+  r.expert_linear = k;
+  r.prefix = model::ExpertTensorName(config, layer, expert, k);
+  return r;
+}
+
+std::vector<int64_t> LinearRefShape(const LlamaConfig& config, const LinearRef& ref) {
+  return model::LinearShape(config, ref.kind, ref.layer);
+}
+
+std::vector<LinearRef> BlockLinears(const LlamaConfig& config, int64_t layer) {
+  std::vector<LinearRef> refs;
+  for (model::LinearKind k : model::kAllLinears) {
+    if (model::BlockHasLinear(config, layer, k)) refs.push_back(DenseLinearRef(config, layer, k));
+  }
+  if (config.IsMoeLayer(layer)) {
+    for (int64_t e = 0; e < config.num_experts; ++e) {
+      for (model::ExpertLinear k : model::kExpertLinears) {
+        refs.push_back(ExpertLinearRef(config, layer, e, k));
+      }
+    }
+  }
+  return refs;
+}
+
+bool FloatInPackedExport(const LlamaConfig& config, const LinearRef& ref) {
+  return config.family == ModelFamily::kLlama4 && ref.expert < 0 &&
+         (ref.kind == model::LinearKind::kQ || ref.kind == model::LinearKind::kK ||
+          ref.kind == model::LinearKind::kV);
+}
+
+const model::Linear& LoadedBlock::linear(const LinearRef& ref) const {
+  if (ref.expert < 0) return weights.linear(ref.kind);
+  return weights.moe->experts.at(ref.expert).linear(ref.expert_linear);
 }
 
 Status SinkAs(DType dtype, const float* data, size_t n, const Sink& sink) {
@@ -102,15 +147,20 @@ class TensorPlan::BlockCache {
     QCAL_ASSIGN_OR_RETURN(block_.weights,
                           source_->method->block_format().LoadBlock(*source_->ckpt, layer));
     if (read_grids_) {
-      for (model::LinearKind k : model::kAllLinears) {
-        const std::string prefix = LinearPrefix(layer, k);
-        StatusOr<quant::ScalarLinearData> grid = quant::ReadScalarLinear(*source_->ckpt, prefix);
+      for (const LinearRef& ref : BlockLinears(source_->config, layer)) {
+        if (FloatInPackedExport(source_->config, ref)) continue;
+        StatusOr<quant::ScalarLinearData> grid =
+            quant::ReadScalarLinear(*source_->ckpt, ref.prefix);
         if (!grid.ok()) {
-          if (absl::IsNotFound(grid.status())) return NotOnAGrid(*source_, prefix);
+          if (absl::IsNotFound(grid.status())) return NotOnAGrid(*source_, ref.prefix);
           return grid.status();
         }
-        block_.grids[static_cast<int>(k)] = *std::move(grid);
+        block_.grids[ref.prefix] = *std::move(grid);
       }
+    }
+    if (block_.weights.moe == nullptr && source_->config.IsMoeLayer(layer)) {
+      return absl::DataLossError(absl::StrCat(source_->dir, ": block ", layer,
+                                              " loaded without its routed experts"));
     }
     layer_ = layer;
     return &block_;
@@ -169,6 +219,25 @@ Status TensorPlan::AddSmall(const std::string& name, DType dtype) {
   };
   tensors_.push_back(std::move(p));
   return absl::OkStatus();
+}
+
+Status TensorPlan::AddStored(const std::string& name) {
+  QCAL_ASSIGN_OR_RETURN(auto found, source_->ckpt->Find(name));
+  const SafetensorsFile* file = found.first;
+  const TensorInfo* info = found.second;
+  PlannedTensor p{name, info->dtype, info->shape,
+                  static_cast<uint64_t>(info->numel()) * DTypeSize(info->dtype), nullptr};
+  p.produce = [file, info](const Sink& sink) { return SinkStoredBytes(*file, *info, sink); };
+  tensors_.push_back(std::move(p));
+  return absl::OkStatus();
+}
+
+void TensorPlan::AddDenseWeight(const LinearRef& ref, DType dtype) {
+  AddBlockTensor(ref.prefix + ".weight", dtype, LinearRefShape(source_->config, ref), ref.layer,
+                 [ref, dtype](const LoadedBlock& b, const Sink& sink) -> Status {
+                   const at::Tensor w = b.linear(ref).DenseWeight().to(at::kFloat).contiguous();
+                   return SinkAs(dtype, w.data_ptr<float>(), w.numel(), sink);
+                 });
 }
 
 void TensorPlan::AddBlockTensor(std::string name, DType dtype, std::vector<int64_t> shape,

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -33,8 +34,33 @@ struct Source {
   std::unique_ptr<CheckpointReader> ckpt;
 };
 
-// "model.layers.<layer>.<self_attn.q_proj | ... | mlp.down_proj>"
-std::string LinearPrefix(int64_t layer, model::LinearKind k);
+// One quantized linear of a block: a dense one (attention, the dense MLP, Llama 4's shared
+// expert) or a routed expert's. `prefix` is where it is stored, in the qcal checkpoint and in
+// every export (the model's own names behind its tensor prefix: engine/model/llama.h
+// LinearTensorName / ExpertTensorName).
+struct LinearRef {
+  int64_t layer = 0;
+  model::LinearKind kind = model::LinearKind::kQ;  // an expert linear's role (ExpertLinearKind)
+  int64_t expert = -1;                             // -1: the block's dense linear
+  model::ExpertLinear expert_linear = model::ExpertLinear::kGate;
+  std::string prefix;
+};
+LinearRef DenseLinearRef(const LlamaConfig& config, int64_t layer, model::LinearKind k);
+LinearRef ExpertLinearRef(const LlamaConfig& config, int64_t layer, int64_t expert,
+                          model::ExpertLinear k);
+// [out, in] of the linear.
+std::vector<int64_t> LinearRefShape(const LlamaConfig& config, const LinearRef& ref);
+// The block's attention linears (q, k, v, o), then its dense MLP or shared expert (when it has
+// one), then each routed expert's gate, up and down: every linear a block quantizes.
+std::vector<LinearRef> BlockLinears(const LlamaConfig& config, int64_t layer);
+// Whether a packed export (gptq, compressed-tensors) writes `ref` as a float `weight` (in the
+// model's dtype, listed as not quantized) instead of its codes: Llama 4's q_proj, k_proj and
+// v_proj. vLLM's Llama 4 loader turns Hugging Face's interleaved RoPE pairs into its half-split
+// layout by permuting the rows of q_proj and k_proj, and only of tensors named `weight`: packed
+// codes would be loaded unpermuted and attend wrongly; v_proj shares their fused qkv_proj, which
+// takes one quantization scheme. llm-compressor's Llama 4 checkpoints leave attention in float
+// for the same reason (docs/formats.md "Mixture-of-experts exports").
+bool FloatInPackedExport(const LlamaConfig& config, const LinearRef& ref);
 
 // Hands float32 values to `sink` as `dtype`, in pieces.
 Status SinkAs(DType dtype, const float* data, size_t n, const Sink& sink);
@@ -74,10 +100,10 @@ class UniformGrid {
 // ranges, dense weights) and, for packed formats, each linear's stored grid as data.
 struct LoadedBlock {
   model::BlockWeights weights;
-  quant::ScalarLinearData grids[7];
-  const quant::ScalarLinearData& grid(model::LinearKind k) const {
-    return grids[static_cast<int>(k)];
-  }
+  std::map<std::string, quant::ScalarLinearData> grids;  // by LinearRef::prefix
+  const quant::ScalarLinearData& grid(const LinearRef& ref) const { return grids.at(ref.prefix); }
+  // The loaded layer of `ref` (a routed expert's from weights.moe).
+  const model::Linear& linear(const LinearRef& ref) const;
 };
 
 // One tensor of the output: its place, and how its bytes are made when its shard is written.
@@ -99,6 +125,11 @@ class TensorPlan {
   Status AddTable(const std::string& name, DType dtype);
   // A float tensor of the checkpoint read whole (the final norm), in `dtype`.
   Status AddSmall(const std::string& name, DType dtype);
+  // Tensor `name` of the checkpoint exactly as stored (dtype, shape, bytes): the vision tower
+  // and projector of a multimodal Llama 4.
+  Status AddStored(const std::string& name);
+  // Linear `ref`'s dequantized weight [out, in] as `weight`, in `dtype`.
+  void AddDenseWeight(const LinearRef& ref, DType dtype);
   // Tensor `name` of block `layer`, made from the loaded block by `make`.
   void AddBlockTensor(std::string name, DType dtype, std::vector<int64_t> shape, int64_t layer,
                       std::function<Status(const LoadedBlock&, const Sink&)> make);

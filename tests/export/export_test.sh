@@ -35,13 +35,7 @@ ppl() {  # ppl MODEL_DIR -> perplexity
   "$q" eval --model "$1" --data "$data" --ctx 256 --bos-per-window --threads 1 --json | tail -1 |
     "$py" -c 'import json, sys; print(repr(json.load(sys.stdin)["perplexity"]))'
 }
-close() {  # close A B LABEL: |A - B| <= 1e-4 |A|
-  if "$py" -c "import sys; a, b = $1, $2; sys.exit(0 if abs(a - b) <= 1e-4 * abs(a) else 1)"; then
-    echo "ok   $3: perplexity $1 vs $2"
-  else
-    echo "FAIL $3: perplexity $1 vs $2 (more than 1e-4 relative apart)"; fail=1
-  fi
-}
+source "$src/tests/export/checks.sh"  # close
 refused() {  # refused FORMAT IN OUT EXPECTED_TEXT LABEL
   local out=$3 msg
   if msg=$("$q" export --format "$1" "$2" "$out" 2>&1); then

@@ -212,7 +212,9 @@ def check(src):
             got_dtype, arr = t[prefix + suffix]
             if (dtype and got_dtype != dtype) or tuple(arr.shape) != shape:
                 problems.append(f"{prefix}{suffix}: {got_dtype} {arr.shape}, want {dtype} {shape}")
-    if "lm_head" not in config["quantization_config"].get("ignore", []):
+    # The head by its module name: "lm_head", or "language_model.lm_head" in a multimodal model.
+    if not any(i == "lm_head" or i.endswith(".lm_head")
+               for i in config["quantization_config"].get("ignore", [])):
         problems.append("lm_head is not in ignore")
     if not linears:
         problems.append("no quantized linear")

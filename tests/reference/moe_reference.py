@@ -28,6 +28,9 @@ layers are a dense MLP of intermediate_size_mlp.
       dense model's logits. Other files of the dense directory (the tokenizer's) are copied.
   moe_reference.py bf16-shards --model DIR --out DIR [--shards 2]
       the model as bfloat16 (rounded to nearest even) in shards with model.safetensors.index.json
+  moe_reference.py fuse-experts --model DIR
+      a Llama 4 model with per-expert float weights (a quantized export dequantized by
+      tests/reference/gptq_dequant.py or ct_dequant.py) rewritten in place in the fused layout
   moe_reference.py logits --model DIR --tokens 1,2,3 --out FILE
       the logits [len(tokens), vocab] as little-endian float32
   moe_reference.py expert-hessians --model DIR --tokens 1,2,3/4,5,6 --out DIR [--route-all]
@@ -390,6 +393,47 @@ def upcycle(a):
         json.dump(config, f, indent=1)
 
 
+def fuse_experts(a):
+    """A Llama 4 model whose routed experts are stored per expert (feed_forward.experts.<e>.
+    gate_proj / up_proj / down_proj.weight, [out, in]: the names vLLM reads from quantized
+    checkpoints) rewritten in place into Hugging Face's fused float layout (experts.gate_up_proj
+    [E, D, 2I] = [gate^T | up^T] per expert, experts.down_proj [E, I, D] = down^T), as one
+    model.safetensors. Other models are left as they are."""
+    config, w = read_model(a.model)
+    fused, out = 0, {}
+    for name, t in w.items():
+        head, sep, tail = name.partition(".feed_forward.experts.")
+        if not sep:
+            out[name] = t
+            continue
+        e, proj = tail.split(".")[0], tail.split(".")[1]
+        if not e.isdigit():
+            out[name] = t
+            continue
+        if int(e) != 0 or proj != "gate_proj":
+            continue
+        n = 0
+        while f"{head}.feed_forward.experts.{n}.gate_proj.weight" in w:
+            n += 1
+        one = lambda i, p: w[f"{head}.feed_forward.experts.{i}.{p}.weight"]  # noqa: E731
+        f = head + ".feed_forward.experts."
+        out[f + "gate_up_proj"] = np.stack(
+            [np.concatenate([one(i, "gate_proj").T, one(i, "up_proj").T], axis=1)
+             for i in range(n)]).astype(np.float32)
+        out[f + "down_proj"] = np.stack([one(i, "down_proj").T for i in range(n)]).astype(
+            np.float32)
+        fused += 1
+    if fused == 0:
+        print(f"{a.model}: no per-expert Llama 4 tensors, left as it is")
+        return
+    for name in os.listdir(a.model):
+        if name.endswith(".safetensors") or name == "model.safetensors.index.json":
+            os.remove(os.path.join(a.model, name))
+    write_safetensors(os.path.join(a.model, "model.safetensors"),
+                      [(k, np.asarray(v, dtype=np.float32)) for k, v in out.items()])
+    print(f"{a.model}: fused the routed experts of {fused} layers")
+
+
 def logits(a):
     config, w = read_model(a.model)
     ids = np.array([int(t) for t in a.tokens.split(",")])
@@ -434,9 +478,11 @@ def main():
     x.add_argument("--tokens", required=True)
     x.add_argument("--out", required=True)
     x.add_argument("--route-all", action="store_true")
+    f = sub.add_parser("fuse-experts")
+    f.add_argument("--model", required=True)
     a = p.parse_args()
     {"upcycle": upcycle, "logits": logits, "bf16-shards": bf16_shards,
-     "expert-hessians": expert_hessians}[a.cmd](a)
+     "expert-hessians": expert_hessians, "fuse-experts": fuse_experts}[a.cmd](a)
 
 
 if __name__ == "__main__":
