@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Quantized mixture-of-experts models (issue 53, deliverable 6): stories260K upcycled as in
 # bench/moe-upcycle.sh (Mixtral layout, 4 experts, top 2; Llama 4 layout, 4 experts, top 1 with a
-# shared expert), quantized with the bundled recipes jobs/gptq-4bit.yaml, quip-e8p-2bit.yaml and
-# qtip-2bit.yaml (128 WikiText-2 sequences of 128 tokens), each with the real routing and with
+# shared expert), quantized with the bundled recipes jobs/gptq-4bit.yaml, quip-e8p-2bit.yaml,
+# qtip-2bit.yaml and quip-e8p-2bit-ft.yaml (QuIP#'s block and end-to-end fine-tuning; RECIPES
+# picks some) (128 WikiText-2 sequences of 128 tokens), each with the real routing and with
 # route-all calibration (calibration.moe_route_all: true), then evaluated (TinyStories sample,
 # ctx 256, BOS per window, and WikiText-2 test, MAX_TOKENS tokens). Prints one markdown table and,
 # per layout, the calibration's tokens per expert (fewest / most over the MoE blocks).
-#   bash bench/moe-quantize.sh [WORK_DIR]          (after scripts/build.sh)
+#   [RECIPES="quip-e8p-2bit-ft"] bash bench/moe-quantize.sh [WORK_DIR]   (after scripts/build.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK=${1:-/tmp/qcal-moe-quantize}
@@ -25,7 +26,7 @@ for name in "${MOE_MODELS[@]}"; do
   upcycle "$name"
   model="$WORK/$name"
   echo "| $name | float | – | 32 | $(ppl "$model" "$ts") | $(ppl "$model" "$wt") | – |"
-  for recipe in gptq-4bit quip-e8p-2bit qtip-2bit; do
+  for recipe in ${RECIPES:-gptq-4bit quip-e8p-2bit qtip-2bit quip-e8p-2bit-ft}; do
     for mode in routed route-all; do
       yaml="$WORK/$recipe-$mode.yaml"
       if [ "$mode" = route-all ]; then

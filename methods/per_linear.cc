@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <map>
+#include <utility>
 
 #include <ATen/ATen.h>
 
@@ -153,49 +155,75 @@ StatusOr<quant::BlockTaskResult> PerLinearQuantizer::QuantizeBlock(
 }
 
 // QuIP# Algorithm 5 within the block: the groups rounded in order, the block tuned after each.
+// A MoE block's routed experts are rounded in their groups (each with its own Hessian: its
+// gate_up input for gate and up, its down input for down), after the block's dense linears.
 StatusOr<quant::BlockTaskResult> PerLinearQuantizer::QuantizeWithFinetune(
     model::BlockWeights float_weights, const BlockInputs& in) const {
   const int64_t layer = in.layer;
-  if (float_weights.moe != nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "block ", layer, " is a mixture-of-experts block: QuIP#'s fine-tuning does not tune "
-        "routed experts yet (set finetune.enabled: false)"));
-  }
-  auto hessian_of = [&](model::LinearKind k) {
-    return in.hessians ? in.hessians->Mean(calib::HessianKindOf(k)) : at::Tensor();
+  // Each linear's Hessian: a dense linear's kind, or a routed expert's own, made once (its
+  // in-memory sums released then: ExpertHessian) and kept for the block's rounds (the baseline
+  // rounds the later groups first): a MoE block's fine-tuning holds every expert's means.
+  std::map<std::pair<int64_t, int>, at::Tensor> expert_means;
+  auto hessian_of = [&](const quant::TunedLinear& l) -> StatusOr<at::Tensor> {
+    if (in.hessians == nullptr) return at::Tensor();
+    if (l.expert < 0) return in.hessians->Mean(calib::HessianKindOf(l.kind));
+    const calib::ExpertInput input = l.kind == model::LinearKind::kDown
+                                         ? calib::ExpertInput::kDown
+                                         : calib::ExpertInput::kGateUp;
+    const std::pair<int64_t, int> key{l.expert, static_cast<int>(input)};
+    auto it = expert_means.find(key);
+    if (it != expert_means.end()) return it->second;
+    QCAL_ASSIGN_OR_RETURN(at::Tensor h, ExpertHessian(in.hessians, layer, l.expert, input));
+    expert_means[key] = h;
+    return h;
+  };
+  auto name_of = [](const quant::TunedLinear& l) {
+    return quant::LinearProblemName(l.kind, l.expert);
   };
   quant::FinetuneOptions options = options_;
   options.device = in.device;
   QCAL_ASSIGN_OR_RETURN(std::unique_ptr<quant::BlockTuner> tuner,
                         quant::BlockTuner::Start(options, config_, layer, float_weights,
                                                  *in.rope, *in.ft_inputs, *in.ft_targets));
-  const auto& groups = quant::BlockTuner::Groups();
+  const size_t groups = quant::BlockTuner::Groups().size();
   // Steps: each linear rounded, the no-FT baseline, each group's tuning.
-  const int64_t steps = static_cast<int64_t>(std::size(model::kAllLinears) + 1 + groups.size());
+  int64_t steps = static_cast<int64_t>(1 + groups);
+  for (size_t g = 0; g < groups; ++g) steps += tuner->GroupLinears(g).size();
   int64_t done = 0;
-  for (size_t g = 0; g < groups.size(); ++g) {
+  for (size_t g = 0; g < groups; ++g) {
     std::string group;
-    for (model::LinearKind k : groups[g]) {
+    const std::vector<quant::TunedLinear> linears = tuner->GroupLinears(g);
+    for (const quant::TunedLinear& l : linears) {
+      QCAL_ASSIGN_OR_RETURN(const at::Tensor h, hessian_of(l));
       QCAL_ASSIGN_OR_RETURN(quant::QuantizedLinear q,
-                            rounding_->Round(layer, k, -1, tuner->Weight(k).to(at::kCPU),
-                                             hessian_of(k), in.gpu,
-                                             LinearNotes(in, done, steps, model::LinearName(k),
+                            rounding_->Round(layer, l.kind, l.expert,
+                                             tuner->Weight(l).to(at::kCPU), h, in.gpu,
+                                             LinearNotes(in, done, steps, name_of(l),
                                                          note_every_)));
-      QCAL_RETURN_IF_ERROR(tuner->Install(k, std::move(q)));
-      ReportBlockStep(in, ++done, steps, model::LinearName(k));
-      group += group.empty() ? model::LinearName(k) : std::string(", ") + model::LinearName(k);
+      QCAL_RETURN_IF_ERROR(tuner->Install(l, std::move(q)));
+      ReportBlockStep(in, ++done, steps, name_of(l));
+      if (l.expert < 0) group += group.empty() ? name_of(l) : ", " + name_of(l);
+    }
+    if (linears.size() > 0 && linears.back().expert >= 0) {
+      absl::StrAppend(&group, group.empty() ? "" : ", ", "the routed experts' ",
+                      g + 1 == groups ? "down_proj" : "gate_proj and up_proj");
     }
     if (g == 0) {
       // The no-FT baseline: every other linear rounded from the float weights.
-      std::vector<std::unique_ptr<model::Linear>> others(7);
-      for (model::LinearKind k : model::kAllLinears) {
-        if (std::find(groups[0].begin(), groups[0].end(), k) != groups[0].end()) continue;
-        QCAL_ASSIGN_OR_RETURN(
-            quant::QuantizedLinear q,
-            rounding_->Round(layer, k, -1, float_weights.linear(k).DenseWeight(), hessian_of(k),
-                             in.gpu, LinearNotes(in, done, steps, model::LinearName(k),
-                                                 note_every_)));
-        others[static_cast<int>(k)] = std::move(q.layer);
+      std::vector<std::pair<quant::TunedLinear, std::unique_ptr<model::Linear>>> others;
+      for (size_t later = 1; later < groups; ++later) {
+        for (const quant::TunedLinear& l : tuner->GroupLinears(later)) {
+          const model::Linear& w =
+              l.expert < 0 ? float_weights.linear(l.kind)
+                           : float_weights.moe->experts[l.expert].linear(
+                                 quant::ExpertRoleOf(l.kind));
+          QCAL_ASSIGN_OR_RETURN(const at::Tensor h, hessian_of(l));
+          QCAL_ASSIGN_OR_RETURN(
+              quant::QuantizedLinear q,
+              rounding_->Round(layer, l.kind, l.expert, w.DenseWeight(), h, in.gpu,
+                               LinearNotes(in, done, steps, name_of(l), note_every_)));
+          others.emplace_back(l, std::move(q.layer));
+        }
       }
       QCAL_RETURN_IF_ERROR(tuner->MeasureBaseline(std::move(others)));
       ReportBlockStep(in, ++done, steps, "the baseline without fine-tuning");

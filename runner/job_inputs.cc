@@ -174,7 +174,7 @@ Status CheckLayerTensors(const LlamaConfig& config, const std::string& model_dir
 namespace {
 
 // What qcal does not yet do with a mixture-of-experts model, refused before any work: the
-// methods that do not quantize routed experts, and QuIP#'s fine-tuning of MoE blocks.
+// methods that do not quantize routed experts.
 Status CheckMoeRecipe(const Recipe& recipe, const LlamaConfig& config, const v1::JobSpec& in) {
   const std::string model = absl::StrCat(in.model_dir(), "/config.json: ", config.architecture,
                                          " is a mixture-of-experts model (", config.num_experts,
@@ -184,11 +184,6 @@ Status CheckMoeRecipe(const Recipe& recipe, const LlamaConfig& config, const v1:
         model, "; method ", recipe.method, " (", in.recipe_path(), ") does not quantize routed "
         "experts yet (its rotations, static activation quantizers or phases are not carried "
         "through a router): use method rtn, gptq or quip"));
-  }
-  if (recipe.finetune.enabled || recipe.finetune.end_to_end.enabled) {
-    return Invalid(absl::StrCat(
-        model, "; ", in.recipe_path(), " enables QuIP#'s fine-tuning, which does not tune MoE "
-        "blocks yet: set finetune.enabled and finetune.end_to_end.enabled to false"));
   }
   return absl::OkStatus();
 }

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <functional>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "common/checkpoint_layout.h"
@@ -76,16 +77,29 @@ StatusOr<v1::WrittenFile> WritePreparedNonBlockShardStaged(JobContext* ctx,
 
 // Shard 0 after end-to-end fine-tuning, as the attempt's staged file: the embedding table as
 // the float model stores it (not tuned; streamed), the tuned final norm and, when untied, the
-// tuned head (F32).
+// tuned head (F32), under the model's prefix; a multimodal model's tensors outside the text
+// model (vision tower, projector) copied as stored, as finalize's shard 0 holds them.
 StatusOr<v1::WrittenFile> WriteTunedNonBlockShardStaged(JobContext* ctx,
                                                         const at::Tensor& final_norm,
                                                         const at::Tensor& head, bool head_tied,
                                                         const std::string& attempt) {
+  const LlamaConfig& c = ctx->config;
   SafetensorsWriter writer;
   writer.SetMetadata("format", "pt");
-  QCAL_RETURN_IF_ERROR(ctx->source->AddStoredTensor(&writer, "model.embed_tokens.weight"));
-  QCAL_RETURN_IF_ERROR(model::AddF32Tensor(&writer, "model.norm.weight", final_norm));
-  if (!head_tied) QCAL_RETURN_IF_ERROR(model::AddF32Tensor(&writer, "lm_head.weight", head));
+  QCAL_RETURN_IF_ERROR(
+      ctx->source->AddStoredTensor(&writer, c.TensorName("model.embed_tokens.weight")));
+  QCAL_RETURN_IF_ERROR(model::AddF32Tensor(&writer, c.TensorName("model.norm.weight"), final_norm));
+  if (!head_tied) {
+    QCAL_RETURN_IF_ERROR(model::AddF32Tensor(&writer, c.TensorName("lm_head.weight"), head));
+  }
+  if (!c.tensor_prefix.empty()) {
+    QCAL_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> model,
+                          CheckpointReader::Open(ctx->spec.model_dir()));
+    for (const std::string& name : model->TensorNames()) {
+      if (name.compare(0, c.tensor_prefix.size(), c.tensor_prefix) == 0) continue;
+      QCAL_RETURN_IF_ERROR(ctx->source->AddStoredTensor(&writer, name));
+    }
+  }
   return WriteStagedFile(ctx->spec.out_dir(), ShardName(0, ctx->config.num_hidden_layers),
                          attempt, writer);
 }

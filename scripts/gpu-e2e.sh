@@ -6,7 +6,9 @@
 # spinquant-w4a4kv4 (the recipes' calibration precision: fp32), then for each pair the per-linear
 # proxy losses, the TinyStories perplexity and the KL to the float model compared against the
 # tolerance (QCAL_E2E_TOL, default 0.001: the fp32 device forward's, docs/algorithms.md "On a
-# GPU"). One summary line per step; every log and JSON lands in OUT_DIR as it goes.
+# GPU"); and gptq-4bit and quip-e8p-2bit-ft on stories260K upcycled into Mixtral and Llama 4
+# mixture-of-experts models (issue 53), compared the same way. One summary line per step; every
+# log and JSON lands in OUT_DIR as it goes.
 #
 # The GPU machine lacks qcal's build dependencies, so `pack` bundles the qcal binary, the shared
 # libraries it loads (not libc or CUDA's), the model and the data files into one archive, split
@@ -17,7 +19,9 @@
 #          scripts/gpu-e2e.sh run [OUT_DIR]         (assembles, runs, compares; JSON in OUT_DIR)
 # Here, without a GPU, the run's logic can be tried on two CPU jobs:
 #   QCAL_E2E_BIN=build/client/qcal QCAL_E2E_DEVICES="cpu cpu" scripts/gpu-e2e.sh run /tmp/e2e
-# QCAL_E2E_RECIPES narrows the recipes; QCAL_E2E_STEP_S is each job's time budget (default 240 s).
+# QCAL_E2E_RECIPES narrows the recipes, QCAL_E2E_MOE_RECIPES the MoE ones ("" for none);
+# QCAL_E2E_STEP_S is each job's time budget (default 240 s); QCAL_E2E_PYTHON a python3 with numpy
+# (the upcycling; default python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -62,24 +66,43 @@ case "${1:-}" in
     fi
     $Q import llama2c "$S/models/stories260K/stories260K.bin" "$S/models/stories260K/tok512.bin" \
       --out "$W/float" > /dev/null || exit 1
-    for r in "${recipes[@]}"; do
+    # Runs: NAME|RECIPE|MODEL. The dense model with every recipe, then stories260K upcycled into
+    # mixture-of-experts models (tests/reference/moe_reference.py: Mixtral 4 experts top 2; Llama 4
+    # 4 experts top 1 with a shared expert, MoE on every other layer) with the MoE recipes
+    # (QCAL_E2E_MOE_RECIPES; "" for none).
+    runs=()
+    for r in "${recipes[@]}"; do runs+=("$r|$r|float"); done
+    moe_recipes=(${QCAL_E2E_MOE_RECIPES-gptq-4bit quip-e8p-2bit-ft})
+    if [ ${#moe_recipes[@]} -gt 0 ]; then
+      for m in "mixtral|--layout mixtral --top-k 2" \
+               "llama4|--layout llama4 --top-k 1 --shared-scale 0.5 --router-scale 16 --moe-step 2"; do
+        name=${m%%|*}
+        "${QCAL_E2E_PYTHON:-python3}" tests/reference/moe_reference.py upcycle --dense "$W/float" --out "$W/$name" \
+          --experts 4 --noise 0.05 --seed 1 ${m#*|} > /dev/null || exit 1
+        for r in "${moe_recipes[@]}"; do runs+=("$name-$r|$r|$name"); done
+      done
+    fi
+    names=()
+    for run in "${runs[@]}"; do
+      IFS='|' read -r n r m <<< "$run"
+      names+=("$n")
       for side in ref test; do
         d=$ref_dev; [ $side = test ] && d=$test_dev
-        tag=$r-$side
+        tag=$n-$side
         start=$(date +%s.%N)
-        timeout "$budget" $Q --log-level info quantize --recipe "jobs/$r.yaml" --model "$W/float" \
+        timeout "$budget" $Q --log-level info quantize --recipe "jobs/$r.yaml" --model "$W/$m" \
           --out "$W/$tag" --data-root "$S" --device "$d" --threads "${QCAL_E2E_THREADS:-8}" --json \
           > "$out/$tag.json" 2> "$out/$tag.log"
         rc=$?
-        echo "STEP quantize $r --device $d: rc=$rc $(python3 -c "print(round($(date +%s.%N) - $start, 1))") s; $(grep -o 'device [^"]*' "$out/$tag.log" | head -1)"
+        echo "STEP quantize $n --device $d: rc=$rc $(python3 -c "print(round($(date +%s.%N) - $start, 1))") s; $(grep -o 'device [^"]*' "$out/$tag.log" | head -1)"
         [ $rc = 0 ] || { tail -5 "$out/$tag.log"; continue; }
-        timeout "$budget" $Q eval --model "$W/$tag" --reference "$W/float" \
+        timeout "$budget" $Q eval --model "$W/$tag" --reference "$W/$m" \
           --data "$S/data/tinystories/TinyStories-valid.sample30k.txt" --ctx 512 --bos-per-window \
           --json > "$out/eval-$tag.json" 2>> "$out/$tag.log"
-        echo "STEP eval $r --device $d: rc=$?"
+        echo "STEP eval $n --device $d: rc=$?"
       done
     done
-    python3 - "$out" "$ref_dev" "$test_dev" "${QCAL_E2E_TOL:-0.001}" "${recipes[@]}" <<'PY'
+    python3 - "$out" "$ref_dev" "$test_dev" "${QCAL_E2E_TOL:-0.001}" "${names[@]}" <<'PY'
 import json, sys
 out, ref_dev, test_dev, tol = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
 recipes = sys.argv[5:]

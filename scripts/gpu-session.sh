@@ -13,7 +13,8 @@
 #              machine's CUDA LibTorch, then `ctest -L gpu` (kernels, NCCL, the device block
 #              forward and its batch invariance, fine-tuning on CUDA against the CPU)
 #   2. e2e     scripts/gpu-e2e.sh run with that qcal: seven method families, --device cuda
-#              against --device cpu on stories260K, within the stated tolerance
+#              against --device cpu on stories260K, and gptq / QuIP# with fine-tuning on it
+#              upcycled into Mixtral and Llama 4 MoE models, within the stated tolerance
 #   3. scale   bench/gpu-scale.sh run with that qcal: 8B/70B-shaped layers, per-phase seconds
 #              and peaks, the 8-GPU projection
 # A step starts only when the call's budget (QCAL_SESSION_S, default 570 s) leaves it its

@@ -17,10 +17,13 @@ std::string Where(int64_t layer, model::LinearKind kind, int64_t expert) {
 
 std::string LinearProblemName(model::LinearKind kind, int64_t expert) {
   if (expert < 0) return model::LinearName(kind);
-  const model::ExpertLinear k = kind == model::LinearKind::kGate ? model::ExpertLinear::kGate
-                                : kind == model::LinearKind::kUp ? model::ExpertLinear::kUp
-                                                                 : model::ExpertLinear::kDown;
-  return model::ExpertLinearName(expert, k);
+  return model::ExpertLinearName(expert, ExpertRoleOf(kind));
+}
+
+model::ExpertLinear ExpertRoleOf(model::LinearKind kind) {
+  return kind == model::LinearKind::kGate ? model::ExpertLinear::kGate
+         : kind == model::LinearKind::kUp ? model::ExpertLinear::kUp
+                                          : model::ExpertLinear::kDown;
 }
 
 const double* LinearProblem::weight() const { return w.data_ptr<double>(); }

@@ -95,6 +95,9 @@ StatusOr<LinearProblem> PrepareLinear(int64_t layer, model::LinearKind kind,
 // The linear's name in metrics: model::LinearName ("mlp.gate_proj") or, for an expert's,
 // model::ExpertLinearName ("experts.3.gate_proj").
 std::string LinearProblemName(model::LinearKind kind, int64_t expert);
+// The routed-expert linear of role `kind` (kGate, kUp; anything else kDown): the inverse of
+// model::ExpertLinearKind.
+model::ExpertLinear ExpertRoleOf(model::LinearKind kind);
 // The rounding's result with metrics.name and seconds filled in, and NaN proxy losses without a
 // Hessian; an error annotated with "block <layer> <linear>".
 StatusOr<QuantizedLinear> FinishLinear(const LinearProblem& problem,

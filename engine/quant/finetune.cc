@@ -172,13 +172,46 @@ Status CheckStage(const FinetuneStage& stage, const std::string& what) {
   return absl::OkStatus();
 }
 
-// The tunable vectors (QuIP#'s su/sv) of every quantized linear of the block.
+// The tunable vectors (QuIP#'s su/sv) of every quantized linear of the block, routed experts'
+// included (by expert index).
 void AddSigns(model::BlockWeights& w, TunableParams* params) {
+  auto add = [params](std::unique_ptr<model::Linear>& l) {
+    if (l == nullptr) return;
+    for (at::Tensor& t : l->TunableVectors()) params->signs.push_back(t);
+  };
+  for (LinearKind k : model::kAllLinears) add(w.linears[static_cast<int>(k)]);
+  if (w.moe == nullptr) return;
+  for (model::ExpertWeights& e : w.moe->experts) {
+    for (std::unique_ptr<model::Linear>& l : e.linears) add(l);
+  }
+}
+
+// Where `l` sits in `w` (a BlockWeights, const or not): a dense linear's slot, or a routed
+// expert's. Null when the block has no such linear.
+template <typename Weights>
+auto SlotOf(Weights& w, const TunedLinear& l) -> decltype(&w.linears[0]) {
+  if (l.expert < 0) return &w.linears[static_cast<int>(l.kind)];
+  if (w.moe == nullptr || l.expert >= static_cast<int64_t>(w.moe->experts.size()) ||
+      (l.kind != LinearKind::kGate && l.kind != LinearKind::kUp && l.kind != LinearKind::kDown)) {
+    return nullptr;
+  }
+  return &w.moe->experts[l.expert].linears[static_cast<int>(ExpertRoleOf(l.kind))];
+}
+
+// Every linear of a block: the dense ones it has, then each routed expert's gate, up, down.
+std::vector<TunedLinear> BlockLinearsOf(const model::BlockWeights& w) {
+  std::vector<TunedLinear> out;
   for (LinearKind k : model::kAllLinears) {
-    for (at::Tensor& t : w.linears[static_cast<int>(k)]->TunableVectors()) {
-      params->signs.push_back(t);
+    if (w.has(k)) out.push_back({k, -1});
+  }
+  if (w.moe != nullptr) {
+    for (int64_t e = 0; e < static_cast<int64_t>(w.moe->experts.size()); ++e) {
+      for (model::ExpertLinear k : model::kExpertLinears) {
+        out.push_back({model::ExpertLinearKind(k), e});
+      }
     }
   }
+  return out;
 }
 
 }  // namespace
@@ -210,14 +243,23 @@ struct BlockTuner::State {
   at::Tensor inputs, targets;
   SequenceSplit split;
   Clock::time_point t0;
-  // The working block starts as a float copy; float_w[i] aliases the weight of its DenseLinear
-  // (DenseLinear keeps a contiguous tensor as is), so Adam's in-place updates reach Forward.
-  at::Tensor float_w[7];
+  // The block's linears (BlockLinearsOf); the working block starts as a float copy, float_w[i]
+  // aliasing the weight of linear i's DenseLinear (DenseLinear keeps a contiguous tensor as is),
+  // so Adam's in-place updates reach Forward.
+  std::vector<TunedLinear> linears;
+  std::vector<at::Tensor> float_w;
+  std::vector<bool> quantized;
   model::DecoderBlock block;
-  bool quantized[7] = {};
   BlockTaskResult result;
   const std::vector<int64_t>& eval_idx() const {
     return split.holdout.empty() ? split.train : split.holdout;
+  }
+  // The index of `l` in linears, or -1.
+  int64_t IndexOf(const TunedLinear& l) const {
+    for (size_t i = 0; i < linears.size(); ++i) {
+      if (linears[i] == l) return static_cast<int64_t>(i);
+    }
+    return -1;
   }
 };
 
@@ -228,6 +270,21 @@ const std::vector<std::vector<LinearKind>>& BlockTuner::Groups() {
       {LinearKind::kGate, LinearKind::kUp},
       {LinearKind::kDown}};
   return groups;
+}
+
+std::vector<TunedLinear> BlockTuner::GroupLinears(size_t g) const {
+  std::vector<TunedLinear> out;
+  const std::vector<LinearKind>& kinds = Groups().at(g);
+  auto in_group = [&kinds](LinearKind k) {
+    return std::find(kinds.begin(), kinds.end(), k) != kinds.end();
+  };
+  for (const TunedLinear& l : s_->linears) {
+    if (l.expert < 0 && in_group(l.kind)) out.push_back(l);
+  }
+  for (const TunedLinear& l : s_->linears) {
+    if (l.expert >= 0 && in_group(l.kind)) out.push_back(l);
+  }
+  return out;
 }
 
 BlockTuner::BlockTuner(std::unique_ptr<State> state) : s_(std::move(state)) {}
@@ -250,14 +307,22 @@ StatusOr<std::unique_ptr<BlockTuner>> BlockTuner::Start(const FinetuneOptions& o
         rope.max_positions(), ", ", config.hidden_size, "]"));
   }
   const at::Device device = options.device;
-  at::Tensor float_w[7];
+  const std::vector<TunedLinear> linears = BlockLinearsOf(float_weights);
+  std::vector<at::Tensor> float_w;
   model::BlockWeights start;
+  start.layer = float_weights.layer;
   start.input_norm = float_weights.input_norm.detach().to(device, at::kFloat).clone();
   start.post_norm = float_weights.post_norm.detach().to(device, at::kFloat).clone();
-  for (LinearKind k : model::kAllLinears) {
-    const int i = static_cast<int>(k);
-    float_w[i] = float_weights.linear(k).DenseWeight().detach().to(device, at::kFloat).clone();
-    start.linears[i] = std::make_unique<model::DenseLinear>(float_w[i]);
+  if (float_weights.moe != nullptr) {
+    start.moe = std::make_unique<model::MoeWeights>();
+    // The router is not tuned: the float model's, as the quantized block keeps it.
+    start.moe->router = float_weights.moe->router.detach().to(device, at::kFloat).clone();
+    start.moe->experts.resize(float_weights.moe->experts.size());
+  }
+  for (const TunedLinear& l : linears) {
+    float_w.push_back(
+        (*SlotOf(float_weights, l))->DenseWeight().detach().to(device, at::kFloat).clone());
+    *SlotOf(start, l) = std::make_unique<model::DenseLinear>(float_w.back());
   }
   auto s = std::make_unique<State>(config, std::move(start));
   s->t0 = t0;
@@ -273,58 +338,72 @@ StatusOr<std::unique_ptr<BlockTuner>> BlockTuner::Start(const FinetuneOptions& o
                   s->inputs.size(0));
   }
   s->split = SplitSequences(s->inputs.size(0), options.stage.holdout, options.seed);
-  for (int i = 0; i < 7; ++i) s->float_w[i] = float_w[i];
+  s->linears = linears;
+  s->float_w = std::move(float_w);
+  s->quantized.assign(linears.size(), false);
   s->result.layer = layer;
   return std::unique_ptr<BlockTuner>(new BlockTuner(std::move(s)));
 }
 
-const at::Tensor& BlockTuner::Weight(LinearKind kind) const {
-  return s_->float_w[static_cast<int>(kind)];
+const at::Tensor& BlockTuner::Weight(const TunedLinear& linear) const {
+  static const at::Tensor none;
+  const int64_t i = s_->IndexOf(linear);
+  return i < 0 ? none : s_->float_w[i];
 }
 
-Status BlockTuner::Install(LinearKind kind, QuantizedLinear rounded) {
-  const int i = static_cast<int>(kind);
-  QCAL_RETURN_IF_ERROR(Annotate(rounded.layer->MoveTo(s_->options.device),
-                                absl::StrCat("block ", s_->layer, " ", model::LinearName(kind))));
+Status BlockTuner::Install(const TunedLinear& linear, QuantizedLinear rounded) {
+  const std::string name =
+      absl::StrCat("block ", s_->layer, " ", LinearProblemName(linear.kind, linear.expert));
+  const int64_t i = s_->IndexOf(linear);
+  if (i < 0) return absl::InvalidArgumentError(name + ": the block has no such linear");
+  QCAL_RETURN_IF_ERROR(Annotate(rounded.layer->MoveTo(s_->options.device), name));
   s_->result.linears.push_back(rounded.metrics);
-  s_->block.mutable_weights().linears[i] = std::move(rounded.layer);
+  *SlotOf(s_->block.mutable_weights(), linear) = std::move(rounded.layer);
   s_->quantized[i] = true;
   s_->float_w[i] = at::Tensor();
   return Status();
 }
 
-Status BlockTuner::MeasureBaseline(std::vector<std::unique_ptr<model::Linear>> others) {
+Status BlockTuner::MeasureBaseline(
+    std::vector<std::pair<TunedLinear, std::unique_ptr<model::Linear>>> others) {
   // The no-FT baseline: the first group as just rounded (from float weights, before any tuning),
-  // the other linears rounded from the float weights too, the float norms.
+  // the other linears rounded from the float weights too, the float norms and router.
   State& s = *s_;
   model::BlockWeights& w = s.block.mutable_weights();
   model::BlockWeights base;
+  base.layer = w.layer;
   base.input_norm = s.float_weights->input_norm.detach().to(s.options.device, at::kFloat);
   base.post_norm = s.float_weights->post_norm.detach().to(s.options.device, at::kFloat);
-  for (LinearKind k : model::kAllLinears) {
-    const int i = static_cast<int>(k);
+  if (w.moe != nullptr) {
+    base.moe = std::make_unique<model::MoeWeights>();
+    base.moe->router = w.moe->router;
+    base.moe->experts.resize(w.moe->experts.size());
+  }
+  for (size_t i = 0; i < s.linears.size(); ++i) {
+    const TunedLinear& l = s.linears[i];
     if (s.quantized[i]) {
-      base.linears[i] = std::move(w.linears[i]);
-    } else {
-      if (static_cast<int>(others.size()) <= i || others[i] == nullptr) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "block ", s.layer, ": the fine-tuning baseline has no rounded ",
-            model::LinearName(k)));
-      }
-      QCAL_RETURN_IF_ERROR(Annotate(others[i]->MoveTo(s.options.device),
-                                    absl::StrCat("block ", s.layer, " baseline ",
-                                                 model::LinearName(k))));
-      base.linears[i] = std::move(others[i]);
+      *SlotOf(base, l) = std::move(*SlotOf(w, l));
+      continue;
     }
+    auto it = std::find_if(others.begin(), others.end(),
+                           [&l](const auto& o) { return o.first == l && o.second != nullptr; });
+    const std::string name =
+        absl::StrCat("block ", s.layer, " baseline ", LinearProblemName(l.kind, l.expert));
+    if (it == others.end()) {
+      return absl::InvalidArgumentError(name + ": the fine-tuning baseline has no rounded layer");
+    }
+    QCAL_RETURN_IF_ERROR(Annotate(it->second->MoveTo(s.options.device), name));
+    *SlotOf(base, l) = std::move(it->second);
   }
   const auto t0 = Clock::now();
   model::DecoderBlock base_block(s.config, std::move(base));
   s.result.mse_before_ft =
       BlockMse(base_block, *s.rope, s.inputs, s.targets, s.eval_idx(), s.options.stage.batch);
   s.result.finetune_seconds += Seconds(t0);
-  for (LinearKind k : model::kAllLinears) {
-    const int i = static_cast<int>(k);
-    if (s.quantized[i]) w.linears[i] = std::move(base_block.mutable_weights().linears[i]);
+  for (size_t i = 0; i < s.linears.size(); ++i) {
+    if (s.quantized[i]) {
+      *SlotOf(w, s.linears[i]) = std::move(*SlotOf(base_block.mutable_weights(), s.linears[i]));
+    }
   }
   return Status();
 }
@@ -337,8 +416,8 @@ Status BlockTuner::TuneGroup(size_t g) {
   model::BlockWeights& w = s.block.mutable_weights();
   TunableParams params;
   params.plain = {w.input_norm, w.post_norm};
-  for (LinearKind k : model::kAllLinears) {
-    if (!s.quantized[static_cast<int>(k)]) params.plain.push_back(s.float_w[static_cast<int>(k)]);
+  for (size_t i = 0; i < s.linears.size(); ++i) {
+    if (!s.quantized[i]) params.plain.push_back(s.float_w[i]);
   }
   AddSigns(w, &params);
   const std::vector<int64_t>& eval_idx = s.eval_idx();
@@ -370,9 +449,11 @@ StatusOr<BlockTaskResult> BlockTuner::Finish() {
     const at::Device cpu(at::kCPU);
     w.input_norm = w.input_norm.detach().to(cpu);
     w.post_norm = w.post_norm.detach().to(cpu);
-    for (LinearKind k : model::kAllLinears) {
-      QCAL_RETURN_IF_ERROR(Annotate(w.linears[static_cast<int>(k)]->MoveTo(cpu),
-                                    absl::StrCat("block ", s_->layer, " ", model::LinearName(k))));
+    if (w.moe != nullptr) w.moe->router = w.moe->router.detach().to(cpu);
+    for (const TunedLinear& l : s_->linears) {
+      QCAL_RETURN_IF_ERROR(
+          Annotate((*SlotOf(w, l))->MoveTo(cpu),
+                   absl::StrCat("block ", s_->layer, " ", LinearProblemName(l.kind, l.expert))));
     }
   }
   s_->result.weights = std::move(w);

@@ -29,6 +29,11 @@
 // block and for the end-to-end stage, so held-out sequences are never trained on), so a rerun
 // with the same inputs and thread count gives bit-identical parameters.
 //
+// Mixture-of-experts blocks: every routed expert's linears are rounded and tuned as the dense
+// MLP's are (in its group, by expert index); the router is not tuned (it stays the float
+// model's, as qcal never quantizes it), and a token's routing follows the block's current
+// weights, as in the quantized model.
+//
 // Thread-safety: both functions mutate the layers they tune; nothing else may run Forward on
 // those layers concurrently. LibTorch's intra-op threads are used as configured by the caller.
 #pragma once
@@ -36,6 +41,8 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -76,7 +83,7 @@ SequenceSplit SplitSequences(int64_t n, double holdout, uint64_t seed);
 //   QCAL_ASSIGN_OR_RETURN(auto tuner, BlockTuner::Start(options, config, layer, float_weights,
 //                                                       rope, inputs, targets));
 //   for (size_t g = 0; g < BlockTuner::Groups().size(); ++g) {
-//     for (LinearKind k : BlockTuner::Groups()[g]) tuner->Install(k, round(k, tuner->Weight(k)));
+//     for (TunedLinear l : tuner->GroupLinears(g)) tuner->Install(l, round(l, tuner->Weight(l)));
 //     if (g == 0) tuner->MeasureBaseline(every other linear rounded from the float weights);
 //     tuner->TuneGroup(g);
 //   }
@@ -97,10 +104,20 @@ SequenceSplit SplitSequences(int64_t n, double holdout, uint64_t seed);
 // before any tuning); mse_after_ft is the held-out MSE of the returned block. With holdout 0
 // both are over all sequences. linears[i].proxy_loss is measured against the (tuned) weight
 // that was rounded.
+// One linear a BlockTuner holds: the block's dense linear `kind` (expert -1), or routed expert
+// `expert`'s linear of role `kind` (kGate, kUp, kDown) in a mixture-of-experts block.
+struct TunedLinear {
+  model::LinearKind kind = model::LinearKind::kQ;
+  int64_t expert = -1;
+  bool operator==(const TunedLinear& o) const { return kind == o.kind && expert == o.expert; }
+};
+
 class BlockTuner {
  public:
   // The groups QuIP# rounds in, in the order data flows through the block:
-  // (q, k, v) → (o) → (gate, up) → (down).
+  // (q, k, v) → (o) → (gate, up) → (down). In a mixture-of-experts block the (gate, up) group
+  // holds the shared expert's or dense MLP's gate and up (when the block has them) and every
+  // routed expert's, the (down) group every down_proj (GroupLinears).
   static const std::vector<std::vector<model::LinearKind>>& Groups();
   // Errors: inputs and targets not [N >= 1, S <= rope positions, hidden] alike, a bad stage.
   static StatusOr<std::unique_ptr<BlockTuner>> Start(const FinetuneOptions& options,
@@ -113,16 +130,20 @@ class BlockTuner {
   BlockTuner(const BlockTuner&) = delete;
   BlockTuner& operator=(const BlockTuner&) = delete;
 
-  // The weight linear `kind` is to be rounded from: [out, in] float32, tuned by the groups
-  // before its own. Precondition: not installed yet.
-  const at::Tensor& Weight(model::LinearKind kind) const;
-  // Puts kind's rounded layer into the block (its metrics join the result's, in install order),
-  // on options.device. Errors: the layer cannot move there.
-  Status Install(model::LinearKind kind, QuantizedLinear rounded);
+  // The linears of group g this block has, in rounding order: its dense ones, then each routed
+  // expert's (by expert index, gate before up).
+  std::vector<TunedLinear> GroupLinears(size_t g) const;
+  // The weight `linear` is to be rounded from: [out, in] float32, tuned by the groups before its
+  // own. Precondition: not installed yet.
+  const at::Tensor& Weight(const TunedLinear& linear) const;
+  // Puts the linear's rounded layer into the block (its metrics join the result's, in install
+  // order), on options.device. Errors: the block has no such linear; the layer cannot move there.
+  Status Install(const TunedLinear& linear, QuantizedLinear rounded);
   // After the first group is installed: measures the no-FT baseline with every other linear
-  // rounded from the float weights (`others`, indexed by LinearKind; the first group's entries
-  // are ignored).
-  Status MeasureBaseline(std::vector<std::unique_ptr<model::Linear>> others);
+  // rounded from the float weights (`others`: each linear of the later groups with its layer).
+  // The router (kept in float) is the float block's.
+  Status MeasureBaseline(
+      std::vector<std::pair<TunedLinear, std::unique_ptr<model::Linear>>> others);
   // Tunes the block after group g's linears are installed: Adam on the still-float weights, the
   // installed layers' tunable vectors and both norms, keeping the best epoch.
   Status TuneGroup(size_t g);
