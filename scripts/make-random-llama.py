@@ -17,6 +17,15 @@ Shapes (hidden, intermediate, heads, KV heads):
                                        bos 128000, eos [128001, 128008, 128009]; tokenizer.json
                                        and tokenizer_config.json from --tokenizer-from (default
                                        ../shared/models/llama3-tokenizer)
+Mixture-of-experts shapes (issue 53); tokenizer from --tokenizer-from (default the Llama 3
+tokenizer, whose 128,256 tokens size the tables; a directory with a config.json, such as one made
+by `qcal import`, gives its vocab_size instead):
+  mixtral-8x7b  4096 / 14336, 32 / 8, 8 experts top 2: MixtralForCausalLM (rope_theta 1e6,
+                block_sparse_moe.gate and experts.<e>.w1/w3/w2 per layer)
+  llama4-scout  5120 / 8192 (experts; dense MLP 16384), 40 / 8, head_dim 128, 16 experts top 1,
+                a shared expert, MoE on every layer, NoPE every 4th layer, qk-norm, chunked
+                attention (8192): Llama4ForCausalLM with fused experts.gate_up_proj [16, 5120,
+                16384] and experts.down_proj [16, 8192, 5120]
 Weights are N(0, 0.02^2), norms 1, each tensor from its own seeded stream, written one at a time
 (F32 or BF16, round to nearest even) into shards of at most --max-shard-mb with
 model.safetensors.index.json when there is more than one.
@@ -25,7 +34,8 @@ import argparse, json, os, shutil, struct, zlib
 import numpy as np
 
 SHAPES = {"7b": (4096, 11008, 32, 32), "70b": (8192, 28672, 64, 8),
-          "llama3-8b": (4096, 14336, 32, 8), "llama3-70b": (8192, 28672, 64, 8)}
+          "llama3-8b": (4096, 14336, 32, 8), "llama3-70b": (8192, 28672, 64, 8),
+          "mixtral-8x7b": (4096, 14336, 32, 8), "llama4-scout": (5120, 8192, 40, 8)}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -46,12 +56,37 @@ def main():
     a = p.parse_args()
     hidden, inter, heads, kv = SHAPES[a.shape]
     llama3 = a.shape.startswith("llama3")
+    family = ("mixtral" if a.shape == "mixtral-8x7b" else
+              "llama4" if a.shape == "llama4-scout" else "llama")
     tok_dir = a.tokenizer_from or (os.path.join(ROOT, "..", "shared", "models", "llama3-tokenizer")
-                                   if llama3 else None)
+                                   if llama3 or family != "llama" else None)
     if tok_dir is None:
         p.error("--tokenizer-from is required for Llama 2 shapes")
-    hd = hidden // heads
-    if llama3:
+    hd = 128 if family == "llama4" else hidden // heads
+    if family != "llama":
+        # The tokenizer's vocabulary sizes the tables (config.json's vocab_size when the
+        # directory has one, else the Llama 3 tokenizer's 128,256).
+        cfg_path = os.path.join(tok_dir, "config.json")
+        vocab = (json.load(open(cfg_path))["vocab_size"] if os.path.exists(cfg_path) else 128256)
+        cfg = {"hidden_act": "silu", "head_dim": hd, "rms_norm_eps": 1e-5,
+               "max_position_embeddings": 32768, "bos_token_id": 1, "eos_token_id": 2,
+               "num_experts_per_tok": 2 if family == "mixtral" else 1,
+               "num_local_experts": 8 if family == "mixtral" else 16}
+        if family == "mixtral":
+            cfg.update(architectures=["MixtralForCausalLM"], model_type="mixtral",
+                       rope_theta=1e6, sliding_window=None, router_aux_loss_coef=0.02)
+        else:
+            cfg.update(architectures=["Llama4ForCausalLM"], model_type="llama4_text",
+                       rope_theta=500000.0, intermediate_size_mlp=16384,
+                       interleave_moe_layer_step=1,
+                       no_rope_layers=[int((l + 1) % 4 != 0) for l in range(a.layers)],
+                       use_qk_norm=True, attn_temperature_tuning=True, floor_scale=8192,
+                       attn_scale=0.1, attention_chunk_size=8192,
+                       rope_scaling={"factor": 16.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 1.0,
+                                     "original_max_position_embeddings": 8192,
+                                     "rope_type": "llama3"})
+    elif llama3:
         vocab = 128256
         cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
                "mlp_bias": False, "hidden_act": "silu", "head_dim": hd, "rms_norm_eps": 1e-5,
@@ -79,10 +114,27 @@ def main():
                   (pre + "self_attn.k_proj.weight", (kv * hd, hidden), "n"),
                   (pre + "self_attn.v_proj.weight", (kv * hd, hidden), "n"),
                   (pre + "self_attn.o_proj.weight", (hidden, heads * hd), "n"),
-                  (pre + "post_attention_layernorm.weight", (hidden,), "1"),
-                  (pre + "mlp.gate_proj.weight", (inter, hidden), "n"),
-                  (pre + "mlp.up_proj.weight", (inter, hidden), "n"),
-                  (pre + "mlp.down_proj.weight", (hidden, inter), "n")]
+                  (pre + "post_attention_layernorm.weight", (hidden,), "1")]
+        if family == "mixtral":
+            E = cfg["num_local_experts"]
+            specs += [(pre + "block_sparse_moe.gate.weight", (E, hidden), "n")]
+            for e in range(E):
+                x = f"{pre}block_sparse_moe.experts.{e}."
+                specs += [(x + "w1.weight", (inter, hidden), "n"),
+                          (x + "w3.weight", (inter, hidden), "n"),
+                          (x + "w2.weight", (hidden, inter), "n")]
+        elif family == "llama4":
+            E, f = cfg["num_local_experts"], pre + "feed_forward."
+            specs += [(f + "router.weight", (E, hidden), "n"),
+                      (f + "experts.gate_up_proj", (E, hidden, 2 * inter), "n"),
+                      (f + "experts.down_proj", (E, inter, hidden), "n"),
+                      (f + "shared_expert.gate_proj.weight", (inter, hidden), "n"),
+                      (f + "shared_expert.up_proj.weight", (inter, hidden), "n"),
+                      (f + "shared_expert.down_proj.weight", (hidden, inter), "n")]
+        else:
+            specs += [(pre + "mlp.gate_proj.weight", (inter, hidden), "n"),
+                      (pre + "mlp.up_proj.weight", (inter, hidden), "n"),
+                      (pre + "mlp.down_proj.weight", (hidden, inter), "n")]
     specs += [("model.norm.weight", (hidden,), "1"), ("lm_head.weight", (vocab, hidden), "n")]
 
     elem = 2 if a.dtype == "bf16" else 4
