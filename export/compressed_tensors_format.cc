@@ -28,6 +28,12 @@ class CompressedTensorsFormat final : public Format {
           "inputs, and the export writes input activations for dense linears only, not for a "
           "mixture-of-experts model's routed experts"));
     }
+    if (!source_.served.input_hadamards.empty() && source_.config.is_moe()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          source_.dir, ": cannot export to compressed-tensors: the model's down_proj inputs "
+          "take an online Hadamard (R4), and the export writes the transform for dense linears "
+          "only, not for a mixture-of-experts model's routed experts"));
+    }
     // One config group describes every linear: activation order anywhere puts g_idx on all.
     for (int64_t l = 0; l < source_.config.num_hidden_layers && !actorder_; ++l) {
       for (const LinearRef& ref : BlockLinears(source_.config, l)) {

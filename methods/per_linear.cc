@@ -51,11 +51,8 @@ LinearProgressFn LinearNotes(const BlockInputs& in, int64_t done, int64_t steps,
   };
 }
 
-// Routed expert `expert`'s Hessian of `input` (undefined without Hessians), its in-memory sums
-// released once the mean exists (a Mixtral-8x7B block's experts hold 8 × 3.3 GB of down_proj
-// sums). An expert whose Hessian is all zero saw no calibration token (the starved-expert rule
-// was turned off: calibration.moe_min_tokens 0): FailedPrecondition naming it, never a rounding
-// against a zero Hessian.
+}  // namespace
+
 StatusOr<at::Tensor> ExpertHessian(calib::BlockHessians* hessians, int64_t layer, int64_t expert,
                                    calib::ExpertInput input) {
   if (hessians == nullptr) return at::Tensor();
@@ -76,8 +73,6 @@ StatusOr<at::Tensor> ExpertHessian(calib::BlockHessians* hessians, int64_t layer
   }
   return mean;
 }
-
-}  // namespace
 
 std::shared_ptr<const LinearRounding> ScalarGridRounding(std::string method,
                                                          quant::ScalarQuantizeOptions options) {

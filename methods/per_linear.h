@@ -13,6 +13,7 @@
 #include "common/hf_config.h"
 #include "common/recipe.h"
 #include "common/status.h"
+#include "engine/calib/hessian.h"
 #include "engine/quant/block_task.h"
 #include "engine/quant/scalar_quantize.h"
 #include "methods/method.h"
@@ -69,6 +70,14 @@ class PerLinearQuantizer final : public BlockQuantizer {
 // method in errors.
 std::shared_ptr<const LinearRounding> ScalarGridRounding(std::string method,
                                                          quant::ScalarQuantizeOptions options);
+
+// Routed expert `expert`'s Hessian of `input` (undefined without Hessians), its in-memory sums
+// released once the mean exists (a Mixtral-8x7B block's experts hold 8 × 3.3 GB of down_proj
+// sums). An expert whose Hessian is all zero saw no calibration token (the starved-expert rule
+// was turned off: calibration.moe_min_tokens 0): FailedPrecondition naming it, never a rounding
+// against a zero Hessian.
+StatusOr<at::Tensor> ExpertHessian(calib::BlockHessians* hessians, int64_t layer, int64_t expert,
+                                   calib::ExpertInput input);
 
 // A per-linear method: `rounding` and, for a method with a layer format of its own, `formats`
 // (null: "dense" and "scalar"); the tunable vectors of its layers tuned with

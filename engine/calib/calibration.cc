@@ -358,6 +358,33 @@ kernels::BlockForwardPrecision ForwardPrecision(const CalibrationSpec& spec) {
                                   : kernels::BlockForwardPrecision::kFloat32;
 }
 
+StatusOr<std::vector<bool>> ExpertsOnEveryToken(model::DecoderBlock& block, const at::Tensor& x,
+                                                const model::Rope& rope, int64_t batch,
+                                                const CalibrationSpec& spec, int64_t layer) {
+  std::vector<bool> flags;
+  if (!block.is_moe()) return flags;
+  const int64_t experts = static_cast<int64_t>(block.weights().moe->experts.size());
+  if (spec.moe_route_all) {
+    flags.assign(experts, true);
+    return flags;
+  }
+  if (spec.moe_min_tokens == 0) return flags;
+  const int64_t min_tokens =
+      spec.moe_min_tokens < 0 ? block.weights().moe->router.size(1) : spec.moe_min_tokens;
+  std::vector<int64_t> tokens;
+  QCAL_RETURN_IF_ERROR(Annotate(CountRoutedTokens(block, x, rope, batch, &tokens),
+                                absl::StrCat("block ", layer, ": counting tokens per expert")));
+  flags.assign(experts, false);
+  for (int64_t e = 0; e < experts; ++e) {
+    if (tokens[e] >= min_tokens) continue;
+    flags[e] = true;
+    QCAL_LOG_WARN("block {}: the router sends expert {} {} of {} calibration tokens, fewer than "
+                  "the minimum {} (calibration.moe_min_tokens): it is calibrated on every token "
+                  "instead", layer, e, tokens[e], x.size(0) * x.size(1), min_tokens);
+  }
+  return flags;
+}
+
 StatusOr<CalibrationResult> Calibrate(comm::Comm& comm, model::ModelSource& source,
                                       const at::Tensor& tokens, const CalibrationDirs& dirs,
                                       const std::string& key, const CalibrationOptions& options,

@@ -73,6 +73,17 @@ struct CalibrationOptions {
 // The device block forward's arithmetic a recipe asks for (CalibrationSpec::precision).
 kernels::BlockForwardPrecision ForwardPrecision(const CalibrationSpec& spec);
 
+// The same rule for a block task that holds every calibration input of its block itself (a
+// sequential method's: QuaRot's block l calibrates on the outputs of the quantized blocks before
+// it): which of MoE block `layer`'s experts calibrate on every token of x [seqs, seq, hidden]
+// (BlockHessians::route_all). spec.moe_route_all: every expert; else, unless moe_min_tokens is 0,
+// the experts the router sends fewer than moe_min_tokens of x's tokens (-1: the hidden size),
+// each logged as a warning naming the block and the expert. Empty for a dense block or no rule.
+// The counts are exact integers, so the flags do not depend on batching.
+StatusOr<std::vector<bool>> ExpertsOnEveryToken(model::DecoderBlock& block, const at::Tensor& x,
+                                                const model::Rope& rope, int64_t batch,
+                                                const CalibrationSpec& spec, int64_t layer);
+
 struct CalibrationResult {
   std::vector<BlockHessians> hessians;  // one per block when kept (the reduced totals)
   int64_t tokens = 0;                   // calibration tokens per Hessian (all ranks)

@@ -1,11 +1,16 @@
 #include "engine/qsim/rotate.h"
 
+#include <algorithm>
+#include <array>
+#include <functional>
+
 #include <ATen/ATen.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/log.h"
 #include "common/seed.h"
+#include "engine/model/linear_slots.h"
 #include "kernels/hadamard.h"
 #include "engine/qsim/act_quant.h"
 
@@ -119,23 +124,39 @@ StatusOr<RotationPlan> PlanRotations(const RotationSpec& spec, const LlamaConfig
     return false;
   };
   plan.r3 = online(spec.r3, plan.head_dim, "R3", "head_dim");
+  // R4 acts on every down_proj input: the dense MLPs' and, in a mixture of experts, each routed
+  // expert's (Llama 4's dense layers are intermediate_size_mlp wide, its experts
+  // intermediate_size). One rule for all of them: every size must have its transform.
+  std::vector<int64_t> sizes = {plan.intermediate};
+  for (int64_t l = 0; l < config.num_hidden_layers; ++l) {
+    if (std::find(sizes.begin(), sizes.end(), config.MlpSize(l)) == sizes.end()) {
+      sizes.push_back(config.MlpSize(l));
+    }
+  }
   if (spec.r4 && spec.r4_block != 0) {
     // The block-diagonal Sylvester R4 exists whenever the block divides the size.
     int64_t b = spec.r4_block;
+    auto divides_all = [&](int64_t block) {
+      for (int64_t n : sizes) {
+        if (n % block != 0) return false;
+      }
+      return true;
+    };
     if (b == RotationSpec::kR4BlockAuto) {
       b = 1;
-      while (plan.intermediate % (2 * b) == 0 && 2 * b <= OnlineHadamard::kDenseLimit) b *= 2;
+      while (divides_all(2 * b) && 2 * b <= OnlineHadamard::kDenseLimit) b *= 2;
     }
-    if (b < 2 || plan.intermediate % b != 0) {
+    if (b < 2 || !divides_all(b)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "rotation.r4_block ", spec.r4_block == RotationSpec::kR4BlockAuto ? "auto" : "",
           b >= 2 ? absl::StrCat(b) : "", ": no block of a power of two >= 2 divides the "
-          "intermediate size ", plan.intermediate));
+          "intermediate size", sizes.size() > 1 ? "s " : " ", absl::StrJoin(sizes, " and ")));
     }
     plan.r4 = true;
     plan.r4_block = b;
   } else {
-    plan.r4 = online(spec.r4, plan.intermediate, "R4", "intermediate size");
+    plan.r4 = spec.r4;
+    for (int64_t n : sizes) plan.r4 = plan.r4 && online(true, n, "R4", "intermediate size");
   }
   for (const std::string& w : plan.warnings) QCAL_LOG_WARN("rotation plan: {}", w);
   return plan;
@@ -193,31 +214,70 @@ Status SetLearnedRotations(RotationPlan* plan, const at::Tensor& r1, const at::T
 Status RotateBlockWeights(model::BlockWeights& w, const LlamaConfig& config,
                           const RotationPlan& plan, int64_t layer) {
   const int64_t hid = config.hidden_size, d = config.head_dim;
+  // The float weights of every linear the block has (a Mixtral MoE block has no dense MLP), and
+  // of its routed experts (gate, up, down each), transformed below and installed at the end.
   at::Tensor weights[7];
-  for (LinearKind k : model::kAllLinears) weights[static_cast<int>(k)] = Weight(w, k);
+  for (LinearKind k : model::kAllLinears) {
+    if (w.has(k)) weights[static_cast<int>(k)] = Weight(w, k);
+  }
   auto at_kind = [&](LinearKind k) -> at::Tensor& { return weights[static_cast<int>(k)]; };
-  if (plan.fuse_norms()) {
-    const at::Tensor a_in = w.input_norm.to(at::kFloat), a_post = w.post_norm.to(at::kFloat);
-    for (LinearKind k : {LinearKind::kQ, LinearKind::kK, LinearKind::kV}) {
-      at_kind(k) = (at_kind(k).to(at::kDouble) * a_in.to(at::kDouble)).to(at::kFloat);
+  std::vector<std::array<at::Tensor, 3>> experts;
+  if (w.moe != nullptr) {
+    for (const model::ExpertWeights& ex : w.moe->experts) {
+      std::array<at::Tensor, 3> e;
+      for (model::ExpertLinear k : model::kExpertLinears) {
+        e[static_cast<int>(k)] = ex.linear(k).DenseWeight().to(at::kFloat).contiguous();
+      }
+      experts.push_back(std::move(e));
     }
+  }
+  // Visits the weights that read the normalised residual after attention (the MLP's or shared
+  // expert's gate/up, the router, every expert's gate/up), and those that write the residual
+  // from the feed-forward (down_proj, every expert's down_proj).
+  auto ffn_readers = [&](const std::function<Status(at::Tensor&)>& fn) -> Status {
     for (LinearKind k : {LinearKind::kGate, LinearKind::kUp}) {
-      at_kind(k) = (at_kind(k).to(at::kDouble) * a_post.to(at::kDouble)).to(at::kFloat);
+      if (at_kind(k).defined()) QCAL_RETURN_IF_ERROR(fn(at_kind(k)));
     }
+    if (w.moe != nullptr) QCAL_RETURN_IF_ERROR(fn(w.moe->router));
+    for (auto& e : experts) {
+      QCAL_RETURN_IF_ERROR(fn(e[static_cast<int>(model::ExpertLinear::kGate)]));
+      QCAL_RETURN_IF_ERROR(fn(e[static_cast<int>(model::ExpertLinear::kUp)]));
+    }
+    return Status();
+  };
+  auto ffn_writers = [&](const std::function<Status(at::Tensor&)>& fn) -> Status {
+    if (at_kind(LinearKind::kDown).defined()) QCAL_RETURN_IF_ERROR(fn(at_kind(LinearKind::kDown)));
+    for (auto& e : experts) QCAL_RETURN_IF_ERROR(fn(e[static_cast<int>(model::ExpertLinear::kDown)]));
+    return Status();
+  };
+  if (plan.fuse_norms()) {
+    const at::Tensor a_in = w.input_norm.to(at::kDouble), a_post = w.post_norm.to(at::kDouble);
+    for (LinearKind k : {LinearKind::kQ, LinearKind::kK, LinearKind::kV}) {
+      at_kind(k) = (at_kind(k).to(at::kDouble) * a_in).to(at::kFloat);
+    }
+    QCAL_RETURN_IF_ERROR(ffn_readers([&](at::Tensor& x) {
+      x = (x.to(at::kDouble) * a_post).to(at::kFloat);
+      return Status();
+    }));
     w.input_norm = at::ones_like(w.input_norm);
     w.post_norm = at::ones_like(w.post_norm);
   }
   if (plan.r1) {
     const Ortho t1 = R1Transform(plan);
-    for (LinearKind k : {LinearKind::kQ, LinearKind::kK, LinearKind::kV, LinearKind::kGate,
-                         LinearKind::kUp}) {
-      at::Tensor& x = at_kind(k);
+    auto input_side = [&](at::Tensor& x) -> Status {
       QCAL_ASSIGN_OR_RETURN(x, Transformed(x, x.size(0), hid, MatrixAxis::kRows, t1));
-    }
-    for (LinearKind k : {LinearKind::kO, LinearKind::kDown}) {
-      at::Tensor& x = at_kind(k);
+      return Status();
+    };
+    auto output_side = [&](at::Tensor& x) -> Status {
       QCAL_ASSIGN_OR_RETURN(x, Transformed(x, hid, x.size(1), MatrixAxis::kColumns, t1));
+      return Status();
+    };
+    for (LinearKind k : {LinearKind::kQ, LinearKind::kK, LinearKind::kV}) {
+      QCAL_RETURN_IF_ERROR(input_side(at_kind(k)));
     }
+    QCAL_RETURN_IF_ERROR(ffn_readers(input_side));
+    QCAL_RETURN_IF_ERROR(output_side(at_kind(LinearKind::kO)));
+    QCAL_RETURN_IF_ERROR(ffn_writers(output_side));
   }
   if (plan.r2) {
     QCAL_ASSIGN_OR_RETURN(const Ortho t2, R2Transform(plan, layer));
@@ -239,23 +299,51 @@ Status RotateBlockWeights(model::BlockWeights& w, const LlamaConfig& config,
   if (plan.r4) {
     // W_down ← W_down·T4ᵀ with the T4 of OnlineHadamard (HadamardTransform, no transpose);
     // block-diagonal: each run of r4_block inputs of a row alone.
-    at::Tensor& down = at_kind(LinearKind::kDown);
-    at::Tensor dd = down.to(at::kDouble).contiguous().clone();
-    const int64_t b = plan.r4_block > 0 ? plan.r4_block : dd.size(1);
-    QCAL_RETURN_IF_ERROR(HadamardTransformMatrix(dd.data_ptr<double>(), dd.numel() / b, b,
-                                                 MatrixAxis::kRows, false));
-    down = dd.to(at::kFloat);
+    QCAL_RETURN_IF_ERROR(ffn_writers([&](at::Tensor& down) -> Status {
+      at::Tensor dd = down.to(at::kDouble).contiguous().clone();
+      const int64_t b = plan.r4_block > 0 ? plan.r4_block : dd.size(1);
+      QCAL_RETURN_IF_ERROR(HadamardTransformMatrix(dd.data_ptr<double>(), dd.numel() / b, b,
+                                                   MatrixAxis::kRows, false));
+      down = dd.to(at::kFloat);
+      return Status();
+    }));
   }
   for (LinearKind k : model::kAllLinears) {
+    if (!at_kind(k).defined()) continue;
     w.linears[static_cast<int>(k)] =
         std::make_unique<model::DenseLinear>(at_kind(k).contiguous());
   }
+  for (size_t e = 0; e < experts.size(); ++e) {
+    for (model::ExpertLinear k : model::kExpertLinears) {
+      w.moe->experts[e].linears[static_cast<int>(k)] =
+          std::make_unique<model::DenseLinear>(experts[e][static_cast<int>(k)].contiguous());
+    }
+  }
+  if (w.moe != nullptr) w.moe->router = w.moe->router.contiguous();
   return Status();
 }
 
 StatusOr<std::shared_ptr<const OnlineHadamard>> R4Transform(const RotationPlan& plan) {
-  if (plan.r4_block > 0) return OnlineHadamard::CreateBlockDiagonal(plan.intermediate, plan.r4_block);
-  return OnlineHadamard::Create(plan.intermediate);
+  return R4Transform(plan, plan.intermediate);
+}
+
+StatusOr<std::shared_ptr<const OnlineHadamard>> R4Transform(const RotationPlan& plan, int64_t n) {
+  if (plan.r4_block > 0) return OnlineHadamard::CreateBlockDiagonal(n, plan.r4_block);
+  return OnlineHadamard::Create(n);
+}
+
+StatusOr<R4Transforms> R4Transforms::Create(const RotationPlan& plan) {
+  R4Transforms t;
+  t.plan_ = &plan;
+  return t;
+}
+
+StatusOr<std::shared_ptr<const OnlineHadamard>> R4Transforms::For(int64_t n) {
+  auto it = by_size_.find(n);
+  if (it != by_size_.end()) return it->second;
+  QCAL_ASSIGN_OR_RETURN(std::shared_ptr<const OnlineHadamard> t, R4Transform(*plan_, n));
+  by_size_[n] = t;
+  return t;
 }
 
 Status InstallOnlineRotations(model::DecoderBlock& block, const RotationPlan& plan) {
@@ -265,12 +353,20 @@ Status InstallOnlineRotations(model::DecoderBlock& block, const RotationPlan& pl
     hooks.qk_rotation = t3->transposed_matrix();
   }
   block.set_hooks(std::move(hooks));
-  if (plan.r4) {
-    QCAL_ASSIGN_OR_RETURN(auto t4, R4Transform(plan));
-    auto& slot = block.mutable_weights().linears[static_cast<int>(LinearKind::kDown)];
-    slot = std::make_unique<ActQuantLinear>(std::move(slot), t4, nullptr);
-  }
-  return Status();
+  if (!plan.r4) return Status();
+  QCAL_ASSIGN_OR_RETURN(R4Transforms t4, R4Transforms::Create(plan));
+  Status status;
+  model::ForEachLinearSlot(block.mutable_weights(),
+                           [&](LinearKind role, int64_t, std::unique_ptr<model::Linear>& slot) {
+                             if (role != LinearKind::kDown || !status.ok()) return;
+                             auto t = t4.For(slot->in_features());
+                             if (!t.ok()) {
+                               status = t.status();
+                               return;
+                             }
+                             slot = std::make_unique<ActQuantLinear>(std::move(slot), *t, nullptr);
+                           });
+  return status;
 }
 
 Status RotateNonBlockWeights(model::NonBlockWeights& w, const RotationPlan& plan) {

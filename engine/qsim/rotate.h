@@ -18,6 +18,12 @@
 //     q·kᵀ. Installed as model::BlockHooks::qk_rotation.
 //   R4 (intermediate size m, online): the down_proj input u becomes u·T4ᵀ (T4 = H_m/√m, an
 //     ActQuantLinear around down_proj) and W_down ← W_down·T4ᵀ offline.
+//   Mixture of experts: the router and each routed expert read the normalised residual as the
+//     dense MLP does (post_attention_layernorm fused into the router's and every expert's
+//     gate/up columns, R1 on their input side; Llama 4's router score scales an expert's input,
+//     which commutes with both) and each expert's down_proj writes to it (R1 on its output
+//     side); R4 acts on every expert's down_proj input as on the dense one. The router stays
+//     float32. R2 and R3 concern attention only.
 //
 // Fallbacks (AMD Quark): an online rotation (R3, R4) needs a Hadamard matrix of its size
 // (PlanHadamard(n).IsHadamard()); without one it is skipped with a logged warning and R1/R2 are
@@ -28,6 +34,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -73,8 +80,22 @@ StatusOr<std::pair<at::Tensor, at::Tensor>> DenseRotations(const RotationPlan& p
 Status SetLearnedRotations(RotationPlan* plan, const at::Tensor& r1, const at::Tensor& r2,
                            int64_t layers);
 
-// R4's transform for the plan (OnlineHadamard::Create, or CreateBlockDiagonal with r4_block).
+// R4's transform for the plan (OnlineHadamard::Create, or CreateBlockDiagonal with r4_block) of
+// the intermediate size, or of size n: a down_proj's input size (Llama 4's dense layers are
+// intermediate_size_mlp wide, its experts intermediate_size; PlanRotations checks every size).
 StatusOr<std::shared_ptr<const OnlineHadamard>> R4Transform(const RotationPlan& plan);
+StatusOr<std::shared_ptr<const OnlineHadamard>> R4Transform(const RotationPlan& plan, int64_t n);
+// R4's transforms by size, each made once and shared by every down_proj of that size (a MoE
+// block's experts). Holds `plan` by pointer: it must outlive this.
+class R4Transforms {
+ public:
+  static StatusOr<R4Transforms> Create(const RotationPlan& plan);
+  StatusOr<std::shared_ptr<const OnlineHadamard>> For(int64_t n);
+
+ private:
+  const RotationPlan* plan_ = nullptr;
+  std::map<int64_t, std::shared_ptr<const OnlineHadamard>> by_size_;
+};
 
 // One block's offline work: norm fusion (when plan.fuse_norms()), R1, R2, and R4's fused half.
 // Every linear is replaced by a DenseLinear of its transformed DenseWeight() (pass float
@@ -85,7 +106,7 @@ Status RotateBlockWeights(model::BlockWeights& weights, const LlamaConfig& confi
                           const RotationPlan& plan, int64_t layer = -1);
 
 // The online parts for one block: R3 as the block's qk_rotation hook, R4 as an ActQuantLinear
-// (rotation only) around down_proj. Must follow RotateBlockWeights with the same plan.
+// (rotation only) around every down_proj (a MoE block's experts' too). Must follow RotateBlockWeights with the same plan.
 Status InstallOnlineRotations(model::DecoderBlock& block, const RotationPlan& plan);
 
 // The non-block weights: embedding (R1), final norm fused into the head (R1 implies fusion),

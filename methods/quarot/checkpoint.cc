@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
 #include "methods/layer_format.h"
+#include "methods/parts.h"
 #include "methods/quarot/quarot_model.h"
 #include "engine/model/tensor_io.h"
 #include "engine/qsim/act_quant.h"
@@ -25,20 +26,23 @@ constexpr char kExtraPrefix[] = "quarot.";
 
 std::string BlockPrefix(int64_t layer) { return absl::StrCat("model.layers.", layer, "."); }
 
-// A QuaRot block holds scalar-quantized or dense (float) linears.
-const LayerFormats& Formats() {
-  static const LayerFormats formats;
-  return formats;
+// A QuaRot block holds scalar-quantized or dense (float) linears, under the model's own tensor
+// names (a MoE block's router and routed experts too): the standard block layout, plus the
+// rotation methods' extras.
+StandardBlockFormat BlockLayout(const LlamaConfig& config) {
+  static const auto formats = std::make_shared<const LayerFormats>();
+  return StandardBlockFormat(config, formats, "scalar");
 }
 
 }  // namespace
 
-StatusOr<std::vector<std::string>> WriteQuarotBlockShard(const std::string& path, int64_t layer,
+StatusOr<std::vector<std::string>> WriteQuarotBlockShard(const std::string& path,
+                                                         const LlamaConfig& config, int64_t layer,
                                                          const model::BlockWeights& weights) {
   SafetensorsWriter writer;
   writer.SetMetadata("format", "pt");
   writer.SetMetadata("qcal_block", std::to_string(layer));
-  QCAL_RETURN_IF_ERROR(AppendQuarotBlockTensors(layer, weights, &writer));
+  QCAL_RETURN_IF_ERROR(AppendQuarotBlockTensors(config, layer, weights, &writer));
   QCAL_RETURN_IF_ERROR(writer.Write(path));
   QCAL_ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open(path));
   std::vector<std::string> names;
@@ -46,16 +50,11 @@ StatusOr<std::vector<std::string>> WriteQuarotBlockShard(const std::string& path
   return names;
 }
 
-Status AppendQuarotBlockTensors(int64_t layer, const model::BlockWeights& weights,
-                                SafetensorsWriter* out) {
+Status AppendQuarotBlockTensors(const LlamaConfig& config, int64_t layer,
+                                const model::BlockWeights& weights, SafetensorsWriter* out) {
   SafetensorsWriter& writer = *out;
-  const std::string p = BlockPrefix(layer);
-  QCAL_RETURN_IF_ERROR(AddF32Tensor(&writer, p + "input_layernorm.weight", weights.input_norm));
-  QCAL_RETURN_IF_ERROR(AddF32Tensor(&writer, p + "post_attention_layernorm.weight", weights.post_norm));
-  for (model::LinearKind k : model::kAllLinears) {
-    const std::string prefix = p + model::LinearName(k);
-    QCAL_RETURN_IF_ERROR(Formats().Append(weights.linear(k), prefix, &writer));
-  }
+  const std::string p = config.TensorName(BlockPrefix(layer));
+  QCAL_RETURN_IF_ERROR(BlockLayout(config).AppendBlockTensors(layer, weights, &writer));
   for (const auto& [key, tensor] : weights.extra) {
     if (key.rfind(kExtraPrefix, 0) != 0) {
       return absl::InvalidArgumentError(
@@ -71,31 +70,9 @@ Status AppendQuarotBlockTensors(int64_t layer, const model::BlockWeights& weight
 
 StatusOr<model::BlockWeights> LoadQuarotBlockWeights(CheckpointReader& ckpt,
                                                      const LlamaConfig& config, int64_t layer) {
-  const std::string p = BlockPrefix(layer);
-  const std::vector<int64_t> shapes[7] = {
-      {config.q_dim(), config.hidden_size},   {config.kv_dim(), config.hidden_size},
-      {config.kv_dim(), config.hidden_size},  {config.hidden_size, config.q_dim()},
-      {config.intermediate_size, config.hidden_size},
-      {config.intermediate_size, config.hidden_size},
-      {config.hidden_size, config.intermediate_size}};
-  model::BlockWeights w;
-  QCAL_ASSIGN_OR_RETURN(w.input_norm, model::LoadTensorF32(ckpt, p + "input_layernorm.weight",
-                                                           {config.hidden_size}));
-  QCAL_ASSIGN_OR_RETURN(w.post_norm, model::LoadTensorF32(ckpt, p + "post_attention_layernorm.weight",
-                                                          {config.hidden_size}));
-  for (model::LinearKind k : model::kAllLinears) {
-    const std::string prefix = p + model::LinearName(k);
-    const std::vector<int64_t>& shape = shapes[static_cast<int>(k)];
-    QCAL_ASSIGN_OR_RETURN(std::unique_ptr<model::Linear> linear,
-                          Formats().Load(ckpt, prefix, "scalar"));
-    if (linear->out_features() != shape[0] || linear->in_features() != shape[1]) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          ckpt.dir(), ": ", prefix, " is ", linear->out_features(), "x", linear->in_features(),
-          ", expected ", shape[0], "x", shape[1], " from config.json"));
-    }
-    w.linears[static_cast<int>(k)] = std::move(linear);
-  }
-  QCAL_RETURN_IF_ERROR(LoadQuarotBlockExtras(ckpt, layer, &w));
+  const std::string p = config.TensorName(BlockPrefix(layer));
+  QCAL_ASSIGN_OR_RETURN(model::BlockWeights w, BlockLayout(config).LoadBlock(ckpt, layer));
+  QCAL_RETURN_IF_ERROR(LoadQuarotBlockExtras(ckpt, config, layer, &w));
   if (w.rope_perm.defined() &&
       (w.rope_perm.size(0) != config.num_key_value_heads || w.rope_perm.size(1) != config.head_dim)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -105,8 +82,9 @@ StatusOr<model::BlockWeights> LoadQuarotBlockWeights(CheckpointReader& ckpt,
   return w;
 }
 
-Status LoadQuarotBlockExtras(CheckpointReader& ckpt, int64_t layer, model::BlockWeights* weights) {
-  const std::string p = BlockPrefix(layer);
+Status LoadQuarotBlockExtras(CheckpointReader& ckpt, const LlamaConfig& config, int64_t layer,
+                             model::BlockWeights* weights) {
+  const std::string p = config.TensorName(BlockPrefix(layer));
   const std::pair<std::string, std::vector<int64_t>> known[] = {
       {kActRangesKey, {4, 2}}, {kKvRangesKey, {2, 2}}, {kRotationsKey, {4}}};
   for (const auto& [key, shape] : known) {

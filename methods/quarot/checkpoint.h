@@ -2,7 +2,9 @@
 // (common/checkpoint_layout.h: one shard per block, shard 0 for the rest) holding the *rotated* model:
 //   * shard 0: model.embed_tokens.weight (rotated by R1), model.norm.weight (ones after fusion),
 //     lm_head.weight (always: the fused and rotated head is no longer the embedding), F32;
-//   * block shards: both RMSNorm weights (F32, ones after fusion), each linear as a
+//   * block shards, under the model's tensor names (config.TensorName, LinearTensorName; a MoE
+//     block's float32 router, rotated by R1, and each routed expert's gate/up/down as
+//     ExpertTensorName): both RMSNorm weights (F32, ones after fusion), each linear as a
 //     ScalarQuantLinear (codes packed two per byte at <= 4 bits, int8 above; F32 scales per
 //     output channel) or, for weights: none, a dense .weight F32 (R4 and R2 already fused), and
 //     the block's calibrated static ranges model.layers.N.quarot.act_ranges [4, 2] F64 /
@@ -32,11 +34,12 @@ namespace qcal::methods::quarot {
 // One block's shard (atomic): norms, each linear's stored layer (model::Linear::stored(): the
 // "scalar" or "dense" layer format, methods/layer_format.h), the block's extras and its K-sort rope_perm
 // (kRopePermKey) when it has one. Returns the names.
-StatusOr<std::vector<std::string>> WriteQuarotBlockShard(const std::string& path, int64_t layer,
+StatusOr<std::vector<std::string>> WriteQuarotBlockShard(const std::string& path,
+                                                         const LlamaConfig& config, int64_t layer,
                                                          const model::BlockWeights& weights);
 // The same tensors, added to a writer (the method's BlockFormat).
-Status AppendQuarotBlockTensors(int64_t layer, const model::BlockWeights& weights,
-                                SafetensorsWriter* writer);
+Status AppendQuarotBlockTensors(const LlamaConfig& config, int64_t layer,
+                                const model::BlockWeights& weights, SafetensorsWriter* writer);
 
 // Reads block `layer` of a quarot checkpoint as stored: norms, rounded (or dense) linears without
 // any online transform, extras. The method's BlockFormat::LoadBlock.
@@ -46,7 +49,8 @@ StatusOr<model::BlockWeights> LoadQuarotBlockWeights(CheckpointReader& ckpt,
 // Reads block `layer`'s extras (model.layers.N.quarot.*) into weights->extra, and its K-sort
 // permutation into weights->rope_perm (InvalidArgument naming the file unless every row is a
 // permutation of [0, head_dim)).
-Status LoadQuarotBlockExtras(CheckpointReader& ckpt, int64_t layer, model::BlockWeights* weights);
+Status LoadQuarotBlockExtras(CheckpointReader& ckpt, const LlamaConfig& config, int64_t layer,
+                             model::BlockWeights* weights);
 
 // Checks that a block read back was made by this recipe: the rotations it records
 // (kRotationsKey) are the plan's, and it has a K-sort permutation exactly when the recipe

@@ -43,7 +43,7 @@ StatusOr<quant::BlockTaskResult> QuarotParts::QuantizeBlock(model::BlockWeights 
 
 Status QuarotParts::AppendBlockTensors(int64_t layer, const model::BlockWeights& weights,
                           SafetensorsWriter* writer) const {
-  return AppendQuarotBlockTensors(layer, weights, writer);
+  return AppendQuarotBlockTensors(config_, layer, weights, writer);
 }
 
 StatusOr<model::BlockWeights> QuarotParts::LoadBlock(CheckpointReader& ckpt, int64_t layer) const {
@@ -106,6 +106,15 @@ StatusOr<std::unique_ptr<Method>> Make(const Recipe& recipe, const LlamaConfig& 
                                        const PhaseProductsByName&) {
   QCAL_ASSIGN_OR_RETURN(const QuarotConfig* q, QuarotSettings(recipe));
   QCAL_ASSIGN_OR_RETURN(qsim::RotationPlan plan, qsim::PlanRotations(q->rotation, config));
+  if (plan.r1 && !config.tensor_prefix.empty()) {
+    // The projector of a multimodal checkpoint writes image features into the residual stream
+    // R1 rotates, and qcal copies the vision tower and projector unchanged.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "recipe '", recipe.name, "': R1 rotates the text model's residual stream, but ",
+        config.architecture, " is multimodal: its projector writes image features into that "
+        "stream and qcal copies the vision weights unchanged; quantize the text model alone "
+        "(Llama4ForCausalLM) or set rotation.r1 to false"));
+  }
   QCAL_LOG_INFO("QuaRot '{}': rotations {}{}", recipe.name, plan.Describe(),
                 q->kv_cache.k_sort ? ", K-sort" : "");
   return Method::Create(recipe, config, MakeQuarotParts(recipe, config, std::move(plan)));

@@ -10,12 +10,14 @@
 #include "common/log.h"
 #include "engine/calib/calibration.h"
 #include "engine/calib/hessian.h"
+#include "engine/model/linear_slots.h"
 #include "methods/rotated_block.h"
 #include "engine/qsim/act_quant.h"
 #include "engine/qsim/bfp_kv.h"
 #include "engine/qsim/ksort.h"
 #include "engine/qsim/kv_quantizer.h"
 #include "engine/quant/scalar_quantize.h"
+#include "methods/per_linear.h"
 
 namespace qcal::methods::quarot {
 namespace {
@@ -59,6 +61,15 @@ StatusOr<at::Tensor> RangeTable(const model::BlockWeights& w, const char* key, i
   return t.to(at::kDouble).contiguous();
 }
 
+// R4's online transform on the input of a linear of role k (every down_proj of the block, a MoE
+// block's experts' too, each of its own input size), or null.
+StatusOr<std::shared_ptr<const OnlineHadamard>> DownProjRotation(const RotationPlan& plan,
+                                                                 R4Transforms& t4, LinearKind k,
+                                                                 int64_t in) {
+  if (k != LinearKind::kDown || !plan.r4) return std::shared_ptr<const OnlineHadamard>();
+  return t4.For(in);
+}
+
 // Installs the R3 hook and R4 wrapper only (float activations, float cache): the state in which
 // blocks are calibrated and their outputs propagated.
 Status InstallFloatOnline(model::DecoderBlock& block, const RotationPlan& plan,
@@ -71,21 +82,25 @@ Status InstallFloatOnline(model::DecoderBlock& block, const RotationPlan& plan,
   }
   hooks.kv_cache = std::move(kv);
   block.set_hooks(std::move(hooks));
-  std::shared_ptr<const OnlineHadamard> t4;
-  if (plan.r4) {
-    QCAL_ASSIGN_OR_RETURN(t4, R4Transform(plan));
-  }
-  for (LinearKind k : model::kAllLinears) {
-    auto& slot = block.mutable_weights().linears[static_cast<int>(k)];
+  QCAL_ASSIGN_OR_RETURN(R4Transforms t4, R4Transforms::Create(plan));
+  Status status;
+  model::ForEachLinearSlot(block.mutable_weights(), [&](LinearKind k, int64_t,
+                                                        std::unique_ptr<model::Linear>& slot) {
     slot = Unwrap(std::move(slot));
-    auto rotation = k == LinearKind::kDown ? t4 : nullptr;
+    auto rotation = DownProjRotation(plan, t4, k, slot->in_features());
+    if (!rotation.ok()) {
+      status.Update(rotation.status());
+      return;
+    }
+    // A MoE block's experts share the dense linears' observers: one static range per input
+    // kind and block, as vLLM's fused-MoE kernels take one input scale for all experts.
     std::shared_ptr<RangeObserver> observer;
     if (observers != nullptr) observer = observers[static_cast<int>(calib::HessianKindOf(k))];
-    if (rotation || observer) {
-      slot = std::make_unique<ActQuantLinear>(std::move(slot), rotation, nullptr, observer);
+    if (*rotation || observer) {
+      slot = std::make_unique<ActQuantLinear>(std::move(slot), *rotation, nullptr, observer);
     }
-  }
-  return Status();
+  });
+  return status;
 }
 
 at::Tensor Forward(model::DecoderBlock& block, const at::Tensor& x, const model::Rope& rope,
@@ -126,13 +141,14 @@ StatusOr<quant::BlockTaskResult> RoundRotatedBlock(const QuarotConfig& q, int64_
   options.gpu = gpu;
   quant::BlockTaskResult result;
   result.layer = layer;
+  result.weights.layer = rotated.layer;
   result.weights.input_norm = rotated.input_norm.clone();
   result.weights.post_norm = rotated.post_norm.clone();
   result.weights.rope_perm = rotated.rope_perm;
   result.weights.extra = rotated.extra;
-  calib::HessianMeans means(hessians);  // consumes the accumulators kind by kind
-  for (LinearKind kind : model::kAllLinears) {
-    const model::Linear& linear = rotated.linear(kind);
+  // One linear of role `kind` (expert >= 0: a routed expert's) with the Hessian h of its input.
+  auto round = [&](const model::Linear& linear, LinearKind kind, int64_t expert,
+                   at::Tensor h) -> StatusOr<std::unique_ptr<model::Linear>> {
     const auto* wrapped = dynamic_cast<const ActQuantLinear*>(&linear);
     std::shared_ptr<const OnlineHadamard> transform = wrapped ? wrapped->rotation() : nullptr;
     const at::Tensor weight = linear.stored().DenseWeight();
@@ -141,20 +157,17 @@ StatusOr<quant::BlockTaskResult> RoundRotatedBlock(const QuarotConfig& q, int64_
     if (!q.quantizes_weights()) {
       const auto t1 = Clock::now();
       layer_out = std::make_unique<model::DenseLinear>(weight.to(at::kFloat).contiguous().clone());
-      metrics.name = model::LinearName(kind);
+      metrics.name = quant::LinearProblemName(kind, expert);
       metrics.proxy_loss = metrics.relative = std::nan("");
       metrics.code_bits = metrics.stored_bits = 32;
       metrics.seconds = Seconds(t1);
     } else {
-      at::Tensor h;
-      if (hessians) {
-        h = means.For(kind);
-        if (transform) {
-          QCAL_ASSIGN_OR_RETURN(h, RotateHessian(h, *transform));
-        }
+      if (h.defined() && transform) {
+        QCAL_ASSIGN_OR_RETURN(h, RotateHessian(h, *transform));
       }
       QCAL_ASSIGN_OR_RETURN(quant::LinearProblem p,
-                            quant::PrepareLinear(layer, kind, weight, h, "quarot", q.gptq()));
+                            quant::PrepareLinear(layer, kind, weight, h, "quarot", q.gptq(),
+                                                 expert));
       QCAL_ASSIGN_OR_RETURN(
           quant::QuantizedLinear ql,
           quant::FinishLinear(p, quant::QuantizeScalarLinear(options, p.weight(), p.out, p.in,
@@ -165,8 +178,38 @@ StatusOr<quant::BlockTaskResult> RoundRotatedBlock(const QuarotConfig& q, int64_
     if (transform) {
       layer_out = std::make_unique<ActQuantLinear>(std::move(layer_out), transform, nullptr);
     }
-    result.weights.linears[static_cast<int>(kind)] = std::move(layer_out);
     result.linears.push_back(metrics);
+    return layer_out;
+  };
+  calib::HessianMeans means(hessians);  // consumes the accumulators kind by kind
+  for (LinearKind kind : model::kAllLinears) {
+    if (!rotated.has(kind)) continue;  // a Mixtral MoE block's (absent) dense MLP
+    at::Tensor h;
+    if (hessians && q.quantizes_weights()) h = means.For(kind);
+    QCAL_ASSIGN_OR_RETURN(result.weights.linears[static_cast<int>(kind)],
+                          round(rotated.linear(kind), kind, -1, h));
+  }
+  if (rotated.moe != nullptr) {
+    const model::MoeWeights& moe = *rotated.moe;
+    result.weights.moe = std::make_unique<model::MoeWeights>();
+    result.weights.moe->router = moe.router.clone();  // kept in float (rotated by R1)
+    result.weights.moe->experts.resize(moe.experts.size());
+    for (size_t e = 0; e < moe.experts.size(); ++e) {
+      const int64_t expert = static_cast<int64_t>(e);
+      for (calib::ExpertInput input : calib::kExpertInputs) {
+        at::Tensor h;
+        if (hessians && q.quantizes_weights()) {
+          QCAL_ASSIGN_OR_RETURN(h, ExpertHessian(hessians, layer, expert, input));
+        }
+        const bool gate_up = input == calib::ExpertInput::kGateUp;
+        for (model::ExpertLinear k : model::kExpertLinears) {
+          if ((k != model::ExpertLinear::kDown) != gate_up) continue;
+          QCAL_ASSIGN_OR_RETURN(
+              result.weights.moe->experts[e].linears[static_cast<int>(k)],
+              round(moe.experts[e].linear(k), model::ExpertLinearKind(k), expert, h));
+        }
+      }
+    }
   }
   result.seconds = Seconds(t0);
   return result;
@@ -254,10 +297,7 @@ Status InstallQuantizedInference(model::DecoderBlock& block, const LlamaConfig& 
       for (int i = 1; i < 4; ++i) act[i] = act[0];
     }
   }
-  std::shared_ptr<const OnlineHadamard> t4;
-  if (plan.r4) {
-    QCAL_ASSIGN_OR_RETURN(t4, R4Transform(plan));
-  }
+  QCAL_ASSIGN_OR_RETURN(R4Transforms t4, R4Transforms::Create(plan));
   // A BFP cache of pre-RoPE keys (the K-sort paper's) quantizes k_proj's output.
   std::optional<kernels::BfpFormat> pre_rope_keys;
   if (q->kv_cache.enabled() && q->kv_cache.format == "bfp" &&
@@ -265,19 +305,26 @@ Status InstallQuantizedInference(model::DecoderBlock& block, const LlamaConfig& 
     QCAL_ASSIGN_OR_RETURN(pre_rope_keys, BfpKeyFormat(q->kv_cache, config, layer));
   }
   block.set_hooks(std::move(hooks));
-  for (LinearKind k : model::kAllLinears) {
-    auto& slot = block.mutable_weights().linears[static_cast<int>(k)];
+  Status status;
+  // Every linear, a MoE block's routed experts included: an expert's input is quantized as the
+  // dense linear of its role (one quantizer, one static range per input kind and block).
+  model::ForEachLinearSlot(block.mutable_weights(), [&](LinearKind k, int64_t expert,
+                                                        std::unique_ptr<model::Linear>& slot) {
     slot = Unwrap(std::move(slot));
-    if (k == LinearKind::kK && pre_rope_keys) {
+    if (k == LinearKind::kK && expert < 0 && pre_rope_keys) {
       slot = std::make_unique<BfpKeyProjection>(std::move(slot), config.head_dim, *pre_rope_keys);
     }
-    auto rotation = k == LinearKind::kDown ? t4 : nullptr;
-    auto quantizer = act[static_cast<int>(calib::HessianKindOf(k))];
-    if (rotation || quantizer) {
-      slot = std::make_unique<ActQuantLinear>(std::move(slot), rotation, quantizer);
+    auto rotation = DownProjRotation(plan, t4, k, slot->in_features());
+    if (!rotation.ok()) {
+      status.Update(rotation.status());
+      return;
     }
-  }
-  return Status();
+    auto quantizer = act[static_cast<int>(calib::HessianKindOf(k))];
+    if (*rotation || quantizer) {
+      slot = std::make_unique<ActQuantLinear>(std::move(slot), *rotation, quantizer);
+    }
+  });
+  return status;
 }
 
 StatusOr<quant::BlockTaskResult> QuantizeRotatedBlock(
@@ -302,6 +349,11 @@ StatusOr<quant::BlockTaskResult> QuantizeRotatedBlock(
   hessians.backend = gpu;
   hessians.forward_precision = calib::ForwardPrecision(recipe.calibration);
   if (q->gptq()) {
+    // A MoE block's experts: route-all or the starved-expert rule (calibration.h), on the
+    // block's own inputs.
+    QCAL_ASSIGN_OR_RETURN(hessians.route_all,
+                          calib::ExpertsOnEveryToken(block, *x, rope, batch, recipe.calibration,
+                                                     layer));
     QCAL_RETURN_IF_ERROR(
         calib::ForwardCollectingHessians(block, *x, rope, batch, &hessians).status());
     report("Hessians of the rotated block");

@@ -71,6 +71,7 @@ MethodNeeds QuarotConfig::needs() const {
   MethodNeeds n;
   n.sequential = sequential();
   n.transforms_non_block = true;
+  n.supports_moe = true;  // routers and experts rotated, experts rounded like dense MLPs
   return n;
 }
 

@@ -568,7 +568,7 @@ TEST_F(QuarotQuantizeTest, BfpKSortRecipeMatchesTheToolAndRoundTrips) {
   ASSERT_TRUE(w->rope_perm.defined());
   w->rope_perm[0][1] = w->rope_perm[0][0];
   const std::string shard = out + "/" + ShardName(2, 5);
-  ASSERT_TRUE(quarot::WriteQuarotBlockShard(shard, 1, *w).ok());
+  ASSERT_TRUE(quarot::WriteQuarotBlockShard(shard, (*loaded)->config(), 1, *w).ok());
   // The index's checksum refuses the changed shard first (issue 18) ...
   auto bad = methods::LoadModel(out);
   ASSERT_FALSE(bad.ok());
@@ -584,7 +584,7 @@ TEST_F(QuarotQuantizeTest, BfpKSortRecipeMatchesTheToolAndRoundTrips) {
   // A shard that lost the permutation is refused too (here the index, which still lists it,
   // catches it first; with a matching index LoadQuarotModel (through the method) checks it against k_sort).
   w->rope_perm = at::Tensor();
-  ASSERT_TRUE(quarot::WriteQuarotBlockShard(shard, 1, *w).ok());
+  ASSERT_TRUE(quarot::WriteQuarotBlockShard(shard, (*loaded)->config(), 1, *w).ok());
   bad = methods::LoadModel(out);
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("model.layers.1.quarot.rope_perm"), std::string::npos)

@@ -15,6 +15,7 @@
 //    same perplexity, above float and, at 4 bits, close to it;
 //  * QuIP#'s fine-tuning tunes MoE blocks (experts rounded and tuned in their groups) and the
 //    whole MoE model end to end;
+//  * QuaRot rotates routers and experts (function-preserving) and quantizes them;
 //  * a block with an expert that no calibration token reached is refused naming it; methods that
 //    do not handle experts are refused before the job runs.
 // Needs /usr/bin/python3 with numpy.
@@ -476,6 +477,144 @@ TEST_F(MoeQuantizeTest, QuipFineTunesMoeBlocksAndEndToEnd) {
   }
 }
 
+// QuaRot on mixture-of-experts models (issue 53, deliverable 3), in the Mixtral layout and in
+// a text-only Llama 4 with every attention feature (NoPE layers with temperature tuning, L2
+// qk-norm, chunks) and dense layers wider than the experts (R4 of two sizes):
+//  * the rotations alone (float weights, activations and cache: R1 through the router and every
+//    expert, post_attention_layernorm fused into the router and the experts' gate/up, R2, R3,
+//    R4 on every expert's down_proj input) leave the model's perplexity as it was, while the
+//    stored routers and experts are the rotated ones;
+//  * GPTQ W4 with 8-bit per-token activations and KV cache, and RTN W8A8 with static per-tensor
+//    input ranges (one per input kind and block, shared by the experts), round every expert
+//    linear and stay close to float (either way: the Llama 4 variant is a poor text model); the
+//    checkpoints read back whole and streamed alike;
+//  * route-all calibration changes the experts' GPTQ rounding, not the routers;
+//  * R1 on a multimodal checkpoint is refused with the reason (the projector writes into the
+//    residual stream and is copied unchanged).
+TEST_F(MoeQuantizeTest, QuarotRotatesRoutersAndExpertsAndQuantizesThem) {
+  const Layout layouts[] = {
+      kLayouts[0],
+      {"llama4-text",
+       "--layout llama4 --experts 4 --top-k 1 --shared-scale 0.5 --router-scale 16 --moe-step 2 "
+       "--mlp-pad 8 --nope-interval 2 --qk-norm --temperature-tuning --floor-scale 16 "
+       "--chunk 64"},
+  };
+  const std::string rotation =
+      "rotation: {enabled: true, r1: true, r2: true, r3: true, r4: true, r4_block: auto, "
+      "seed: 0}\n";
+  for (const Layout& layout : layouts) {
+    SCOPED_TRACE(layout.name);
+    const std::string model = Upcycle(std::string(layout.name) + "-quarot", layout.args);
+    auto config = LoadLlamaConfig(model);
+    ASSERT_TRUE(config.ok()) << config.status();
+    const double fp = Perplexity(model);
+
+    // The rotations alone: the same function, rotated weights.
+    const Recipe rotated = MakeRecipe(
+        absl::StrCat(layout.name, "-quarot-float"),
+        "method: quarot\nweights: none\n" + rotation +
+            "activations: {bits: 16}\nkv_cache: {bits: 16}\n");
+    const v1::JobSpec rotated_spec = Spec(model, rotated.name);
+    auto r = job::RunQuantizeJob(rotated, rotated_spec);
+    ASSERT_TRUE(r.ok()) << r.status();
+    ExpectBlockMetrics(*config, *r);
+    const double ppl_rotated = Perplexity(rotated_spec.out_dir());
+    std::printf("%-11s float ppl %.6f, rotated (float weights) %.6f\n", layout.name, fp,
+                ppl_rotated);
+    EXPECT_NEAR(ppl_rotated, fp, 1e-4 * fp);
+    {
+      auto f = model::OpenFloatCheckpoint(model);
+      auto q = methods::OpenModel(rotated_spec.out_dir());
+      ASSERT_TRUE(f.ok() && q.ok());
+      for (int64_t l = 0; l < config->num_hidden_layers; ++l) {
+        if (!config->IsMoeLayer(l)) continue;
+        auto wf = (*f)->LoadBlockWeights(l);
+        auto wq = (*q)->LoadBlockWeights(l);
+        ASSERT_TRUE(wf.ok() && wq.ok());
+        ASSERT_NE(wq->moe, nullptr) << "block " << l;
+        EXPECT_GT((wq->moe->router - wf->moe->router).abs().max().item<double>(), 1e-3)
+            << "block " << l << ": the stored router is not rotated";
+        for (int64_t e = 0; e < config->num_experts; ++e) {
+          const at::Tensor a = wf->moe->experts[e].linear(model::ExpertLinear::kDown).DenseWeight();
+          const at::Tensor b = wq->moe->experts[e].linear(model::ExpertLinear::kDown).DenseWeight();
+          EXPECT_GT((a - b).abs().max().item<double>(), 1e-3)
+              << "block " << l << " expert " << e << ": down_proj not rotated";
+          // R1 and R4 are orthogonal: the Frobenius norm stays.
+          EXPECT_NEAR(a.norm().item<double>(), b.norm().item<double>(),
+                      1e-4 * a.norm().item<double>());
+        }
+      }
+    }
+
+    // Quantized: GPTQ W4A8KV8 and static RTN W8A8, real routing and route-all.
+    struct Quantized {
+      const char* name;
+      const char* body;
+      const char* calibration;
+      double max_ratio;
+    };
+    const Quantized quantized[] = {
+        {"gptq-w4a8kv8",
+         "method: quarot\nweights: gptq\nbits: 4\nscalar: {group_size: -1, symmetric: true, "
+         "act_order: true}\nactivations: {bits: 8, granularity: per_token}\n"
+         "kv_cache: {bits: 8, format: int, granularity: per_group, group: 0, symmetric: false}\n",
+         "", 1.4},
+        {"gptq-w4a8kv8-route-all",
+         "method: quarot\nweights: gptq\nbits: 4\nscalar: {group_size: -1, symmetric: true, "
+         "act_order: true}\nactivations: {bits: 8, granularity: per_token}\n"
+         "kv_cache: {bits: 8, format: int, granularity: per_group, group: 0, symmetric: false}\n",
+         ", moe_route_all: true", 1.4},
+        {"rtn-w8a8-static",
+         "method: quarot\nweights: rtn\nbits: 8\nscalar: {group_size: -1, symmetric: true}\n"
+         "activations: {bits: 8, granularity: per_tensor, static: true}\nkv_cache: {bits: 16}\n",
+         "", 1.1},
+    };
+    std::vector<std::string> outs;
+    for (const Quantized& qz : quantized) {
+      SCOPED_TRACE(qz.name);
+      const Recipe recipe = MakeRecipe(absl::StrCat(layout.name, "-quarot-", qz.name),
+                                       qz.body + rotation, qz.calibration);
+      const v1::JobSpec spec = Spec(model, recipe.name);
+      auto q = job::RunQuantizeJob(recipe, spec);
+      ASSERT_TRUE(q.ok()) << q.status();
+      ExpectBlockMetrics(*config, *q);
+      const double ppl = Perplexity(spec.out_dir());
+      std::printf("%-11s quarot %-22s ppl %8.3f (float %.3f)\n", layout.name, qz.name, ppl, fp);
+      // Within the ratio either way: the Llama 4 variant's qk-norm makes the upcycled model a
+      // poor text model (float ppl ~84), on which rounding may land a little below float.
+      EXPECT_LT(std::abs(std::log(ppl / fp)), std::log(qz.max_ratio));
+      outs.push_back(spec.out_dir());
+    }
+    // Route-all: other expert roundings, the same routers.
+    auto a = methods::OpenModel(outs[0]);
+    auto b = methods::OpenModel(outs[1]);
+    ASSERT_TRUE(a.ok() && b.ok());
+    int64_t differ = 0;
+    for (int64_t l = 0; l < config->num_hidden_layers; ++l) {
+      if (!config->IsMoeLayer(l)) continue;
+      auto wa = (*a)->LoadBlockWeights(l);
+      auto wb = (*b)->LoadBlockWeights(l);
+      ASSERT_TRUE(wa.ok() && wb.ok());
+      EXPECT_TRUE(at::equal(wa->moe->router, wb->moe->router)) << "block " << l;
+      for (int64_t e = 0; e < config->num_experts; ++e) {
+        differ += !at::equal(wa->moe->experts[e].linear(model::ExpertLinear::kGate).DenseWeight(),
+                             wb->moe->experts[e].linear(model::ExpertLinear::kGate).DenseWeight());
+      }
+    }
+    EXPECT_GT(differ, 0) << "route-all calibration changed no expert's rounding";
+  }
+
+  // R1 on the multimodal layout: refused, naming why.
+  const std::string mm = Upcycle("llama4-mm-quarot", kLayouts[1].args);
+  auto config = LoadLlamaConfig(mm);
+  ASSERT_TRUE(config.ok()) << config.status();
+  const Recipe recipe = MakeRecipe("mm-quarot", "method: quarot\nweights: rtn\nbits: 4\n" + rotation);
+  auto method = methods::MakeMethod(recipe, *config);
+  ASSERT_FALSE(method.ok());
+  EXPECT_NE(method.status().message().find("multimodal"), std::string::npos) << method.status();
+  EXPECT_NE(method.status().message().find("rotation.r1"), std::string::npos) << method.status();
+}
+
 // What does not handle routed experts yet is refused before the job runs, with the reason.
 TEST_F(MoeQuantizeTest, UnsupportedMethodsAreRefused) {
   const std::string model = Upcycle("refused", kLayouts[0].args);
@@ -487,7 +626,9 @@ TEST_F(MoeQuantizeTest, UnsupportedMethodsAreRefused) {
       {"method: rtn\nbits: 4\n", ""},
       {"method: gptq\nbits: 4\n", ""},
       {"method: quip\nbits: 2\n", ""},
-      {"method: quarot\n", "method quarot"},
+      {"method: quarot\nweights: rtn\nbits: 4\n", ""},
+      {"method: spinquant\nweights: rtn\nbits: 4\nrotation: {enabled: true, r1: true, r2: true}\n",
+       "method spinquant"},
       {"method: quip\nbits: 2\nfinetune: {enabled: true}\n", ""},
   };
   for (const Case& c : cases) {
