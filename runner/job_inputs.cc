@@ -182,8 +182,8 @@ Status CheckMoeRecipe(const Recipe& recipe, const LlamaConfig& config, const v1:
   if (!recipe.needs().supports_moe) {
     return Invalid(absl::StrCat(
         model, "; method ", recipe.method, " (", in.recipe_path(), ") does not quantize routed "
-        "experts yet (its learned rotations, prefixed tokens and block fine-tuning are not "
-        "trained through a router): use method rtn, gptq, quip or quarot"));
+        "experts yet (its prefixed outlier tokens and static block fine-tuning are not carried "
+        "through a router): use method rtn, gptq, quip, quarot or spinquant"));
   }
   return absl::OkStatus();
 }

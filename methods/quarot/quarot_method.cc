@@ -97,15 +97,8 @@ StatusOr<at::Tensor> QuarotParts::PropagateFinishedBlock(model::BlockWeights wei
   return quarot::PropagateFinishedBlock(block, rope, plan_, layer, x, batch);
 }
 
-Method::Parts MakeQuarotParts(const Recipe& recipe, const LlamaConfig& config,
-                              qsim::RotationPlan plan) {
-  return PartsOf(std::make_shared<QuarotParts>(recipe, config, std::move(plan)));
-}
-
-StatusOr<std::unique_ptr<Method>> Make(const Recipe& recipe, const LlamaConfig& config,
-                                       const PhaseProductsByName&) {
-  QCAL_ASSIGN_OR_RETURN(const QuarotConfig* q, QuarotSettings(recipe));
-  QCAL_ASSIGN_OR_RETURN(qsim::RotationPlan plan, qsim::PlanRotations(q->rotation, config));
+Status CheckRotatable(const Recipe& recipe, const LlamaConfig& config,
+                      const qsim::RotationPlan& plan) {
   if (plan.r1 && !config.tensor_prefix.empty()) {
     // The projector of a multimodal checkpoint writes image features into the residual stream
     // R1 rotates, and qcal copies the vision tower and projector unchanged.
@@ -115,6 +108,19 @@ StatusOr<std::unique_ptr<Method>> Make(const Recipe& recipe, const LlamaConfig& 
         "stream and qcal copies the vision weights unchanged; quantize the text model alone "
         "(Llama4ForCausalLM) or set rotation.r1 to false"));
   }
+  return Status();
+}
+
+Method::Parts MakeQuarotParts(const Recipe& recipe, const LlamaConfig& config,
+                              qsim::RotationPlan plan) {
+  return PartsOf(std::make_shared<QuarotParts>(recipe, config, std::move(plan)));
+}
+
+StatusOr<std::unique_ptr<Method>> Make(const Recipe& recipe, const LlamaConfig& config,
+                                       const PhaseProductsByName&) {
+  QCAL_ASSIGN_OR_RETURN(const QuarotConfig* q, QuarotSettings(recipe));
+  QCAL_ASSIGN_OR_RETURN(qsim::RotationPlan plan, qsim::PlanRotations(q->rotation, config));
+  QCAL_RETURN_IF_ERROR(CheckRotatable(recipe, config, plan));
   QCAL_LOG_INFO("QuaRot '{}': rotations {}{}", recipe.name, plan.Describe(),
                 q->kv_cache.k_sort ? ", K-sort" : "");
   return Method::Create(recipe, config, MakeQuarotParts(recipe, config, std::move(plan)));

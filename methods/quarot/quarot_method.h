@@ -54,6 +54,12 @@ class QuarotParts final : public ModelTransform,
   const qsim::RotationPlan plan_;
 };
 
+// What the rotations cannot do with `config` under `plan`: R1 on a multimodal checkpoint (its
+// projector writes image features into the residual stream R1 rotates, and the vision weights
+// are copied unchanged). InvalidArgument with the reason, naming the recipe.
+Status CheckRotatable(const Recipe& recipe, const LlamaConfig& config,
+                      const qsim::RotationPlan& plan);
+
 // Method::Parts with every part a QuarotParts of `plan` plays.
 Method::Parts MakeQuarotParts(const Recipe& recipe, const LlamaConfig& config,
                               qsim::RotationPlan plan);

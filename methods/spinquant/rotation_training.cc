@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <optional>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "engine/qsim/act_quant.h"
@@ -125,40 +127,83 @@ class TrainKvHook final : public model::KvCacheHook {
   int64_t group_;
 };
 
-// A block's float weights with its norms fused into q/k/v and gate/up and R4's inverse fused
-// into down_proj, float32, kAllLinears order.
-struct FusedWeights {
-  at::Tensor w[7];
-  at::Tensor down_raw;  // down_proj before R4's fusion (smoothing scales sit before R4)
+// One feed-forward MLP's float weights (a dense MLP, Llama 4's shared expert or a routed
+// expert): gate and up with post_attention_layernorm fused, down with R4's inverse fused, and
+// down before that fusion when smoothing scales sit before R4.
+struct FusedMlp {
+  at::Tensor gate, up, down, down_raw;
   int64_t bytes() const {
-    int64_t b = down_raw.defined() ? down_raw.numel() * 4 : 0;
-    for (const at::Tensor& t : w) b += t.numel() * 4;
+    int64_t b = 0;
+    for (const at::Tensor* t : {&gate, &up, &down, &down_raw}) b += t->defined() ? t->numel() * 4 : 0;
     return b;
   }
 };
 
+// A block's float weights with its norms fused into q/k/v and the feed-forward's readers (a MoE
+// block's router and experts included) and R4's inverse fused into every down_proj, float32.
+struct FusedWeights {
+  int64_t layer = 0;  // which block (its attention variant, whether it is MoE)
+  at::Tensor q, k, v, o;
+  std::optional<FusedMlp> mlp;   // the dense MLP or shared expert; none in a Mixtral MoE block
+  at::Tensor router;             // a MoE block's [experts, hidden] (float, never quantized)
+  std::vector<FusedMlp> experts;  // a MoE block's routed experts, in order
+  int64_t bytes() const {
+    int64_t b = 0;
+    for (const at::Tensor* t : {&q, &k, &v, &o, &router}) b += t->defined() ? t->numel() * 4 : 0;
+    if (mlp) b += mlp->bytes();
+    for (const FusedMlp& e : experts) b += e.bytes();
+    return b;
+  }
+};
+
+StatusOr<FusedMlp> FuseMlp(const model::Linear& gate, const model::Linear& up,
+                           const model::Linear& down, const at::Tensor& post_norm,
+                           const OnlineHadamard* t4, bool keep_down) {
+  FusedMlp m;
+  const at::Tensor a = post_norm.to(at::kFloat);
+  m.gate = (gate.DenseWeight().to(at::kFloat) * a).contiguous();
+  m.up = (up.DenseWeight().to(at::kFloat) * a).contiguous();
+  m.down = down.DenseWeight().to(at::kFloat).contiguous();
+  if (t4 != nullptr) {
+    if (keep_down) m.down_raw = m.down;
+    QCAL_ASSIGN_OR_RETURN(m.down, FuseInputHadamard(m.down, *t4));
+    m.down = m.down.contiguous();
+  }
+  return m;
+}
+
 StatusOr<FusedWeights> FuseBlock(const model::BlockWeights& src, const OnlineHadamard* t4,
                                  bool keep_down) {
   FusedWeights f;
-  if (keep_down && t4 != nullptr) {
-    f.down_raw = src.linear(LinearKind::kDown).DenseWeight().to(at::kFloat).contiguous();
+  f.layer = src.layer;
+  const at::Tensor a_in = src.input_norm.to(at::kFloat);
+  f.q = (src.linear(LinearKind::kQ).DenseWeight().to(at::kFloat) * a_in).contiguous();
+  f.k = (src.linear(LinearKind::kK).DenseWeight().to(at::kFloat) * a_in).contiguous();
+  f.v = (src.linear(LinearKind::kV).DenseWeight().to(at::kFloat) * a_in).contiguous();
+  f.o = src.linear(LinearKind::kO).DenseWeight().to(at::kFloat).contiguous();
+  if (src.has(LinearKind::kGate)) {
+    QCAL_ASSIGN_OR_RETURN(f.mlp, FuseMlp(src.linear(LinearKind::kGate), src.linear(LinearKind::kUp),
+                                         src.linear(LinearKind::kDown), src.post_norm, t4,
+                                         keep_down));
   }
-  for (LinearKind k : model::kAllLinears) {
-    at::Tensor w = src.linear(k).DenseWeight().to(at::kFloat);
-    if (k == LinearKind::kQ || k == LinearKind::kK || k == LinearKind::kV) {
-      w = w * src.input_norm.to(at::kFloat);
-    } else if (k == LinearKind::kGate || k == LinearKind::kUp) {
-      w = w * src.post_norm.to(at::kFloat);
-    } else if (k == LinearKind::kDown && t4 != nullptr) {
-      QCAL_ASSIGN_OR_RETURN(w, FuseInputHadamard(w, *t4));
+  if (src.moe != nullptr) {
+    f.router = (src.moe->router.to(at::kFloat) * src.post_norm.to(at::kFloat)).contiguous();
+    for (const model::ExpertWeights& e : src.moe->experts) {
+      QCAL_ASSIGN_OR_RETURN(FusedMlp m, FuseMlp(e.linear(model::ExpertLinear::kGate),
+                                                e.linear(model::ExpertLinear::kUp),
+                                                e.linear(model::ExpertLinear::kDown),
+                                                src.post_norm, t4, keep_down));
+      f.experts.push_back(std::move(m));
     }
-    f.w[static_cast<int>(k)] = w.contiguous();
   }
   return f;
 }
 
 // The rotated, fake-quantized block (t1 = T1 [hidden, hidden], t2 = this block's T2, float32,
-// differentiable) applied to h [b, s, hidden].
+// differentiable) applied to h [b, s, hidden]. A MoE block's router is rotated (R1) and stays
+// float; each routed expert is rotated and fake-quantized like the dense MLP, behind the same
+// smoothing scales (they preserve each expert's function alone). `offsets` index the linears
+// as kAllLinears (the absent ones unused), then 3 per routed expert (gate, up, down).
 at::Tensor RotatedBlockForward(const FusedWeights& f, const LlamaConfig& c,
                                const model::Rope& rope, const at::Tensor& t1,
                                const at::Tensor& t2, const std::shared_ptr<const OnlineHadamard>& t4,
@@ -167,47 +212,61 @@ at::Tensor RotatedBlockForward(const FusedWeights& f, const LlamaConfig& c,
                                const at::Tensor& smooth = at::Tensor()) {
   const int64_t hid = c.hidden_size, d = c.head_dim, kv = c.num_key_value_heads;
   const int64_t heads = c.num_attention_heads;
-  const int Q = 0, K = 1, V = 2, O = 3, G = 4, U = 5, D = 6;
-  at::Tensor w[7];
-  at::Tensor fq = f.w[Q], fk = f.w[K], fu = f.w[U], fd = f.w[D];
+  at::Tensor fq = f.q, fk = f.k;
+  std::vector<at::Tensor> s;
   if (smooth.defined()) {  // the smoothing scales before R3 (Q, K) and R4 (up, down)
-    const std::vector<at::Tensor> s = SmoothingFactors(c, smooth);
-    fq = fq * s[0].unsqueeze(1);
-    fk = fk * s[1].unsqueeze(1);
-    fu = fu * s[2].unsqueeze(1);
-    if (t4) {
-      if (!f.down_raw.defined()) {
-        throw std::runtime_error("smoothing before R4 needs the unfused down_proj");
-      }
-      fd = t4->ApplyDifferentiable(f.down_raw * s[3]);
-    } else {
-      fd = fd * s[3];
+    s = SmoothingFactors(c, smooth);
+    if (SmoothsAttention(c, f.layer)) {
+      fq = fq * s[0].unsqueeze(1);
+      fk = fk * s[1].unsqueeze(1);
     }
   }
+  // One MLP's up and down behind the smoothing scales (before R4).
+  auto smoothed = [&](const FusedMlp& m) -> std::pair<at::Tensor, at::Tensor> {
+    if (!smooth.defined()) return {m.up, m.down};
+    if (!t4) return {m.up * s[2].unsqueeze(1), m.down * s[3]};
+    if (!m.down_raw.defined()) {
+      throw std::runtime_error("smoothing before R4 needs the unfused down_proj");
+    }
+    return {m.up * s[2].unsqueeze(1), t4->ApplyDifferentiable(m.down_raw * s[3])};
+  };
+  // The products are made in a fixed order (the dense block's: q, k, v, gate, up, o, down, then
+  // each routed expert's gate, up, down): the order autograd accumulates T1's gradient in, so
+  // training's bits do not change with how the code is arranged.
+  const int64_t experts = static_cast<int64_t>(f.experts.size());
+  std::vector<at::Tensor> w(7 + 3 * experts);
+  const int Q = 0, K = 1, V = 2, O = 3, G = 4, U = 5, D = 6;
+  at::Tensor fu, fd;
+  if (f.mlp) std::tie(fu, fd) = smoothed(*f.mlp);
   w[Q] = at::matmul(fq, t1.t());
   w[K] = at::matmul(fk, t1.t());
-  w[V] = at::matmul(t2, at::matmul(f.w[V], t1.t()).view({kv, d, hid})).reshape({kv * d, hid});
-  w[G] = at::matmul(f.w[G], t1.t());
-  w[U] = at::matmul(fu, t1.t());
-  w[O] = at::matmul(at::matmul(t1, f.w[O]).view({hid, heads, d}), t2.t()).reshape({hid, heads * d});
-  w[D] = at::matmul(t1, fd);
-  model::BlockWeights bw;
-  bw.input_norm = at::ones({hid}, at::kFloat);
-  bw.post_norm = at::ones({hid}, at::kFloat);
-  for (LinearKind k : model::kAllLinears) {
-    const int j = static_cast<int>(k);
+  w[V] = at::matmul(t2, at::matmul(f.v, t1.t()).view({kv, d, hid})).reshape({kv * d, hid});
+  if (f.mlp) {
+    w[G] = at::matmul(f.mlp->gate, t1.t());
+    w[U] = at::matmul(fu, t1.t());
+  }
+  w[O] = at::matmul(at::matmul(t1, f.o).view({hid, heads, d}), t2.t()).reshape({hid, heads * d});
+  if (f.mlp) w[D] = at::matmul(t1, fd);
+  for (int64_t e = 0; e < experts; ++e) {
+    const auto [eu, ed] = smoothed(f.experts[e]);
+    w[7 + 3 * e] = at::matmul(f.experts[e].gate, t1.t());
+    w[8 + 3 * e] = at::matmul(eu, t1.t());
+    w[9 + 3 * e] = at::matmul(t1, ed);
+  }
+  // Fake quantization of weight j (straight-through), then its training linear.
+  auto make_linear = [&](size_t j, bool down) -> std::unique_ptr<model::Linear> {
     at::Tensor wq;
     if (o.weight_bits < 16 && o.weight_quantizer) {
       // q(w) − w is constant for given rotations: computed once per step and block when the
       // caller keeps `offsets` (the clip search is the step's most expensive part otherwise).
-      at::Tensor off = offsets != nullptr && !offsets->empty() ? (*offsets)[j] : at::Tensor();
+      at::Tensor off = offsets != nullptr && j < offsets->size() ? (*offsets)[j] : at::Tensor();
       if (!off.defined()) {
-        const at::Tensor d = w[j].detach();
-        StatusOr<at::Tensor> q = o.weight_quantizer(d);
+        const at::Tensor dw = w[j].detach();
+        StatusOr<at::Tensor> q = o.weight_quantizer(dw);
         if (!q.ok()) throw std::runtime_error(std::string(q.status().message()));
-        off = q->to(at::kFloat) - d;
+        off = q->to(at::kFloat) - dw;
         if (offsets != nullptr) {
-          offsets->resize(7);
+          if (offsets->size() < w.size()) offsets->resize(w.size());
           (*offsets)[j] = off;
         }
       }
@@ -222,10 +281,29 @@ at::Tensor RotatedBlockForward(const FusedWeights& f, const LlamaConfig& c,
                : Ste(w[j], RtnWeightError(w[j].detach(), o.weight_bits),
                      o.range_gradient ? &grid : nullptr, w[j].size(1));
     }
-    bw.linears[j] = std::make_unique<TrainLinear>(wq,
-                                                  k == LinearKind::kDown ? t4 : nullptr,
-                                                  o.act_bits, o.act_quantizer,
-                                                  o.range_gradient);
+    return std::make_unique<TrainLinear>(wq, down ? t4 : nullptr, o.act_bits, o.act_quantizer,
+                                         o.range_gradient);
+  };
+  model::BlockWeights bw;
+  bw.layer = f.layer;
+  bw.input_norm = at::ones({hid}, at::kFloat);
+  bw.post_norm = at::ones({hid}, at::kFloat);
+  for (LinearKind k : model::kAllLinears) {
+    const size_t j = static_cast<size_t>(k);
+    if (!w[j].defined()) continue;  // a Mixtral MoE block's dense MLP
+    bw.linears[j] = make_linear(j, k == LinearKind::kDown);
+  }
+  if (f.router.defined()) {
+    bw.moe = std::make_unique<model::MoeWeights>();
+    bw.moe->router = at::matmul(f.router, t1.t());
+    bw.moe->experts.resize(experts);
+    for (int64_t e = 0; e < experts; ++e) {
+      for (model::ExpertLinear k : model::kExpertLinears) {
+        const int i = static_cast<int>(k);
+        bw.moe->experts[e].linears[i] =
+            make_linear(7 + 3 * e + i, k == model::ExpertLinear::kDown);
+      }
+    }
   }
   model::DecoderBlock block(c, std::move(bw));
   model::BlockHooks hooks;
@@ -238,6 +316,27 @@ at::Tensor RotatedBlockForward(const FusedWeights& f, const LlamaConfig& c,
   block.set_hooks(std::move(hooks));
   return block.Forward(h, rope);
 }
+
+}  // namespace
+
+bool SmoothsAttention(const LlamaConfig& c, int64_t layer) {
+  return !(c.use_qk_norm && c.UsesRope(layer));
+}
+
+Status CheckTrainableModel(const LlamaConfig& c) {
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    if (c.MlpSize(l) != c.intermediate_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rotation training: layer ", l, "'s MLP is ", c.MlpSize(l), " wide, its experts ",
+          c.intermediate_size, ": R4 and the smoothing scales are trained for one intermediate "
+          "size (Llama 4 with dense layers of intermediate_size_mlp is not supported yet; "
+          "method quarot rotates it)"));
+    }
+  }
+  return Status();
+}
+
+namespace {
 
 // The fixed online rotations of the plan: R4 (down_proj input) and R3's Tᵀ (q and k).
 Status OnlineParts(const RotationPlan& plan, std::shared_ptr<const OnlineHadamard>* t4,
@@ -289,17 +388,28 @@ Status SmoothBlockWeights(const LlamaConfig& c, const at::Tensor& a, model::Bloc
     return absl::InvalidArgumentError("smoothing scales: a log-scale is non-finite or beyond ±80");
   }
   const std::vector<at::Tensor> s = SmoothingFactors(c, ad);
-  auto scale = [&](LinearKind k, const at::Tensor& factor, bool rows) {
-    const at::Tensor dense = w->linear(k).DenseWeight().to(at::kDouble);
+  auto scale = [&](std::unique_ptr<model::Linear>& slot, const at::Tensor& factor, bool rows) {
+    const at::Tensor dense = slot->DenseWeight().to(at::kDouble);
     const at::Tensor scaled = rows ? dense * factor.unsqueeze(1) : dense * factor;
-    w->linears[static_cast<int>(k)] =
-        std::make_unique<model::DenseLinear>(scaled.to(at::kFloat).contiguous());
+    slot = std::make_unique<model::DenseLinear>(scaled.to(at::kFloat).contiguous());
   };
   try {
-    scale(LinearKind::kQ, s[0], true);
-    scale(LinearKind::kK, s[1], true);
-    scale(LinearKind::kUp, s[2], true);
-    scale(LinearKind::kDown, s[3], false);
+    if (SmoothsAttention(c, w->layer)) {
+      scale(w->linears[static_cast<int>(LinearKind::kQ)], s[0], true);
+      scale(w->linears[static_cast<int>(LinearKind::kK)], s[1], true);
+    }
+    // Every MLP of the block (the dense one or shared expert, each routed expert) behind the
+    // same scales: each keeps its function alone.
+    if (w->has(LinearKind::kUp)) {
+      scale(w->linears[static_cast<int>(LinearKind::kUp)], s[2], true);
+      scale(w->linears[static_cast<int>(LinearKind::kDown)], s[3], false);
+    }
+    if (w->moe != nullptr) {
+      for (model::ExpertWeights& e : w->moe->experts) {
+        scale(e.linears[static_cast<int>(model::ExpertLinear::kUp)], s[2], true);
+        scale(e.linears[static_cast<int>(model::ExpertLinear::kDown)], s[3], false);
+      }
+    }
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat("smoothing scales: ", e.what()));
   }
@@ -319,6 +429,7 @@ StatusOr<at::Tensor> RotatedQuantizedLoss(const model::LlamaModel& m, const Rota
   if (tokens.dim() != 2 || tokens.size(1) < 2) {
     return absl::InvalidArgumentError("rotation training: tokens must be [b, s >= 2]");
   }
+  QCAL_RETURN_IF_ERROR(CheckTrainableModel(c));
   std::shared_ptr<const OnlineHadamard> t4;
   at::Tensor r3;
   QCAL_RETURN_IF_ERROR(OnlineParts(plan, &t4, &r3));
@@ -372,6 +483,7 @@ RotationGradients::~RotationGradients() = default;
 StatusOr<std::unique_ptr<RotationGradients>> RotationGradients::Create(
     model::ModelSource* source, const RotationPlan& plan, const RotationTrainingOptions& options,
     int64_t cache_bytes) {
+  QCAL_RETURN_IF_ERROR(CheckTrainableModel(source->config()));
   std::unique_ptr<RotationGradients> g(new RotationGradients());
   g->source_ = source;
   g->plan_ = plan;

@@ -1,6 +1,8 @@
 // Learned rotations (SpinQuant; issue 17): R1 [hidden, hidden] and one R2 [head_dim, head_dim] per
 // block, initialised as the plan's Hadamard rotations and trained with Cayley SGD (cayley.h) on
-// the causal-LM loss of the rotated, fake-quantized float model, its weights frozen
+// the causal-LM loss of the rotated, fake-quantized float model, its weights frozen (a mixture of
+// experts' router rotated and kept float, every routed expert rotated and fake-quantized like
+// the dense MLP, behind the block's one set of smoothing scales)
 // (../shared/reference/prefixquant-spinquant-notes.md (f)):
 //   * the norms are fused into the weights; every forward re-rotates the fused weights with the
 //     current T1 / T2 (q/k/v/gate/up: W·T1ᵀ; o/down: T1·W; v rows per head T2·W_v^h; o columns
@@ -105,6 +107,16 @@ struct RotationTrainingOptions {
   // the Cayley SGD of the rotations.
   double smooth_lr = 0.05;
 };
+
+// Whether block `layer`'s K/Q smoothing scales apply: not on a layer with L2 qk-norm (Llama 4's
+// RoPE layers), which divides each head of q and k by its own norm and so would undo a
+// per-channel scale unevenly; those a_k are never used (their gradient is zero).
+bool SmoothsAttention(const LlamaConfig& config, int64_t layer);
+
+// Whether rotation training handles the model: every MLP (dense, shared expert, routed expert)
+// of one intermediate size (R4 and the smoothing scales are trained for one). InvalidArgument
+// naming the layer otherwise (Llama 4 with dense layers of intermediate_size_mlp).
+Status CheckTrainableModel(const LlamaConfig& config);
 
 // The smoothing scales of one block (AMD Quark's jointly trained SmoothQuant scales D, placed
 // where the rotations that follow stay fixed, O = D·R): log-scales a = [a_k, a_d], zeros = none,

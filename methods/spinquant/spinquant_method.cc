@@ -229,6 +229,9 @@ StatusOr<std::unique_ptr<Method>> Make(const Recipe& recipe, const LlamaConfig& 
         absl::StrCat("recipe '", recipe.name, "': spinquant needs R1 and R2, the plan has ",
                      plan.Describe()));
   }
+  QCAL_RETURN_IF_ERROR(quarot::CheckRotatable(recipe, config, plan));
+  QCAL_RETURN_IF_ERROR(
+      Annotate(CheckTrainableModel(config), absl::StrCat("recipe '", recipe.name, "'")));
   auto phase = std::make_shared<RotationsPhase>(config, s, plan);
   auto trained = products.find(kRotationsPhase);
   const bool bound = trained != products.end();

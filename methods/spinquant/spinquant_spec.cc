@@ -88,9 +88,6 @@ class SpinquantSpec final : public MethodSpec {
 MethodNeeds SpinquantConfig::needs() const {
   MethodNeeds n = QuarotConfig::needs();
   n.global_phases = {kRotationsPhase};
-  // Rotation training's forward (rotation_training.h) fuses and re-rotates a dense block's seven
-  // linears only; a router and routed experts are not trained through yet.
-  n.supports_moe = false;
   return n;
 }
 

@@ -15,7 +15,8 @@
 //    same perplexity, above float and, at 4 bits, close to it;
 //  * QuIP#'s fine-tuning tunes MoE blocks (experts rounded and tuned in their groups) and the
 //    whole MoE model end to end;
-//  * QuaRot rotates routers and experts (function-preserving) and quantizes them;
+//  * QuaRot rotates routers and experts (function-preserving) and quantizes them; SpinQuant
+//    trains its rotations through them (streamed gradients = one autograd graph);
 //  * a block with an expert that no calibration token reached is refused naming it; methods that
 //    do not handle experts are refused before the job runs.
 // Needs /usr/bin/python3 with numpy.
@@ -43,12 +44,15 @@
 #include "engine/eval/perplexity.h"
 #include "engine/model/llama.h"
 #include "engine/model/model_source.h"
+#include "engine/qsim/rotate.h"
 #include "methods/method_factory.h"
 #include "methods/per_linear.h"
 #include "methods/registry.h"
 #include "methods/rtn/rtn_spec.h"
+#include "methods/spinquant/rotation_training.h"
 #include "runner/job_inputs.h"
 #include "runner/quantize_job.h"
+#include "tests/methods/spinquant_fixtures.h"
 #include "tests/model_fixtures.h"
 #include "tests/test_util.h"
 
@@ -615,6 +619,114 @@ TEST_F(MoeQuantizeTest, QuarotRotatesRoutersAndExpertsAndQuantizesThem) {
   EXPECT_NE(method.status().message().find("rotation.r1"), std::string::npos) << method.status();
 }
 
+// SpinQuant on mixture-of-experts models (issue 53, deliverable 3): rotation training carries R1
+// through the router (rotated, float) and every routed expert (rotated and fake-quantized like
+// the dense MLP, behind the block's smoothing scales), on Mixtral and a text-only Llama 4 (NoPE
+// layers with temperature tuning, qk-norm, chunks):
+//  * with nothing quantized the rotated, smoothed MoE model is the float model (KL below 1e-6);
+//  * the block-streamed gradients of R1, R2 and the smoothing scales equal one autograd graph of
+//    the whole MoE model (W4 weights, 4-bit activations and KV, KL loss with range gradients);
+//  * a spinquant job (a few training steps, smoothing, GPTQ W4A8KV8) quantizes every expert and
+//    stays near float;
+//  * a Llama 4 whose dense layers are wider than its experts is refused naming the layer (R4 and
+//    the smoothing scales are trained for one intermediate size).
+TEST_F(MoeQuantizeTest, SpinquantTrainsRotationsThroughRoutersAndExperts) {
+  namespace sq = methods::spinquant;
+  const Layout layouts[] = {
+      kLayouts[0],
+      {"llama4-text",
+       "--layout llama4 --experts 4 --top-k 1 --shared-scale 0.5 --router-scale 16 --moe-step 2 "
+       "--nope-interval 2 --qk-norm --temperature-tuning --floor-scale 16 --chunk 64"},
+  };
+  RotationSpec spec;
+  spec.r4_block = RotationSpec::kR4BlockAuto;  // R4 on every expert's down_proj, block-diagonal
+  for (const Layout& layout : layouts) {
+    SCOPED_TRACE(layout.name);
+    const std::string model = Upcycle(std::string(layout.name) + "-spin", layout.args);
+    auto m = methods::LoadModel(model);
+    ASSERT_TRUE(m.ok()) << m.status();
+    auto source = model::OpenFloatCheckpoint(model);
+    ASSERT_TRUE(source.ok()) << source.status();
+    const LlamaConfig& c = (*m)->config();
+    auto plan = qsim::PlanRotations(spec, c);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    ASSERT_TRUE(plan->r4);
+    auto dense = qsim::DenseRotations(*plan, c.num_hidden_layers);
+    ASSERT_TRUE(dense.ok());
+    const at::Tensor r1 = dense->first.t().contiguous();
+    const at::Tensor r2 = dense->second.transpose(1, 2).contiguous();
+    const at::Tensor tokens = testing::StoryBatch(model, 1, 64);
+    sq::RotationTrainingOptions o = testing::SpinquantW4A4KV4(c, 4);
+    o.loss = sq::RotationTrainingOptions::Loss::kKlToFloat;
+    o.range_gradient = true;
+    o.smooth = true;
+    const at::Tensor smooth =
+        0.1 * at::randn({c.num_hidden_layers, sq::SmoothingSize(c)}, at::kDouble);
+    {
+      // Nothing quantized: the rotated, smoothed MoE model is the float model (KL ~ 0), which
+      // holds only if the router and every expert are rotated and smoothed consistently.
+      sq::RotationTrainingOptions f;
+      f.weight_bits = f.act_bits = f.kv_bits = 16;
+      f.loss = sq::RotationTrainingOptions::Loss::kKlToFloat;
+      auto kl = sq::RotatedQuantizedLoss(**m, *plan, r1.t(), r2.transpose(1, 2), tokens, f,
+                                         smooth);
+      ASSERT_TRUE(kl.ok()) << kl.status();
+      EXPECT_LT(std::abs(kl->item<double>()), 1e-6) << "rotations changed the float MoE model";
+    }
+    const at::Tensor p1 = r1.clone().requires_grad_(true);
+    const at::Tensor p2 = r2.clone().requires_grad_(true);
+    const at::Tensor ps = smooth.clone().requires_grad_(true);
+    double want = 0;
+    {
+      at::AutoGradMode grad(true);
+      auto loss = sq::RotatedQuantizedLoss(**m, *plan, p1.t(), p2.transpose(1, 2), tokens, o, ps);
+      ASSERT_TRUE(loss.ok()) << loss.status();
+      loss->backward();
+      want = loss->item<double>();
+    }
+    auto g = sq::RotationGradients::Create(source->get(), *plan, o, 1 << 30);
+    ASSERT_TRUE(g.ok()) << g.status();
+    auto r = (*g)->Sequence(r1, r2, tokens[0], smooth);
+    ASSERT_TRUE(r.ok()) << r.status();
+    std::printf("%-11s streamed loss %.6f (autograd %.6f), rel diff g1 %.2e g2 %.2e gs %.2e\n",
+                layout.name, r->loss, want, testing::RelMaxDiff(p1.grad(), r->g1),
+                testing::RelMaxDiff(p2.grad(), r->g2), testing::RelMaxDiff(ps.grad(), r->gs));
+    EXPECT_GT(want, 0);
+    EXPECT_NEAR(r->loss, want, 1e-5 * want);
+    EXPECT_LT(testing::RelMaxDiff(p1.grad(), r->g1), 1e-3);
+    EXPECT_LT(testing::RelMaxDiff(p2.grad(), r->g2), 1e-3);
+    EXPECT_LT(testing::RelMaxDiff(ps.grad(), r->gs), 1e-3);
+
+    // A spinquant job: training, smoothing, GPTQ W4A8KV8.
+    const Recipe recipe = MakeRecipe(
+        absl::StrCat(layout.name, "-spinquant"),
+        "method: spinquant\nweights: gptq\nbits: 4\nscalar: {group_size: -1, symmetric: true, "
+        "act_order: true}\nrotation: {enabled: true, r1: true, r2: true, r3: true, r4: true, "
+        "r4_block: auto, seed: 0}\nactivations: {bits: 8, granularity: per_token}\n"
+        "kv_cache: {bits: 8, format: int, granularity: per_group, group: 0, symmetric: false}\n"
+        "training: {steps: 4, lr: 0.01, batch: 4, loss: kl, smooth: true, smooth_lr: 0.1}\n");
+    const v1::JobSpec job = Spec(model, recipe.name);
+    auto q = job::RunQuantizeJob(recipe, job);
+    ASSERT_TRUE(q.ok()) << q.status();
+    ExpectBlockMetrics(c, *q);
+    const double fp = Perplexity(model), ppl = Perplexity(job.out_dir());
+    std::printf("%-11s spinquant gptq-w4a8kv8 ppl %8.3f (float %.3f)\n", layout.name, ppl, fp);
+    EXPECT_LT(std::abs(std::log(ppl / fp)), std::log(1.4));
+  }
+  // Dense layers wider than the experts: refused, naming the layer.
+  const std::string wide = Upcycle(
+      "llama4-wide-spin", "--layout llama4 --experts 4 --top-k 1 --moe-step 2 --mlp-pad 8");
+  auto config = LoadLlamaConfig(wide);
+  ASSERT_TRUE(config.ok()) << config.status();
+  const Recipe recipe = MakeRecipe(
+      "wide-spinquant", "method: spinquant\nweights: rtn\nbits: 4\n"
+                        "rotation: {enabled: true, r1: true, r2: true}\n");
+  auto method = methods::MakeMethod(recipe, *config);
+  ASSERT_FALSE(method.ok());
+  EXPECT_NE(method.status().message().find("intermediate_size_mlp"), std::string::npos)
+      << method.status();
+}
+
 // What does not handle routed experts yet is refused before the job runs, with the reason.
 TEST_F(MoeQuantizeTest, UnsupportedMethodsAreRefused) {
   const std::string model = Upcycle("refused", kLayouts[0].args);
@@ -628,7 +740,8 @@ TEST_F(MoeQuantizeTest, UnsupportedMethodsAreRefused) {
       {"method: quip\nbits: 2\n", ""},
       {"method: quarot\nweights: rtn\nbits: 4\n", ""},
       {"method: spinquant\nweights: rtn\nbits: 4\nrotation: {enabled: true, r1: true, r2: true}\n",
-       "method spinquant"},
+       ""},
+      {"method: prefixquant\n", "method prefixquant"},
       {"method: quip\nbits: 2\nfinetune: {enabled: true}\n", ""},
   };
   for (const Case& c : cases) {
