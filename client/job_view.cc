@@ -140,7 +140,8 @@ json JobToJson(const v1::Job& job) {
             {"data_root", s.data_root()},
             {"workers", s.workers()},
             {"threads_per_worker", s.threads_per_worker()},
-            {"calib_batch", s.calib_batch()}}},
+            {"calib_batch", s.calib_batch()},
+            {"experts_per_task", s.experts_per_task()}}},
           {"blocks", blocks},
           {"evals", [&] {
              json arr = json::array();

@@ -21,6 +21,7 @@
 #include "methods/registry.h"
 #include "runner/job_inputs.h"
 #include "runner/quantize_job.h"
+#include "runner/task_plan.h"
 
 namespace qcal::client {
 namespace {
@@ -34,6 +35,7 @@ struct QuantizeOptions {
   bool overwrite = false;
   std::string max_memory;
   std::string device = "auto";
+  int experts_per_task = 0;
   bool json = false;
 };
 
@@ -92,6 +94,7 @@ int RunQuantize(const QuantizeOptions& o) {
   spec.set_threads_per_worker(o.threads);
   spec.set_device(o.device);
   spec.set_overwrite(o.overwrite);
+  spec.set_experts_per_task(o.experts_per_task);
   if (!o.max_memory.empty()) {
     auto bytes = ParseBytes(o.max_memory, "--max-memory");
     if (!bytes.ok()) return Fail(bytes.status());
@@ -281,6 +284,8 @@ void AddQuantizeCommand(CLI::App& app, int* exit_code) {
                   "compute device: auto (a GPU when one is usable, else the CPU), cpu, cuda, "
                   "cuda:N")
       ->capture_default_str();
+  cmd->add_option("--experts-per-task", o->experts_per_task, kExpertsPerTaskHelp)
+      ->check(CLI::Range(-1, 1 << 20));
   cmd->add_flag("--json", o->json, "print one JSON object");
   cmd->add_flag("--overwrite", o->overwrite,
                 "replace a finished checkpoint in --out that this job directory did not write");

@@ -39,6 +39,7 @@
 #include "rpc/auth.h"
 #include "rpc/job_client.h"
 #include "rpc/job_state.h"
+#include "runner/task_plan.h"
 
 extern char** environ;
 
@@ -100,6 +101,7 @@ struct SpecOptions {
   int workers = 1;
   int threads = 0;
   int calib_batch = 0;
+  int experts_per_task = 0;
   std::string name;
   std::string max_memory;  // "8G", "512M", bytes; empty: the worker's default
   std::string device;      // every rank's --device; empty: auto
@@ -126,6 +128,8 @@ void AddSpecOptions(CLI::App* cmd, SpecOptions* o) {
   cmd->add_option("--threads", o->threads, "compute threads per rank (0 = automatic)")
       ->check(CLI::Range(0, kMaxThreads));
   cmd->add_option("--calib-batch", o->calib_batch, "sequences per calibration forward (0 = 8)");
+  cmd->add_option("--experts-per-task", o->experts_per_task, kExpertsPerTaskHelp)
+      ->check(CLI::Range(-1, 1 << 20));
   cmd->add_option("--device", o->device,
                   "compute device of every rank: auto (a local GPU by the rank's local index, "
                   "else the CPU), cpu, cuda, cuda:N (default auto)");
@@ -187,6 +191,7 @@ StatusOr<v1::JobSpec> MakeSpec(const SpecOptions& o) {
   spec.set_threads_per_worker(o.threads);
   spec.set_device(o.device);
   spec.set_calib_batch(o.calib_batch);
+  spec.set_experts_per_task(o.experts_per_task);
   spec.set_name(o.name);
   spec.set_overwrite(o.overwrite);
   if (!o.max_memory.empty()) {

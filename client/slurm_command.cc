@@ -13,6 +13,7 @@
 #include "client/slurm_templates.h"
 #include "common/atomic_file.h"
 #include "common/cli.h"
+#include "runner/task_plan.h"
 
 namespace qcal::client {
 namespace fs = std::filesystem;
@@ -111,6 +112,9 @@ StatusOr<std::string> MakeSlurmScript(const SlurmScriptOptions& o) {
                     ShellWord(AbsolutePath(o.data_root)));
   }
   if (o.calib_batch > 0) absl::StrAppend(&run_args, " --calib-batch ", o.calib_batch);
+  if (o.experts_per_task != 0) {
+    absl::StrAppend(&run_args, " --experts-per-task ", o.experts_per_task);
+  }
   const std::string name =
       o.job_name.empty() ? absl::StrCat("qcal-", fs::path(out).filename().string()) : o.job_name;
   std::map<std::string, std::string> fields = {
@@ -166,6 +170,8 @@ void AddSlurmCommand(CLI::App& app, int* exit_code) {
       ->capture_default_str();
   cmd->add_option("--qcal", o->qcal_binary, "qcal executable the script runs (default: this one)");
   cmd->add_option("--calib-batch", o->calib_batch, "sequences per calibration forward");
+  cmd->add_option("--experts-per-task", o->experts_per_task, kExpertsPerTaskHelp)
+      ->check(CLI::Range(-1, 1 << 20));
   cmd->add_flag("--eval", o->eval, "add the evaluation phase (perplexities by the workers)");
   cmd->add_option("-o,--output", *path, "write the script here (default: stdout)")
       ->transform(qcal::CanonicalFlagPath);

@@ -30,6 +30,7 @@ struct SlurmScriptOptions {
   int signal_lead_s = 600;     // USR1 this long before the time limit
   std::string qcal_binary;     // default: this executable
   int calib_batch = 0;
+  int experts_per_task = 0;  // run's --experts-per-task (0: its default)
   bool eval = false;           // add the evaluation phase (run by the workers)
 };
 

@@ -265,6 +265,7 @@ MethodNeeds Recipe::needs() const {
   MethodNeeds needs = config ? config->needs() : MethodNeeds{};
   needs.float_activations = needs.float_activations || finetune.enabled;
   needs.end_to_end = needs.end_to_end || finetune.end_to_end.enabled;
+  needs.expert_parts = needs.expert_parts && !finetune.enabled && !needs.sequential;
   return needs;
 }
 

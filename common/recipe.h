@@ -98,6 +98,12 @@ struct MethodNeeds {
   // expert's linears rounded like a dense MLP's from the expert's own Hessians, the router kept
   // in float (runner/job_inputs.h CheckJobInputs refuses the others for such a model).
   bool supports_moe = false;
+  // A MoE block's routed experts may be quantized in groups by separate tasks (runner/task_plan.h):
+  // the block quantizer rounds each expert on its own from the float model's Hessians (nothing it
+  // does to one expert depends on another or on the block's other weights), the ModelTransform
+  // leaves the experts as they are, and nothing after the rounding tunes the block as a whole
+  // (Recipe::needs clears it with within-block fine-tuning).
+  bool expert_parts = false;
 
   // Whether the job reads calibration text at all (Hessians, activations, sequential
   // calibration or end-to-end fine-tuning): its calibration files are checked and fingerprinted

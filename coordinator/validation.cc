@@ -115,6 +115,10 @@ StatusOr<Recipe> ValidateJobSpec(v1::JobSpec* spec) {
   if (spec->calib_batch() < 0) {
     return Invalid(absl::StrCat("calib_batch must be >= 0 (got ", spec->calib_batch(), ")"));
   }
+  if (spec->experts_per_task() < -1) {
+    return Invalid(absl::StrCat("experts_per_task must be -1 (whole blocks), 0 (the default) "
+                                "or a count of experts (got ", spec->experts_per_task(), ")"));
+  }
   if (spec->name().size() > 128) return Invalid("name is longer than 128 bytes");
 
   if (spec->recipe_yaml().empty()) {

@@ -16,7 +16,8 @@ inline constexpr int kMaxWorkers = 1024;
 
 // Checks (and lexically normalizes, in place) the spec's paths and numbers and parses its
 // recipe:
-//  * workers in [1, kMaxWorkers]; threads_per_worker and calib_batch >= 0; name <= 128 bytes;
+//  * workers in [1, kMaxWorkers]; threads_per_worker and calib_batch >= 0;
+//    experts_per_task >= -1; name <= 128 bytes;
 //  * recipe_yaml parses and validates (errors name recipe_path);
 //  * model_dir absolute, an existing readable directory with a valid config.json;
 //  * out_dir and job_dir absolute, neither equal to nor inside model_dir (symlinks resolved),

@@ -184,6 +184,13 @@ Status JobManager::RecordCompletionLocked(JobRuntime* rt, const WorkerInfo& w,
                absl::StrCat("rank ", w.rank, " finished calibration (",
                             rt->run->scheduler().calibrate_ranks_done(), " of ",
                             rt->job.spec().workers(), ")"));
+  } else if (c.kind == v1::TASK_KIND_QUANTIZE_BLOCK && c.part > 0) {
+    // One expert group of a split MoE block: the block counts when its assembly is done.
+    const v1::BlockPart& part = request.block().part();
+    EmitLocked(*rt, v1::JOB_EVENT_KIND_LOG,
+               absl::StrFormat("block %d experts [%d, %d) done by rank %d in %.2f s", c.block,
+                               part.expert_begin(), part.expert_end(), w.rank,
+                               request.block().seconds()));
   } else if (c.kind == v1::TASK_KIND_QUANTIZE_BLOCK) {
     v1::BlockMetrics* b = rt->job.add_blocks();
     b->set_block(c.block);

@@ -58,6 +58,26 @@ StatusOr<StaticInputParams> Inference::StaticLinearInputParams(const model::Bloc
                                                ": this method has no static input quantizers"));
 }
 
+namespace {
+StatusOr<std::unique_ptr<model::Linear>> LoadLinearChecked(const LayerFormats& formats,
+                                                           CheckpointReader& ckpt,
+                                                           const std::string& name,
+                                                           const std::string& quantized,
+                                                           const std::vector<int64_t>& shape);
+}  // namespace
+
+Status BlockFormat::AppendExpertTensors(int64_t layer, const model::MoeWeights&, int64_t,
+                                        int64_t, SafetensorsWriter*) const {
+  return absl::UnimplementedError(
+      absl::StrCat("block ", layer, ": this block format cannot store a group of experts alone"));
+}
+
+Status BlockFormat::LoadExperts(CheckpointReader&, int64_t layer, int64_t, int64_t,
+                                model::MoeWeights*) const {
+  return absl::UnimplementedError(
+      absl::StrCat("block ", layer, ": this block format cannot read a group of experts alone"));
+}
+
 StandardBlockFormat::StandardBlockFormat(LlamaConfig config,
                                          std::shared_ptr<const LayerFormats> formats,
                                          std::string quantized)
@@ -78,11 +98,50 @@ Status StandardBlockFormat::AppendBlockTensors(int64_t layer, const model::Block
   if (weights.moe == nullptr) return Status();
   QCAL_RETURN_IF_ERROR(model::AddF32Tensor(writer, config_.RouterModule(layer) + ".weight",
                                            weights.moe->router));
-  for (size_t e = 0; e < weights.moe->experts.size(); ++e) {
+  return AppendExpertTensors(layer, *weights.moe, 0,
+                             static_cast<int64_t>(weights.moe->experts.size()), writer);
+}
+
+namespace {
+
+Status CheckExpertRange(const model::MoeWeights& moe, int64_t layer, int64_t begin,
+                        int64_t end) {
+  if (begin < 0 || begin > end || end > static_cast<int64_t>(moe.experts.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("block ", layer, ": experts [", begin, ", ",
+                                                   end, ") out of range [0, ",
+                                                   moe.experts.size(), ")"));
+  }
+  return Status();
+}
+
+}  // namespace
+
+Status StandardBlockFormat::AppendExpertTensors(int64_t layer, const model::MoeWeights& moe,
+                                                int64_t begin, int64_t end,
+                                                SafetensorsWriter* writer) const {
+  QCAL_RETURN_IF_ERROR(CheckExpertRange(moe, layer, begin, end));
+  for (int64_t e = begin; e < end; ++e) {
     for (model::ExpertLinear k : model::kExpertLinears) {
-      QCAL_RETURN_IF_ERROR(formats_->Append(
-          weights.moe->experts[e].linear(k),
-          model::ExpertTensorName(config_, layer, static_cast<int64_t>(e), k), writer));
+      if (moe.experts[e].linears[static_cast<int>(k)] == nullptr) {
+        return absl::InternalError(absl::StrCat("block ", layer, " expert ", e,
+                                                ": no quantized ", model::ExpertLinearName(e, k)));
+      }
+      QCAL_RETURN_IF_ERROR(formats_->Append(moe.experts[e].linear(k),
+                                            model::ExpertTensorName(config_, layer, e, k), writer));
+    }
+  }
+  return Status();
+}
+
+Status StandardBlockFormat::LoadExperts(CheckpointReader& ckpt, int64_t layer, int64_t begin,
+                                        int64_t end, model::MoeWeights* moe) const {
+  QCAL_RETURN_IF_ERROR(CheckExpertRange(*moe, layer, begin, end));
+  for (int64_t e = begin; e < end; ++e) {
+    for (model::ExpertLinear k : model::kExpertLinears) {
+      QCAL_ASSIGN_OR_RETURN(
+          moe->experts[e].linears[static_cast<int>(k)],
+          LoadLinearChecked(*formats_, ckpt, model::ExpertTensorName(config_, layer, e, k),
+                            quantized_, model::LinearShape(config_, model::ExpertLinearKind(k))));
     }
   }
   return Status();
@@ -130,14 +189,7 @@ StatusOr<model::BlockWeights> StandardBlockFormat::LoadBlock(CheckpointReader& c
                         model::LoadTensorF32(ckpt, config_.RouterModule(layer) + ".weight",
                                              {config_.num_experts, config_.hidden_size}));
   w.moe->experts.resize(config_.num_experts);
-  for (int64_t e = 0; e < config_.num_experts; ++e) {
-    for (model::ExpertLinear k : model::kExpertLinears) {
-      QCAL_ASSIGN_OR_RETURN(
-          w.moe->experts[e].linears[static_cast<int>(k)],
-          LoadLinearChecked(*formats_, ckpt, model::ExpertTensorName(config_, layer, e, k),
-                            quantized_, model::LinearShape(config_, model::ExpertLinearKind(k))));
-    }
-  }
+  QCAL_RETURN_IF_ERROR(LoadExperts(ckpt, layer, 0, config_.num_experts, w.moe.get()));
   return w;
 }
 

@@ -138,6 +138,14 @@ struct BlockInputs {
   // Optional: where the quantizer is inside the block (the job's progress shows it, so a block
   // that takes minutes is not silent). Quantizers call it through ReportBlockStep.
   BlockProgressFn progress;
+  // A part of a MoE block split over tasks (MethodNeeds::expert_parts; runner/task_plan.h):
+  // the float block holds only what the part quantizes, and so does the result. `dense`: the
+  // block's weights besides its routed experts (norms, attention, dense MLP or shared expert,
+  // router); the routed experts [expert_begin, expert_end) (the result's MoeWeights keeps every
+  // expert's slot, the others null). The defaults are the whole block.
+  bool dense = true;
+  int64_t expert_begin = 0;
+  int64_t expert_end = -1;  // -1: every expert
 };
 
 // inputs.progress(done, total, step) when set.
@@ -186,6 +194,14 @@ class BlockFormat {
   // Block `layer` read back from a checkpoint written with AppendBlockTensors, as stored.
   virtual StatusOr<model::BlockWeights> LoadBlock(CheckpointReader& ckpt,
                                                   int64_t layer) const = 0;
+  // A MoE block split over tasks (MethodNeeds::expert_parts): the routed experts
+  // [begin, end) of moe as AppendBlockTensors stores them (an expert group's part file), and
+  // read back into moe->experts[begin, end) from such a file, as stored, so that the assembled
+  // block's AppendBlockTensors writes the bytes one task would have. Unimplemented by default.
+  virtual Status AppendExpertTensors(int64_t layer, const model::MoeWeights& moe, int64_t begin,
+                                     int64_t end, SafetensorsWriter* writer) const;
+  virtual Status LoadExperts(CheckpointReader& ckpt, int64_t layer, int64_t begin, int64_t end,
+                             model::MoeWeights* moe) const;
 };
 
 // A static input quantizer's parameters: value = (code - zero) · scale.
@@ -249,6 +265,10 @@ class StandardBlockFormat : public BlockFormat {
   Status AppendBlockTensors(int64_t layer, const model::BlockWeights& weights,
                             SafetensorsWriter* writer) const override;
   StatusOr<model::BlockWeights> LoadBlock(CheckpointReader& ckpt, int64_t layer) const override;
+  Status AppendExpertTensors(int64_t layer, const model::MoeWeights& moe, int64_t begin,
+                             int64_t end, SafetensorsWriter* writer) const override;
+  Status LoadExperts(CheckpointReader& ckpt, int64_t layer, int64_t begin, int64_t end,
+                     model::MoeWeights* moe) const override;
 
  private:
   const LlamaConfig config_;

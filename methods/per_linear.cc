@@ -89,20 +89,37 @@ PerLinearQuantizer::PerLinearQuantizer(LlamaConfig config, bool finetune,
 
 StatusOr<quant::BlockTaskResult> PerLinearQuantizer::QuantizeBlock(
     model::BlockWeights float_weights, const BlockInputs& in) const {
+  const model::MoeWeights* moe = float_weights.moe.get();
+  const int64_t experts = moe ? static_cast<int64_t>(moe->experts.size()) : 0;
+  // A part of a block split over tasks: its dense weights, its experts [first, last).
+  const int64_t first = in.expert_begin;
+  const int64_t last = in.expert_end < 0 ? experts : in.expert_end;
+  const bool whole = in.dense && first == 0 && last == experts;
+  if (first < 0 || first > last || last > experts) {
+    return absl::InvalidArgumentError(absl::StrCat("block ", in.layer, ": experts [", first, ", ",
+                                                   last, ") out of range [0, ", experts, ")"));
+  }
+  if (finetune_ && !whole) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "block ", in.layer, ": within-block fine-tuning tunes the whole block; it cannot run on "
+        "a part of it"));
+  }
   if (finetune_) return QuantizeWithFinetune(std::move(float_weights), in);
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t layer = in.layer;
   quant::BlockTaskResult result;
   result.layer = layer;
   result.weights.layer = float_weights.layer;
-  result.weights.input_norm = float_weights.input_norm.clone();
-  result.weights.post_norm = float_weights.post_norm.clone();
+  if (in.dense) {
+    result.weights.input_norm = float_weights.input_norm.clone();
+    result.weights.post_norm = float_weights.post_norm.clone();
+  }
   // The dense linears the block has (a Mixtral MoE block has no dense MLP), then each routed
   // expert's gate, up and down_proj.
-  const model::MoeWeights* moe = float_weights.moe.get();
-  const int64_t experts = moe ? static_cast<int64_t>(moe->experts.size()) : 0;
-  int64_t steps = 3 * experts;
-  for (model::LinearKind kind : model::kAllLinears) steps += float_weights.has(kind) ? 1 : 0;
+  int64_t steps = 3 * (last - first);
+  for (model::LinearKind kind : model::kAllLinears) {
+    steps += in.dense && float_weights.has(kind) ? 1 : 0;
+  }
   int64_t done = 0;
   // Rounds one linear; its float weights are released as soon as it is rounded (at a 70B shape
   // the others' fp32 weights, 2.5 GB, would otherwise sit beside down_proj's Hessian and GPTQ's
@@ -120,16 +137,16 @@ StatusOr<quant::BlockTaskResult> PerLinearQuantizer::QuantizeBlock(
   };
   calib::HessianMeans means(in.hessians);  // consumes the accumulators kind by kind
   for (model::LinearKind kind : model::kAllLinears) {
-    if (!float_weights.has(kind)) continue;
+    if (!in.dense || !float_weights.has(kind)) continue;
     const int i = static_cast<int>(kind);
     QCAL_ASSIGN_OR_RETURN(result.weights.linears[i],
                           round(kind, -1, float_weights.linears[i], means.For(kind)));
   }
   if (moe != nullptr) {
     result.weights.moe = std::make_unique<model::MoeWeights>();
-    result.weights.moe->router = moe->router.clone();  // kept in float
+    if (in.dense) result.weights.moe->router = moe->router.clone();  // kept in float
     result.weights.moe->experts.resize(experts);
-    for (int64_t e = 0; e < experts; ++e) {
+    for (int64_t e = first; e < last; ++e) {
       auto& from = float_weights.moe->experts[e].linears;
       auto& to = result.weights.moe->experts[e].linears;
       for (calib::ExpertInput input : calib::kExpertInputs) {

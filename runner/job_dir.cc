@@ -6,6 +6,8 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <ctime>
 #include <filesystem>
 #include <set>
@@ -271,6 +273,51 @@ Status RemoveStaging(const std::string& out_dir) {
   if (ec) {
     return absl::InternalError(
         absl::StrCat(StagingDir(out_dir), ": cannot remove: ", ec.message()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace qcal
+
+namespace qcal {
+
+namespace {
+constexpr char kPartPrefix[] = ".qcal-part-";
+constexpr char kPartSuffix[] = ".safetensors";
+}  // namespace
+
+std::string PartFileName(int64_t layer, int64_t begin, int64_t end) {
+  char buf[96];
+  std::snprintf(buf, sizeof(buf), "%s%05lld-%05lld-%05lld%s", kPartPrefix,
+                static_cast<long long>(layer), static_cast<long long>(begin),
+                static_cast<long long>(end), kPartSuffix);
+  return buf;
+}
+
+bool IsPartFileName(const std::string& name) {
+  long long layer = 0, begin = 0, end = 0;
+  int used = 0;
+  if (name.rfind(kPartPrefix, 0) != 0) return false;
+  if (std::sscanf(name.c_str() + sizeof(kPartPrefix) - 1, "%lld-%lld-%lld.safetensors%n", &layer,
+                  &begin, &end, &used) != 3) {
+    return false;
+  }
+  return name == PartFileName(layer, begin, end);
+}
+
+Status RemovePartFiles(const std::string& out_dir) {
+  std::error_code ec;
+  std::vector<std::string> names;
+  for (const auto& entry : std::filesystem::directory_iterator(out_dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (IsPartFileName(name)) names.push_back(name);
+  }
+  if (ec) return absl::InternalError(absl::StrCat(out_dir, ": cannot list: ", ec.message()));
+  for (const std::string& name : names) {
+    if (::unlink((out_dir + "/" + name).c_str()) != 0 && errno != ENOENT) {
+      return absl::InternalError(
+          absl::StrCat(out_dir, "/", name, ": cannot remove: ", std::strerror(errno)));
+    }
   }
   return absl::OkStatus();
 }

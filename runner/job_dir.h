@@ -145,4 +145,14 @@ Status CommitFiles(const std::string& out_dir, const std::vector<v1::WrittenFile
 // Removes out_dir/.staging and whatever stale attempts left in it.
 Status RemoveStaging(const std::string& out_dir);
 
+// ---- Expert-group part files (a MoE block split over tasks: runner/task_plan.h)
+// out_dir/.qcal-part-LLLLL-BBBBB-EEEEE.safetensors: the routed experts [begin, end) of block
+// `layer`, quantized by their own task and committed like a shard, until the assembled block's
+// shard holds them (then removed; finalize removes any left). Hidden: no checkpoint reader lists
+// it.
+std::string PartFileName(int64_t layer, int64_t begin, int64_t end);
+bool IsPartFileName(const std::string& name);
+// Removes every part file in out_dir.
+Status RemovePartFiles(const std::string& out_dir);
+
 }  // namespace qcal

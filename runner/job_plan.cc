@@ -33,6 +33,8 @@ Status EvaluateJournal(const Recipe& recipe, const std::string& out_dir,
                        JobPlan* plan, bool report = true) {
   const int64_t blocks = plan->num_blocks;
   std::map<int64_t, nlohmann::json> done;
+  // Expert groups of split MoE blocks: layer -> (begin, end) -> the last block_part_done.
+  std::map<int64_t, std::map<std::pair<int64_t, int64_t>, nlohmann::json>> parts;
   nlohmann::json e2e_done;
   // Finished work counts only under a job_start of the same inputs (model, data, recipe, format):
   // a job directory reused for another model must not hand its blocks to this one.
@@ -56,9 +58,14 @@ Status EvaluateJournal(const Recipe& recipe, const std::string& out_dir,
       same_out = !e.contains("out") || e.value("out", "") == out_real;
       continue;
     }
-    if ((event == "block_done" || event == "e2e_done") && !same_inputs) {
+    if ((event == "block_done" || event == "e2e_done" || event == "block_part_done") &&
+        !same_inputs) {
       stale += event == "block_done" ? 1 : 0;
       continue;
+    }
+    if (event == "block_part_done" && same_out) {
+      const v1::BlockResult r = BlockResultFromEntry(e);
+      parts[r.layer()][{r.part().expert_begin(), r.part().expert_end()}] = e;
     }
     if (event == "block_done") {
       // A block another run wrote into another output still counts when this output holds the
@@ -88,6 +95,7 @@ Status EvaluateJournal(const Recipe& recipe, const std::string& out_dir,
   plan->e2e_done = nlohmann::json();
   plan->block_finished.assign(blocks, false);
   plan->block_done.clear();
+  plan->parts_done.clear();
   if (plan->e2e_enabled && e2e_done.is_object()) {
     // Every shard was rewritten by the end-to-end stage; its checksums are the ones to match.
     bool ok = e2e_done.contains("checksums") && e2e_done["checksums"].is_object() &&
@@ -119,6 +127,18 @@ Status EvaluateJournal(const Recipe& recipe, const std::string& out_dir,
     } else {
       QCAL_LOG_WARN("block {}: journal says done but its shard is missing or changed; redoing",
                     layer);
+    }
+  }
+  // An unfinished block's expert groups whose part files are intact are not redone.
+  for (const auto& [layer, by_range] : parts) {
+    if (layer < 0 || layer >= blocks || plan->block_finished[layer]) continue;
+    for (const auto& [range, e] : by_range) {
+      if (CheckBlockPartDoneEntry(e, out_dir, blocks).ok()) {
+        plan->parts_done[layer].push_back(e);
+      } else {
+        QCAL_LOG_WARN("block {} experts [{}, {}): journal says done but its part file is "
+                      "missing or changed; redoing", layer, range.first, range.second);
+      }
     }
   }
   if (elsewhere > 0 && report) {
@@ -394,6 +414,9 @@ StatusOr<nlohmann::json> FinalizeJob(const Recipe& recipe, const std::string& mo
   QCAL_RETURN_IF_ERROR(
       FinalizeCheckpoint(out_dir, model_dir, out_config, quant_config, std::move(checksums)));
   QCAL_RETURN_IF_ERROR(RemoveStaging(out_dir));
+  // Expert-group part files an assembled block's shard holds (left by a run that stopped
+  // between journaling the block and removing them).
+  QCAL_RETURN_IF_ERROR(RemovePartFiles(out_dir));
   QCAL_RETURN_IF_ERROR(journal->Append({{"event", "job_done"}}));
   nlohmann::json summary = {{"out_dir", out_dir},
                             {"blocks", plan.num_blocks},

@@ -43,6 +43,12 @@ struct JobPlan {
   std::string job_dir;                // resolved (JobDirFor)
   std::vector<bool> block_finished;   // shard present and its checksum matches block_done
   std::map<int64_t, nlohmann::json> block_done;  // layer -> its journal entry (finished ones)
+  // Expert groups of unfinished MoE blocks that an earlier run of these inputs finished (a
+  // block_part_done whose part file is intact): layer -> entries, the last per expert range.
+  std::map<int64_t, std::vector<nlohmann::json>> parts_done;
+  // Routed experts per task (JobSpec::experts_per_task), set by the driver from the spec before
+  // the task plan is made; PlanJob leaves it 0 (the default).
+  int64_t experts_per_task = 0;
   bool e2e_enabled = false;
   bool e2e_finished = false;          // e2e_done valid and every shard it lists intact
   nlohmann::json e2e_done;            // its journal entry when finished

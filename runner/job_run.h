@@ -46,10 +46,12 @@ class JobRun {
   const std::map<int64_t, v1::BlockResult>& finished() const { return finished_; }
 
   // The next task for `worker_id` of `rank`, with what it needs (FINETUNE_E2E: every finished
-  // block). WAIT when nothing is ready, SHUTDOWN once the job failed (scheduler().error()).
+  // block; a split block's assembly: its expert groups' results). WAIT when nothing is ready,
+  // SHUTDOWN once the job failed (scheduler().error()).
   v1::Task Next(const std::string& worker_id, int rank);
   // A result whose files were accepted (or that has none): the scheduler counts it (a duplicate
-  // is retired, nothing recorded) and a block joins the finished blocks.
+  // is retired, nothing recorded) and a block joins the finished blocks (an expert group its
+  // block's finished groups).
   StatusOr<JobScheduler::Completion> Record(const std::string& worker_id, int rank,
                                             const v1::CompleteTaskRequest& result);
 
@@ -63,6 +65,7 @@ class JobRun {
   const TaskPlan tasks_;
   JobScheduler scheduler_;
   std::map<int64_t, v1::BlockResult> finished_;
+  std::map<int64_t, std::map<int, v1::BlockResult>> parts_;  // split blocks' finished groups
 };
 
 }  // namespace qcal::job

@@ -135,6 +135,19 @@ StatusOr<v1::BlockResult> QuantizeBlockStep(JobContext* ctx, int64_t layer,
                                             const std::string& attempt,
                                             const JobEventFn& on_event = nullptr);
 
+// One part of MoE block `layer` split over tasks (runner/task_plan.h; MethodNeeds::expert_parts).
+// An expert group (part.index >= 1) reads only its routed experts from the float model, rounds
+// them and writes them as the attempt's staged part file (PartFileName; BlockResult.part set).
+// The assembling part 0 reads the block's other weights, quantizes them, reads every expert
+// group's committed part file (`groups`: their results, checksums verified) and writes the
+// block's shard with the bytes one task would have written; its result's metrics are the whole
+// block's, in the one task's order, and it lists the part files it took in (merged_parts).
+StatusOr<v1::BlockResult> QuantizeBlockPartStep(JobContext* ctx, int64_t layer,
+                                                const v1::BlockPart& part,
+                                                const std::vector<v1::BlockResult>& groups,
+                                                const std::string& attempt,
+                                                const JobEventFn& on_event = nullptr);
+
 // The job directory's calibration directories (runner/job_dir.h), as the engine receives them.
 calib::CalibrationDirs CalibrationDirsOf(const std::string& job_dir);
 

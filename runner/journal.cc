@@ -81,6 +81,16 @@ nlohmann::json BlockDoneEntry(const v1::BlockResult& r) {
   return e;
 }
 
+nlohmann::json BlockPartDoneEntry(const v1::BlockResult& r) {
+  nlohmann::json e = BlockDoneEntry(r);
+  e["event"] = "block_part_done";
+  e["part"] = {{"index", r.part().index()},
+               {"count", r.part().count()},
+               {"expert_begin", r.part().expert_begin()},
+               {"expert_end", r.part().expert_end()}};
+  return e;
+}
+
 v1::BlockResult BlockResultFromEntry(const nlohmann::json& e) {
   v1::BlockResult r;
   if (!e.is_object()) return r;
@@ -92,6 +102,16 @@ v1::BlockResult BlockResultFromEntry(const nlohmann::json& e) {
   r.set_mse_before_ft(NumberOrNan(e, "mse_before_ft"));
   r.set_mse_after_ft(NumberOrNan(e, "mse_after_ft"));
   if (e.contains("rank") && e["rank"].is_number_integer()) r.set_rank(e["rank"].get<int32_t>());
+  if (e.contains("part") && e["part"].is_object()) {
+    const nlohmann::json& p = e["part"];
+    auto integer = [&p](const char* key) -> int64_t {
+      return p.contains(key) && p[key].is_number_integer() ? p[key].get<int64_t>() : -1;
+    };
+    r.mutable_part()->set_index(static_cast<int32_t>(integer("index")));
+    r.mutable_part()->set_count(static_cast<int32_t>(integer("count")));
+    r.mutable_part()->set_expert_begin(integer("expert_begin"));
+    r.mutable_part()->set_expert_end(integer("expert_end"));
+  }
   if (e.contains("ft_curves") && e["ft_curves"].is_array()) {
     for (const auto& j : e["ft_curves"]) {
       if (!j.is_object()) continue;
@@ -214,13 +234,60 @@ Status CheckBlockResult(const v1::BlockResult& r, const std::string& out_dir,
     return absl::InvalidArgumentError(
         absl::StrCat("block result names layer ", r.layer(), " of ", num_blocks));
   }
-  const std::string shard = ShardName(r.layer() + 1, num_blocks);
+  const bool group = r.has_part() && r.part().index() > 0;
+  if (group && (r.part().expert_begin() < 0 || r.part().expert_end() <= r.part().expert_begin())) {
+    return absl::InvalidArgumentError(absl::StrCat("block result for layer ", r.layer(),
+                                                   " names experts [", r.part().expert_begin(),
+                                                   ", ", r.part().expert_end(), ")"));
+  }
+  const std::string shard =
+      group ? PartFileName(r.layer(), r.part().expert_begin(), r.part().expert_end())
+            : ShardName(r.layer() + 1, num_blocks);
   if (r.shard().name() != shard) {
     return absl::InvalidArgumentError(absl::StrCat("block result for layer ", r.layer(),
                                                    " names shard '", r.shard().name(),
                                                    "', expected ", shard));
   }
+  for (const v1::WrittenFile& f : r.merged_parts()) {
+    if (!IsPartFileName(f.name())) {
+      return absl::InvalidArgumentError(absl::StrCat("block result for layer ", r.layer(),
+                                                     " merged '", f.name(),
+                                                     "', which is no part file"));
+    }
+  }
   return CheckStagedFiles(out_dir, FilesOf(r));
+}
+
+Status CheckBlockPartDoneEntry(const nlohmann::json& entry, const std::string& out_dir,
+                               int64_t num_blocks) {
+  if (!entry.is_object() || entry.value("event", "") != "block_part_done") {
+    return absl::InvalidArgumentError("not a block_part_done journal entry");
+  }
+  const v1::BlockResult r = BlockResultFromEntry(entry);
+  if (r.layer() < 0 || r.layer() >= num_blocks) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block_part_done entry names layer ", r.layer(), " of ", num_blocks));
+  }
+  if (!r.has_part() || r.part().expert_begin() < 0 ||
+      r.part().expert_end() <= r.part().expert_begin()) {
+    return absl::InvalidArgumentError(absl::StrCat("block_part_done entry for layer ", r.layer(),
+                                                   " names no expert range"));
+  }
+  const std::string name =
+      PartFileName(r.layer(), r.part().expert_begin(), r.part().expert_end());
+  if (r.shard().name() != name) {
+    return absl::InvalidArgumentError(absl::StrCat("block_part_done entry for layer ", r.layer(),
+                                                   " names '", r.shard().name(), "', expected ",
+                                                   name));
+  }
+  const std::string path = out_dir + "/" + name;
+  QCAL_ASSIGN_OR_RETURN(std::string sum, FileChecksum(path));
+  if (sum != r.shard().checksum()) {
+    return absl::DataLossError(absl::StrCat(path, ": checksum ", sum,
+                                            " does not match the block_part_done entry's ",
+                                            r.shard().checksum()));
+  }
+  return absl::OkStatus();
 }
 
 
@@ -291,6 +358,7 @@ std::string JournalEntryProblem(const nlohmann::json& e) {
     if (e.contains(key) && !e[key].is_string()) return absl::StrCat("'", key, "' is not a string");
   }
   if (e.contains("layer") && !e["layer"].is_number_integer()) return "'layer' is not an integer";
+  if (e.contains("part") && !e["part"].is_object()) return "'part' is not an object";
   if (e.contains("bytes") && !e["bytes"].is_number_unsigned()) {
     return "'bytes' is not a non-negative integer";
   }

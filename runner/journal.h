@@ -31,6 +31,14 @@ StatusOr<v1::PhaseCurve> PhaseCurveFromEntry(const nlohmann::json& entry);
 // {"event":"expert_load","layers":[{"layer","routed_tokens":[...],"every_token":[...]}, ...]}:
 // a MoE model's calibration routing (CalibrateResult::expert_loads), which the job report plots.
 nlohmann::json ExpertLoadEntry(const v1::CalibrateResult& result);
+// {"event":"block_part_done", BlockDoneEntry's keys (shard: the part file), "part":{"index",
+//  "count","expert_begin","expert_end"}}: an expert group of a MoE block split over tasks.
+// BlockResultFromEntry reads either.
+nlohmann::json BlockPartDoneEntry(const v1::BlockResult& result);
+// Checks a block_part_done entry read from the journal: layer in range, a part with an expert
+// range, shard == PartFileName(layer, begin, end), present in out_dir with the entry's checksum.
+Status CheckBlockPartDoneEntry(const nlohmann::json& entry, const std::string& out_dir,
+                               int64_t num_blocks);
 // Every output file a result wrote.
 std::vector<v1::WrittenFile> FilesOf(const v1::BlockResult& result);
 
@@ -39,8 +47,9 @@ std::vector<v1::WrittenFile> FilesOf(const v1::BlockResult& result);
 // file) in out_dir present with the entry's checksum. InvalidArgument / DataLoss naming the file.
 Status CheckBlockDoneEntry(const nlohmann::json& entry, const std::string& out_dir,
                            int64_t num_blocks);
-// Checks a worker's block result before it is accepted: layer in range, the block's shard name,
-// plain file names, and staged files present with the sizes claimed (CheckStagedFiles).
+// Checks a worker's block result before it is accepted: layer in range, the block's shard name
+// (an expert group's: its part file name), plain file names, and staged files present with the
+// sizes claimed (CheckStagedFiles).
 Status CheckBlockResult(const v1::BlockResult& result, const std::string& out_dir,
                         int64_t num_blocks);
 

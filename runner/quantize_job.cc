@@ -123,7 +123,15 @@ StatusOr<QuantizeJobResult> RunPlannedJob(const Recipe& recipe, const v1::JobSpe
       }
       case v1::TASK_KIND_QUANTIZE_BLOCK: {
         const int64_t l = task.block();
-        block_phases[l].assign(outcome.block().phases().begin(), outcome.block().phases().end());
+        // A split MoE block's phases: its expert groups' and its assembly's, all counted.
+        block_phases[l].insert(block_phases[l].end(), outcome.block().phases().begin(),
+                               outcome.block().phases().end());
+        if (task.has_part() && task.part().index() > 0) {
+          emit("quantize", static_cast<int64_t>(run.finished().size()), blocks,
+               absl::StrCat("block ", l, " experts [", task.part().expert_begin(), ", ",
+                            task.part().expert_end(), ")"));
+          break;
+        }
         done[l] = BlockDoneEntry(outcome.block());
         emit("quantize", static_cast<int64_t>(run.finished().size()), blocks,
              absl::StrCat("block ", l));

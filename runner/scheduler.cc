@@ -1,6 +1,8 @@
 #include "runner/scheduler.h"
 
 #include <algorithm>
+#include <limits>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 
@@ -9,20 +11,50 @@ namespace {
 
 constexpr char kCalibrateTaskId[] = "calibrate";
 
-std::string Describe(v1::TaskKind kind, int64_t index) {
-  if (kind == v1::TASK_KIND_QUANTIZE_BLOCK) return absl::StrCat("block ", index);
-  if (kind == v1::TASK_KIND_FINETUNE_E2E) return "end-to-end fine-tuning";
-  if (kind == v1::TASK_KIND_EVALUATE) return absl::StrCat("evaluation ", index);
-  return "calibration";
-}
-
-std::string TaskIdPrefix(v1::TaskKind kind, int64_t index) {
-  if (kind == v1::TASK_KIND_QUANTIZE_BLOCK) return absl::StrCat("block-", index);
+std::string TaskIdPrefix(v1::TaskKind kind, int64_t index, int part) {
+  if (kind == v1::TASK_KIND_QUANTIZE_BLOCK) {
+    return part < 0 ? absl::StrCat("block-", index) : absl::StrCat("block-", index, ".p", part);
+  }
   if (kind == v1::TASK_KIND_EVALUATE) return absl::StrCat("eval-", index);
   return "e2e";
 }
 
 }  // namespace
+
+std::string JobScheduler::Describe(v1::TaskKind kind, int64_t index, int part) const {
+  if (kind == v1::TASK_KIND_QUANTIZE_BLOCK) {
+    auto g = groups_.find(index);
+    if (part > 0 && g != groups_.end() && part <= static_cast<int>(g->second.size())) {
+      const ExpertGroup& group = g->second[part - 1];
+      return absl::StrCat("block ", index, " experts [", group.begin, ", ", group.end, ")");
+    }
+    if (part == 0) return absl::StrCat("block ", index, " (assembly of its expert groups)");
+    return absl::StrCat("block ", index);
+  }
+  if (kind == v1::TASK_KIND_FINETUNE_E2E) return "end-to-end fine-tuning";
+  if (kind == v1::TASK_KIND_EVALUATE) return absl::StrCat("evaluation ", index);
+  return "calibration";
+}
+
+bool JobScheduler::UnitDone(const Unit& u) const {
+  return u.part > 0 ? parts_done_.count({u.block, u.part}) != 0 : blocks_done_.count(u.block) != 0;
+}
+
+bool JobScheduler::Ready(const Unit& u) const {
+  if (u.part != 0) return true;
+  auto g = groups_.find(u.block);
+  if (g == groups_.end()) return true;
+  for (int part = 1; part <= static_cast<int>(g->second.size()); ++part) {
+    if (parts_done_.count({u.block, part}) == 0) return false;
+  }
+  return true;
+}
+
+int64_t JobScheduler::blocks_pending() const {
+  std::set<int64_t> blocks;
+  for (const Unit& u : pending_) blocks.insert(u.block);
+  return static_cast<int64_t>(blocks.size());
+}
 
 JobScheduler::JobScheduler(std::string job_id, int world_size, const TaskPlan& plan,
                            int max_attempts, int64_t wait_ms)
@@ -34,11 +66,29 @@ JobScheduler::JobScheduler(std::string job_id, int world_size, const TaskPlan& p
       calibrate_params_(plan.calibrate_params),
       sequential_(plan.sequential_blocks),
       blocks_(plan.blocks),
-      pending_(plan.blocks.begin(), plan.blocks.end()),
       e2e_(plan.finetune_e2e),
       e2e_pending_(plan.finetune_e2e),
       evals_(plan.evals) {
   for (int64_t i = 0; i < static_cast<int64_t>(evals_.size()); ++i) evals_pending_.push_back(i);
+  // A split block's groups first (those an earlier run finished count as done), then its
+  // assembly; other blocks whole.
+  for (int64_t block : blocks_) {
+    auto g = plan.block_groups.find(block);
+    if (g == plan.block_groups.end() || g->second.empty()) {
+      pending_.push_back({block, -1});
+      continue;
+    }
+    groups_[block] = g->second;
+    auto done = plan.parts_done.find(block);
+    for (int part = 1; part <= static_cast<int>(g->second.size()); ++part) {
+      if (done != plan.parts_done.end() && done->second.count(part) != 0) {
+        parts_done_.insert({block, part});
+      } else {
+        pending_.push_back({block, part});
+      }
+    }
+    pending_.push_back({block, 0});
+  }
   phase_ = kPhaseCalibrate;
   if (!calibrate_) AdvancePhase();
 }
@@ -77,7 +127,19 @@ v1::Task JobScheduler::MakeTask(const std::string& task_id, const Assignment& a)
   t.set_job_id(job_id_);
   t.set_attempt(a.attempt);
   t.set_attempt_token(task_id);
-  if (a.kind == v1::TASK_KIND_QUANTIZE_BLOCK) t.set_block(a.index);
+  if (a.kind == v1::TASK_KIND_QUANTIZE_BLOCK) {
+    t.set_block(a.index);
+    auto g = groups_.find(a.index);
+    if (a.part >= 0 && g != groups_.end()) {
+      v1::BlockPart* part = t.mutable_part();
+      part->set_index(a.part);
+      part->set_count(static_cast<int32_t>(g->second.size()) + 1);
+      if (a.part > 0) {
+        part->set_expert_begin(g->second[a.part - 1].begin);
+        part->set_expert_end(g->second[a.part - 1].end);
+      }
+    }
+  }
   if (a.kind == v1::TASK_KIND_EVALUATE) *t.mutable_eval() = evals_[a.index];
   if (a.kind == v1::TASK_KIND_CALIBRATE) *t.mutable_calibrate() = calibrate_params_;
   return t;
@@ -101,10 +163,11 @@ std::map<std::string, std::string> JobScheduler::running() const {
   return out;
 }
 
-std::string JobScheduler::Hand(v1::TaskKind kind, int64_t index, const std::string& worker_id) {
-  const int attempt = ++attempts_[{static_cast<int>(kind), index}];
-  const std::string task_id = absl::StrCat(TaskIdPrefix(kind, index), ".a", attempt);
-  const Assignment a{kind, index, attempt, worker_id};
+std::string JobScheduler::Hand(v1::TaskKind kind, int64_t index, int part,
+                               const std::string& worker_id) {
+  const int attempt = ++attempts_[{static_cast<int>(kind), index, part}];
+  const std::string task_id = absl::StrCat(TaskIdPrefix(kind, index, part), ".a", attempt);
+  const Assignment a{kind, index, part, attempt, worker_id};
   assigned_[task_id] = a;
   handed_[task_id] = a;
   return task_id;
@@ -117,14 +180,14 @@ bool JobScheduler::RequeueAssignment(const std::string& task_id, const std::stri
   const Assignment a = it->second;
   assigned_.erase(it);
   out->task_id = task_id;
-  out->what = Describe(a.kind, a.index);
+  out->what = Describe(a.kind, a.index, a.part);
   out->next_attempt = a.attempt + 1;
   if (a.attempt >= max_attempts_) {
     SetError(absl::StrCat(out->what, " was attempted ", a.attempt, " times; last: ", reason));
     return false;
   }
   if (a.kind == v1::TASK_KIND_QUANTIZE_BLOCK) {
-    pending_.push_front(a.index);
+    pending_.push_front({a.index, a.part});
   } else if (a.kind == v1::TASK_KIND_EVALUATE) {
     evals_pending_.push_front(a.index);
   } else {
@@ -155,7 +218,7 @@ v1::Task JobScheduler::Next(const std::string& worker_id, int rank) {
   if (phase_ == kPhaseCalibrate) {
     if (calibrate_given_.count(rank) == 0) {
       calibrate_given_.insert(rank);
-      const Assignment a{v1::TASK_KIND_CALIBRATE, -1, 1, worker_id};
+      const Assignment a{v1::TASK_KIND_CALIBRATE, -1, -1, 1, worker_id};
       handed_[kCalibrateTaskId] = a;
       return MakeTask(kCalibrateTaskId, a);
     }
@@ -171,21 +234,25 @@ v1::Task JobScheduler::Next(const std::string& worker_id, int rank) {
   for (const auto& [task_id, a] : assigned_) {
     block_in_flight = block_in_flight || (sequential_ && a.kind == v1::TASK_KIND_QUANTIZE_BLOCK);
   }
-  if (phase_ == kPhaseQuantize && !pending_.empty() && !block_in_flight) {
-    const int64_t block = pending_.front();
-    pending_.pop_front();
-    const std::string id = Hand(v1::TASK_KIND_QUANTIZE_BLOCK, block, worker_id);
-    return MakeTask(id, assigned_[id]);
+  if (phase_ == kPhaseQuantize && !block_in_flight) {
+    // The first unit that may run: an assembly waits for its block's expert groups.
+    for (auto it = pending_.begin(); it != pending_.end(); ++it) {
+      if (!Ready(*it)) continue;
+      const Unit u = *it;
+      pending_.erase(it);
+      const std::string id = Hand(v1::TASK_KIND_QUANTIZE_BLOCK, u.block, u.part, worker_id);
+      return MakeTask(id, assigned_[id]);
+    }
   }
   if (phase_ == kPhaseFinetune && e2e_pending_) {
     e2e_pending_ = false;
-    const std::string id = Hand(v1::TASK_KIND_FINETUNE_E2E, -1, worker_id);
+    const std::string id = Hand(v1::TASK_KIND_FINETUNE_E2E, -1, -1, worker_id);
     return MakeTask(id, assigned_[id]);
   }
   if (phase_ == kPhaseEvaluate && !evals_pending_.empty()) {
     const int64_t e = evals_pending_.front();
     evals_pending_.pop_front();
-    const std::string id = Hand(v1::TASK_KIND_EVALUATE, e, worker_id);
+    const std::string id = Hand(v1::TASK_KIND_EVALUATE, e, -1, worker_id);
     return MakeTask(id, assigned_[id]);
   }
   return Wait();
@@ -200,9 +267,10 @@ StatusOr<JobScheduler::TaskInfo> JobScheduler::Lookup(const std::string& task_id
   TaskInfo info;
   info.kind = it->second.kind;
   info.index = it->second.index;
+  info.part = it->second.part;
   info.attempt = it->second.attempt;
   switch (info.kind) {
-    case v1::TASK_KIND_QUANTIZE_BLOCK: info.done = blocks_done_.count(info.index) != 0; break;
+    case v1::TASK_KIND_QUANTIZE_BLOCK: info.done = UnitDone({info.index, info.part}); break;
     case v1::TASK_KIND_EVALUATE: info.done = evals_done_.count(info.index) != 0; break;
     case v1::TASK_KIND_FINETUNE_E2E: info.done = e2e_done_; break;
     default: info.done = false; break;  // calibration: per rank, see Complete
@@ -242,14 +310,17 @@ StatusOr<JobScheduler::Completion> JobScheduler::Complete(const std::string& wor
   const Assignment a = rec->second;
   c.kind = a.kind;
   c.attempt = a.attempt;
-  if (a.kind == v1::TASK_KIND_QUANTIZE_BLOCK) c.block = a.index;
+  if (a.kind == v1::TASK_KIND_QUANTIZE_BLOCK) {
+    c.block = a.index;
+    c.part = a.part;
+  }
   if (a.kind == v1::TASK_KIND_EVALUATE) c.eval = a.index;
-  const bool already = a.kind == v1::TASK_KIND_QUANTIZE_BLOCK ? blocks_done_.count(a.index) != 0
+  const bool already = a.kind == v1::TASK_KIND_QUANTIZE_BLOCK ? UnitDone({a.index, a.part})
                        : a.kind == v1::TASK_KIND_EVALUATE     ? evals_done_.count(a.index) != 0
                                                               : e2e_done_;
   // Retire every attempt of the same work (other ranks may hold a requeued copy).
   for (auto it = assigned_.begin(); it != assigned_.end();) {
-    if (it->second.kind == a.kind && it->second.index == a.index) {
+    if (it->second.kind == a.kind && it->second.index == a.index && it->second.part == a.part) {
       it = assigned_.erase(it);
     } else {
       ++it;
@@ -260,7 +331,15 @@ StatusOr<JobScheduler::Completion> JobScheduler::Complete(const std::string& wor
     return c;
   }
   if (a.kind == v1::TASK_KIND_QUANTIZE_BLOCK) {
-    pending_.erase(std::remove(pending_.begin(), pending_.end(), a.index), pending_.end());
+    pending_.erase(std::remove_if(pending_.begin(), pending_.end(),
+                                  [&a](const Unit& u) {
+                                    return u.block == a.index && u.part == a.part;
+                                  }),
+                   pending_.end());
+    if (a.part > 0) {
+      parts_done_.insert({a.index, a.part});
+      return c;
+    }
     blocks_done_.insert(a.index);
     if (phase_ == kPhaseQuantize && blocks_done_.size() == blocks_.size()) {
       AdvancePhase();
@@ -301,7 +380,7 @@ StatusOr<std::vector<JobScheduler::Requeue>> JobScheduler::Fail(const std::strin
     return absl::NotFoundError(
         absl::StrCat("job ", job_id_, " never handed out task '", task_id, "'"));
   }
-  const std::string what = Describe(it->second.kind, it->second.index);
+  const std::string what = Describe(it->second.kind, it->second.index, it->second.part);
   if (!retryable) {
     SetError(absl::StrCat(what, " failed on rank ", rank, ": ", message));
     assigned_.erase(it);
@@ -351,8 +430,13 @@ std::vector<JobScheduler::Requeue> JobScheduler::GroupLost(const std::string& re
     Requeue r;
     if (RequeueAssignment(task_id, reason, &r)) out.push_back(r);
   }
-  // Lowest layer (and evaluation) first again, whatever order the tasks were held in.
-  std::sort(pending_.begin(), pending_.end());
+  // Lowest layer (and evaluation) first again, whatever order the tasks were held in; a split
+  // block's groups before its assembly.
+  std::sort(pending_.begin(), pending_.end(), [](const Unit& x, const Unit& y) {
+    const int px = x.part == 0 ? std::numeric_limits<int>::max() : x.part;
+    const int py = y.part == 0 ? std::numeric_limits<int>::max() : y.part;
+    return std::tie(x.block, px) < std::tie(y.block, py);
+  });
   std::sort(evals_pending_.begin(), evals_pending_.end());
   return out;
 }

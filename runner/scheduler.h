@@ -13,6 +13,10 @@
 //    (no round-robin). A dead rank's block, or a block that failed with `retryable`, returns to
 //    the front of the queue with attempt + 1, for any rank; after `max_attempts` hand-outs the
 //    job fails.
+//  * A MoE block split over tasks (TaskPlan::block_groups) is a QUANTIZE_BLOCK task per expert
+//    group (Task.part 1..), pulled like blocks by any rank, and its assembling part 0, handed out
+//    only once every group of the block is done. A group is requeued, attempted and retired on
+//    its own; the block counts as done when part 0 completes.
 //  * FINETUNE_E2E is one task for one rank, after the last block (it carries the finished
 //    blocks' results); requeued like a block.
 //  * Then the job waits in phase finalize (workers get WAIT) until the manager has written the
@@ -33,6 +37,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/status.h"
@@ -66,6 +71,7 @@ class JobScheduler {
   struct TaskInfo {
     v1::TaskKind kind = v1::TASK_KIND_UNSPECIFIED;
     int64_t index = -1;  // block, or evaluation index
+    int part = -1;       // QUANTIZE_BLOCK of a split block: its part (0 assembles); else -1
     int attempt = 0;
     bool done = false;
   };
@@ -74,6 +80,7 @@ class JobScheduler {
   struct Completion {
     v1::TaskKind kind = v1::TASK_KIND_UNSPECIFIED;
     int64_t block = -1;             // QUANTIZE_BLOCK
+    int part = -1;                  // an expert group (>= 1) or the assembly (0) of a split block
     int64_t eval = -1;              // EVALUATE: index into TaskPlan::evals
     int attempt = 0;
     bool duplicate = false;         // already completed: ignore the result, commit nothing
@@ -109,7 +116,8 @@ class JobScheduler {
 
   int64_t blocks_total() const { return static_cast<int64_t>(blocks_.size()); }
   int64_t blocks_done() const { return static_cast<int64_t>(blocks_done_.size()); }
-  int64_t blocks_pending() const { return static_cast<int64_t>(pending_.size()); }
+  // Blocks with a part (or the whole block) not handed out.
+  int64_t blocks_pending() const;
   // Tasks currently held by workers, by worker id.
   std::map<std::string, std::string> running() const;
   int calibrate_ranks_done() const { return static_cast<int>(calibrate_done_.size()); }
@@ -118,9 +126,19 @@ class JobScheduler {
   struct Assignment {
     v1::TaskKind kind;
     int64_t index = -1;  // block, or evaluation index
+    int part = -1;       // a split block's part; -1: the whole block (or not a block)
     int attempt = 1;
     std::string worker_id;
   };
+  // A QUANTIZE_BLOCK unit of work: a block, or one part of a split block.
+  struct Unit {
+    int64_t block = 0;
+    int part = -1;
+  };
+  // Whether `u` may be handed out now: an assembly waits for its block's groups.
+  bool Ready(const Unit& u) const;
+  bool UnitDone(const Unit& u) const;
+  std::string Describe(v1::TaskKind kind, int64_t index, int part) const;
   v1::Task MakeTask(const std::string& task_id, const Assignment& a);
   v1::Task Wait();
   void SetError(const std::string& message);
@@ -128,7 +146,7 @@ class JobScheduler {
   bool HasWork(const std::string& phase) const;
   // Moves `task_id` (held by a worker) back to the queue. Returns false when attempts are used.
   bool RequeueAssignment(const std::string& task_id, const std::string& reason, Requeue* out);
-  std::string Hand(v1::TaskKind kind, int64_t index, const std::string& worker_id);
+  std::string Hand(v1::TaskKind kind, int64_t index, int part, const std::string& worker_id);
 
   std::string job_id_;
   int world_size_;
@@ -145,8 +163,10 @@ class JobScheduler {
   bool needs_new_group_ = false;
 
   std::vector<int64_t> blocks_;          // all blocks this run quantizes
-  std::deque<int64_t> pending_;          // not handed out (or requeued)
+  std::map<int64_t, std::vector<ExpertGroup>> groups_;  // split blocks' expert groups
+  std::deque<Unit> pending_;             // not handed out (or requeued)
   std::set<int64_t> blocks_done_;
+  std::set<std::pair<int64_t, int>> parts_done_;  // (block, part >= 1) of split blocks
 
   bool e2e_ = false;
   bool e2e_pending_ = false;
@@ -156,7 +176,7 @@ class JobScheduler {
   std::deque<int64_t> evals_pending_;
   std::set<int64_t> evals_done_;
 
-  std::map<std::pair<int, int64_t>, int> attempts_;  // hand-outs so far per (kind, index)
+  std::map<std::tuple<int, int64_t, int>, int> attempts_;  // hand-outs per (kind, index, part)
   std::map<std::string, Assignment> assigned_;  // task id -> current holder
   std::map<std::string, Assignment> handed_;    // every task id ever handed out
 };

@@ -37,7 +37,11 @@ StatusOr<v1::CompleteTaskRequest> ExecuteTask(comm::Comm& comm, JobContext* ctx,
       break;
     }
     case v1::TASK_KIND_QUANTIZE_BLOCK: {
-      auto r = QuantizeBlockStep(ctx, task.block(), attempt, on_event);
+      auto r = task.has_part()
+                   ? QuantizeBlockPartStep(ctx, task.block(), task.part(),
+                                           {task.block_parts().begin(), task.block_parts().end()},
+                                           attempt, on_event)
+                   : QuantizeBlockStep(ctx, task.block(), attempt, on_event);
       status = r.status();
       if (r.ok()) {
         r->set_rank(comm.rank());

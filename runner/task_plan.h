@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -34,6 +35,21 @@ inline constexpr char kPhaseFinalize[] = "finalize";
 inline constexpr char kPhaseEvaluate[] = "evaluate";
 inline constexpr char kPhaseDone[] = "done";
 
+// Routed experts per task of a MoE block split over tasks when the job spec names none.
+inline constexpr int64_t kDefaultExpertsPerTask = 8;
+// The help of every command's --experts-per-task (JobSpec::experts_per_task).
+inline constexpr char kExpertsPerTaskHelp[] =
+    "routed experts per task of a mixture-of-experts block, for methods that round experts on "
+    "their own (rtn, gptq, quip without block fine-tuning): 0 = 8, -1 = one task per block";
+
+// The routed experts [begin, end) of one expert-group task.
+struct ExpertGroup {
+  int64_t begin = 0, end = 0;
+};
+// `experts` split into consecutive groups of `per_task` (0: kDefaultExpertsPerTask; the last
+// group may be smaller). Empty when the block stays one task: per_task < 0, or one group.
+std::vector<ExpertGroup> ExpertGroups(int64_t experts, int64_t per_task);
+
 struct TaskPlan {
   int64_t num_blocks = 0;
   bool calibrate = false;             // one collective CALIBRATE task for every rank, first
@@ -43,6 +59,13 @@ struct TaskPlan {
   // Block l may start only after block l-1 completed (QuaRot's sequential calibration:
   // Recipe::sequential_calibration); the scheduler then hands out one block at a time.
   bool sequential_blocks = false;
+  // MoE blocks split over tasks (MethodNeeds::expert_parts, more than one group): layer -> its
+  // expert groups. Part i >= 1 quantizes groups[i - 1] (any rank, in parallel); part 0 the
+  // block's other weights, once every group is done, and assembles the block's shard.
+  std::map<int64_t, std::vector<ExpertGroup>> block_groups;
+  // Groups an earlier run finished (JobPlan::parts_done matched to this plan's groups): layer ->
+  // part index -> its result.
+  std::map<int64_t, std::map<int, v1::BlockResult>> parts_done;
   bool finetune_e2e = false;          // one FINETUNE_E2E task after the last block
   std::vector<v1::EvalParams> evals;  // EVALUATE tasks after finalize
   std::vector<std::string> phases;    // in order, from kPhasePlan to kPhaseDone

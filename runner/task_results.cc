@@ -1,12 +1,13 @@
 #include "runner/task_results.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/log.h"
 #include "runner/journal.h"
 
 namespace qcal::job {
 
 std::string WorkKey(const JobScheduler::TaskInfo& info) {
-  return absl::StrCat(static_cast<int>(info.kind), ":", info.index);
+  return absl::StrCat(static_cast<int>(info.kind), ":", info.index, ":", info.part);
 }
 
 StatusOr<std::vector<v1::WrittenFile>> ResultFiles(const v1::CompleteTaskRequest& result,
@@ -20,6 +21,12 @@ StatusOr<std::vector<v1::WrittenFile>> ResultFiles(const v1::CompleteTaskRequest
       if (result.block().layer() != info.index) {
         return absl::InvalidArgumentError(absl::StrCat(
             "the result is for block ", result.block().layer(), ", not ", info.index));
+      }
+      if ((info.part > 0) != (result.block().has_part() && result.block().part().index() > 0) ||
+          (info.part > 0 && result.block().part().index() != info.part)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "the result is for part ", result.block().part().index(), " of block ", info.index,
+            ", the task was part ", info.part));
       }
       return FilesOf(result.block());
     case v1::TASK_KIND_FINETUNE_E2E:
@@ -46,12 +53,25 @@ Acceptance AcceptResultFiles(JobWorkspace& workspace, const v1::CompleteTaskRequ
     a.commit = Annotate(workspace.Append(entry), "journal");
     if (!a.commit.ok()) return a;
   }
+  if (result.has_block() && result.block().merged_parts_size() > 0) {
+    // The block's shard holds its expert groups now: their part files go (a failure here loses
+    // nothing; finalize removes what is left).
+    std::vector<std::string> names;
+    for (const v1::WrittenFile& f : result.block().merged_parts()) names.push_back(f.name());
+    const Status removed = workspace.Discard(names);
+    if (!removed.ok()) {
+      QCAL_LOG_WARN("block {}: {}", result.block().layer(), std::string(removed.message()));
+    }
+  }
   return a;
 }
 
 std::vector<nlohmann::json> JournalEntries(const v1::CompleteTaskRequest& result) {
   std::vector<nlohmann::json> entries;
-  if (result.has_block()) entries.push_back(BlockDoneEntry(result.block()));
+  if (result.has_block()) {
+    const bool group = result.block().has_part() && result.block().part().index() > 0;
+    entries.push_back(group ? BlockPartDoneEntry(result.block()) : BlockDoneEntry(result.block()));
+  }
   if (result.has_finetune()) entries.push_back(E2eDoneEntry(result.finetune()));
   if (result.has_calibrate()) {
     for (const v1::PhaseCurve& c : result.calibrate().curves()) {

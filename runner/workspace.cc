@@ -1,5 +1,9 @@
 #include "runner/workspace.h"
 
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
@@ -25,6 +29,7 @@ class DiskWorkspace : public JobWorkspace {
     journal_.emplace(std::move(journal));
     out_dir_ = spec.out_dir();
     num_blocks_ = plan.num_blocks;
+    plan.experts_per_task = spec.experts_per_task();
     QCAL_RETURN_IF_ERROR(
         journal_->Append(JobStartEntry(recipe, plan, spec.model_dir(), spec.out_dir())));
     return plan;
@@ -45,6 +50,20 @@ class DiskWorkspace : public JobWorkspace {
   Status Append(const nlohmann::json& entry) override {
     if (!journal_) return absl::FailedPreconditionError("the job's journal is not open");
     return journal_->Append(entry);
+  }
+
+  Status Discard(const std::vector<std::string>& part_files) override {
+    for (const std::string& name : part_files) {
+      if (!IsPartFileName(name)) {
+        return absl::InvalidArgumentError(absl::StrCat("'", name, "' is no part file"));
+      }
+      const std::string path = out_dir_ + "/" + name;
+      if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+        return absl::InternalError(
+            absl::StrCat(path, ": cannot remove: ", std::strerror(errno)));
+      }
+    }
+    return Status();
   }
 
   bool HoldsJobDir() const override { return job_lock_held_; }

@@ -50,6 +50,9 @@ class JobWorkspace {
   virtual Status Commit(const std::vector<v1::WrittenFile>& files) = 0;
   // Appends one journal entry (block_done / e2e_done from a worker), fsynced.
   virtual Status Append(const nlohmann::json& entry) = 0;
+  // Removes committed expert-group part files (job_dir.h PartFileName) that an assembled
+  // block's journaled shard now holds; other names are refused. Nothing to do by default.
+  virtual Status Discard(const std::vector<std::string>& part_files) { return Status(); }
   // Shard 0 (unless end-to-end fine-tuned), index, config.json, tokenizer; appends job_done.
   // Returns the summary (bits per weight, ...).
   virtual StatusOr<nlohmann::json> Finalize(const Recipe& recipe, const v1::JobSpec& spec) = 0;

@@ -176,12 +176,14 @@ seeds_journal_fuzz() {
   cat > "$W/seeds/journal.jsonl" <<'JSONL'
 {"event":"job_start","recipe_hash":"0123456789abcdef","model_dir":"/m","recipe":{"name":"q","method":"quip"}}
 {"event":"block_done","layer":0,"shard":"model-00001-of-00005.safetensors","bytes":1234,"checksum":"0123456789abcdef","seconds":1.5,"mse_before_ft":null,"mse_after_ft":0.5,"metrics":[{"name":"self_attn.q_proj","code_bits":2.0,"stored_bits":2.1,"proxy_loss":0.1}],"also_wrote":{"model-00000-of-00005.safetensors":"fedcba9876543210"}}
+{"event":"block_part_done","layer":1,"shard":".qcal-part-00001-00000-00002.safetensors","bytes":99,"checksum":"0123456789abcdef","seconds":0.5,"metrics":[],"rank":1,"part":{"index":1,"count":3,"expert_begin":0,"expert_end":2}}
 {"event":"e2e_done","checksums":{"model-00000-of-00005.safetensors":"0123456789abcdef"},"kl_before":0.2,"kl_after":0.1,"best_epoch":2,"head_tuned":true,"seconds":3.0}
 {"event":"job_done"}
 {"event":"block_do
 JSONL
   printf '%s\n' '"event"' '"block_done"' '"e2e_done"' '"job_start"' '"job_done"' '"layer"' \
-    '"shard"' '"checksum"' '"also_wrote"' '"checksums"' '"metrics"' > "$W/dict"
+    '"shard"' '"checksum"' '"also_wrote"' '"checksums"' '"metrics"' '"block_part_done"' '"part"' \
+    '"expert_begin"' '"expert_end"' > "$W/dict"
 }
 
 failed=0

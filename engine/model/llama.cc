@@ -16,6 +16,7 @@
 #include "absl/strings/str_join.h"
 #include "common/cpu.h"
 #include "common/dtype.h"
+#include "engine/model/block_select.h"
 #include "engine/model/tensor_io.h"
 #include "kernels/blas_threads.h"
 
@@ -509,37 +510,53 @@ std::vector<int64_t> LinearShape(const LlamaConfig& c, LinearKind kind, int64_t 
 
 StatusOr<BlockWeights> LoadBlockWeights(CheckpointReader& ckpt, const LlamaConfig& c,
                                         int64_t layer) {
+  return LoadBlockWeightsPart(ckpt, c, layer, BlockSelection());
+}
+
+StatusOr<BlockWeights> LoadBlockWeightsPart(CheckpointReader& ckpt, const LlamaConfig& c,
+                                            int64_t layer, const BlockSelection& select) {
   if (layer < 0 || layer >= c.num_hidden_layers) {
     return absl::OutOfRangeError(absl::StrCat("block ", layer, " out of range [0, ",
                                               c.num_hidden_layers, ")"));
   }
   const std::string p = c.TensorName(absl::StrCat("model.layers.", layer, "."));
   const int64_t hid = c.hidden_size;
+  const bool moe = c.IsMoeLayer(layer);
+  const int64_t experts = moe ? c.num_experts : 0;
+  const int64_t begin = select.expert_begin;
+  const int64_t end = select.expert_end < 0 ? experts : select.expert_end;
+  if (moe && (begin < 0 || begin > end || end > experts)) {
+    return absl::OutOfRangeError(absl::StrCat("block ", layer, ": experts [", begin, ", ", end,
+                                              ") out of range [0, ", experts, ")"));
+  }
   BlockWeights w;
   w.layer = layer;
-  QCAL_ASSIGN_OR_RETURN(w.input_norm, LoadTensorF32(ckpt, p + "input_layernorm.weight", {hid}));
-  QCAL_ASSIGN_OR_RETURN(w.post_norm,
-                        LoadTensorF32(ckpt, p + "post_attention_layernorm.weight", {hid}));
-  const bool moe = c.IsMoeLayer(layer);
-  for (LinearKind k : kAllLinears) {
-    const int i = static_cast<int>(k);
-    if (!BlockHasLinear(c, layer, k)) continue;  // Mixtral: no dense MLP beside the experts
-    QCAL_ASSIGN_OR_RETURN(at::Tensor t,
-                          LoadTensorF32(ckpt, LinearTensorName(c, layer, k) + ".weight",
-                                        LinearShape(c, k, layer)));
-    w.linears[i] = std::make_unique<DenseLinear>(std::move(t));
+  if (select.dense) {
+    QCAL_ASSIGN_OR_RETURN(w.input_norm, LoadTensorF32(ckpt, p + "input_layernorm.weight", {hid}));
+    QCAL_ASSIGN_OR_RETURN(w.post_norm,
+                          LoadTensorF32(ckpt, p + "post_attention_layernorm.weight", {hid}));
+    for (LinearKind k : kAllLinears) {
+      const int i = static_cast<int>(k);
+      if (!BlockHasLinear(c, layer, k)) continue;  // Mixtral: no dense MLP beside the experts
+      QCAL_ASSIGN_OR_RETURN(at::Tensor t,
+                            LoadTensorF32(ckpt, LinearTensorName(c, layer, k) + ".weight",
+                                          LinearShape(c, k, layer)));
+      w.linears[i] = std::make_unique<DenseLinear>(std::move(t));
+    }
   }
   if (!moe) return w;
-  const int64_t experts = c.num_experts, inter = c.intermediate_size;
+  const int64_t inter = c.intermediate_size;
   w.moe = std::make_unique<MoeWeights>();
   w.moe->experts.resize(experts);
   auto set = [&](int64_t e, ExpertLinear k, at::Tensor t) {
     w.moe->experts[e].linears[static_cast<int>(k)] = std::make_unique<DenseLinear>(std::move(t));
   };
-  QCAL_ASSIGN_OR_RETURN(w.moe->router, LoadTensorF32(ckpt, c.RouterModule(layer) + ".weight",
-                                                     {experts, hid}));
+  if (select.dense) {
+    QCAL_ASSIGN_OR_RETURN(w.moe->router, LoadTensorF32(ckpt, c.RouterModule(layer) + ".weight",
+                                                       {experts, hid}));
+  }
   if (c.family == ModelFamily::kMixtral) {
-    for (int64_t e = 0; e < experts; ++e) {
+    for (int64_t e = begin; e < end; ++e) {
       for (ExpertLinear k : kExpertLinears) {
         QCAL_ASSIGN_OR_RETURN(
             at::Tensor t, LoadTensorF32(ckpt, ExpertTensorName(c, layer, e, k) + ".weight",
@@ -552,7 +569,7 @@ StatusOr<BlockWeights> LoadBlockWeights(CheckpointReader& ckpt, const LlamaConfi
   // Llama 4: fused experts, gate_up_proj [E, hidden, 2·inter] (gate columns first) and
   // down_proj [E, inter, hidden] (x · W, not x · Wᵀ), split per expert as they are read.
   const std::string f = p + "feed_forward.";
-  for (int64_t e = 0; e < experts; ++e) {
+  for (int64_t e = begin; e < end; ++e) {
     QCAL_ASSIGN_OR_RETURN(at::Tensor gate_up, LoadSlabF32(ckpt, f + "experts.gate_up_proj",
                                                           {experts, hid, 2 * inter}, e));
     QCAL_ASSIGN_OR_RETURN(at::Tensor down, LoadSlabF32(ckpt, f + "experts.down_proj",

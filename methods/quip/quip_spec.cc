@@ -116,6 +116,7 @@ MethodNeeds QuipConfig::needs() const {
   n.float_hessians = true;
   n.supports_finetune = true;
   n.supports_moe = true;
+  n.expert_parts = true;  // PerLinearQuantizer rounds each expert on its own
   return n;
 }
 

@@ -30,6 +30,7 @@ MethodNeeds RtnConfig::needs() const {
   MethodNeeds n;
   n.supports_finetune = true;
   n.supports_moe = true;
+  n.expert_parts = true;  // PerLinearQuantizer rounds each expert on its own
   return n;
 }
 

@@ -67,6 +67,20 @@ TEST(SlurmScriptTest, TheCpuVariantHasNoGpusAndQuotesOddPaths) {
   EXPECT_TRUE(Contains(*script, "--model '/models/it'\\''s here'")) << *script;
   EXPECT_FALSE(Contains(*script, "--no-eval"));
   EXPECT_TRUE(Contains(*script, "--data-root /data"));
+  EXPECT_FALSE(Contains(*script, "--experts-per-task")) << "the default passes nothing";
+}
+
+// A MoE job's expert groups per task reach the batch script's `qcal run` (issue 53).
+TEST(SlurmScriptTest, ExpertsPerTaskReachesTheRun) {
+  SlurmScriptOptions o = Options();
+  o.experts_per_task = 16;
+  auto script = MakeSlurmScript(o);
+  ASSERT_TRUE(script.ok()) << script.status();
+  EXPECT_TRUE(Contains(*script, "--no-eval --experts-per-task 16")) << *script;
+  o.experts_per_task = -1;
+  script = MakeSlurmScript(o);
+  ASSERT_TRUE(script.ok()) << script.status();
+  EXPECT_TRUE(Contains(*script, "--experts-per-task -1")) << *script;
 }
 
 TEST(SlurmScriptTest, ScriptsAreValidBash) {

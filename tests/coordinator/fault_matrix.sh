@@ -17,6 +17,10 @@
 # Each case must end SUCCEEDED with output byte-identical to `qcal quantize` and no finished block
 # journaled twice. Prints one table row per case: case | recovery | blocks redone | seconds lost |
 # identical.
+# With QCAL_FAULT_MOE=1 the job is a mixture-of-experts one instead (issue 53): stories260K
+# upcycled into Mixtral (tests/reference/moe_reference.py, 4 experts) quantized by gptq 4-bit with
+# --experts-per-task 1, so every MoE block is 4 expert-group tasks and an assembly; besides the
+# blocks, no expert group may be journaled twice (block_part_done).
 # Usage: fault_matrix.sh SOURCE_DIR BUILD_DIR [CASE...]   (no case: all)
 set -euo pipefail
 src=$1 build=$2
@@ -43,14 +47,28 @@ unset QCAL_NUM_THREADS OPENBLAS_NUM_THREADS OMP_NUM_THREADS
 sed -e 's/^name: quip-e8p-2bit-ft/name: quip-e8p-2bit-ft-small/' \
     -e 's/num_sequences: 128/num_sequences: 32/' "$src/jobs/quip-e8p-2bit-ft.yaml" > "$work/ft.yaml"
 grep -q 'num_sequences: 32' "$work/ft.yaml" || { echo "could not shorten the ft recipe"; exit 2; }
+job_args=()
+if [ "${QCAL_FAULT_MOE:-0}" = 1 ]; then
+  /usr/bin/python3 "$src/tests/reference/moe_reference.py" upcycle --dense "$work/model" \
+    --out "$work/moe" --layout mixtral --experts 4 --top-k 2 --noise 0.05 --seed 1 > /dev/null
+  rm -rf "$work/model" && mv "$work/moe" "$work/model"
+  cat > "$work/ft.yaml" <<'YAML'
+name: moe-gptq-4bit-faults
+method: gptq
+bits: 4
+calibration: {files: [data/tinystories/TinyStories-valid.sample30k.txt], num_sequences: 32, seq_len: 128}
+YAML
+  job_args=(--experts-per-task 1)
+fi
 "$q" quantize --recipe "$work/ft.yaml" --model "$work/model" --out "$work/ref" \
-  --data-root "$shared" > "$work/ref.log" 2>&1 || { tail -5 "$work/ref.log"; exit 1; }
+  --data-root "$shared" --experts-per-task -1 > "$work/ref.log" 2>&1 || { tail -5 "$work/ref.log"; exit 1; }
 
 run() {  # run OUT STATE LOG [ARGS...]: qcal run in the background; sets run_pid
   local out=$1 state=$2 log=$3
   shift 3
   "$q" run "$work/ft.yaml" --model "$work/model" --out "$out" --state "$state" \
-    --data-root "$shared" --workers 2 --threads 1 --no-eval "$@" >> "$log" 2>&1 &
+    --data-root "$shared" --workers 2 --threads 1 --no-eval ${job_args[@]+"${job_args[@]}"} "$@" \
+    >> "$log" 2>&1 &
   run_pid=$!
 }
 phase_of() {  # the job record's phase in STATE
@@ -65,7 +83,7 @@ try:
     lines = open(sys.argv[1]).read().splitlines()
 except OSError:
     lines = []
-done = collections.Counter()
+done, parts = collections.Counter(), collections.Counter()
 for l in lines:
     try:
         e = json.loads(l)
@@ -73,11 +91,14 @@ for l in lines:
         continue
     if e.get("event") == "block_done":
         done[e["layer"]] += 1
-print(sum(done.values()), sum(n - 1 for n in done.values()))
+    if e.get("event") == "block_part_done":  # an expert group of a split MoE block
+        p = e.get("part", {})
+        parts[(e["layer"], p.get("expert_begin"), p.get("expert_end"))] += 1
+print(sum(done.values()), sum(n - 1 for n in done.values()) + sum(n - 1 for n in parts.values()))
 PY
 }
-identical() {  # identical OUT: every reference file byte-identical, same file set
-  [ "$(cd "$work/ref" && ls | sort)" = "$(cd "$1" && ls | sort)" ] || return 1
+identical() {  # identical OUT: every reference file byte-identical, same file set (hidden too)
+  [ "$(cd "$work/ref" && ls -A | sort)" = "$(cd "$1" && ls -A | sort)" ] || return 1
   for f in "$work/ref"/*; do cmp -s "$f" "$1/$(basename "$f")" || return 1; done
 }
 now() { date +%s.%N; }

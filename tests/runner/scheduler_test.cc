@@ -66,6 +66,102 @@ TEST(SchedulerTest, FasterRanksPullMoreBlocks) {
   EXPECT_LE(count[1], 13);
 }
 
+// A MoE block split over tasks (issue 53): its expert groups go out to whichever ranks ask, in
+// parallel; its assembly (part 0, carrying the block's part count) only once every group is
+// done; a lost group is handed out again (attempt 2) before anything else; a group an earlier
+// run finished is not handed out; the block is done when its assembly completes.
+TEST(SchedulerTest, SplitMoeBlocksHandOutGroupsThenTheirAssembly) {
+  TaskPlan plan = Plan(2, false);
+  plan.block_groups[0] = {{0, 2}, {2, 4}, {4, 5}};
+  plan.block_groups[1] = {{0, 2}, {2, 4}, {4, 5}};
+  plan.parts_done[1][2] = v1::BlockResult();  // block 1 experts [2, 4): done by an earlier run
+  JobScheduler s("job-1", 3, plan);
+  ASSERT_EQ(s.phase(), "quantize");
+  EXPECT_EQ(s.blocks_pending(), 2);
+  v1::Task a = s.Next("w0", 0), b = s.Next("w1", 1), c = s.Next("w2", 2);
+  for (const v1::Task* t : {&a, &b, &c}) {
+    ASSERT_EQ(t->kind(), v1::TASK_KIND_QUANTIZE_BLOCK);
+    EXPECT_EQ(t->block(), 0);
+    ASSERT_TRUE(t->has_part());
+    EXPECT_EQ(t->part().count(), 4);
+  }
+  EXPECT_EQ(a.part().index(), 1);
+  EXPECT_EQ(a.task_id(), "block-0.p1.a1");
+  EXPECT_EQ(b.part().expert_begin(), 2);
+  EXPECT_EQ(b.part().expert_end(), 4);
+  EXPECT_EQ(c.part().index(), 3);
+  EXPECT_EQ(c.part().expert_end(), 5);
+  // Rank 0 finishes its group: the next unit that may run is block 1's first group, not block
+  // 0's assembly.
+  auto done = s.Complete("w0", 0, a.task_id());
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_EQ(done->block, 0);
+  EXPECT_EQ(done->part, 1);
+  EXPECT_FALSE(done->phase_finished);
+  EXPECT_EQ(s.blocks_done(), 0);
+  v1::Task d = s.Next("w0", 0);
+  EXPECT_EQ(d.block(), 1);
+  EXPECT_EQ(d.part().index(), 1);
+  // Rank 1 dies holding block 0's second group: it comes back first, as attempt 2.
+  auto requeued = s.WorkerLost("w1", 1);
+  ASSERT_EQ(requeued.size(), 1u);
+  EXPECT_EQ(requeued[0].what, "block 0 experts [2, 4)");
+  v1::Task b2 = s.Next("w3", 1);
+  EXPECT_EQ(b2.block(), 0);
+  EXPECT_EQ(b2.part().index(), 2);
+  EXPECT_EQ(b2.attempt(), 2);
+  // The superseded attempt's result is a duplicate once the new one completed.
+  ASSERT_TRUE(s.Complete("w3", 1, b2.task_id()).ok());
+  auto late = s.Complete("w1", 1, b.task_id());
+  ASSERT_TRUE(late.ok());
+  EXPECT_TRUE(late->duplicate);
+  // Block 0's third group is still out: its assembly waits; block 1's last group goes (its
+  // finished group [2, 4) is skipped).
+  v1::Task e = s.Next("w3", 1);
+  EXPECT_EQ(e.block(), 1);
+  EXPECT_EQ(e.part().index(), 3);
+  EXPECT_EQ(s.Next("w4", 3).kind(), v1::TASK_KIND_WAIT);
+  ASSERT_TRUE(s.Complete("w2", 2, c.task_id()).ok());
+  v1::Task assemble0 = s.Next("w2", 2);
+  EXPECT_EQ(assemble0.block(), 0);
+  EXPECT_EQ(assemble0.part().index(), 0);
+  EXPECT_EQ(assemble0.part().count(), 4);
+  EXPECT_EQ(assemble0.task_id(), "block-0.p0.a1");
+  auto info = s.Lookup(assemble0.task_id());
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->part, 0);
+  EXPECT_FALSE(info->done);
+  ASSERT_TRUE(s.Complete("w2", 2, assemble0.task_id()).ok());
+  EXPECT_EQ(s.blocks_done(), 1);
+  ASSERT_TRUE(s.Complete("w0", 0, d.task_id()).ok());
+  ASSERT_TRUE(s.Complete("w3", 1, e.task_id()).ok());
+  v1::Task assemble1 = s.Next("w0", 0);
+  EXPECT_EQ(assemble1.block(), 1);
+  EXPECT_EQ(assemble1.part().index(), 0);
+  auto last = s.Complete("w0", 0, assemble1.task_id());
+  ASSERT_TRUE(last.ok());
+  EXPECT_TRUE(last->phase_finished);
+  EXPECT_TRUE(s.awaiting_finalize());
+  EXPECT_TRUE(s.error().empty());
+}
+
+// A split block whose whole worker group is lost: the groups it held go back before its
+// assembly, lowest block first.
+TEST(SchedulerTest, AGroupLostRequeuesSplitBlocksGroupsBeforeTheirAssembly) {
+  TaskPlan plan = Plan(1, false);
+  plan.block_groups[0] = {{0, 1}, {1, 2}};
+  JobScheduler s("job-1", 2, plan);
+  v1::Task a = s.Next("w0", 0), b = s.Next("w1", 1);
+  ASSERT_EQ(a.part().index(), 1);
+  ASSERT_EQ(b.part().index(), 2);
+  EXPECT_EQ(s.GroupLost("mpirun died").size(), 2u);
+  v1::Task first = s.Next("v0", 0), second = s.Next("v1", 1);
+  EXPECT_EQ(first.part().index(), 1);
+  EXPECT_EQ(second.part().index(), 2);
+  EXPECT_EQ(first.attempt(), 2);
+  EXPECT_EQ(s.Next("v2", 2).kind(), v1::TASK_KIND_WAIT);  // the assembly waits for both
+}
+
 TEST(SchedulerTest, SequentialBlocksGoOutOneAtATimeInOrder) {
   TaskPlan plan = Plan(3, false);
   plan.sequential_blocks = true;

@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include "methods/registry.h"
+#include "runner/job_dir.h"
+#include "runner/journal.h"
 
 namespace qcal {
 namespace {
@@ -117,6 +119,62 @@ TEST(PlannerTest, EndToEndFinetuneAfterTheBlocksAndRedoneWhenABlockIsRedone) {
   t = MakeTaskPlan(r, p);
   EXPECT_TRUE(t.finetune_e2e);
   EXPECT_EQ(t.blocks, (std::vector<int64_t>{1}));
+}
+
+// A MoE model's blocks split into expert-group tasks (issue 53, deliverable 4) for the methods
+// that round experts on their own, in groups of the spec's size (default 8): not for a dense
+// layer, a method that quantizes whole blocks (QuaRot) or tunes them (QuIP# with block
+// fine-tuning), nor with experts_per_task -1 or a group as large as the block.
+TEST(PlannerTest, MoeBlocksSplitIntoExpertGroupsForPerExpertMethods) {
+  EXPECT_EQ(ExpertGroups(5, 2).size(), 3u);
+  EXPECT_EQ(ExpertGroups(5, 2).back().begin, 4);
+  EXPECT_EQ(ExpertGroups(5, 2).back().end, 5);
+  EXPECT_EQ(ExpertGroups(16, 0).size(), 2u);  // kDefaultExpertsPerTask
+  EXPECT_TRUE(ExpertGroups(8, 0).empty());     // one group: the block stays one task
+  EXPECT_TRUE(ExpertGroups(16, -1).empty());
+  EXPECT_TRUE(ExpertGroups(4, 4).empty());
+
+  JobPlan p = FreshPlan(3);
+  p.config.num_experts = 16;
+  p.config.moe_layers = {true, false, true};  // a dense layer between two MoE layers
+  TaskPlan t = MakeTaskPlan(Quip(), p);
+  ASSERT_EQ(t.block_groups.size(), 2u);
+  EXPECT_EQ(t.block_groups.count(1), 0u);
+  ASSERT_EQ(t.block_groups[0].size(), 2u);
+  EXPECT_EQ(t.block_groups[0][1].begin, 8);
+  EXPECT_EQ(t.block_groups[0][1].end, 16);
+  EXPECT_EQ(t.blocks, (std::vector<int64_t>{0, 1, 2}));
+
+  p.experts_per_task = 5;
+  t = MakeTaskPlan(Rtn(), p);
+  ASSERT_EQ(t.block_groups[2].size(), 4u);
+  EXPECT_EQ(t.block_groups[2][3].begin, 15);
+
+  // A group an earlier run finished is matched to this plan's group of the same experts; one
+  // of another split is not.
+  v1::BlockResult done;
+  done.set_layer(2);
+  done.mutable_shard()->set_name(PartFileName(2, 5, 10));
+  done.mutable_part()->set_index(7);
+  done.mutable_part()->set_expert_begin(5);
+  done.mutable_part()->set_expert_end(10);
+  p.parts_done[2].push_back(BlockPartDoneEntry(done));
+  done.mutable_part()->set_expert_begin(4);
+  p.parts_done[2].push_back(BlockPartDoneEntry(done));
+  t = MakeTaskPlan(Rtn(), p);
+  ASSERT_EQ(t.parts_done[2].size(), 1u);
+  EXPECT_EQ(t.parts_done[2].begin()->first, 2);  // part 2 = experts [5, 10)
+  EXPECT_EQ(t.parts_done[2][2].part().index(), 2);
+  EXPECT_EQ(t.parts_done[2][2].part().count(), 5);
+
+  p.experts_per_task = -1;
+  EXPECT_TRUE(MakeTaskPlan(Rtn(), p).block_groups.empty());
+  p.experts_per_task = 0;
+  EXPECT_TRUE(MakeTaskPlan(Parse("method: quip\nfinetune: {enabled: true}\n"), p)
+                  .block_groups.empty());
+  EXPECT_TRUE(MakeTaskPlan(Parse("method: quarot\nbits: 4\nweights: rtn\n"), p).block_groups.empty());
+  p.block_finished[0] = true;  // a finished block is not split again
+  EXPECT_EQ(MakeTaskPlan(Quip(), p).block_groups.count(0), 0u);
 }
 
 }  // namespace
