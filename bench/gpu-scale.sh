@@ -12,6 +12,10 @@
 # Here, to try the logic on the CPU (small calibration, one case):
 #   QCAL_SCALE_BIN=build/client/qcal QCAL_SCALE_DEVICE=cpu QCAL_SCALE_SEQS=2 \
 #     QCAL_SCALE_SEQ_LEN=64 QCAL_SCALE_CASES=8b-gptq4 bench/gpu-scale.sh run /tmp/scale
+# Mixture-of-experts cases (issue 53, on request: QCAL_SCALE_CASES="mixtral-gptq4 scout-gptq4"):
+# one Mixtral-8x7B- or Llama-4-Scout-shaped layer, quantized with --experts-per-task 1 (each
+# expert its own task, run one after another on the one GPU); the projection spreads a model's
+# expert tasks over the 8 ranks.
 # Knobs: QCAL_SCALE_CASES (default "8b-gptq4 8b-quip2 70b-gptq4 70b-quip2"), QCAL_SCALE_SEQS (128),
 # QCAL_SCALE_SEQ_LEN (2048), QCAL_SCALE_STEP_S (each job's time budget, default 150 s),
 # QCAL_SCALE_THREADS (host threads, default: all cores), QCAL_SCALE_WORK (models and jobs,
@@ -55,7 +59,10 @@ make_model() {  # shape
 }
 shapes=()
 for c in "${cases[@]}"; do
-  case $c in 8b-*) s=llama3-8b ;; 70b-*) s=llama3-70b ;; *) echo "unknown case $c" >&2; exit 2 ;; esac
+  case $c in
+    8b-*) s=llama3-8b ;; 70b-*) s=llama3-70b ;; mixtral-*) s=mixtral-8x7b ;; scout-*) s=llama4-scout ;;
+    *) echo "unknown case $c" >&2; exit 2 ;;
+  esac
   [[ " ${shapes[*]} " == *" $s "* ]] || shapes+=("$s")
 done
 declare -A made
@@ -67,9 +74,12 @@ if [ ${#shapes[@]} -gt 1 ]; then
 fi
 
 for c in "${cases[@]}"; do
+  split=()
   case $c in
     8b-*) shape=llama3-8b ;;
     70b-*) shape=llama3-70b ;;
+    mixtral-*) shape=mixtral-8x7b split=(--experts-per-task 1) ;;
+    scout-*) shape=llama4-scout split=(--experts-per-task 1) ;;
   esac
   case $c in
     *-gptq4) recipe=jobs/gptq-4bit.yaml ;;
@@ -86,7 +96,8 @@ for c in "${cases[@]}"; do
   rm -rf "$W/out-$c" "$W/out-$c.job"
   start=$(date +%s.%N)
   timeout "$budget" $Q --log-level info quantize --recipe "$r" --model "$W/$shape-1" \
-    --out "$W/out-$c" --data-root "$S" --device "$device" --threads "$threads" --json \
+    --out "$W/out-$c" --data-root "$S" --device "$device" --threads "$threads" \
+    ${split[@]+"${split[@]}"} --json \
     > "$out/$c.json" 2> "$out/$c.log"
   rc=$?
   secs=$($PY -c "print(round($(date +%s.%N) - $start, 1))")
@@ -104,7 +115,8 @@ import json, math, os, sys
 out, seqs, seq_len, device = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 cases = sys.argv[5:]
 GiB = 1 << 30
-LAYERS = {"8b": 32, "70b": 80}
+LAYERS = {"8b": 32, "70b": 80, "mixtral": 32, "scout": 48}
+MOE = {"mixtral", "scout"}  # their block's tasks (expert groups + assembly) spread over ranks
 PAPER_TOKENS, RANKS = 6144 * 4096, 8
 measured_tokens = seqs * seq_len
 
@@ -135,6 +147,7 @@ for c in cases:
         print(f"| {c} | did not finish (see {c}.log) |" + " |" * (len(cols) - 2))
         continue
     cal = j["calibrate_phases"]
+    # A split MoE block's phases are its expert tasks' and its assembly's, summed by name.
     blk = j["blocks"][0]["phases"] if j["blocks"] else []
     m = {"read": phase(cal, "hessians/read weights"), "forward": phase(cal, "hessians/forward"),
          "reduce": phase(cal, "hessians/reduce"), "save": phase(cal, "hessians/save"),
@@ -165,7 +178,9 @@ Hessian sums on 1/{RANKS} of the tokens (forward + Hessian sums, scaled linearly
 one-GPU loan); then the block tasks go to the ranks, {RANKS} at a time (block = read + transform
 + load calibration + quantize + write of the measured layer). Layers: 8B 32, 70B 80.
 calibrate = L x (read + forward x {PAPER_TOKENS // RANKS}/{measured_tokens} + reduce + save);
-quantize = ceil(L/{RANKS}) x block. Attention at 4096 positions costs more per token than at
+quantize = ceil(L/{RANKS}) x block; for a MoE model (Mixtral 32 layers, Scout 48) the block's
+expert tasks (one expert each) spread over the ranks too: quantize = L x block / {RANKS}, a lower
+bound (the assembly waits for its groups). Attention at 4096 positions costs more per token than at
 {seq_len}: the forward term is a lower bound by that share.
 """)
 print("| model, method | calibrate (h) | quantize (h) | total (h) | target |")
@@ -175,7 +190,7 @@ for c, m in rows.items():
     L = LAYERS[size]
     calib = L * (m["read"] + m["forward"] * (PAPER_TOKENS / RANKS) / measured_tokens +
                  m["reduce"] + m["save"])
-    quant = math.ceil(L / RANKS) * m["block"]
+    quant = (L * m["block"] / RANKS if size in MOE else math.ceil(L / RANKS) * m["block"])
     target = {("70b", "quip2"): "<= 1 h", ("70b", "gptq4"): "<= 0.5 h"}.get((size, method), "")
     print(f"| {size.upper()} {method} | {calib / 3600:.2f} | {quant / 3600:.2f} | "
           f"{(calib + quant) / 3600:.2f} | {target} |")

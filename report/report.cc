@@ -301,8 +301,23 @@ struct Journal {
   // The latest phase_done of each global phase that trained, in the order they first appear.
   std::vector<std::pair<std::string, nlohmann::json>> phases;
   nlohmann::json expert_load;  // the last expert_load (null: a dense model's job)
+  // A MoE block split over tasks: its expert groups' block_part_done, the last per expert range.
+  std::map<int64_t, std::map<std::pair<int64_t, int64_t>, nlohmann::json>> parts;
   bool done = false;
 };
+
+// The journal entries of finished block `layer`'s tasks: its block_done `b`, and for a MoE block
+// split over tasks its expert groups' (their time and memory count for the block; their metrics
+// are in `b` already).
+std::vector<const nlohmann::json*> BlockTasks(const Journal& j, int64_t layer,
+                                              const nlohmann::json& b) {
+  std::vector<const nlohmann::json*> tasks = {&b};
+  auto it = j.parts.find(layer);
+  if (it != j.parts.end()) {
+    for (const auto& [range, e] : it->second) tasks.push_back(&e);
+  }
+  return tasks;
+}
 
 StatusOr<Journal> ReadJournal(const std::string& path) {
   QCAL_ASSIGN_OR_RETURN(std::string text, ReadFile(path));
@@ -326,6 +341,11 @@ StatusOr<Journal> ReadJournal(const std::string& path) {
       j.done = false;
     } else if (event == "block_done") {
       j.blocks[e.value("layer", int64_t{-1})] = e;
+    } else if (event == "block_part_done") {
+      const nlohmann::json part = e.value("part", nlohmann::json::object());
+      if (!part.is_object()) continue;
+      j.parts[e.value("layer", int64_t{-1})][{part.value("expert_begin", int64_t{-1}),
+                                               part.value("expert_end", int64_t{-1})}] = e;
     } else if (event == "e2e_done") {
       j.e2e = e;
     } else if (event == "job_done") {
@@ -545,16 +565,19 @@ StatusOr<std::string> RenderReport(const ReportInputs& inputs) {
   double block_seconds = 0, code_bits = 0, stored_bits = 0;
   int64_t linears = 0, peak_host = -1, peak_device = -1;
   for (const auto& [layer, b] : j.blocks) {
-    block_seconds += NumberOr(b, "seconds", 0);
     for (const auto& m : b.value("metrics", nlohmann::json::array())) {
       code_bits += NumberOr(m, "code_bits", 0);
       stored_bits += NumberOr(m, "stored_bits", 0);
       ++linears;
     }
-    for (const auto& p : b.value("phases", nlohmann::json::array())) {
-      peak_host = std::max<int64_t>(peak_host, static_cast<int64_t>(NumberOr(p, "peak_host_bytes", -1)));
-      peak_device =
-          std::max<int64_t>(peak_device, static_cast<int64_t>(NumberOr(p, "peak_device_bytes", -1)));
+    for (const nlohmann::json* t : BlockTasks(j, layer, b)) {
+      block_seconds += NumberOr(*t, "seconds", 0);
+      for (const auto& p : t->value("phases", nlohmann::json::array())) {
+        peak_host =
+            std::max<int64_t>(peak_host, static_cast<int64_t>(NumberOr(p, "peak_host_bytes", -1)));
+        peak_device = std::max<int64_t>(
+            peak_device, static_cast<int64_t>(NumberOr(p, "peak_device_bytes", -1)));
+      }
     }
   }
   std::vector<std::vector<std::string>> summary = {
@@ -725,10 +748,12 @@ StatusOr<std::string> RenderReport(const ReportInputs& inputs) {
     std::vector<std::string> phases;
     std::map<std::string, double> seconds;
     for (const auto& [layer, b] : j.blocks) {
-      for (const auto& p : b.value("phases", nlohmann::json::array())) {
-        const std::string name = p.value("name", "?");
-        if (!seconds.count(name)) phases.push_back(name);
-        seconds[name] += NumberOr(p, "seconds", 0);
+      for (const nlohmann::json* t : BlockTasks(j, layer, b)) {
+        for (const auto& p : t->value("phases", nlohmann::json::array())) {
+          const std::string name = p.value("name", "?");
+          if (!seconds.count(name)) phases.push_back(name);
+          seconds[name] += NumberOr(p, "seconds", 0);
+        }
       }
     }
     std::vector<double> v;
@@ -739,19 +764,26 @@ StatusOr<std::string> RenderReport(const ReportInputs& inputs) {
     std::vector<double> per_block;
     for (const auto& [layer, b] : j.blocks) {
       layers.push_back(absl::StrCat(layer));
-      per_block.push_back(NumberOr(b, "seconds", kNan));
+      double seconds = NumberOr(b, "seconds", kNan);  // a split block: its tasks summed
+      for (const nlohmann::json* t : BlockTasks(j, layer, b)) {
+        if (t != &b) seconds += NumberOr(*t, "seconds", 0);
+      }
+      per_block.push_back(seconds);
     }
     html += BarChart("time-block", "Time per block task", "layer", "seconds", layers,
                      {"seconds"}, {per_block}, " s");
     // Peak memory per rank: the largest peak over the rank's block tasks.
     std::map<int64_t, std::pair<int64_t, int64_t>> ranks;  // rank -> (host, device)
     for (const auto& [layer, b] : j.blocks) {
-      const int64_t rank = static_cast<int64_t>(NumberOr(b, "rank", 0));
-      auto& r = ranks.emplace(rank, std::make_pair(int64_t{-1}, int64_t{-1})).first->second;
-      for (const auto& p : b.value("phases", nlohmann::json::array())) {
-        r.first = std::max<int64_t>(r.first, static_cast<int64_t>(NumberOr(p, "peak_host_bytes", -1)));
-        r.second =
-            std::max<int64_t>(r.second, static_cast<int64_t>(NumberOr(p, "peak_device_bytes", -1)));
+      for (const nlohmann::json* t : BlockTasks(j, layer, b)) {
+        const int64_t rank = static_cast<int64_t>(NumberOr(*t, "rank", 0));
+        auto& r = ranks.emplace(rank, std::make_pair(int64_t{-1}, int64_t{-1})).first->second;
+        for (const auto& p : t->value("phases", nlohmann::json::array())) {
+          r.first = std::max<int64_t>(
+              r.first, static_cast<int64_t>(NumberOr(p, "peak_host_bytes", -1)));
+          r.second = std::max<int64_t>(
+              r.second, static_cast<int64_t>(NumberOr(p, "peak_device_bytes", -1)));
+        }
       }
     }
     std::vector<std::string> rank_names;
