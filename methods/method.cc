@@ -58,24 +58,17 @@ StatusOr<StaticInputParams> Inference::StaticLinearInputParams(const model::Bloc
                                                ": this method has no static input quantizers"));
 }
 
-namespace {
-StatusOr<std::unique_ptr<model::Linear>> LoadLinearChecked(const LayerFormats& formats,
-                                                           CheckpointReader& ckpt,
-                                                           const std::string& name,
-                                                           const std::string& quantized,
-                                                           const std::vector<int64_t>& shape);
-}  // namespace
-
 Status BlockFormat::AppendExpertTensors(int64_t layer, const model::MoeWeights&, int64_t,
                                         int64_t, SafetensorsWriter*) const {
   return absl::UnimplementedError(
       absl::StrCat("block ", layer, ": this block format cannot store a group of experts alone"));
 }
 
-Status BlockFormat::LoadExperts(CheckpointReader&, int64_t layer, int64_t, int64_t,
-                                model::MoeWeights*) const {
+Status BlockFormat::AppendBlockTensorsFromParts(int64_t layer, const model::BlockWeights&,
+                                                const std::vector<StoredExperts>&,
+                                                SafetensorsWriter*) const {
   return absl::UnimplementedError(
-      absl::StrCat("block ", layer, ": this block format cannot read a group of experts alone"));
+      absl::StrCat("block ", layer, ": this block format cannot assemble a block from parts"));
 }
 
 StandardBlockFormat::StandardBlockFormat(LlamaConfig config,
@@ -85,6 +78,14 @@ StandardBlockFormat::StandardBlockFormat(LlamaConfig config,
 
 Status StandardBlockFormat::AppendBlockTensors(int64_t layer, const model::BlockWeights& weights,
                                                SafetensorsWriter* writer) const {
+  QCAL_RETURN_IF_ERROR(AppendBlockHead(layer, weights, writer));
+  if (weights.moe == nullptr) return Status();
+  return AppendExpertTensors(layer, *weights.moe, 0,
+                             static_cast<int64_t>(weights.moe->experts.size()), writer);
+}
+
+Status StandardBlockFormat::AppendBlockHead(int64_t layer, const model::BlockWeights& weights,
+                                            SafetensorsWriter* writer) const {
   const std::string p = config_.TensorName(absl::StrCat("model.layers.", layer, "."));
   QCAL_RETURN_IF_ERROR(model::AddF32Tensor(writer, p + "input_layernorm.weight",
                                            weights.input_norm));
@@ -96,10 +97,7 @@ Status StandardBlockFormat::AppendBlockTensors(int64_t layer, const model::Block
         formats_->Append(weights.linear(k), model::LinearTensorName(config_, layer, k), writer));
   }
   if (weights.moe == nullptr) return Status();
-  QCAL_RETURN_IF_ERROR(model::AddF32Tensor(writer, config_.RouterModule(layer) + ".weight",
-                                           weights.moe->router));
-  return AppendExpertTensors(layer, *weights.moe, 0,
-                             static_cast<int64_t>(weights.moe->experts.size()), writer);
+  return model::AddF32Tensor(writer, config_.RouterModule(layer) + ".weight", weights.moe->router);
 }
 
 namespace {
@@ -133,16 +131,51 @@ Status StandardBlockFormat::AppendExpertTensors(int64_t layer, const model::MoeW
   return Status();
 }
 
-Status StandardBlockFormat::LoadExperts(CheckpointReader& ckpt, int64_t layer, int64_t begin,
-                                        int64_t end, model::MoeWeights* moe) const {
-  QCAL_RETURN_IF_ERROR(CheckExpertRange(*moe, layer, begin, end));
-  for (int64_t e = begin; e < end; ++e) {
-    for (model::ExpertLinear k : model::kExpertLinears) {
-      QCAL_ASSIGN_OR_RETURN(
-          moe->experts[e].linears[static_cast<int>(k)],
-          LoadLinearChecked(*formats_, ckpt, model::ExpertTensorName(config_, layer, e, k),
-                            quantized_, model::LinearShape(config_, model::ExpertLinearKind(k))));
+Status StandardBlockFormat::AppendBlockTensorsFromParts(int64_t layer,
+                                                        const model::BlockWeights& weights,
+                                                        const std::vector<StoredExperts>& groups,
+                                                        SafetensorsWriter* writer) const {
+  if (weights.moe == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block ", layer, " has no routed experts to assemble"));
+  }
+  QCAL_RETURN_IF_ERROR(AppendBlockHead(layer, weights, writer));
+  int64_t next = 0;
+  for (const StoredExperts& g : groups) {
+    if (g.file == nullptr || g.begin != next || g.end <= g.begin ||
+        g.end > static_cast<int64_t>(weights.moe->experts.size())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "block ", layer, ": expert groups out of order at expert ", next));
     }
+    // Every tensor of the part file, in the order its task wrote them (AppendExpertTensors:
+    // expert by expert, gate, up, down), each under one of the group's expert linears, and each
+    // of those with at least one.
+    size_t t = 0;
+    const std::vector<TensorInfo>& stored = g.file->tensors();
+    for (int64_t e = g.begin; e < g.end; ++e) {
+      for (model::ExpertLinear k : model::kExpertLinears) {
+        const std::string prefix = model::ExpertTensorName(config_, layer, e, k) + ".";
+        const size_t first = t;
+        while (t < stored.size() && stored[t].name.rfind(prefix, 0) == 0) {
+          QCAL_RETURN_IF_ERROR(AddCopiedTensor(writer, stored[t].name, *g.file, stored[t]));
+          ++t;
+        }
+        if (t == first) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              g.file->path(), ": no tensor of ", prefix, "* where expert ", e, "'s comes"));
+        }
+      }
+    }
+    if (t != stored.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(g.file->path(), ": tensor '", stored[t].name,
+                                                     "' is none of experts [", g.begin, ", ",
+                                                     g.end, ") of block ", layer));
+    }
+    next = g.end;
+  }
+  if (next != static_cast<int64_t>(weights.moe->experts.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("block ", layer, ": the expert groups end at ",
+                                                   next, " of ", weights.moe->experts.size()));
   }
   return Status();
 }
@@ -189,7 +222,14 @@ StatusOr<model::BlockWeights> StandardBlockFormat::LoadBlock(CheckpointReader& c
                         model::LoadTensorF32(ckpt, config_.RouterModule(layer) + ".weight",
                                              {config_.num_experts, config_.hidden_size}));
   w.moe->experts.resize(config_.num_experts);
-  QCAL_RETURN_IF_ERROR(LoadExperts(ckpt, layer, 0, config_.num_experts, w.moe.get()));
+  for (int64_t e = 0; e < config_.num_experts; ++e) {
+    for (model::ExpertLinear k : model::kExpertLinears) {
+      QCAL_ASSIGN_OR_RETURN(
+          w.moe->experts[e].linears[static_cast<int>(k)],
+          LoadLinearChecked(*formats_, ckpt, model::ExpertTensorName(config_, layer, e, k),
+                            quantized_, model::LinearShape(config_, model::ExpertLinearKind(k))));
+    }
+  }
   return w;
 }
 

@@ -194,14 +194,22 @@ class BlockFormat {
   // Block `layer` read back from a checkpoint written with AppendBlockTensors, as stored.
   virtual StatusOr<model::BlockWeights> LoadBlock(CheckpointReader& ckpt,
                                                   int64_t layer) const = 0;
-  // A MoE block split over tasks (MethodNeeds::expert_parts): the routed experts
-  // [begin, end) of moe as AppendBlockTensors stores them (an expert group's part file), and
-  // read back into moe->experts[begin, end) from such a file, as stored, so that the assembled
-  // block's AppendBlockTensors writes the bytes one task would have. Unimplemented by default.
+  // A MoE block split over tasks (MethodNeeds::expert_parts). AppendExpertTensors: the routed
+  // experts [begin, end) of moe as AppendBlockTensors stores them (an expert group's part
+  // file). AppendBlockTensorsFromParts: what AppendBlockTensors writes for `weights` (whose
+  // routed experts' slots are null), each expert's tensors copied as stored from the part file
+  // of its group (`groups`: in expert order, covering every expert), streamed: the bytes of one
+  // task, without the block's experts in memory. InvalidArgument naming the file when a part
+  // file holds other tensors or misses an expert's. Unimplemented by default.
+  struct StoredExperts {
+    const SafetensorsFile* file = nullptr;
+    int64_t begin = 0, end = 0;
+  };
   virtual Status AppendExpertTensors(int64_t layer, const model::MoeWeights& moe, int64_t begin,
                                      int64_t end, SafetensorsWriter* writer) const;
-  virtual Status LoadExperts(CheckpointReader& ckpt, int64_t layer, int64_t begin, int64_t end,
-                             model::MoeWeights* moe) const;
+  virtual Status AppendBlockTensorsFromParts(int64_t layer, const model::BlockWeights& weights,
+                                             const std::vector<StoredExperts>& groups,
+                                             SafetensorsWriter* writer) const;
 };
 
 // A static input quantizer's parameters: value = (code - zero) · scale.
@@ -267,10 +275,14 @@ class StandardBlockFormat : public BlockFormat {
   StatusOr<model::BlockWeights> LoadBlock(CheckpointReader& ckpt, int64_t layer) const override;
   Status AppendExpertTensors(int64_t layer, const model::MoeWeights& moe, int64_t begin,
                              int64_t end, SafetensorsWriter* writer) const override;
-  Status LoadExperts(CheckpointReader& ckpt, int64_t layer, int64_t begin, int64_t end,
-                     model::MoeWeights* moe) const override;
+  Status AppendBlockTensorsFromParts(int64_t layer, const model::BlockWeights& weights,
+                                     const std::vector<StoredExperts>& groups,
+                                     SafetensorsWriter* writer) const override;
 
  private:
+  // Norms, dense linears and a MoE block's router: AppendBlockTensors before the experts.
+  Status AppendBlockHead(int64_t layer, const model::BlockWeights& weights,
+                         SafetensorsWriter* writer) const;
   const LlamaConfig config_;
   const std::shared_ptr<const LayerFormats> formats_;
   const std::string quantized_;

@@ -266,20 +266,21 @@ StatusOr<v1::BlockResult> QuantizeBlockPartStep(JobContext* ctx, int64_t layer,
     return result;
   }
 
-  // The assembly: the groups' experts as their files store them, then the block's shard.
-  trace.Begin("read expert groups");
+  // The assembly: the block's shard, its experts' tensors copied from the groups' part files as
+  // they store them (streamed: the experts are never in memory here).
+  trace.Begin("write");
   QCAL_ASSIGN_OR_RETURN(std::vector<v1::BlockResult> checked,
                         CheckedGroups(ctx, layer, groups));
+  std::vector<std::unique_ptr<SafetensorsFile>> files;
+  std::vector<methods::BlockFormat::StoredExperts> stored;
   for (const v1::BlockResult& g : checked) {
-    QCAL_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> file,
-                          CheckpointReader::OpenShards(ctx->spec.out_dir(), {g.shard().name()}));
-    QCAL_RETURN_IF_ERROR(ctx->method->block_format().LoadExperts(
-        *file, layer, g.part().expert_begin(), g.part().expert_end(),
-        quantized->weights.moe.get()));
+    QCAL_ASSIGN_OR_RETURN(files.emplace_back(),
+                          SafetensorsFile::Open(ctx->spec.out_dir() + "/" + g.shard().name()));
+    stored.push_back({files.back().get(), g.part().expert_begin(), g.part().expert_end()});
   }
-  trace.Begin("write");
-  QCAL_ASSIGN_OR_RETURN(*result.mutable_shard(),
-                        WriteBlockShardStaged(ctx, layer, quantized->weights, attempt));
+  QCAL_ASSIGN_OR_RETURN(
+      *result.mutable_shard(),
+      WriteAssembledBlockShardStaged(ctx, layer, quantized->weights, stored, attempt));
   trace.End();
   FillBlockResult(*quantized, trace, &result);
   // The block's metrics in the order one task reports them: its other linears, then the

@@ -104,16 +104,38 @@ StatusOr<v1::WrittenFile> WriteTunedNonBlockShardStaged(JobContext* ctx,
                          attempt, writer);
 }
 
+namespace {
+
+// Block `layer`'s shard with the tensors `append` adds, as the attempt's staged file.
+StatusOr<v1::WrittenFile> WriteBlockShard(
+    JobContext* ctx, int64_t layer, const std::string& attempt,
+    const std::function<Status(SafetensorsWriter*)>& append) {
+  SafetensorsWriter writer;
+  writer.SetMetadata("format", "pt");
+  writer.SetMetadata("qcal_block", std::to_string(layer));
+  QCAL_RETURN_IF_ERROR(append(&writer));
+  return WriteStagedFile(ctx->spec.out_dir(),
+                         ShardName(layer + 1, ctx->config.num_hidden_layers), attempt, writer);
+}
+
+}  // namespace
+
 // Block `layer`'s shard, as the attempt's staged file.
 StatusOr<v1::WrittenFile> WriteBlockShardStaged(JobContext* ctx, int64_t layer,
                                                 const model::BlockWeights& weights,
                                                 const std::string& attempt) {
-  SafetensorsWriter writer;
-  writer.SetMetadata("format", "pt");
-  writer.SetMetadata("qcal_block", std::to_string(layer));
-  QCAL_RETURN_IF_ERROR(ctx->method->block_format().AppendBlockTensors(layer, weights, &writer));
-  return WriteStagedFile(ctx->spec.out_dir(),
-                         ShardName(layer + 1, ctx->config.num_hidden_layers), attempt, writer);
+  return WriteBlockShard(ctx, layer, attempt, [&](SafetensorsWriter* writer) {
+    return ctx->method->block_format().AppendBlockTensors(layer, weights, writer);
+  });
+}
+
+StatusOr<v1::WrittenFile> WriteAssembledBlockShardStaged(
+    JobContext* ctx, int64_t layer, const model::BlockWeights& weights,
+    const std::vector<methods::BlockFormat::StoredExperts>& groups, const std::string& attempt) {
+  return WriteBlockShard(ctx, layer, attempt, [&](SafetensorsWriter* writer) {
+    return ctx->method->block_format().AppendBlockTensorsFromParts(layer, weights, groups,
+                                                                   writer);
+  });
 }
 
 }  // namespace qcal::job

@@ -5,11 +5,13 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
 #include "common/status.h"
 #include "engine/model/llama.h"
+#include "methods/parts.h"
 #include "proto/job.pb.h"
 #include "runner/job_steps.h"
 
@@ -32,5 +34,10 @@ StatusOr<v1::WrittenFile> WriteTunedNonBlockShardStaged(JobContext* ctx,
 StatusOr<v1::WrittenFile> WriteBlockShardStaged(JobContext* ctx, int64_t layer,
                                                 const model::BlockWeights& weights,
                                                 const std::string& attempt);
+// The same shard for a MoE block split over tasks: `weights` without its routed experts, theirs
+// copied as stored from the groups' part files (BlockFormat::AppendBlockTensorsFromParts).
+StatusOr<v1::WrittenFile> WriteAssembledBlockShardStaged(
+    JobContext* ctx, int64_t layer, const model::BlockWeights& weights,
+    const std::vector<methods::BlockFormat::StoredExperts>& groups, const std::string& attempt);
 
 }  // namespace qcal::job
