@@ -4,6 +4,7 @@
 //   build-quant/bench/bench_rounding --benchmark_filter='n:11008'   # ~4.5 GB of fp64 buffers
 //   build/bench/bench_rounding --benchmark_filter='m:28672'          # Llama-2-70B gate/up_proj
 //   build/bench/bench_rounding --benchmark_filter=ClipSearch          # GPTQ's clip search
+//   build/bench/bench_rounding --benchmark_filter=RtnClipSearchThreads  # RTN, 1 vs every CPU
 //   build/bench/bench_rounding --benchmark_filter='m:1024/'           # the trellis encoder
 //
 // Arguments are {m = out_features, n = in_features}: W is [m, n], H is [n, n] (fp64). Every
@@ -253,6 +254,16 @@ void BM_BlockLdlqTrellis(benchmark::State& state) {
   });
 }
 
+// 4-bit symmetric per-channel grid with the clip search (grid 100, max shrink 0.8, norm 2.4).
+qcal::kernels::ScalarQuantConfig ClipSearchGrid4() {
+  qcal::kernels::ScalarQuantConfig c;
+  c.bits = 4;
+  c.symmetric = true;
+  c.granularity = qcal::kernels::QuantGranularity::kPerChannel;
+  c.clip_search = true;
+  return c;
+}
+
 // GPTQ's clip search (4-bit symmetric per channel, grid 100, max shrink 0.8, norm 2.4: the
 // gptq-4bit recipe) over `rows` Gaussian rows of `cols` weights on one thread, against an
 // exhaustive search written here (every candidate's error summed over the whole row) timed in
@@ -262,11 +273,7 @@ void BM_ClipSearch(benchmark::State& state) {
   const int64_t rows = state.range(0), cols = state.range(1);
   const double norm = static_cast<double>(state.range(2)) / 10.0;
   const std::vector<double> w = Gaussian(rows * cols, 3);
-  ScalarQuantConfig c;
-  c.bits = 4;
-  c.symmetric = true;
-  c.granularity = QuantGranularity::kPerChannel;
-  c.clip_search = true;
+  ScalarQuantConfig c = ClipSearchGrid4();
   c.clip_search_norm = norm;
   const int32_t cmin = ScalarCodeMin(c), cmax = ScalarCodeMax(c);
   const int steps = static_cast<int>(c.clip_search_max_shrink * c.clip_search_grid);
@@ -309,6 +316,34 @@ void BM_ClipSearch(benchmark::State& state) {
     state.counters["exhaustive_s"] = t_slow;
     state.counters["x_exhaustive"] = t_fast / t_slow;
     state.counters["ns_per_weight"] = 1e9 * t_fast / static_cast<double>(rows * cols);
+  }
+}
+
+// RTN with the clip search (the rtn-4bit recipe's grid: 4-bit symmetric per channel, norm 2.4)
+// on `rows` Gaussian rows of `cols` weights, on one thread and on every CPU of the process in the
+// same run: counters one_thread_s, threads, x_one_thread = time on every CPU / time on one. Both
+// must give the same codes and scales.
+void BM_RtnClipSearchThreads(benchmark::State& state) {
+  using namespace qcal::kernels;
+  const int64_t rows = state.range(0), cols = state.range(1);
+  const std::vector<double> w = Gaussian(rows * cols, 5);
+  const ScalarQuantConfig c = ClipSearchGrid4();
+  for (auto _ : state) {
+    auto t0 = std::chrono::steady_clock::now();
+    auto one = RoundToNearest(w.data(), rows, cols, c, 1);
+    const double t_one = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    t0 = std::chrono::steady_clock::now();
+    auto all = RoundToNearest(w.data(), rows, cols, c, 0);
+    const double t_all = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (!one.ok() || !all.ok() || one->codes != all->codes || one->scales != all->scales) {
+      state.SkipWithError("RTN on every CPU differs from RTN on one thread");
+      return;
+    }
+    state.SetIterationTime(t_all);
+    state.counters["one_thread_s"] = t_one;
+    state.counters["threads"] = qcal::AvailableCpus();
+    state.counters["x_one_thread"] = t_all / t_one;
+    state.counters["ns_per_weight_one_thread"] = 1e9 * t_one / static_cast<double>(rows * cols);
   }
 }
 
@@ -362,6 +397,16 @@ int main(int argc, char** argv) {
     benchmark::RegisterBenchmark("BM_ClipSearch", BM_ClipSearch)
         ->ArgNames({"rows", "cols", "norm_x10"})
         ->Args({32, cols, 24})
+        ->Iterations(1)
+        ->UseManualTime()
+        ->Unit(benchmark::kSecond);
+  }
+  // RTN's clip search on one thread vs every CPU: Mixtral-8x7B / Llama-3-8B expert rows (4096,
+  // 14336 weights).
+  for (int64_t cols : {4096, 14336}) {
+    benchmark::RegisterBenchmark("BM_RtnClipSearchThreads", BM_RtnClipSearchThreads)
+        ->ArgNames({"rows", "cols"})
+        ->Args({256, cols})
         ->Iterations(1)
         ->UseManualTime()
         ->Unit(benchmark::kSecond);

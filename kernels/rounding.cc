@@ -365,12 +365,12 @@ double QuadraticForm(const double* a, const double* h, int64_t rows, int64_t col
 }
 
 StatusOr<ScalarRoundingResult> RoundToNearest(const double* w, int64_t rows, int64_t cols,
-                                              const ScalarQuantConfig& quant) {
+                                              const ScalarQuantConfig& quant, int num_threads) {
   if (quant.granularity == QuantGranularity::kPerToken) {
     return absl::InvalidArgumentError(
         "rtn: per-token granularity is for activations; use per-channel for weights");
   }
-  QCAL_ASSIGN_OR_RETURN(ScalarQuantized<double> q, QuantizeScalar(w, rows, cols, quant));
+  QCAL_ASSIGN_OR_RETURN(ScalarQuantized<double> q, QuantizeScalar(w, rows, cols, quant, num_threads));
   ScalarRoundingResult res;
   res.rows = rows;
   res.cols = cols;

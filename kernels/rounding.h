@@ -111,9 +111,10 @@ struct ScalarRoundingResult {
 };
 
 // Round-to-nearest (RTN) baseline: QuantizeScalar on W with the same grid, returned in the same
-// form (perm = identity). InvalidArgument as for QuantizeScalar, or for kPerToken.
+// form (perm = identity), on up to num_threads threads (0: every CPU of the rank; the bits do not
+// depend on it). InvalidArgument as for QuantizeScalar, or for kPerToken.
 StatusOr<ScalarRoundingResult> RoundToNearest(const double* w, int64_t rows, int64_t cols,
-                                              const ScalarQuantConfig& quant);
+                                              const ScalarQuantConfig& quant, int num_threads = 0);
 
 // GPTQ (Frantar et al. 2023, Algorithm 1 with lazy batch updates and optional act-order):
 // R = chol(H⁻¹) upper (InverseCholeskyUpper); for each column i: q = Q(w_i),

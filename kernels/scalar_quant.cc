@@ -5,6 +5,7 @@
 #include <limits>
 #include <string>
 
+#include "common/cpu.h"
 #include "common/dtype.h"
 
 namespace qcal::kernels {
@@ -150,7 +151,7 @@ ScalarQuantParams<T> ComputeScalarQuantParams(const T* x, int64_t count,
 
 template <typename T>
 StatusOr<ScalarQuantized<T>> QuantizeScalar(const T* x, int64_t rows, int64_t cols,
-                                            const ScalarQuantConfig& c) {
+                                            const ScalarQuantConfig& c, int num_threads) {
   QCAL_RETURN_IF_ERROR(ValidateScalarQuantConfig(c));
   if (rows <= 0 || cols <= 0) {
     return absl::InvalidArgumentError(
@@ -214,16 +215,24 @@ StatusOr<ScalarQuantized<T>> QuantizeScalar(const T* x, int64_t rows, int64_t co
     quantize_span(x, n, p, 0);
     return q;
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t g = 0; g < q.param_cols; ++g) {
-      const int64_t c0 = g * q.group_cols;
-      const int64_t len = std::min(q.group_cols, cols - c0);
-      const T* src = x + r * cols + c0;
-      const ScalarQuantParams<T> p = ComputeScalarQuantParams(src, len, c);
-      store(r * q.param_cols + g, p);
-      quantize_span(src, len, p, r * cols + c0);
+  // Tasks of whole rows, at least kMinTaskWeights weights each (a small tensor, such as one
+  // token's activations, stays on the calling thread); the boundaries never change a result.
+  constexpr int64_t kMinTaskWeights = int64_t{1} << 16;
+  const int64_t rows_per_task = std::max<int64_t>(1, kMinTaskWeights / cols);
+  const int64_t tasks = (rows + rows_per_task - 1) / rows_per_task;
+  ParallelTasks(tasks, num_threads, [&](int64_t task) {
+    const int64_t r1 = std::min(rows, (task + 1) * rows_per_task);
+    for (int64_t r = task * rows_per_task; r < r1; ++r) {
+      for (int64_t g = 0; g < q.param_cols; ++g) {
+        const int64_t c0 = g * q.group_cols;
+        const int64_t len = std::min(q.group_cols, cols - c0);
+        const T* src = x + r * cols + c0;
+        const ScalarQuantParams<T> p = ComputeScalarQuantParams(src, len, c);
+        store(r * q.param_cols + g, p);
+        quantize_span(src, len, p, r * cols + c0);
+      }
     }
-  }
+  });
   return q;
 }
 
@@ -242,7 +251,7 @@ void DequantizeScalar(const ScalarQuantized<T>& q, T* out) {
   template ScalarQuantParams<T> ComputeScalarQuantParams<T>(const T*, int64_t,           \
                                                             const ScalarQuantConfig&);   \
   template StatusOr<ScalarQuantized<T>> QuantizeScalar<T>(const T*, int64_t, int64_t,    \
-                                                          const ScalarQuantConfig&);     \
+                                                          const ScalarQuantConfig&, int); \
   template void DequantizeScalar<T>(const ScalarQuantized<T>&, T*);
 
 QCAL_INSTANTIATE_SCALAR_QUANT(float)

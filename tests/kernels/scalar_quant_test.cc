@@ -10,6 +10,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -468,6 +469,41 @@ TEST(ScalarQuantTest, SameInputSameBits) {
   EXPECT_EQ(qa->scales, qb->scales);
   EXPECT_EQ(qa->zeros, qb->zeros);
   EXPECT_EQ(qa->values, qb->values);
+}
+
+// Rows are split into fixed tasks of at least 2^16 weights (16 rows of 4096 here: 5 tasks for 70
+// rows, the last one ragged) and run on 1, 2 or 5 threads: every parameter and code is the same,
+// and each row is exactly what the search alone chooses for that row (a task that skipped or
+// repeated rows would leave zeros or shift them).
+TEST(ScalarQuantTest, ThreadCountDoesNotChangeABit) {
+  const int64_t rows = 70, cols = 4096;
+  Gaussian g(testing::TestSeed());
+  std::vector<double> w(rows * cols);
+  for (auto& v : w) v = g();
+  for (const QuantGranularity gran : {QuantGranularity::kPerChannel, QuantGranularity::kPerGroup}) {
+    ScalarQuantConfig c = Cfg(4, gran == QuantGranularity::kPerChannel, gran, 1000);
+    c.clip_search = true;
+    auto one = QuantizeScalar(w.data(), rows, cols, c, 1);
+    ASSERT_TRUE(one.ok()) << one.status();
+    for (int threads : {2, 5}) {
+      auto many = QuantizeScalar(w.data(), rows, cols, c, threads);
+      ASSERT_TRUE(many.ok()) << many.status();
+      EXPECT_EQ(one->codes, many->codes) << threads << " threads";
+      EXPECT_EQ(one->scales, many->scales) << threads << " threads";
+      EXPECT_EQ(one->zeros, many->zeros) << threads << " threads";
+      EXPECT_EQ(one->clip_ratios, many->clip_ratios) << threads << " threads";
+      EXPECT_EQ(one->values, many->values) << threads << " threads";
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t k = 0; k < one->param_cols; ++k) {
+        const int64_t c0 = k * one->group_cols;
+        const auto p = ComputeScalarQuantParams(&w[r * cols + c0],
+                                                std::min(one->group_cols, cols - c0), c);
+        ASSERT_EQ(one->scales[r * one->param_cols + k], p.scale) << "row " << r << " group " << k;
+        ASSERT_EQ(one->zeros[r * one->param_cols + k], p.zero) << "row " << r << " group " << k;
+      }
+    }
+  }
 }
 
 }  // namespace
