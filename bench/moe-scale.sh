@@ -7,9 +7,12 @@
 # seconds (the block's assembly, and its expert groups from the journal's block_part_done).
 #   bash bench/moe-scale.sh [WORK_DIR] [CASE ...]     (after scripts/build.sh)
 # Cases: mixtral-rtn4 (Mixtral-8x7B layer, RTN 4-bit: -1 and 2 experts per task),
-# scout-rtn4 (Llama-4-Scout layer, RTN 4-bit: -1 and 4); default: both. RECIPE overrides the
-# recipe (jobs/gptq-4bit.yaml with QCAL_CALIB_SEQS sequences of 128 tokens, default 16).
-# Prints one markdown row per run.
+# scout-rtn4 (Llama-4-Scout layer, RTN 4-bit: groups of 4 only; one task per block needs about
+# 23 GiB on one rank, SPLITS="-1 4" where a rank has that); default: both. RECIPE overrides the
+# recipe (jobs/gptq-4bit.yaml with QCAL_CALIB_SEQS sequences of 128 tokens, default 16); SPLITS
+# overrides the experts-per-task values of every case (e.g. SPLITS=8: only the default split).
+# QCAL_BIN: the qcal to run (default build/client/qcal; qcal-coordinator and qcal-worker beside
+# it). Prints one markdown row per run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SHARED=${QCAL_SHARED_DIR:-../shared}
@@ -19,7 +22,7 @@ CASES=("$@")
 [ ${#CASES[@]} -gt 0 ] || CASES=(mixtral-rtn4 scout-rtn4)
 SEQS=${QCAL_CALIB_SEQS:-16}
 WORKERS=${WORKERS:-2}
-Q=build/client/qcal
+Q=${QCAL_BIN:-build/client/qcal}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 source bench/rank-peaks.sh
 mkdir -p "$WORK"
@@ -29,9 +32,10 @@ echo "|---|---|---|---|---|---|---|---|---|"
 for c in "${CASES[@]}"; do
   case $c in
     mixtral-rtn4) shape=mixtral-8x7b splits="-1 2" recipe=${RECIPE:-jobs/rtn-4bit.yaml} ;;
-    scout-rtn4) shape=llama4-scout splits="-1 4" recipe=${RECIPE:-jobs/rtn-4bit.yaml} ;;
+    scout-rtn4) shape=llama4-scout splits="4" recipe=${RECIPE:-jobs/rtn-4bit.yaml} ;;
     *) echo "unknown case $c" >&2; exit 2 ;;
   esac
+  splits=${SPLITS:-$splits}
   model="$WORK/$shape-1"
   [ -f "$model/config.json" ] || /usr/bin/python3 scripts/make-random-llama.py --shape "$shape" \
       --layers 1 --dtype bf16 --max-shard-mb 2000 --out "$model" > /dev/null

@@ -27,6 +27,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -485,6 +486,92 @@ TEST_F(MoeQuantizeTest, AJobStoppedMidBlockResumesFromItsFinishedExpertGroups) {
       << "block 2's finished groups must not be quantized again";
   EXPECT_EQ(JournalEntriesOf(split.job_dir(), "block_part_done", 3).size(), 2u);
   ExpectSameFiles(whole.out_dir(), split.out_dir());
+}
+
+// The assembly of a split block (BlockFormat::AppendBlockTensorsFromParts) on part files that
+// AppendExpertTensors wrote: groups [0, 1), [1, 3), [3, 4) give AppendBlockTensors' bytes; groups
+// out of order, a part file that lacks an expert of its group, one that holds an expert outside
+// it, and groups that stop before the last expert are refused, naming the file where one is at
+// fault (the journal's checksums keep such files from a job; this is the check behind them).
+TEST_F(MoeQuantizeTest, TheAssemblyRefusesPartFilesThatDoNotMatchTheirGroups) {
+  const std::string model = Upcycle("parts-check", kLayouts[0].args);
+  auto config = LoadLlamaConfig(model);
+  ASSERT_TRUE(config.ok()) << config.status();
+  ASSERT_EQ(config->num_experts, 4);
+  const Recipe recipe = MakeRecipe("parts-check", "method: rtn\nbits: 4\n");
+  v1::JobSpec whole = Spec(model, "parts-check-whole");
+  whole.set_experts_per_task(-1);
+  ASSERT_TRUE(job::RunQuantizeJob(recipe, whole).ok());
+  auto method = methods::MakeMethod(recipe, *config);
+  ASSERT_TRUE(method.ok()) << method.status();
+  const methods::BlockFormat& format = (*method)->block_format();
+  auto ckpt = CheckpointReader::Open(whole.out_dir());
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  auto block = format.LoadBlock(**ckpt, 0);
+  ASSERT_TRUE(block.ok()) << block.status();
+  ASSERT_NE(block->moe, nullptr);
+
+  const std::string dir = testing::MakeTempDir("parts-check");
+  std::vector<std::unique_ptr<SafetensorsFile>> files;
+  auto part = [&](int64_t begin, int64_t end) -> const SafetensorsFile* {
+    SafetensorsWriter w;
+    const Status appended = format.AppendExpertTensors(0, *block->moe, begin, end, &w);
+    EXPECT_TRUE(appended.ok()) << appended;
+    const std::string path = absl::StrCat(dir, "/part-", begin, "-", end, ".safetensors");
+    EXPECT_TRUE(w.Write(path).ok()) << path;
+    auto f = SafetensorsFile::Open(path);
+    EXPECT_TRUE(f.ok()) << f.status();
+    if (!f.ok()) return nullptr;
+    files.push_back(std::move(*f));
+    return files.back().get();
+  };
+  const SafetensorsFile* p01 = part(0, 1);
+  const SafetensorsFile* p13 = part(1, 3);
+  const SafetensorsFile* p34 = part(3, 4);
+  const SafetensorsFile* p02 = part(0, 2);
+  ASSERT_TRUE(p01 && p13 && p34 && p02);
+  using Groups = std::vector<methods::BlockFormat::StoredExperts>;
+  auto assemble = [&](const Groups& groups, const std::string& path) -> Status {
+    SafetensorsWriter w;
+    QCAL_RETURN_IF_ERROR(format.AppendBlockTensorsFromParts(0, *block, groups, &w));
+    return w.Write(path);
+  };
+
+  SafetensorsWriter one;
+  ASSERT_TRUE(format.AppendBlockTensors(0, *block, &one).ok());
+  ASSERT_TRUE(one.Write(dir + "/one.safetensors").ok());
+  const Status assembled =
+      assemble({{p01, 0, 1}, {p13, 1, 3}, {p34, 3, 4}}, dir + "/parts.safetensors");
+  ASSERT_TRUE(assembled.ok()) << assembled;
+  auto a = ReadFile(dir + "/one.safetensors");
+  auto b = ReadFile(dir + "/parts.safetensors");
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_TRUE(*a == *b) << "the assembled block differs from one task's";
+
+  struct Bad {
+    const char* what;
+    Groups groups;
+    std::string message;  // a part of the error
+    std::string file;     // the part file it must name ("" for none)
+  };
+  const std::vector<Bad> bad = {
+      {"groups out of order", {{p13, 1, 3}, {p01, 0, 1}, {p34, 3, 4}}, "out of order at expert 0",
+       ""},
+      {"a part file without an expert of its group", {{p01, 0, 2}, {p34, 2, 4}},
+       "where expert 1's comes", p01->path()},
+      {"a part file with an expert outside its group", {{p02, 0, 1}, {p13, 1, 3}, {p34, 3, 4}},
+       "is none of experts [0, 1) of block 0", p02->path()},
+      {"groups that stop early", {{p01, 0, 1}, {p13, 1, 3}}, "the expert groups end at 3 of 4",
+       ""},
+  };
+  for (const Bad& c : bad) {
+    const Status s = assemble(c.groups, dir + "/bad.safetensors");
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.what << ": " << s;
+    EXPECT_NE(s.message().find(c.message), std::string::npos) << c.what << ": " << s;
+    if (!c.file.empty()) {
+      EXPECT_NE(s.message().find(c.file), std::string::npos) << c.what << ": " << s;
+    }
+  }
 }
 
 // A block whose expert saw no calibration token (calibration.moe_min_tokens: 0 turns the
