@@ -328,13 +328,16 @@ void BM_RtnClipSearchThreads(benchmark::State& state) {
   const int64_t rows = state.range(0), cols = state.range(1);
   const std::vector<double> w = Gaussian(rows * cols, 5);
   const ScalarQuantConfig c = ClipSearchGrid4();
+  auto timed = [&](int threads, double* seconds) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto r = RoundToNearest(w.data(), rows, cols, c, threads);
+    *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return r;
+  };
   for (auto _ : state) {
-    auto t0 = std::chrono::steady_clock::now();
-    auto one = RoundToNearest(w.data(), rows, cols, c, 1);
-    const double t_one = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    t0 = std::chrono::steady_clock::now();
-    auto all = RoundToNearest(w.data(), rows, cols, c, 0);
-    const double t_all = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    double t_one = 0, t_all = 0;
+    auto one = timed(1, &t_one);
+    auto all = timed(0, &t_all);
     if (!one.ok() || !all.ok() || one->codes != all->codes || one->scales != all->scales) {
       state.SkipWithError("RTN on every CPU differs from RTN on one thread");
       return;

@@ -370,7 +370,8 @@ StatusOr<ScalarRoundingResult> RoundToNearest(const double* w, int64_t rows, int
     return absl::InvalidArgumentError(
         "rtn: per-token granularity is for activations; use per-channel for weights");
   }
-  QCAL_ASSIGN_OR_RETURN(ScalarQuantized<double> q, QuantizeScalar(w, rows, cols, quant, num_threads));
+  QCAL_ASSIGN_OR_RETURN(ScalarQuantized<double> q,
+                        QuantizeScalar(w, rows, cols, quant, num_threads));
   ScalarRoundingResult res;
   res.rows = rows;
   res.cols = cols;

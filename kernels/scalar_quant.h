@@ -157,8 +157,8 @@ struct ScalarQuantized {
 // Per-channel and per-group grids run in fixed tasks of whole rows on up to `num_threads` threads
 // (0: AvailableCpus(), the rank's affinity mask); each row's parameters and codes depend only on
 // that row, so the result does not depend on the thread count. The clip search (80 candidate
-// ratios, each an L_p error with pow() per weight) is the costly part: about 1.4 µs per weight
-// on one core.
+// ratios, each an L_p error with pow() per weight) is the costly part: about 1.3 µs per weight
+// on one core (bench_rounding BM_RtnClipSearchThreads).
 template <typename T>
 StatusOr<ScalarQuantized<T>> QuantizeScalar(const T* x, int64_t rows, int64_t cols,
                                             const ScalarQuantConfig& config, int num_threads = 0);
