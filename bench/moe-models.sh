@@ -8,7 +8,7 @@
 SHARED=${QCAL_SHARED_DIR:-../shared}
 NOISE=${NOISE:-0.05}
 MAX_TOKENS=${MAX_TOKENS:-40000}
-Q=build/client/qcal
+Q=${QCAL_BIN:-build/client/qcal}
 ts="$SHARED/data/tinystories/TinyStories-valid.sample30k.txt"
 wt="$SHARED/data/wikitext2/wiki.test.joined.txt"
 mkdir -p "$WORK"

@@ -8,9 +8,13 @@
 #   bash bench/moe-scale.sh [WORK_DIR] [CASE ...]     (after scripts/build.sh)
 # Cases: mixtral-rtn4 (Mixtral-8x7B layer, RTN 4-bit: -1 and 2 experts per task),
 # scout-rtn4 (Llama-4-Scout layer, RTN 4-bit: groups of 4 only; one task per block needs about
-# 23 GiB on one rank, SPLITS="-1 4" where a rank has that); default: both. RECIPE overrides the
-# recipe (jobs/gptq-4bit.yaml with QCAL_CALIB_SEQS sequences of 128 tokens, default 16); SPLITS
-# overrides the experts-per-task values of every case (e.g. SPLITS=8: only the default split).
+# 23 GiB on one rank, SPLITS="-1 4" where a rank has that); default: both. mixtral-gptq4 and
+# scout-gptq4 (GPTQ 4-bit, groups of 2 and 4; the calibration expert-parallel) and mixtral-quip2 /
+# scout-quip2 (QuIP# E8P 2-bit) calibrate on QCAL_CALIB_SEQS (default 64) WikiText-2 sequences
+# of QCAL_CALIB_LEN (default 512) tokens, with calibration.moe_min_tokens QCAL_MOE_MIN_TOKENS
+# (default 1024: so few tokens per expert would otherwise put every Scout expert on route-all).
+# RECIPE overrides the recipe of every case; SPLITS overrides the experts-per-task values of
+# every case (e.g. SPLITS=8: only the default split).
 # QCAL_BIN: the qcal to run (default build/client/qcal; qcal-coordinator and qcal-worker beside
 # it). Prints one markdown row per run.
 set -euo pipefail
@@ -20,7 +24,9 @@ WORK=${1:-/tmp/qcal-moe-scale}
 shift || true
 CASES=("$@")
 [ ${#CASES[@]} -gt 0 ] || CASES=(mixtral-rtn4 scout-rtn4)
-SEQS=${QCAL_CALIB_SEQS:-16}
+SEQS=${QCAL_CALIB_SEQS:-64}
+LEN=${QCAL_CALIB_LEN:-512}
+MIN_TOKENS=${QCAL_MOE_MIN_TOKENS:-1024}
 WORKERS=${WORKERS:-2}
 Q=${QCAL_BIN:-build/client/qcal}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -33,6 +39,10 @@ for c in "${CASES[@]}"; do
   case $c in
     mixtral-rtn4) shape=mixtral-8x7b splits="-1 2" recipe=${RECIPE:-jobs/rtn-4bit.yaml} ;;
     scout-rtn4) shape=llama4-scout splits="4" recipe=${RECIPE:-jobs/rtn-4bit.yaml} ;;
+    mixtral-gptq4) shape=mixtral-8x7b splits="2" recipe=${RECIPE:-jobs/gptq-4bit.yaml} ;;
+    scout-gptq4) shape=llama4-scout splits="4" recipe=${RECIPE:-jobs/gptq-4bit.yaml} ;;
+    mixtral-quip2) shape=mixtral-8x7b splits="2" recipe=${RECIPE:-jobs/quip-e8p-2bit.yaml} ;;
+    scout-quip2) shape=llama4-scout splits="4" recipe=${RECIPE:-jobs/quip-e8p-2bit.yaml} ;;
     *) echo "unknown case $c" >&2; exit 2 ;;
   esac
   splits=${SPLITS:-$splits}
@@ -40,8 +50,9 @@ for c in "${CASES[@]}"; do
   [ -f "$model/config.json" ] || /usr/bin/python3 scripts/make-random-llama.py --shape "$shape" \
       --layers 1 --dtype bf16 --max-shard-mb 2000 --out "$model" > /dev/null
   r="$WORK/$c.yaml"
-  sed -e "s/num_sequences: 128/num_sequences: $SEQS/" -e "s/^name: \(.*\)/name: \1-calib$SEQS/" \
-      "$recipe" > "$r"
+  sed -e "s/num_sequences: 128/num_sequences: $SEQS/" -e "s/seq_len: 128/seq_len: $LEN/" \
+      -e "s/^calibration:$/calibration:\n  moe_min_tokens: $MIN_TOKENS/" \
+      -e "s/^name: \(.*\)/name: \1-calib${SEQS}x$LEN/" "$recipe" > "$r"
   for per in $splits; do
     tag="$c-e$per"
     out="$WORK/out-$tag"

@@ -400,46 +400,107 @@ Status WriteActivationRows(SharedSafetensorsFile& file, int64_t first, const at:
   return file.Write("hidden", first * row_bytes, c.data_ptr(), c.numel() * sizeof(float));
 }
 
-// The layout SaveBlockHessians writes (the same header bytes), for a file that the ranks fill
-// with their bands.
-SafetensorsWriter HessianFileLayout(const BlockHessians& h, const std::string& key) {
+namespace {
+
+// The layout SaveBlockHessians writes (the same header bytes) for sums of these dimensions (a
+// MoE block's experts after the dense kinds), for a file that the ranks fill in place.
+SafetensorsWriter HessianFileLayout(const std::array<int64_t, 4>& dense,
+                                    const std::vector<std::array<int64_t, 2>>& experts,
+                                    const std::string& key) {
   SafetensorsWriter layout;
   layout.SetMetadata("calibration_key", key);
   layout.SetMetadata("hessian_format", kHessianFormat);
   layout.SetMetadata("hessian_frac_bits", std::to_string(kHessianFracBits));
-  for (HessianKind k : kAllHessianKinds) {
-    const std::string base = HessianKindName(k);
-    const int64_t n = h.at(k).dim();
-    // Reserve cannot fail here: fresh names, valid shapes.
+  // Reserve cannot fail here: fresh names, valid shapes.
+  auto sum = [&layout](const std::string& base, int64_t n) {
     (void)layout.Reserve(base + ".fixed", DType::kI64, {n * (n + 1) / 2, 2});
     (void)layout.Reserve(base + ".dim", DType::kI64, {});
     (void)layout.Reserve(base + ".count", DType::kI64, {});
+  };
+  for (HessianKind k : kAllHessianKinds) sum(HessianKindName(k), dense[static_cast<int>(k)]);
+  if (!experts.empty()) {
+    const int64_t n = static_cast<int64_t>(experts.size());
+    (void)layout.Reserve("experts.routed_tokens", DType::kI64, {n});
+    (void)layout.Reserve("experts.route_all", DType::kI64, {n});
+  }
+  for (size_t e = 0; e < experts.size(); ++e) {
+    for (ExpertInput i : kExpertInputs) {
+      sum(ExpertTensorBase(static_cast<int64_t>(e), i), experts[e][static_cast<int>(i)]);
+    }
   }
   return layout;
 }
 
-// Writes a block's Hessians whose accumulators are bands (sharded calibration): every rank
-// writes its band of each triangle in place, rank 0 the dimensions and counts. The file's bytes
-// equal SaveBlockHessians's for the whole sums. Collective.
+// One stored sum's values, dimension and count written in place: a band's values at its
+// offset in the packed triangle.
+Status WriteStoredSum(SharedSafetensorsFile& file, const std::string& base,
+                      const HessianAccumulator& acc, bool header) {
+  QCAL_RETURN_IF_ERROR(file.Write(base + ".fixed", acc.packed_begin() * sizeof(Fixed128),
+                                  acc.packed().data(), acc.packed().size() * sizeof(Fixed128)));
+  if (!header) return Status();
+  const int64_t n = acc.dim(), count = acc.count();
+  QCAL_RETURN_IF_ERROR(file.Write(base + ".dim", 0, &n, sizeof(n)));
+  return file.Write(base + ".count", 0, &count, sizeof(count));
+}
+
+}  // namespace
+
 Status SaveShardedBlockHessians(comm::Comm& comm, const std::string& path,
                                 const BlockHessians& h, const std::string& key) {
-  if (!h.experts.empty()) {
-    return absl::UnimplementedError(absl::StrCat(
-        path, ": sharded Hessian files hold dense blocks only (this one has experts)"));
+  // Which rank holds each expert's sums, and their dimensions: every rank must lay the file out
+  // alike. Per expert: [gate_up dim, down dim, ranks holding it].
+  const int64_t experts = static_cast<int64_t>(h.experts.size());
+  int64_t counts[2] = {experts, experts * experts};
+  QCAL_RETURN_IF_ERROR(comm.AllReduceSum(counts, 2));
+  if (comm.size() * counts[1] != counts[0] * counts[0]) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, ": ranks hold different numbers of experts (this rank: ", experts, ")"));
   }
-  QCAL_ASSIGN_OR_RETURN(auto file,
-                        SharedSafetensorsFile::Begin(comm, path, HessianFileLayout(h, key)));
+  std::vector<int64_t> held(3 * experts, 0);
+  for (int64_t e = 0; e < experts; ++e) {
+    const ExpertHessians& eh = h.experts[e];
+    if (eh.at(ExpertInput::kGateUp).dim() == 0) continue;
+    held[3 * e] = eh.at(ExpertInput::kGateUp).dim();
+    held[3 * e + 1] = eh.at(ExpertInput::kDown).dim();
+    held[3 * e + 2] = 1;
+  }
+  QCAL_RETURN_IF_ERROR(comm.AllReduceSum(held.data(), held.size()));
+  std::vector<std::array<int64_t, 2>> expert_dims(experts);
+  for (int64_t e = 0; e < experts; ++e) {
+    if (held[3 * e + 2] != 1) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": expert ", e, "'s sums are held by ",
+                                                     held[3 * e + 2], " ranks, not one"));
+    }
+    expert_dims[e] = {held[3 * e], held[3 * e + 1]};
+  }
+  std::array<int64_t, 4> dense;
+  for (HessianKind k : kAllHessianKinds) dense[static_cast<int>(k)] = h.at(k).dim();
+  QCAL_ASSIGN_OR_RETURN(auto file, SharedSafetensorsFile::Begin(
+                                       comm, path, HessianFileLayout(dense, expert_dims, key)));
   Status local;
   for (HessianKind k : kAllHessianKinds) {
-    if (!local.ok()) break;
     const HessianAccumulator& acc = h.at(k);
-    const std::string base = HessianKindName(k);
-    local = file->Write(base + ".fixed", acc.packed_begin() * sizeof(Fixed128),
-                        acc.packed().data(), acc.packed().size() * sizeof(Fixed128));
-    if (local.ok() && comm.rank() == 0) {
-      const int64_t n = acc.dim(), count = acc.count();
-      local = file->Write(base + ".dim", 0, &n, sizeof(n));
-      if (local.ok()) local = file->Write(base + ".count", 0, &count, sizeof(count));
+    // A band on every rank; whole sums (the same on every rank after a reduction) from rank 0.
+    if (!local.ok() || (!acc.is_band() && comm.rank() != 0)) continue;
+    local = WriteStoredSum(*file, HessianKindName(k), acc, comm.rank() == 0);
+  }
+  if (local.ok() && comm.rank() == 0 && experts > 0) {
+    std::vector<int64_t> routed, route_all;
+    for (const ExpertHessians& e : h.experts) {
+      routed.push_back(e.routed_tokens);
+      route_all.push_back(e.route_all ? 1 : 0);
+    }
+    local = file->Write("experts.routed_tokens", 0, routed.data(), routed.size() * 8);
+    if (local.ok()) {
+      local = file->Write("experts.route_all", 0, route_all.data(), route_all.size() * 8);
+    }
+  }
+  for (int64_t e = 0; e < experts && local.ok(); ++e) {
+    if (h.experts[e].at(ExpertInput::kGateUp).dim() == 0) continue;  // another rank's
+    for (ExpertInput i : kExpertInputs) {
+      if (local.ok()) {
+        local = WriteStoredSum(*file, ExpertTensorBase(e, i), h.experts[e].at(i), true);
+      }
     }
   }
   QCAL_RETURN_IF_ERROR(AgreeOk(comm, local, path));

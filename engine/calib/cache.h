@@ -117,9 +117,13 @@ StatusOr<std::unique_ptr<SharedSafetensorsFile>> BeginActivationFile(
 // Sequences [first, first + x.size(0)) of an activation file [N, S, hidden].
 Status WriteActivationRows(SharedSafetensorsFile& file, int64_t first, const at::Tensor& x);
 
-// Writes a block's Hessians whose accumulators are bands (sharded calibration): every rank
-// writes its band of each triangle in place, rank 0 the dimensions and counts. The file's bytes
-// equal SaveBlockHessians's for the whole sums. Collective.
+// Writes a block's Hessians whose sums are spread over the ranks, in place: each dense kind as
+// bands (sharded calibration: every rank writes its band, rank 0 the dimension and count) or
+// whole (the same on every rank after a reduction: rank 0 writes it); in a MoE block each
+// expert's sums whole on the one rank that holds them (dimension > 0; expert-parallel
+// calibration), and rank 0's routed tokens and route-all flags. The file's bytes equal
+// SaveBlockHessians's for the whole sums. InvalidArgument when an expert is held by no rank or
+// by several. Collective.
 Status SaveShardedBlockHessians(comm::Comm& comm, const std::string& path,
                                 const BlockHessians& h, const std::string& key);
 

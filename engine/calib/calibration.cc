@@ -13,6 +13,7 @@
 #include "common/io_util.h"
 #include "common/log.h"
 #include "common/safetensors.h"
+#include "engine/calib/expert_parallel.h"
 #include "engine/model/activation_store.h"
 #include "engine/model/block_walk.h"
 #include "engine/model/tensor_io.h"
@@ -134,9 +135,11 @@ class Walk {
     Lap(&result_->forward_seconds);  // (the progress callback, if any)
     if (activations_) QCAL_RETURN_IF_ERROR(Annotate(SaveBoundary(l), where));
     Lap(&result_->save_seconds);
-    // A MoE block's experts are summed replicated (the bands hold dense inputs only).
-    return sharded_ && !source_.config().IsMoeLayer(l) ? ShardedBlock(l, where)
-                                                       : ReplicatedBlock(l, where);
+    // A MoE block's experts are summed on the ranks that own them (expert_parallel.h).
+    if (source_.config().IsMoeLayer(l)) {
+      return hessians_ ? ExpertParallelBlock(l, where) : ReplicatedBlock(l, where);
+    }
+    return sharded_ ? ShardedBlock(l, where) : ReplicatedBlock(l, where);
   }
 
   // The last block's outputs (activations).
@@ -205,14 +208,13 @@ class Walk {
   }
 
   // Replicated sums: every rank sums its own chunks into whole accumulators (on a GPU they stay
-  // on the device for the whole block), then the ranks reduce them and rank 0 saves them. A MoE
-  // block's sums are on the host (hessian.h) and reduced there.
+  // on the device for the whole block), then the ranks reduce them and rank 0 saves them. (A MoE
+  // block comes here only for its activations: its Hessians are ExpertParallelBlock's.)
   Status ReplicatedBlock(int64_t l, const std::string& where) {
     BlockHessians h;
     h.backend = options_.gpu;
     h.forward_precision = options_.precision;
-    const bool moe = source_.config().IsMoeLayer(l);
-    const bool reduce_on_device = reduce_on_device_ && !moe;
+    const bool reduce_on_device = reduce_on_device_;
     std::unique_ptr<model::DecoderBlock> block;
     const Status loaded = [&]() -> Status {
       QCAL_ASSIGN_OR_RETURN(block, source_.LoadBlock(l));
@@ -220,13 +222,6 @@ class Walk {
       return Status();
     }();
     QCAL_RETURN_IF_ERROR(AgreeOk(comm_, Annotate(loaded, where), where));
-    if (moe && hessians_) {
-      if (options_.moe_route_all) {
-        h.route_all.assign(source_.config().num_experts, true);
-      } else if (options_.moe_min_tokens != 0) {
-        QCAL_RETURN_IF_ERROR(StarvedExperts(*block, l, where, &h.route_all));  // collective
-      }
-    }
     const Status forward = [&]() -> Status {
       if (hessians_ && options_.hessian_strip_rows != kHessianStripRows) {
         for (model::LinearKind k : model::kAllLinears) {
@@ -267,11 +262,91 @@ class Walk {
     }
     QCAL_RETURN_IF_ERROR(AgreeOk(comm_, saved, where));
     Lap(&result_->save_seconds);
-    if (moe) {
-      std::vector<int64_t>& tokens = result_->expert_tokens[l];
-      for (const ExpertHessians& e : h.experts) tokens.push_back(e.routed_tokens);
-    }
     if (options_.keep_hessians) result_->hessians[l] = std::move(h);
+    return Status();
+  }
+
+  // A MoE block's Hessians, expert-parallel (expert_parallel.h): each rank loads the block's
+  // attention, router and shared expert with only its own experts, and all ranks step through
+  // their chunks together (a rank past its last chunk still runs its experts for the others).
+  // Each step's forward sends every routed row to its expert's owner and back; the owner sums
+  // the row products. The dense inputs' sums (attention, the shared expert) are each rank's own
+  // chunks', reduced as in ReplicatedBlock. The file is written in place: rank 0 the dense sums
+  // and the routing tables, each owner its experts' sums; its bytes are one process's.
+  Status ExpertParallelBlock(int64_t l, const std::string& where) {
+    const int64_t experts = source_.config().num_experts;
+    const comm::Range mine = ExpertsOfRank(experts, comm_.rank(), comm_.size());
+    BlockHessians h;
+    std::unique_ptr<model::DecoderBlock> block;
+    const Status loaded = [&]() -> Status {
+      model::BlockSelection select;
+      select.expert_begin = mine.begin;
+      select.expert_end = mine.end;
+      QCAL_ASSIGN_OR_RETURN(block, source_.LoadBlockPart(l, select));
+      Lap(&result_->read_seconds);
+      return Status();
+    }();
+    QCAL_RETURN_IF_ERROR(AgreeOk(comm_, Annotate(loaded, where), where));
+    if (options_.moe_route_all) {
+      h.route_all.assign(experts, true);
+    } else if (options_.moe_min_tokens != 0) {
+      QCAL_RETURN_IF_ERROR(StarvedExperts(*block, l, where, &h.route_all));  // collective
+    }
+    {
+      ExpertExchange exchange(comm_, *block, &h);
+      // Every rank's accumulators sized (its experts' and the dense ones), chunks or not.
+      const at::Tensor none = at::empty({0, seq_len_, hidden_}, at::kFloat);
+      Status local = ForwardCollectingMoeHessians(*block, none, source_.rope(), options_.batch,
+                                                  &h, &exchange)
+                         .status();
+      QCAL_RETURN_IF_ERROR(AgreeOk(comm_, Annotate(local, where), where));
+      const int64_t steps = comm::SliceForRank(chunks_, 0, comm_.size()).size();
+      for (int64_t step = 0; step < steps; ++step) {
+        local = Status();
+        if (step < store_->chunks()) {
+          local = walk_->MapChunk(step, [&](const at::Tensor& x) {
+            return ForwardCollectingMoeHessians(*block, x, source_.rope(), options_.batch, &h,
+                                                &exchange);
+          });
+        }
+        const Status exchanged = exchange.FinishStep();  // collective
+        if (local.ok()) local = exchanged;
+        QCAL_RETURN_IF_ERROR(AgreeOk(comm_, Annotate(local, where), where));
+      }
+    }
+    Lap(&result_->forward_seconds);
+    // The dense sums over the ranks (the experts' stay with their owners), and every expert's
+    // routed tokens (each owner counted its own).
+    std::vector<ExpertHessians> owned = std::move(h.experts);
+    h.experts.clear();
+    QCAL_RETURN_IF_ERROR(Annotate(AllReduceHessians(comm_, &h), where));
+    h.experts = std::move(owned);
+    std::vector<int64_t> tokens(experts, 0);
+    for (int64_t e = mine.begin; e < mine.end; ++e) tokens[e] = h.experts[e].routed_tokens;
+    QCAL_RETURN_IF_ERROR(comm_.AllReduceSum(tokens.data(), tokens.size()));
+    for (int64_t e = 0; e < experts; ++e) {
+      h.experts[e].routed_tokens = tokens[e];
+      h.experts[e].route_all = !h.route_all.empty() && h.route_all[e];
+    }
+    result_->tokens = h.at(HessianKind::kQkv).count();
+    Lap(&result_->reduce_seconds);
+    block.reset();
+    result_->expert_tokens[l] = tokens;
+    return SaveInPlace(l, where, std::move(h));
+  }
+
+  // Writes a block's sums spread over the ranks into its file (SaveShardedBlockHessians) and,
+  // with keep_hessians, reads the whole sums back for the result.
+  Status SaveInPlace(int64_t l, const std::string& where, BlockHessians h) {
+    QCAL_RETURN_IF_ERROR(
+        Annotate(SaveShardedBlockHessians(comm_, HessianPath(dirs_.hessians, l), h, key_), where));
+    Lap(&result_->save_seconds);
+    h = BlockHessians{};  // the sums are in the file
+    if (options_.keep_hessians) {
+      StatusOr<BlockHessians> whole = LoadBlockHessians(HessianPath(dirs_.hessians, l), key_);
+      QCAL_RETURN_IF_ERROR(AgreeOk(comm_, Annotate(whole.status(), where), where));
+      result_->hessians[l] = std::move(*whole);
+    }
     return Status();
   }
 
@@ -320,17 +395,8 @@ class Walk {
       }
     }
     Lap(&result_->forward_seconds);  // sharded: the gathers of the inputs included
-    QCAL_RETURN_IF_ERROR(
-        Annotate(SaveShardedBlockHessians(comm_, HessianPath(dirs_.hessians, l), h, key_), where));
-    Lap(&result_->save_seconds);
     result_->tokens = h.at(HessianKind::kQkv).count();
-    h = BlockHessians{};  // the bands are in the file
-    if (options_.keep_hessians) {
-      StatusOr<BlockHessians> whole = LoadBlockHessians(HessianPath(dirs_.hessians, l), key_);
-      QCAL_RETURN_IF_ERROR(AgreeOk(comm_, Annotate(whole.status(), where), where));
-      result_->hessians[l] = std::move(*whole);
-    }
-    return Status();
+    return SaveInPlace(l, where, std::move(h));
   }
 
   comm::Comm& comm_;

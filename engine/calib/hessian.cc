@@ -12,6 +12,7 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/cpu.h"
+#include "engine/calib/expert_parallel.h"
 #include "kernels/fixed_point.h"
 #include "kernels/gpu_backend.h"
 
@@ -325,64 +326,13 @@ class RecordingLinear final : public WrappedLinear {
     } else if (acc_ && status_.ok()) {
       status_ = acc_->Add(x);
     }
-    at::Tensor y = inner_->Forward(x);
-    if (keep_output_) last_output_ = y;
-    return y;
+    return inner_->Forward(x);
   }
-  // Keeps the last output (o_proj's, from which route-all calibration rebuilds the MoE input).
-  void keep_output() { keep_output_ = true; }
-  const at::Tensor& last_output() const { return last_output_; }
 
  private:
   HessianAccumulator* acc_;
   kernels::DeviceHessian* device_;
   std::vector<at::Tensor>* captured_;
-  bool keep_output_ = false;
-  mutable at::Tensor last_output_;
-};
-
-// The routing of the chunk being forwarded, as the experts' recorders split their rows by
-// sequence: rows[e][s] = how many of expert e's rows (in token order, as RoutedExperts gathers
-// them) belong to sequence s of the chunk.
-struct ChunkRouting {
-  int64_t seq_len = 1;
-  std::vector<std::vector<int64_t>> rows;
-};
-
-// A routed expert's gate or down_proj that records its input [m, n] (the rows the router sent
-// it) into `acc`, each sequence's rows one product (so the sums are those of any rank split);
-// null `acc`: forwards only (an expert calibrated on every token is summed apart).
-class ExpertRecorder final : public WrappedLinear {
- public:
-  ExpertRecorder(std::unique_ptr<model::Linear> inner, HessianAccumulator* acc,
-                 const ChunkRouting* routing, int64_t expert)
-      : WrappedLinear(std::move(inner)), acc_(acc), routing_(routing), expert_(expert) {}
-  at::Tensor Forward(const at::Tensor& x) const override {
-    if (acc_ && status_.ok()) status_ = Record(x);
-    return inner_->Forward(x);
-  }
-
- private:
-  Status Record(const at::Tensor& x) const {
-    const std::vector<int64_t>& per_seq = routing_->rows[expert_];
-    const at::Tensor rows = x.reshape({-1, x.size(-1)});
-    int64_t total = 0;
-    for (int64_t c : per_seq) total += c;
-    if (total != rows.size(0)) {
-      return absl::InternalError(absl::StrCat("expert ", expert_, " ran on ", rows.size(0),
-                                              " rows, its routing gave it ", total));
-    }
-    int64_t first = 0;
-    for (int64_t c : per_seq) {
-      if (c == 0) continue;
-      QCAL_RETURN_IF_ERROR(acc_->Add(rows.narrow(0, first, c)));
-      first += c;
-    }
-    return Status();
-  }
-  HessianAccumulator* acc_;
-  const ChunkRouting* routing_;
-  int64_t expert_;
 };
 
 // A stand-in that returns zeros of the wrapped linear's output shape (CountRoutedTokens).
@@ -531,33 +481,44 @@ Status SizeDenseAccumulators(const model::BlockWeights& w, BlockHessians* hessia
   return Status();
 }
 
-// The block's hooks with on_routing extended by `tap` (called after any hook already there);
-// the block's own hooks come back when the returned cleanup runs.
-auto TapRouting(model::DecoderBlock& block, std::function<void(const model::Routing&)> tap) {
+// Installs `hooks` on the block until the returned cleanup runs, which gives the block its own
+// hooks back.
+auto SwapHooks(model::DecoderBlock& block, model::BlockHooks hooks) {
   model::BlockHooks saved = block.hooks();
-  model::BlockHooks hooks = saved;
-  hooks.on_routing = [prev = saved.on_routing, tap = std::move(tap)](const model::Routing& r) {
-    if (prev) prev(r);
-    tap(r);
-  };
   block.set_hooks(std::move(hooks));
   return absl::MakeCleanup([&block, saved = std::move(saved)]() mutable {
     block.set_hooks(std::move(saved));
   });
 }
 
+}  // namespace
+
 // ForwardCollectingHessians for a MoE block, on the CPU: the dense inputs as in a dense block
-// (Mixtral has no MLP linears; Llama 4's are the shared expert), each routed expert's gate/up and
-// down inputs as the router sends it rows (ExpertRecorder), and for the experts that calibrate on
-// every token, every token's input rebuilt after each chunk from o_proj's output exactly as the
-// block computes it (h = x + o, RmsNorm(h, post_norm); Llama 4 scales it by the sigmoid of the
-// expert's logit, LinearRows(h, router)), through the expert's float gate/up.
-StatusOr<at::Tensor> ForwardCollectingMoe(model::DecoderBlock& block, const at::Tensor& x,
-                                          const model::Rope& rope, int64_t batch,
-                                          BlockHessians* hessians) {
+// (Mixtral has no MLP linears; Llama 4's are the shared expert), and the routed experts through
+// BlockHooks::run_experts: on this process (RunOwnedExperts over every expert) or, with an
+// exchange, on the ranks that own them (expert_parallel.h). Either way each expert sums its
+// routed rows per sequence, or, when it calibrates on every token, every token of the call's
+// normalised hidden state (the block's own, exactly as its feed-forward reads it).
+StatusOr<at::Tensor> ForwardCollectingMoeHessians(model::DecoderBlock& block, const at::Tensor& x,
+                                                  const model::Rope& rope, int64_t batch,
+                                                  BlockHessians* hessians,
+                                                  ExpertExchange* exchange) {
+  if (x.dim() != 3) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block inputs must be [seqs, seq, hidden], got ", x.dim(), " dims"));
+  }
+  if (batch < 1) return absl::InvalidArgumentError("batch must be >= 1");
+  if (!block.is_moe()) {
+    return absl::InvalidArgumentError(absl::StrCat("block ", block.layer(), " has no experts"));
+  }
+  if (exchange != nullptr && x.size(0) > batch) {
+    return absl::InternalError(absl::StrCat(
+        "an expert-parallel step takes one chunk of at most ", batch, " sequences, got ",
+        x.size(0)));
+  }
+  at::NoGradGuard no_grad;
   model::BlockWeights& w = block.mutable_weights();
-  model::MoeWeights& moe = *w.moe;
-  const int64_t experts = static_cast<int64_t>(moe.experts.size());
+  const int64_t experts = static_cast<int64_t>(w.moe->experts.size());
   QCAL_RETURN_IF_ERROR(SizeDenseAccumulators(w, hessians));
   if (!hessians->route_all.empty() &&
       static_cast<int64_t>(hessians->route_all.size()) != experts) {
@@ -565,32 +526,14 @@ StatusOr<at::Tensor> ForwardCollectingMoe(model::DecoderBlock& block, const at::
                                                    hessians->route_all.size(),
                                                    " experts, the block has ", experts));
   }
-  if (hessians->experts.empty()) hessians->experts.resize(experts);
-  if (static_cast<int64_t>(hessians->experts.size()) != experts) {
-    return absl::InvalidArgumentError(absl::StrCat("Hessians for ", hessians->experts.size(),
-                                                   " experts, the block has ", experts));
+  const comm::Range mine = exchange != nullptr ? exchange->owned() : comm::Range{0, experts};
+  if (x.size(0) == 0) {
+    // A rank without sequences still has sized accumulators (its experts' too).
+    QCAL_RETURN_IF_ERROR(SizeExpertHessians(block, mine, hessians));
+    return x;
   }
-  for (int64_t e = 0; e < experts; ++e) {
-    ExpertHessians& eh = hessians->experts[e];
-    eh.route_all = !hessians->route_all.empty() && hessians->route_all[e];
-    const model::ExpertWeights& ex = moe.experts[e];
-    const int64_t dims[2] = {ex.linear(model::ExpertLinear::kGate).in_features(),
-                             ex.linear(model::ExpertLinear::kDown).in_features()};
-    for (ExpertInput i : kExpertInputs) {
-      HessianAccumulator& acc = eh.at(i);
-      const int64_t n = dims[static_cast<int>(i)];
-      if (acc.dim() == 0) acc = HessianAccumulator(n);
-      if (acc.dim() != n) {
-        return absl::InvalidArgumentError(absl::StrCat("expert ", e, " ", ExpertInputName(i),
-                                                       " Hessian has dim ", acc.dim(),
-                                                       ", expected ", n));
-      }
-    }
-  }
-  if (x.size(0) == 0) return x;  // a rank without sequences still has sized accumulators
 
-  // The dense linears that are present (q records for k and v, gate for up); o keeps its
-  // output for the route-all inputs.
+  // The dense linears that are present (q records for k and v, gate for up).
   std::array<RecordingLinear*, 4> dense{};
   for (model::LinearKind k : model::kAllLinears) {
     auto& slot = w.linears[static_cast<int>(k)];
@@ -601,105 +544,38 @@ StatusOr<at::Tensor> ForwardCollectingMoe(model::DecoderBlock& block, const at::
     if (records) dense[static_cast<int>(HessianKindOf(k))] = rec.get();
     slot = std::move(rec);
   }
-  RecordingLinear* o = dense[static_cast<int>(HessianKind::kO)];
-  o->keep_output();
-  ChunkRouting routing;
-  routing.seq_len = x.size(1);
-  std::vector<ExpertRecorder*> recorders;  // gate, down of each expert
-  for (int64_t e = 0; e < experts; ++e) {
-    ExpertHessians& eh = hessians->experts[e];
-    for (model::ExpertLinear k : {model::ExpertLinear::kGate, model::ExpertLinear::kDown}) {
-      auto& slot = moe.experts[e].linears[static_cast<int>(k)];
-      HessianAccumulator* acc =
-          eh.route_all ? nullptr
-                       : &eh.at(k == model::ExpertLinear::kGate ? ExpertInput::kGateUp
-                                                                : ExpertInput::kDown);
-      auto rec = std::make_unique<ExpertRecorder>(std::move(slot), acc, &routing, e);
-      recorders.push_back(rec.get());
-      slot = std::move(rec);
-    }
-  }
-  auto unwrap = absl::MakeCleanup([&w, &moe] {
+  auto unwrap = absl::MakeCleanup([&w] {
     for (auto& slot : w.linears) {
       if (slot != nullptr) slot = static_cast<WrappedLinear*>(slot.get())->Release();
     }
-    for (model::ExpertWeights& ex : moe.experts) {
-      for (model::ExpertLinear k : {model::ExpertLinear::kGate, model::ExpertLinear::kDown}) {
-        auto& slot = ex.linears[static_cast<int>(k)];
-        slot = static_cast<WrappedLinear*>(slot.get())->Release();
-      }
-    }
   });
-  Status tap_status;
-  auto restore_hooks = TapRouting(block, [&](const model::Routing& r) {
-    const at::Tensor chosen = r.experts.to(at::kCPU).contiguous();
-    const int64_t n = chosen.size(0), k = chosen.size(1);
-    const int64_t seqs = (n + routing.seq_len - 1) / routing.seq_len;
-    routing.rows.assign(experts, std::vector<int64_t>(seqs, 0));
-    const int64_t* c = chosen.data_ptr<int64_t>();
-    for (int64_t t = 0; t < n; ++t) {
-      for (int64_t j = 0; j < k; ++j) {
-        const int64_t e = c[t * k + j];
-        if (e < 0 || e >= experts) {
-          if (tap_status.ok()) {
-            tap_status = absl::InternalError(absl::StrCat(
-                "the router chose expert ", e, ", outside the block's ", experts, " experts"));
-          }
-          continue;
-        }
-        ++routing.rows[e][t / routing.seq_len];
-        ++hessians->experts[e].routed_tokens;
-      }
-    }
-  });
-  std::vector<int64_t> all;  // the experts that calibrate on every token
-  for (int64_t e = 0; e < experts; ++e) {
-    if (hessians->experts[e].route_all) all.push_back(e);
-  }
-  const bool scaled_input = block.router_kind() == RouterKind::kSigmoidTopKInput;
+  const int64_t seq_len = x.size(1);
+  Status experts_status;
+  model::BlockHooks hooks = block.hooks();
+  hooks.run_experts = [&](const model::ExpertCall& call) -> std::vector<at::Tensor> {
+    if (exchange != nullptr) return exchange->Run(call, seq_len);
+    StatusOr<std::vector<at::Tensor>> out = RunOwnedExperts(block, call, seq_len, mine, hessians);
+    if (out.ok()) return *std::move(out);
+    if (experts_status.ok()) experts_status = out.status();
+    return ZeroExpertOutputs(call);
+  };
+  auto restore_hooks = SwapHooks(block, std::move(hooks));
   std::vector<at::Tensor> outs;
   try {
     for (int64_t s = 0; s < x.size(0); s += batch) {
-      const at::Tensor xc = x.narrow(0, s, std::min(batch, x.size(0) - s));
-      outs.push_back(block.Forward(xc, rope));
-      if (all.empty()) continue;
-      const at::Tensor h = model::RmsNorm(xc + o->last_output(), w.post_norm, block.rms_eps());
-      at::Tensor logits;  // [rows, experts]
-      if (scaled_input) logits = model::LinearRows(h.reshape({-1, h.size(-1)}), moe.router);
-      for (int64_t e : all) {
-        ExpertHessians& eh = hessians->experts[e];
-        at::Tensor in = h;
-        if (scaled_input) in = h * at::sigmoid(logits.select(1, e)).view({h.size(0), h.size(1), 1});
-        const model::ExpertWeights& ex = moe.experts[e];  // recorders that only forward
-        const at::Tensor down_in = at::silu(ex.linear(model::ExpertLinear::kGate).Forward(in)) *
-                                   ex.linear(model::ExpertLinear::kUp).Forward(in);
-        Status added = eh.at(ExpertInput::kGateUp).Add(in);
-        if (added.ok()) added = eh.at(ExpertInput::kDown).Add(down_in);
-        if (!added.ok()) {
-          return Annotate(added, absl::StrCat("expert ", e, " (every token)"));
-        }
-      }
+      outs.push_back(block.Forward(x.narrow(0, s, std::min(batch, x.size(0) - s)), rope));
     }
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat("block forward failed: ", e.what()));
   }
-  QCAL_RETURN_IF_ERROR(tap_status);
+  QCAL_RETURN_IF_ERROR(experts_status);
   for (HessianKind k : kAllHessianKinds) {
     if (RecordingLinear* r = dense[static_cast<int>(k)]; r != nullptr && !r->status().ok()) {
       return Annotate(r->status(), absl::StrCat(HessianKindName(k), " input"));
     }
   }
-  for (size_t i = 0; i < recorders.size(); ++i) {
-    if (!recorders[i]->status().ok()) {
-      return Annotate(recorders[i]->status(),
-                      absl::StrCat("expert ", i / 2, " ",
-                                   ExpertInputName(static_cast<ExpertInput>(i % 2)), " input"));
-    }
-  }
   return at::cat(outs, 0);
 }
-
-}  // namespace
 
 Status CountRoutedTokens(model::DecoderBlock& block, const at::Tensor& x, const model::Rope& rope,
                          int64_t batch, std::vector<int64_t>* tokens) {
@@ -719,11 +595,10 @@ Status CountRoutedTokens(model::DecoderBlock& block, const at::Tensor& x, const 
     return absl::InvalidArgumentError(absl::StrCat("token counts for ", tokens->size(),
                                                    " experts, the block has ", experts));
   }
-  // Zero stand-ins for every feed-forward linear, swapped back on every path.
+  // Zero stand-ins for the shared expert's linears, swapped back on every path; the routed
+  // experts are not run at all (run_experts returns zeros), so a block loaded with only some of
+  // its experts counts too.
   std::vector<std::unique_ptr<model::Linear>*> slots;
-  for (model::ExpertWeights& ex : w.moe->experts) {
-    for (auto& slot : ex.linears) slots.push_back(&slot);
-  }
   for (model::LinearKind k : {model::LinearKind::kGate, model::LinearKind::kUp,
                               model::LinearKind::kDown}) {
     if (w.has(k)) slots.push_back(&w.linears[static_cast<int>(k)]);
@@ -736,13 +611,17 @@ Status CountRoutedTokens(model::DecoderBlock& block, const at::Tensor& x, const 
   auto swap_back = absl::MakeCleanup([&] {
     for (size_t i = 0; i < slots.size(); ++i) *slots[i] = std::move(real[i]);
   });
-  auto restore_hooks = TapRouting(block, [&](const model::Routing& r) {
+  model::BlockHooks hooks = block.hooks();
+  hooks.on_routing = [prev = hooks.on_routing, tokens, experts](const model::Routing& r) {
+    if (prev) prev(r);
     const at::Tensor chosen = r.experts.to(at::kCPU).contiguous();
     const int64_t* c = chosen.data_ptr<int64_t>();
     for (int64_t i = 0; i < chosen.numel(); ++i) {
       if (c[i] >= 0 && c[i] < experts) ++(*tokens)[c[i]];
     }
-  });
+  };
+  hooks.run_experts = ZeroExpertOutputs;
+  auto restore_hooks = SwapHooks(block, std::move(hooks));
   try {
     for (int64_t s = 0; s < x.size(0); s += batch) {
       (void)block.Forward(x.narrow(0, s, std::min(batch, x.size(0) - s)), rope);
@@ -764,7 +643,9 @@ StatusOr<at::Tensor> ForwardCollectingHessians(model::DecoderBlock& block, const
   at::NoGradGuard no_grad;
   auto forward = [&]() { return ForwardInChunks(block, x, rope, batch); };
   if (hessians == nullptr) return x.size(0) == 0 ? x : forward();
-  if (block.is_moe()) return ForwardCollectingMoe(block, x, rope, batch, hessians);
+  if (block.is_moe()) {
+    return ForwardCollectingMoeHessians(block, x, rope, batch, hessians, /*exchange=*/nullptr);
+  }
   model::BlockWeights& w = block.mutable_weights();
   QCAL_RETURN_IF_ERROR(SizeDenseAccumulators(w, hessians));
   if (x.size(0) == 0) return x;  // a rank without sequences still has sized accumulators

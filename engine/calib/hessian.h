@@ -42,6 +42,8 @@
 
 namespace qcal::calib {
 
+class ExpertExchange;  // expert_parallel.h
+
 // The fixed-point format and the CPU kernels that accumulate it live in kernels/ beside their
 // reference and CUDA version (kernels/fixed_point.h, kernels/hessian_fixed.h).
 using kernels::Fixed128;
@@ -239,11 +241,24 @@ StatusOr<at::Tensor> ForwardCollectingHessians(model::DecoderBlock& block, const
                                                const model::Rope& rope, int64_t batch,
                                                BlockHessians* hessians, bool flush_device = true);
 
+// ForwardCollectingHessians of a MoE block whose routed experts run through `exchange` on the
+// ranks that own them (expert_parallel.h): the dense inputs' sums (attention, the shared expert)
+// into *hessians as usual, the experts' rows to their owners, and this rank's experts' sums (of
+// every rank's rows) into hessians->experts. x: one canonical chunk (at most `batch`
+// sequences), so that every rank makes one exchange per step; an empty x only sizes the
+// accumulators. exchange == nullptr: every expert here (what ForwardCollectingHessians does).
+StatusOr<at::Tensor> ForwardCollectingMoeHessians(model::DecoderBlock& block, const at::Tensor& x,
+                                                  const model::Rope& rope, int64_t batch,
+                                                  BlockHessians* hessians,
+                                                  ExpertExchange* exchange);
+
 // A MoE block's real routing of x [num_seqs, seq, hidden] (the same chunks of `batch`
 // sequences as ForwardCollectingHessians): how many tokens the router sends each expert, added
 // to *tokens (resized to the block's experts when empty). Only attention and the router run:
-// while it counts, the block's expert and shared-expert linears are stand-ins that return zeros
-// (the block is restored on every path). The starved-expert rule's first pass (calibration.h).
+// while it counts, the routed experts are not run (BlockHooks::run_experts returns zeros, so a
+// block holding some of its experts counts too) and the shared expert's linears are stand-ins
+// that return zeros (the block is restored on every path). The starved-expert rule's first pass
+// (calibration.h).
 Status CountRoutedTokens(model::DecoderBlock& block, const at::Tensor& x, const model::Rope& rope,
                          int64_t batch, std::vector<int64_t>* tokens);
 

@@ -64,6 +64,40 @@ Status AllGather(Comm& comm, const void* data, size_t bytes, std::vector<char>* 
   return absl::OkStatus();
 }
 
+Status AllToAll(Comm& comm, const std::vector<std::vector<char>>& send,
+                std::vector<std::vector<char>>* recv) {
+  const int n = comm.size(), me = comm.rank();
+  if (static_cast<int>(send.size()) != n) {
+    return absl::InvalidArgumentError(absl::StrCat("AllToAll: ", send.size(), " messages for ",
+                                                   n, " ranks"));
+  }
+  // counts[s * n + d]: the bytes rank s sends rank d (every rank fills its row).
+  std::vector<int64_t> counts(static_cast<size_t>(n) * n, 0);
+  for (int d = 0; d < n; ++d) counts[static_cast<size_t>(me) * n + d] = send[d].size();
+  QCAL_RETURN_IF_ERROR(comm.AllReduceSum(counts.data(), counts.size()));
+  recv->assign(n, {});
+  std::vector<char> gathered;
+  for (int d = 0; d < n; ++d) {
+    int64_t to_d = 0;
+    for (int s = 0; s < n; ++s) to_d += counts[static_cast<size_t>(s) * n + d];
+    if (to_d == 0) continue;  // every rank knows the counts: all skip the same roots
+    QCAL_RETURN_IF_ERROR(comm.Gather(send[d].data(), send[d].size(), d, &gathered));
+    if (d != me) continue;
+    if (static_cast<int64_t>(gathered.size()) != to_d) {
+      return absl::InternalError(absl::StrCat("AllToAll: rank ", me, " received ",
+                                              gathered.size(), " bytes, expected ", to_d));
+    }
+    size_t at = 0;
+    for (int s = 0; s < n; ++s) {
+      const size_t c = static_cast<size_t>(counts[static_cast<size_t>(s) * n + d]);
+      (*recv)[s].assign(gathered.data() + at, gathered.data() + at + c);
+      at += c;
+    }
+    gathered = {};
+  }
+  return absl::OkStatus();
+}
+
 Range SliceForRank(int64_t total, int rank, int size) {
   Range r;
   if (total <= 0 || size <= 0 || rank < 0 || rank >= size) return r;

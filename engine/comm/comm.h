@@ -53,6 +53,13 @@ class Comm {
 Status AllGather(Comm& comm, const void* data, size_t bytes, std::vector<char>* out,
                  std::vector<size_t>* sizes = nullptr);
 
+// Personalised exchange: rank r sends send[d] to every rank d (send.size() == size(); sizes may
+// differ and be 0) and gets recv[s], what rank s sent it, for every s (its own included). Built
+// from AllReduceSum (the size × size byte counts) and one Gather per rank that receives
+// anything, so every Comm has it. Collective.
+Status AllToAll(Comm& comm, const std::vector<std::vector<char>>& send,
+                std::vector<std::vector<char>>* recv);
+
 // A world of one: reductions and broadcasts are no-ops.
 std::unique_ptr<Comm> MakeSelfComm();
 

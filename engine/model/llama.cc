@@ -380,6 +380,12 @@ Routing DecoderBlock::Route(const at::Tensor& h) const {
   return r;
 }
 
+at::Tensor ExpertForward(const ExpertWeights& ex, const at::Tensor& x) {
+  return ex.linear(ExpertLinear::kDown)
+      .Forward(at::silu(ex.linear(ExpertLinear::kGate).Forward(x)) *
+               ex.linear(ExpertLinear::kUp).Forward(x));
+}
+
 at::Tensor DecoderBlock::RoutedExperts(const at::Tensor& h, const Routing& routing,
                                        const ExpertInputFn& expert_inputs) const {
   const at::Tensor x = h.reshape({-1, h.size(-1)});
@@ -392,26 +398,61 @@ at::Tensor DecoderBlock::RoutedExperts(const at::Tensor& h, const Routing& routi
   std::vector<std::vector<int64_t>> rows(experts), slots(experts);
   for (int64_t t = 0; t < n; ++t) {
     for (int64_t j = 0; j < k; ++j) {
-      rows[c[t * k + j]].push_back(t);
-      slots[c[t * k + j]].push_back(t * k + j);
+      const int64_t e = c[t * k + j];
+      TORCH_CHECK(e >= 0 && e < experts, "block ", weights_.layer, ": the router chose expert ", e,
+                  ", outside the block's ", experts, " experts");
+      rows[e].push_back(t);
+      slots[e].push_back(t * k + j);
     }
   }
   const at::Tensor flat_weights = routing.weights.reshape({-1});
-  for (int64_t e = 0; e < experts; ++e) {
-    if (rows[e].empty()) continue;
-    // Copies of the index lists (the callback may keep the rows), on x's device.
-    const at::Tensor idx = at::tensor(rows[e], at::kLong).to(x.device());
+  // Expert e's token rows (a copy of the index list: the callback may keep it), its routing
+  // weights [m, 1] and the input its gate/up read (Llama 4's scaled by the weights).
+  auto input_of = [&](int64_t e, at::Tensor* idx, at::Tensor* w) {
+    *idx = at::tensor(rows[e], at::kLong).to(x.device());
     const at::Tensor slot = at::tensor(slots[e], at::kLong).to(x.device());
-    const at::Tensor w = flat_weights.index_select(0, slot).unsqueeze(1);  // [m, 1]
-    at::Tensor in = x.index_select(0, idx);
-    if (router_ == RouterKind::kSigmoidTopKInput) in = in * w;
-    if (expert_inputs) expert_inputs(e, idx, in);
-    const ExpertWeights& ex = weights_.moe->experts[e];
-    at::Tensor y = ex.linear(ExpertLinear::kDown)
-                       .Forward(at::silu(ex.linear(ExpertLinear::kGate).Forward(in)) *
-                                ex.linear(ExpertLinear::kUp).Forward(in));
+    *w = flat_weights.index_select(0, slot).unsqueeze(1);
+    at::Tensor in = x.index_select(0, *idx);
+    if (router_ == RouterKind::kSigmoidTopKInput) in = in * *w;
+    if (expert_inputs) expert_inputs(e, *idx, in);
+    return in;
+  };
+  // Expert e's output y on its rows, added in expert order.
+  auto combine = [&](const at::Tensor& idx, const at::Tensor& w, at::Tensor y) {
     if (router_ == RouterKind::kSoftmaxTopK) y = y * w;
     out.index_add_(0, idx, y);  // each row once per expert: the sum runs in expert order
+  };
+  if (!hooks_.run_experts) {
+    // One expert at a time: only its input and output are held.
+    for (int64_t e = 0; e < experts; ++e) {
+      if (rows[e].empty()) continue;
+      at::Tensor idx, w;
+      const at::Tensor in = input_of(e, &idx, &w);
+      combine(idx, w, ExpertForward(weights_.moe->experts[e], in));
+    }
+    return out.view(h.sizes());
+  }
+  // The experts run elsewhere (BlockHooks::run_experts): every input first, then the outputs
+  // combined in the same order.
+  ExpertCall call;
+  call.h = h;
+  call.rows.resize(experts);
+  call.inputs.resize(experts);
+  std::vector<at::Tensor> weights(experts);
+  for (int64_t e = 0; e < experts; ++e) {
+    if (rows[e].empty()) continue;
+    call.inputs[e] = input_of(e, &call.rows[e], &weights[e]);
+  }
+  const std::vector<at::Tensor> outputs = hooks_.run_experts(call);
+  TORCH_CHECK(static_cast<int64_t>(outputs.size()) == experts, "block ", weights_.layer,
+              ": the expert runner returned ", outputs.size(), " outputs for ", experts,
+              " experts");
+  for (int64_t e = 0; e < experts; ++e) {
+    if (rows[e].empty()) continue;
+    TORCH_CHECK(outputs[e].defined() && outputs[e].sizes() == call.inputs[e].sizes(), "block ",
+                weights_.layer, ": the expert runner's output for expert ", e,
+                " does not match its input's shape");
+    combine(call.rows[e], weights[e], outputs[e].to(x.device()));
   }
   return out.view(h.sizes());
 }

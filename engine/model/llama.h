@@ -126,6 +126,22 @@ struct MoeWeights {
   at::Tensor router;                  // [experts, hidden] float32, kept in full precision
   std::vector<ExpertWeights> experts;
 };
+// One expert on its rows x [m, hidden]: down(silu(gate(x)) · up(x)), as the block computes it.
+at::Tensor ExpertForward(const ExpertWeights& ex, const at::Tensor& x);
+// One forward call's work for a MoE block's routed experts, for BlockHooks::run_experts: the
+// normalised hidden state the feed-forward reads ([..., hidden]) and, per expert, the rows the
+// router sends it (int64 [m_e] indices into h's flattened rows, ascending) and the input its
+// gate/up read ([m_e, hidden]; Llama 4's scaled by the router weights). Both undefined for an
+// expert the call sends no row.
+struct ExpertCall {
+  at::Tensor h;
+  std::vector<at::Tensor> rows;
+  std::vector<at::Tensor> inputs;
+};
+// Runs a call's experts: outputs[e] = ExpertForward(expert e, inputs[e]) ([m_e, hidden], before
+// Mixtral's routing weights multiply in), one per expert (undefined where inputs[e] is).
+using ExpertRunner = std::function<std::vector<at::Tensor>(const ExpertCall& call)>;
+
 // A MoE block's routing of n tokens: the top-k experts of each token, and the weight each
 // chosen expert gets (Mixtral: its renormalized softmax probability, multiplied into its output;
 // Llama 4: the sigmoid of its logit, multiplied into its input).
@@ -237,6 +253,12 @@ struct BlockHooks {
   // A MoE block calls it with each forward pass's routing (its tokens' rows flattened in order)
   // before the experts run: what analyses of the routing read (tools/expert_load.h). Empty: none.
   std::function<void(const Routing&)> on_routing;
+  // Where a MoE block's routed experts run. Empty: here, one expert at a time in expert order
+  // (only its rows in memory). Set: every expert's input is made first, the runner computes the
+  // outputs (calibration: on the ranks that own the experts, engine/calib/expert_parallel.h; or
+  // stand-ins), and they are combined in the same order, so a runner that computes
+  // ExpertForward gives the same bits.
+  ExpertRunner run_experts;
 };
 
 // A decoder block of block `weights.layer` of `config`: a dense Llama block, or (hf_config.h
@@ -266,9 +288,10 @@ class DecoderBlock {
   // A MoE block's routing of normalised h [..., hidden] (its rows flattened, in order).
   Routing Route(const at::Tensor& h) const;
   // The routed experts' sum for normalised h [..., hidden] given its routing (without the shared
-  // expert). `expert_inputs`, when set, is called with each expert's index, its token rows (into
-  // the flattened h) and the input its gate/up read ([rows, hidden], Llama 4's scaled by the
-  // router) before the expert runs: calibration's per-expert statistics.
+  // expert), the experts run where hooks().run_experts says. `expert_inputs`, when set, is called
+  // with each expert's index, its token rows (into the flattened h) and the input its gate/up
+  // read ([rows, hidden], Llama 4's scaled by the router) before the expert runs. A routing that
+  // names an expert outside the block throws (c10::Error).
   using ExpertInputFn =
       std::function<void(int64_t expert, const at::Tensor& rows, const at::Tensor& input)>;
   at::Tensor RoutedExperts(const at::Tensor& h, const Routing& routing,

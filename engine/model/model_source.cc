@@ -32,6 +32,30 @@ StatusOr<at::Tensor> CheckpointSource::Embed(const at::Tensor& ids_in) {
   return at::from_blob(data.data(), shape, at::kFloat).clone();
 }
 
+StatusOr<std::unique_ptr<DecoderBlock>> ModelSource::LoadBlockPart(int64_t layer,
+                                                                  const BlockSelection& select) {
+  if (!select.dense) {
+    return absl::UnimplementedError("this model source loads a block's routed experts with its "
+                                    "other weights only");
+  }
+  QCAL_ASSIGN_OR_RETURN(std::unique_ptr<DecoderBlock> block, LoadBlock(layer));
+  if (block->weights().moe != nullptr) {
+    std::vector<ExpertWeights>& experts = block->mutable_weights().moe->experts;
+    const int64_t n = static_cast<int64_t>(experts.size());
+    const int64_t end = select.expert_end < 0 ? n : select.expert_end;
+    if (select.expert_begin < 0 || select.expert_begin > end || end > n) {
+      return absl::OutOfRangeError(absl::StrCat("block ", layer, ": experts [",
+                                                select.expert_begin, ", ", end,
+                                                ") of ", n));
+    }
+    for (int64_t e = 0; e < n; ++e) {
+      if (e >= select.expert_begin && e < end) continue;
+      for (auto& linear : experts[e].linears) linear.reset();
+    }
+  }
+  return block;
+}
+
 StatusOr<std::unique_ptr<DecoderBlock>> CheckpointSource::LoadBlock(int64_t layer) {
   QCAL_ASSIGN_OR_RETURN(BlockWeights w, LoadBlockWeights(layer));
   auto block = std::make_unique<DecoderBlock>(config_, std::move(w));
@@ -192,6 +216,13 @@ class FloatCheckpointSource final : public CheckpointSource {
   using CheckpointSource::CheckpointSource;
   StatusOr<BlockWeights> LoadBlockWeights(int64_t layer) override {
     return model::LoadBlockWeights(reader(), config(), layer);
+  }
+  // Only the selected part is read (Llama 4's fused experts one slab at a time).
+  StatusOr<std::unique_ptr<DecoderBlock>> LoadBlockPart(int64_t layer,
+                                                        const BlockSelection& select) override {
+    QCAL_ASSIGN_OR_RETURN(BlockWeights w,
+                          model::LoadBlockWeightsPart(reader(), config(), layer, select));
+    return std::make_unique<DecoderBlock>(config(), std::move(w));
   }
 };
 

@@ -25,6 +25,7 @@
 #include "common/hf_config.h"
 #include "common/safetensors.h"
 #include "common/status.h"
+#include "engine/model/block_select.h"
 #include "engine/model/llama.h"
 
 namespace qcal::model {
@@ -42,6 +43,12 @@ class ModelSource {
   // Block `layer` ready to run (a quantized checkpoint's online transforms and activation / KV
   // quantizers installed). The caller owns it; the source keeps nothing of it.
   virtual StatusOr<std::unique_ptr<DecoderBlock>> LoadBlock(int64_t layer) = 0;
+  // Block `layer` with only the routed experts `select` names (block_select.h; select.dense must
+  // be set): the other experts' slots are null, so the block runs only with a
+  // BlockHooks::run_experts that does not need them (expert-parallel calibration). A float
+  // checkpoint reads only the selected experts; the default loads the block and drops the rest.
+  virtual StatusOr<std::unique_ptr<DecoderBlock>> LoadBlockPart(int64_t layer,
+                                                                const BlockSelection& select);
   // Final RMSNorm + head: [..., hidden] -> logits [..., vocab] float32. The head is loaded on the
   // first call and kept.
   virtual StatusOr<at::Tensor> Logits(const at::Tensor& hidden) = 0;

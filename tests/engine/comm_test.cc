@@ -130,6 +130,51 @@ TEST_P(ThreadCommTest, CollectivesGiveEveryRankTheSameResult) {
   }
 }
 
+// AllToAll: rank s sends rank d the message "s>d" repeated (s + d) % 3 times (so some messages
+// are empty, and some ranks receive nothing at all from anyone), three rounds back to back.
+TEST_P(ThreadCommTest, AllToAllDeliversEveryMessageToItsRank) {
+  const int n = GetParam();
+  auto message = [](int s, int d, int round) {
+    std::string m;
+    for (int i = 0; i < (s + d + round) % 3; ++i) m += std::to_string(s) + ">" + std::to_string(d);
+    return m;
+  };
+  std::vector<std::vector<std::string>> got(n, std::vector<std::string>(n * 3));
+  auto status = RunRanks(n, [&](Comm& c) -> Status {
+    for (int round = 0; round < 3; ++round) {
+      std::vector<std::vector<char>> send(n);
+      for (int d = 0; d < n; ++d) {
+        const std::string m = message(c.rank(), d, round);
+        send[d].assign(m.begin(), m.end());
+      }
+      std::vector<std::vector<char>> recv = {{'x'}};
+      QCAL_RETURN_IF_ERROR(AllToAll(c, send, &recv));
+      if (static_cast<int>(recv.size()) != n) return absl::InternalError("recv size");
+      for (int s = 0; s < n; ++s) {
+        got[c.rank()][round * n + s] = std::string(recv[s].begin(), recv[s].end());
+      }
+    }
+    // A send list of the wrong length is refused before any collective.
+    std::vector<std::vector<char>> recv;
+    if (AllToAll(c, std::vector<std::vector<char>>(n + 1), &recv).ok()) {
+      return absl::InternalError("a wrong send list was accepted");
+    }
+    return absl::OkStatus();
+  });
+  int nonempty = 0;
+  for (int d = 0; d < n; ++d) {
+    ASSERT_TRUE(status[d].ok()) << "rank " << d << ": " << status[d];
+    for (int round = 0; round < 3; ++round) {
+      for (int s = 0; s < n; ++s) {
+        EXPECT_EQ(got[d][round * n + s], message(s, d, round))
+            << "round " << round << ", " << s << " -> " << d;
+        nonempty += !got[d][round * n + s].empty();
+      }
+    }
+  }
+  EXPECT_GT(nonempty, 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(Ranks, ThreadCommTest, ::testing::Values(1, 2, 3, 4));
 
 TEST(ThreadCommErrorsTest, MismatchedCallsFailOnEveryRank) {

@@ -11,7 +11,10 @@
 //    calibrate on every token, get the route-all reference's Hessians, and are reported; the
 //    others keep the real routing's;
 //  * 1, 2 and 3 thread-ranks write byte-identical Hessian files; a file reads back (whole and
-//    mapped) to the same means and counts.
+//    mapped) to the same means and counts;
+//  * expert parallelism (engine/calib/expert_parallel.h): a rank loads and sums only its own
+//    experts; the exchange gives each rank the block outputs and each owner the sums one process
+//    computes, also with a rank that has no chunk and with one whose forward fails (no hang).
 // Needs /usr/bin/python3 with numpy.
 #include <gtest/gtest.h>
 
@@ -19,6 +22,7 @@
 #include <fstream>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -30,6 +34,7 @@
 #include "common/atomic_file.h"
 #include "engine/calib/cache.h"
 #include "engine/calib/calibration.h"
+#include "engine/calib/expert_parallel.h"
 #include "engine/comm/comm.h"
 #include "engine/model/llama.h"
 #include "engine/model/model_source.h"
@@ -304,6 +309,241 @@ TEST_P(MoeCalibrationTest, AnExpertNoTokenReachesGetsEveryTokensHessian) {
     for (int64_t e = 0; e < config_.num_experts; ++e) {
       const at::Tensor h = r.hessians[l].ExpertMean(e, calib::ExpertInput::kGateUp);
       EXPECT_GT(h.diagonal().min().item<double>(), 0) << "block " << l << " expert " << e;
+    }
+  }
+}
+
+// A float source that records which blocks it was asked for, whole or in part.
+class RecordingSource final : public model::ModelSource {
+ public:
+  explicit RecordingSource(std::unique_ptr<model::ModelSource> inner) : inner_(std::move(inner)) {}
+  struct Load {
+    int64_t layer;
+    bool whole;
+    int64_t begin, end;  // the experts of a part
+  };
+  std::vector<Load> loads;
+
+  const LlamaConfig& config() const override { return inner_->config(); }
+  const model::Rope& rope() const override { return inner_->rope(); }
+  StatusOr<at::Tensor> Embed(const at::Tensor& ids) override { return inner_->Embed(ids); }
+  StatusOr<model::BlockWeights> LoadBlockWeights(int64_t layer) override {
+    return inner_->LoadBlockWeights(layer);
+  }
+  StatusOr<std::unique_ptr<model::DecoderBlock>> LoadBlock(int64_t layer) override {
+    loads.push_back({layer, true, 0, -1});
+    return inner_->LoadBlock(layer);
+  }
+  StatusOr<std::unique_ptr<model::DecoderBlock>> LoadBlockPart(
+      int64_t layer, const model::BlockSelection& select) override {
+    loads.push_back({layer, false, select.expert_begin, select.expert_end});
+    return inner_->LoadBlockPart(layer, select);
+  }
+  StatusOr<at::Tensor> Logits(const at::Tensor& hidden) override { return inner_->Logits(hidden); }
+  StatusOr<LoadedHead> Head() override { return inner_->Head(); }
+  StatusOr<model::NonBlockWeights> LoadNonBlock() override { return inner_->LoadNonBlock(); }
+  void ReleaseHead() override { inner_->ReleaseHead(); }
+  StatusOr<at::Tensor> HeadRows(int64_t begin, int64_t count) override {
+    return inner_->HeadRows(begin, count);
+  }
+  StatusOr<at::Tensor> FinalNorm() override { return inner_->FinalNorm(); }
+  bool HeadTied() const override { return inner_->HeadTied(); }
+  Status AddStoredTensor(SafetensorsWriter* writer, const std::string& name) override {
+    return inner_->AddStoredTensor(writer, name);
+  }
+
+ private:
+  std::unique_ptr<model::ModelSource> inner_;
+};
+
+// On 3 thread-ranks a MoE block is read in parts, each rank only its own experts (never the
+// whole block), and the Hessian files are one process's bytes.
+TEST_P(MoeCalibrationTest, EachRankLoadsAndSumsOnlyItsOwnExperts) {
+  const at::Tensor tokens = Tokens();
+  auto run = [&](int ranks, const std::string& dir,
+                 std::vector<std::vector<RecordingSource::Load>>* loads) {
+    auto comms = comm::MakeThreadComms(ranks);
+    std::vector<Status> status(ranks);
+    loads->assign(ranks, {});
+    std::vector<std::thread> threads;
+    for (int r = 0; r < ranks; ++r) {
+      threads.emplace_back([&, r] {
+        auto opened = model::OpenFloatCheckpoint(model_);
+        if (!opened.ok()) {
+          status[r] = opened.status();
+          comms[r].reset();
+          return;
+        }
+        RecordingSource source(*std::move(opened));
+        calib::CalibrationOptions o;
+        o.batch = kBatch;
+        o.keep_hessians = false;
+        o.moe_min_tokens = 40;  // some experts on every token (the h goes to their owners)
+        status[r] = calib::Calibrate(*comms[r], source, tokens, job::CalibrationDirsOf(dir),
+                                     "key", o).status();
+        (*loads)[r] = source.loads;
+        if (!status[r].ok()) comms[r].reset();
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < ranks; ++r) {
+      ASSERT_TRUE(status[r].ok()) << "rank " << r << ": " << status[r];
+    }
+  };
+  const std::string one = MakeTempDir("moe-ep-1"), three = MakeTempDir("moe-ep-3");
+  std::vector<std::vector<RecordingSource::Load>> loads1, loads3;
+  run(1, one, &loads1);
+  run(3, three, &loads3);
+  for (int r = 0; r < 3; ++r) {
+    const comm::Range mine = calib::ExpertsOfRank(config_.num_experts, r, 3);
+    int64_t parts = 0;
+    for (const RecordingSource::Load& load : loads3[r]) {
+      const std::string where = absl::StrCat("rank ", r, " block ", load.layer);
+      if (config_.IsMoeLayer(load.layer)) {
+        EXPECT_FALSE(load.whole) << where << " was loaded whole";
+        EXPECT_EQ(load.begin, mine.begin) << where;
+        EXPECT_EQ(load.end, mine.end) << where;
+        ++parts;
+      } else {
+        EXPECT_TRUE(load.whole) << where;
+      }
+    }
+    EXPECT_GT(parts, 0) << "rank " << r;
+  }
+  for (int64_t l = 0; l < config_.num_hidden_layers; ++l) {
+    auto a = ReadFile(calib::HessianPath(job::CalibrationDirsOf(one).hessians, l));
+    auto b = ReadFile(calib::HessianPath(job::CalibrationDirsOf(three).hessians, l));
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_TRUE(*a == *b) << "block " << l;
+  }
+}
+
+// The exchange itself, on 2 and 3 thread-ranks over one MoE block: each rank forwards its own
+// chunk (different tokens per rank) with only its experts loaded, some experts calibrating on
+// every token. Each rank's block outputs must equal the whole block's on one process, bit for
+// bit, and each owner's sums the integer sum of every rank's sums computed on one process. In a
+// second step the last rank has no chunk; in a third its forward fails before the exchange: the
+// others finish and it gets its own error.
+TEST_P(MoeCalibrationTest, TheExchangeGivesOneProcesssOutputsAndSums) {
+  int64_t layer = 0;
+  while (!config_.IsMoeLayer(layer)) ++layer;
+  const int64_t experts = config_.num_experts;
+  const std::vector<bool> route_all = {true, false, false, true};
+  ASSERT_EQ(experts, 4);
+  for (int ranks : {2, 3}) {
+    std::vector<at::Tensor> x(ranks);
+    for (int r = 0; r < ranks; ++r) {
+      at::manual_seed(100 + r);
+      x[r] = at::randn({kBatch, kSeqLen, config_.hidden_size});
+    }
+    // One process: every rank's chunk through the whole block.
+    auto opened = model::OpenFloatCheckpoint(model_);
+    ASSERT_TRUE(opened.ok());
+    auto whole = (*opened)->LoadBlock(layer);
+    ASSERT_TRUE(whole.ok());
+    std::vector<at::Tensor> want(ranks);
+    calib::BlockHessians total;
+    total.route_all = route_all;
+    for (int step = 0; step < 2; ++step) {
+      for (int r = 0; r < ranks; ++r) {
+        if (step == 1 && r == ranks - 1) continue;
+        calib::BlockHessians one;
+        one.route_all = route_all;
+        auto y = calib::ForwardCollectingHessians(**whole, x[r], (*opened)->rope(), kBatch, &one);
+        ASSERT_TRUE(y.ok()) << y.status();
+        if (step == 0) want[r] = *y;
+        if (total.experts.empty()) total.experts.resize(experts);
+        for (int64_t e = 0; e < experts; ++e) {
+          for (calib::ExpertInput i : calib::kExpertInputs) {
+            calib::HessianAccumulator& acc = total.experts[e].at(i);
+            if (acc.dim() == 0) acc = calib::HessianAccumulator(one.experts[e].at(i).dim());
+            ASSERT_TRUE(acc.Merge(one.experts[e].at(i)).ok());
+          }
+          total.experts[e].routed_tokens += one.experts[e].routed_tokens;
+        }
+      }
+    }
+    // Expert-parallel.
+    auto comms = comm::MakeThreadComms(ranks);
+    std::vector<at::Tensor> got(ranks);
+    std::vector<calib::BlockHessians> sums(ranks);
+    std::vector<Status> failed(ranks);
+    std::vector<std::string> errors(ranks);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < ranks; ++r) {
+      threads.emplace_back([&, r] {
+        auto source = model::OpenFloatCheckpoint(model_);
+        if (!source.ok()) return;
+        const comm::Range mine = calib::ExpertsOfRank(experts, r, ranks);
+        model::BlockSelection select;
+        select.expert_begin = mine.begin;
+        select.expert_end = mine.end;
+        auto block = (*source)->LoadBlockPart(layer, select);
+        if (!block.ok()) return;
+        calib::BlockHessians& h = sums[r];
+        h.route_all = route_all;
+        calib::ExpertExchange exchange(*comms[r], **block, &h);
+        for (int step = 0; step < 3; ++step) {
+          Status local;
+          if (step == 0) {
+            auto y = calib::ForwardCollectingMoeHessians(**block, x[r], (*source)->rope(), kBatch,
+                                                         &h, &exchange);
+            local = y.status();
+            if (y.ok()) got[r] = *y;
+          } else if (step == 1 && r != ranks - 1) {
+            local = calib::ForwardCollectingMoeHessians(**block, x[r], (*source)->rope(), kBatch,
+                                                        &h, &exchange).status();
+          } else if (step == 2) {
+            // The last rank's input has the wrong width: its forward fails before the exchange.
+            const at::Tensor bad = r == ranks - 1
+                                       ? at::randn({kBatch, kSeqLen, config_.hidden_size + 1})
+                                       : x[r];
+            calib::BlockHessians scratch;
+            scratch.route_all = route_all;
+            calib::ExpertExchange other(*comms[r], **block, &scratch);
+            local = calib::ForwardCollectingMoeHessians(**block, bad, (*source)->rope(), kBatch,
+                                                        &scratch, &other).status();
+            const Status finished = other.FinishStep();
+            if (local.ok()) local = finished;
+            failed[r] = local;
+            break;
+          }
+          const Status finished = exchange.FinishStep();
+          if (!local.ok() || !finished.ok()) {
+            errors[r] = absl::StrCat("step ", step, ": ", local.ok() ? finished.ToString()
+                                                                    : local.ToString());
+          }
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < ranks; ++r) {
+      const std::string where = absl::StrCat(ranks, " ranks, rank ", r);
+      EXPECT_EQ(errors[r], "") << where;
+      ASSERT_TRUE(got[r].defined()) << where;
+      EXPECT_TRUE(at::equal(got[r], want[r])) << where << ": the block outputs differ";
+      const comm::Range mine = calib::ExpertsOfRank(experts, r, ranks);
+      ASSERT_EQ(static_cast<int64_t>(sums[r].experts.size()), experts) << where;
+      for (int64_t e = 0; e < experts; ++e) {
+        const calib::ExpertHessians& eh = sums[r].experts[e];
+        if (e < mine.begin || e >= mine.end) {
+          EXPECT_EQ(eh.at(calib::ExpertInput::kDown).dim(), 0) << where << ": holds expert " << e;
+          continue;
+        }
+        EXPECT_EQ(eh.route_all, route_all[e]) << where;
+        EXPECT_EQ(eh.routed_tokens, total.experts[e].routed_tokens) << where << " expert " << e;
+        for (calib::ExpertInput i : calib::kExpertInputs) {
+          EXPECT_EQ(eh.at(i).count(), total.experts[e].at(i).count()) << where << " expert " << e;
+          EXPECT_TRUE(eh.at(i).packed() == total.experts[e].at(i).packed())
+              << where << " expert " << e << " " << calib::ExpertInputName(i);
+        }
+      }
+      // The failed step: the last rank has its own error, the others completed their forward.
+      if (r == ranks - 1) {
+        EXPECT_EQ(failed[r].code(), absl::StatusCode::kInternal) << where << ": " << failed[r];
+      } else {
+        EXPECT_TRUE(failed[r].ok()) << where << ": " << failed[r];
+      }
     }
   }
 }
