@@ -19,6 +19,9 @@ struct BlockSelection {
   // The routed experts [expert_begin, expert_end) of a MoE block; expert_end -1: every expert.
   int64_t expert_begin = 0;
   int64_t expert_end = -1;
+  // The routed experts held in the checkpoint's dtype when it is BF16 or F16 (WidenedLinear:
+  // the same products as float32 layers, half the memory), float32 otherwise.
+  bool experts_as_stored = false;
 };
 
 // Block `layer` as LoadBlockWeights reads it, limited to `select`: what is not selected stays

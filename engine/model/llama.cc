@@ -121,6 +121,15 @@ Status DenseLinear::AppendTensors(const std::string& prefix, SafetensorsWriter* 
   return AddF32Tensor(writer, prefix + ".weight", weight_);
 }
 
+WidenedLinear::WidenedLinear(at::Tensor weight) : weight_(weight.contiguous()) {
+  TORCH_CHECK(weight_.scalar_type() == at::kBFloat16 || weight_.scalar_type() == at::kHalf,
+              "WidenedLinear holds a BF16 or F16 weight");
+}
+at::Tensor WidenedLinear::Forward(const at::Tensor& x) const {
+  return LinearRows(x, DenseWeight());
+}
+at::Tensor WidenedLinear::DenseWeight() const { return weight_.to(at::kFloat).contiguous(); }
+
 int64_t DenseLinear::in_features() const { return weight_.size(1); }
 int64_t DenseLinear::out_features() const { return weight_.size(0); }
 
@@ -589,8 +598,20 @@ StatusOr<BlockWeights> LoadBlockWeightsPart(CheckpointReader& ckpt, const LlamaC
   const int64_t inter = c.intermediate_size;
   w.moe = std::make_unique<MoeWeights>();
   w.moe->experts.resize(experts);
-  auto set = [&](int64_t e, ExpertLinear k, at::Tensor t) {
-    w.moe->experts[e].linears[static_cast<int>(k)] = std::make_unique<DenseLinear>(std::move(t));
+  // An expert linear from its float32 values, held as stored (`dtype`) when asked and 16-bit
+  // (exact: the values are the stored ones).
+  auto set = [&](int64_t e, ExpertLinear k, at::Tensor t, DType dtype) {
+    std::unique_ptr<Linear>& slot = w.moe->experts[e].linears[static_cast<int>(k)];
+    if (select.experts_as_stored && (dtype == DType::kBF16 || dtype == DType::kF16)) {
+      slot = std::make_unique<WidenedLinear>(t.to(dtype == DType::kBF16 ? at::kBFloat16
+                                                                         : at::kHalf));
+    } else {
+      slot = std::make_unique<DenseLinear>(std::move(t));
+    }
+  };
+  auto stored_dtype = [&](const std::string& name) -> StatusOr<DType> {
+    QCAL_ASSIGN_OR_RETURN(auto found, ckpt.Find(name));
+    return found.second->dtype;
   };
   if (select.dense) {
     QCAL_ASSIGN_OR_RETURN(w.moe->router, LoadTensorF32(ckpt, c.RouterModule(layer) + ".weight",
@@ -599,10 +620,11 @@ StatusOr<BlockWeights> LoadBlockWeightsPart(CheckpointReader& ckpt, const LlamaC
   if (c.family == ModelFamily::kMixtral) {
     for (int64_t e = begin; e < end; ++e) {
       for (ExpertLinear k : kExpertLinears) {
-        QCAL_ASSIGN_OR_RETURN(
-            at::Tensor t, LoadTensorF32(ckpt, ExpertTensorName(c, layer, e, k) + ".weight",
-                                        LinearShape(c, ExpertLinearKind(k))));
-        set(e, k, std::move(t));
+        const std::string name = ExpertTensorName(c, layer, e, k) + ".weight";
+        QCAL_ASSIGN_OR_RETURN(at::Tensor t,
+                              LoadTensorF32(ckpt, name, LinearShape(c, ExpertLinearKind(k))));
+        QCAL_ASSIGN_OR_RETURN(const DType dtype, stored_dtype(name));
+        set(e, k, std::move(t), dtype);
       }
     }
     return w;
@@ -615,9 +637,11 @@ StatusOr<BlockWeights> LoadBlockWeightsPart(CheckpointReader& ckpt, const LlamaC
                                                           {experts, hid, 2 * inter}, e));
     QCAL_ASSIGN_OR_RETURN(at::Tensor down, LoadSlabF32(ckpt, f + "experts.down_proj",
                                                        {experts, inter, hid}, e));
-    set(e, ExpertLinear::kGate, gate_up.narrow(1, 0, inter).t().contiguous());
-    set(e, ExpertLinear::kUp, gate_up.narrow(1, inter, inter).t().contiguous());
-    set(e, ExpertLinear::kDown, down.t().contiguous());
+    QCAL_ASSIGN_OR_RETURN(const DType gate_up_dtype, stored_dtype(f + "experts.gate_up_proj"));
+    QCAL_ASSIGN_OR_RETURN(const DType down_dtype, stored_dtype(f + "experts.down_proj"));
+    set(e, ExpertLinear::kGate, gate_up.narrow(1, 0, inter).t().contiguous(), gate_up_dtype);
+    set(e, ExpertLinear::kUp, gate_up.narrow(1, inter, inter).t().contiguous(), gate_up_dtype);
+    set(e, ExpertLinear::kDown, down.t().contiguous(), down_dtype);
   }
   return w;
 }

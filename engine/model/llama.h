@@ -80,6 +80,24 @@ class DenseLinear final : public Linear {
   at::Tensor weight_;
 };
 
+// A dense layer held in a 16-bit float dtype (BF16 or F16: the checkpoint's) and widened to
+// float32 for each Forward: the products of the DenseLinear of the widened weight, bit for bit
+// (widening is exact), at half its memory and the cost of the widening per call. Expert-parallel
+// calibration holds a rank's routed experts this way (BlockSelection::experts_as_stored). Not a
+// stored layer format.
+class WidenedLinear final : public Linear {
+ public:
+  explicit WidenedLinear(at::Tensor weight);  // [out, in] BF16 or F16
+  at::Tensor Forward(const at::Tensor& x) const override;
+  int64_t in_features() const override { return weight_.size(1); }
+  int64_t out_features() const override { return weight_.size(0); }
+  at::Tensor DenseWeight() const override;  // the widened float32 weight
+  const at::Tensor& stored_weight() const { return weight_; }
+
+ private:
+  at::Tensor weight_;
+};
+
 // The seven linears of a decoder block, in Hugging Face naming.
 enum class LinearKind { kQ, kK, kV, kO, kGate, kUp, kDown };
 inline constexpr LinearKind kAllLinears[] = {LinearKind::kQ,    LinearKind::kK,  LinearKind::kV,

@@ -32,6 +32,7 @@
 #include "absl/strings/str_join.h"
 #include "common/hf_config.h"
 #include "common/atomic_file.h"
+#include "common/safetensors.h"
 #include "engine/calib/cache.h"
 #include "engine/calib/calibration.h"
 #include "engine/calib/expert_parallel.h"
@@ -415,6 +416,85 @@ TEST_P(MoeCalibrationTest, EachRankLoadsAndSumsOnlyItsOwnExperts) {
     auto b = ReadFile(calib::HessianPath(job::CalibrationDirsOf(three).hessians, l));
     ASSERT_TRUE(a.ok() && b.ok());
     EXPECT_TRUE(*a == *b) << "block " << l;
+  }
+}
+
+// A copy of `dir` (config.json and model.safetensors) with every F32 tensor stored as BF16.
+std::string Bf16Copy(const std::string& dir) {
+  const std::string out = MakeTempDir("moe-bf16");
+  auto config = ReadFile(dir + "/config.json");
+  EXPECT_TRUE(config.ok());
+  EXPECT_TRUE(WriteFileAtomic(out + "/config.json", *config).ok());
+  auto file = SafetensorsFile::Open(dir + "/model.safetensors");
+  EXPECT_TRUE(file.ok()) << file.status();
+  SafetensorsWriter writer;
+  std::vector<at::Tensor> keep;
+  for (const TensorInfo& t : (*file)->tensors()) {
+    EXPECT_EQ(t.dtype, DType::kF32) << t.name;
+    keep.push_back(at::from_blob(const_cast<uint8_t*>((*file)->Data(t)), t.shape, at::kFloat)
+                       .to(at::kBFloat16)
+                       .contiguous());
+    EXPECT_TRUE(writer.Add(t.name, DType::kBF16, t.shape, keep.back().data_ptr(),
+                           keep.back().numel() * 2).ok());
+  }
+  EXPECT_TRUE(writer.Write(out + "/model.safetensors").ok());
+  return out;
+}
+
+// A bf16 checkpoint: expert-parallel ranks hold their experts as stored (WidenedLinear, half the
+// memory) and still sum what one process with float32 experts sums, bit for bit.
+TEST_P(MoeCalibrationTest, ExpertsHeldInBf16GiveTheFloat32Sums) {
+  const std::string bf16 = Bf16Copy(model_);
+  int64_t layer = 0;
+  while (!config_.IsMoeLayer(layer)) ++layer;
+  auto source = model::OpenFloatCheckpoint(bf16);
+  ASSERT_TRUE(source.ok()) << source.status();
+  model::BlockSelection select;
+  select.expert_begin = 1;
+  select.expert_end = 3;
+  select.experts_as_stored = true;
+  auto part = (*source)->LoadBlockPart(layer, select);
+  ASSERT_TRUE(part.ok()) << part.status();
+  auto whole = (*source)->LoadBlock(layer);
+  ASSERT_TRUE(whole.ok());
+  for (int64_t e = 0; e < config_.num_experts; ++e) {
+    for (model::ExpertLinear k : model::kExpertLinears) {
+      const auto& slot = (*part)->weights().moe->experts[e].linears[static_cast<int>(k)];
+      if (e < 1 || e >= 3) {
+        EXPECT_EQ(slot, nullptr) << "expert " << e;
+        continue;
+      }
+      const auto* widened = dynamic_cast<const model::WidenedLinear*>(slot.get());
+      ASSERT_NE(widened, nullptr) << "expert " << e << " is not held as stored";
+      EXPECT_EQ(widened->stored_weight().scalar_type(), at::kBFloat16);
+      EXPECT_TRUE(at::equal(widened->DenseWeight(),
+                            (*whole)->weights().moe->experts[e].linear(k).DenseWeight()));
+    }
+  }
+  // 2 ranks, each holding its experts in bf16; then each MoE block once more on one process with
+  // float32 experts, on the same inputs (the activation file) and route-all flags.
+  const std::string dir = MakeTempDir("moe-bf16-job");
+  const calib::CalibrationResult r = RunRanks(bf16, 2, dir, false, /*min_tokens=*/40);
+  ASSERT_EQ(static_cast<int64_t>(r.hessians.size()), config_.num_hidden_layers);
+  for (int64_t l = 0; l < config_.num_hidden_layers; ++l) {
+    if (!config_.IsMoeLayer(l)) continue;
+    auto x = calib::LoadActivation(calib::ActivationPath(job::CalibrationDirsOf(dir).activations, l),
+                                   "key", {kSeqs, kSeqLen, config_.hidden_size});
+    ASSERT_TRUE(x.ok()) << x.status();
+    auto block = (*source)->LoadBlock(l);
+    ASSERT_TRUE(block.ok());
+    calib::BlockHessians one;
+    for (const calib::ExpertHessians& e : r.hessians[l].experts) one.route_all.push_back(e.route_all);
+    ASSERT_TRUE(calib::ForwardCollectingHessians(**block, *x, (*source)->rope(), kBatch, &one).ok());
+    for (int64_t e = 0; e < config_.num_experts; ++e) {
+      for (calib::ExpertInput i : calib::kExpertInputs) {
+        EXPECT_TRUE(one.experts[e].at(i).packed() == r.hessians[l].experts[e].at(i).packed())
+            << "block " << l << " expert " << e << " " << calib::ExpertInputName(i);
+      }
+    }
+    for (calib::HessianKind k : calib::kAllHessianKinds) {
+      EXPECT_TRUE(one.at(k).packed() == r.hessians[l].at(k).packed()) << "block " << l;
+    }
   }
 }
 
