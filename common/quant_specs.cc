@@ -110,7 +110,8 @@ Status ReadRotationSections(const RecipeSection& top, RotationSpec* rot,
   // --- activations ---
   QCAL_ASSIGN_OR_RETURN(
       RecipeSection act, top.ReadSection("activations",
-                                         {"bits", "clip", "granularity", "static", "symmetric"}));
+                                         {"bits", "clip", "granularity", "static", "symmetric",
+                                          "rule"}));
   if (top.Has("activations") && !act.Has("bits")) {
     return top.KeyError("activations", "needs 'bits' (2..8, or 16 for float activations)");
   }
@@ -130,6 +131,22 @@ Status ReadRotationSections(const RecipeSection& top, RotationSpec* rot,
                                   "computed from each token)");
   }
   QCAL_RETURN_IF_ERROR(act.ReadBool("symmetric", &a->symmetric));
+  QCAL_RETURN_IF_ERROR(act.ReadChoice("rule", {"qcal", "humming"}, &a->rule));
+  if (a->rule == "humming") {
+    // Humming quantizes int4 and int8 inputs, symmetric, dynamic, per token, with no clipping
+    // ratio (its scale is the token's own range).
+    const char* why = nullptr;
+    if (a->bits != 4 && a->bits != 8) {
+      why = "needs bits 4 or 8 (Humming's integer input widths)";
+    } else if (a->is_static || a->granularity != "per_token") {
+      why = "needs granularity per_token, dynamic (Humming computes each token's scale)";
+    } else if (!a->symmetric) {
+      why = "needs symmetric: true (Humming's inputs are symmetric)";
+    } else if (a->clip != 1.0) {
+      why = "needs clip: 1.0 (Humming's scale is the token's whole range)";
+    }
+    if (why != nullptr) return act.KeyError("rule", absl::StrCat("humming ", why));
+  }
 
   // --- kv_cache ---
   QCAL_ASSIGN_OR_RETURN(
@@ -208,11 +225,13 @@ nlohmann::json RotationJson(const RotationSpec& r) {
 }
 
 nlohmann::json ActivationsJson(const ActivationQuantSpec& a) {
-  return {{"bits", a.bits},
-          {"clip", a.clip},
-          {"granularity", a.granularity},
-          {"static", a.is_static},
-          {"symmetric", a.symmetric}};
+  nlohmann::json j = {{"bits", a.bits},
+                      {"clip", a.clip},
+                      {"granularity", a.granularity},
+                      {"static", a.is_static},
+                      {"symmetric", a.symmetric}};
+  if (a.rule != "qcal") j["rule"] = a.rule;  // absent by default: older recipes hash the same
+  return j;
 }
 
 nlohmann::json KvCacheJson(const KvCacheSpec& k) {

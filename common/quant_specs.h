@@ -72,6 +72,15 @@ struct ActivationQuantSpec {
   std::string granularity = "per_token";  // per_token | per_tensor
   bool is_static = false;                 // per_tensor only: scales calibrated once ("static")
   bool symmetric = true;
+  // How a dynamic per-token scale and code are computed:
+  //   qcal:    s = clip·max|x| / qmax (double, rounded to float), code = clamp(nearbyint(x / s))
+  //            with x / s in double (kernels/scalar_quant.h's grid);
+  //   humming: vLLM's Humming input quantization (int4 and int8, symmetric, dynamic, per token,
+  //            unclipped): in float32, s = max(max(max x, 1e-30) / (qmax + 0.49),
+  //            -min(min x, -1e-30) / (qmax + 1.49)), code = nearbyint(x · (1 / s)), no clamp
+  //            (docs/formats.md, "4-bit activations"). What a compressed-tensors W4A4 / W4A8
+  //            checkpoint computes when vLLM serves it.
+  std::string rule = "qcal";
   bool enabled() const { return bits < 16; }
 };
 

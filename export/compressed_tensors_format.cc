@@ -47,6 +47,13 @@ class CompressedTensorsFormat final : public Format {
         }
       }
     }
+    if (act_ && act_->rule == "humming" && actorder_) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          source_.dir, ": cannot export to compressed-tensors with ", act_->bits,
+          "-bit inputs: the weights' groups follow activation order (g_idx), which vLLM's "
+          "Humming kernels, the ones that serve quantized inputs with pack-quantized weights, "
+          "do not load; quantize with scalar.act_order: false or per-channel groups"));
+    }
     return absl::OkStatus();
   }
 
@@ -161,6 +168,7 @@ class CompressedTensorsFormat final : public Format {
           "-bit codes; compressed-tensors' pack-quantized format packs 2 to 8 bits"));
     }
     QCAL_RETURN_IF_ERROR(CheckScalesExact(prefix, g));
+    if (act_ && !IntFormat(g)) QCAL_RETURN_IF_ERROR(CheckHummingWeights(prefix, g));
     QCAL_RETURN_IF_ERROR(grid_.Add(source_, "compressed-tensors", prefix, g));
     return g;
   }
@@ -200,8 +208,12 @@ class CompressedTensorsFormat final : public Format {
 
   // What input_activations (and the engines that load them) compute must be what qcal's
   // activation quantizer computes (engine/qsim/act_quant.h):
-  //  * dynamic per token, symmetric, clip 1: scale = max|x| / 127 per token, codes clamped to
-  //    [-128, 127] (vLLM's dynamic int8 quantization; strategy "token");
+  //  * rule humming (dynamic per token, symmetric, unclipped int4 or int8): pack-quantized
+  //    weights, which vLLM serves with its Humming kernels (CompressedTensorsWNA4Int / WNA8Int),
+  //    whose input quantization the rule is (docs/formats.md, "4-bit activations");
+  //  * rule qcal, dynamic per token, symmetric, clip 1, 8-bit weights: scale = max|x| / 127 per
+  //    token, codes clamped to [-128, 127] (int-quantized: vLLM's int8 W8A8 kernels; strategy
+  //    "token");
   //  * static per tensor: the calibrated scale (clip folded in) and, asymmetric, zero point,
   //    stored per linear as input_scale / input_zero_point (strategy "tensor").
   Status CheckInputActivations(const ActivationQuantSpec& a) const {
@@ -210,11 +222,15 @@ class CompressedTensorsFormat final : public Format {
           source_.dir,
           ": cannot export to compressed-tensors: the recipe's activation quantizer (", a.bits,
           "-bit, ", a.granularity, a.is_static ? ", static" : ", dynamic",
-          a.symmetric ? ", symmetric" : ", asymmetric", ", clip ", a.clip, ") ", why));
+          a.symmetric ? ", symmetric" : ", asymmetric", ", clip ", a.clip, ", rule ", a.rule,
+          ") ", why));
     };
+    if (a.rule == "humming") return absl::OkStatus();  // the recipe checked the rest
     if (a.bits != 8) {
-      return refuse("is not 8-bit: the export writes int8 activations (W8A8), the integer "
-                    "activations vLLM's compressed-tensors kernels run");
+      return refuse("is not 8-bit, and vLLM serves inputs below 8 bits only with its Humming "
+                    "kernels, whose scale and rounding differ from qcal's rule: quantize with "
+                    "activations {bits: 4, clip: 1.0, granularity: per_token, rule: humming} "
+                    "(docs/formats.md, \"4-bit activations\")");
     }
     if (a.is_static) {
       if (a.granularity != "per_tensor") return refuse("is static but not per tensor");
@@ -235,9 +251,32 @@ class CompressedTensorsFormat final : public Format {
     return absl::OkStatus();
   }
 
-  // W8A8 (8-bit weights, quantized inputs): int-quantized, the layout vLLM's int8 W8A8 kernels
-  // load; everything else: pack-quantized.
-  bool IntFormat(const GridShape& g) const { return act_.has_value() && g.bits == 8; }
+  // Quantized inputs beside pack-quantized weights are served by vLLM's Humming kernels: their
+  // input rule must be qcal's (rule humming, not qcal's default scale rule), and they load
+  // symmetric weights only (no weight zero points).
+  Status CheckHummingWeights(const std::string& prefix, const GridShape& g) const {
+    if (act_->rule != "humming" && !act_->is_static) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          source_.dir, ": cannot export to compressed-tensors: ", prefix, " has ", g.bits,
+          "-bit weights, so the export is pack-quantized, and vLLM serves pack-quantized "
+          "weights with dynamic int", act_->bits, " inputs through its Humming kernels, whose "
+          "scale rule is not the recipe's: quantize with activations.rule: humming "
+          "(docs/formats.md, \"4-bit activations\")"));
+    }
+    if (act_->rule == "humming" && !g.symmetric) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          source_.dir, ": cannot export to compressed-tensors with ", act_->bits, "-bit inputs: ",
+          prefix, " has asymmetric weights (zero points), which vLLM's Humming kernels, the "
+          "ones that serve quantized inputs with pack-quantized weights, do not load"));
+    }
+    return absl::OkStatus();
+  }
+
+  // W8A8 (8-bit weights, quantized inputs with qcal's rule): int-quantized, the layout vLLM's
+  // int8 W8A8 kernels load; everything else (W4A4 and W4A8 with rule humming): pack-quantized.
+  bool IntFormat(const GridShape& g) const {
+    return act_.has_value() && act_->rule != "humming" && g.bits == 8;
+  }
 
   // A static recipe's input_scale (float32, the dtype vLLM loads it in: a calibrated scale is
   // not exact in 16 bits) and, asymmetric, input_zero_point (int8: zero - 128) of one linear.

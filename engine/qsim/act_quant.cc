@@ -76,6 +76,22 @@ at::Tensor FakeQuantizeLastDim(const at::Tensor& x, const FakeQuantGrid& g) {
   return QuantDequant(x, scale_f, zero_d, g);
 }
 
+at::Tensor HummingFakeQuantizeLastDim(const at::Tensor& x, int bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "Humming quantizes int4 and int8 inputs, not int", bits);
+  const float qmax = static_cast<float>((1 << (bits - 1)) - 1);
+  // The divisors as float32 constants, as Triton takes 7.49 / 8.49 (int4), 127.49 / 128.49.
+  const float pos_div = static_cast<float>(qmax + 0.49), neg_div = static_cast<float>(qmax + 1.49);
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor maxval = xf.amax(-1, /*keepdim=*/true).clamp_min(1e-30f);
+  const at::Tensor minval = xf.amin(-1, /*keepdim=*/true).clamp_max(-1e-30f);
+  // Tensor-by-tensor divisions: IEEE float32 quotients (a division by a scalar may be computed
+  // as a product with its reciprocal).
+  const at::Tensor scale = at::maximum(at::div(maxval, at::full_like(maxval, pos_div)),
+                                       at::div(minval.neg(), at::full_like(minval, neg_div)));
+  const at::Tensor inv = at::div(at::ones_like(scale), scale);
+  return at::round(xf * inv) * scale;
+}
+
 FixedQuantParams ParamsForRange(const FakeQuantGrid& grid, double lo, double hi) {
   const kernels::ScalarQuantParams<float> p =
       kernels::ScalarQuantParamsFromRange<float>(lo, hi, grid.clip, KernelConfig(grid));
@@ -142,6 +158,16 @@ StatusOr<std::shared_ptr<const ActivationQuantizer>> ActivationQuantizer::Create
   std::shared_ptr<ActivationQuantizer> q(new ActivationQuantizer());
   q->grid_ = g;
   q->per_token_ = spec.granularity == "per_token";
+  if (spec.rule == "humming") {
+    if (!q->per_token_ || !spec.symmetric || spec.clip != 1.0 || (spec.bits != 4 && spec.bits != 8)) {
+      return absl::InvalidArgumentError(
+          "activation quantizer: rule humming is int4 or int8, symmetric, per token, clip 1");
+    }
+    q->humming_ = true;
+  } else if (spec.rule != "qcal") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("activation quantizer: rule '", spec.rule, "' (qcal or humming)"));
+  }
   return std::shared_ptr<const ActivationQuantizer>(std::move(q));
 }
 
@@ -165,12 +191,14 @@ StatusOr<std::shared_ptr<const ActivationQuantizer>> ActivationQuantizer::Create
 
 at::Tensor ActivationQuantizer::Apply(const at::Tensor& x) const {
   if (is_static_) return FakeQuantizeFixed(x, grid_, params_);
+  if (humming_) return HummingFakeQuantizeLastDim(x, grid_.bits);
   if (per_token_) return FakeQuantizeLastDim(x, grid_);
   const at::Tensor flat = x.dim() >= 3 ? x.reshape({x.size(0), -1}) : x.reshape({1, -1});
   return FakeQuantizeLastDim(flat, grid_).view(x.sizes());
 }
 
 std::string ActivationQuantizer::Describe() const {
+  if (humming_) return absl::StrCat("int", grid_.bits, " sym per_token (Humming's scale rule)");
   return absl::StrCat(GridName(grid_),
                       per_token_ ? " per_token" : (is_static_ ? " per_tensor static"
                                                               : " per_tensor dynamic"));

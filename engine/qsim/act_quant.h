@@ -42,6 +42,17 @@ Status ValidateGrid(const FakeQuantGrid& grid);
 // parameters computed from its range (dynamic quantization).
 at::Tensor FakeQuantizeLastDim(const at::Tensor& x, const FakeQuantGrid& grid);
 
+// vLLM's Humming input quantization of every vector along the last dim of x (float32, any
+// shape), symmetric int `bits` (4 or 8), dynamic (ActivationQuantSpec::rule "humming"); all in
+// float32 with IEEE division:
+//   s = max(max(max x, 1e-30) / (qmax + 0.49), -min(min x, -1e-30) / (qmax + 1.49))
+//   code = nearbyint(x · (1 / s))   (the float32 product; ties to even; no clamp: the divisors
+//                                    keep the codes in [-qmax - 1, qmax])
+//   value = float(code) · s.
+// The engine's Triton kernel divides with div.full.f32 (within 2 ulp of IEEE), so a served code
+// can differ from this one where x · (1 / s) is within a few ulp of a rounding boundary.
+at::Tensor HummingFakeQuantizeLastDim(const at::Tensor& x, int bits);
+
 // One fixed parameter set (static quantization): scale > 0 (float), zero (0 when symmetric).
 struct FixedQuantParams {
   float scale = 1.0f;
@@ -88,6 +99,7 @@ class ActivationQuantizer {
   const FakeQuantGrid& grid() const { return grid_; }
   bool per_token() const { return per_token_; }
   bool is_static() const { return is_static_; }
+  bool humming() const { return humming_; }  // rule "humming": HummingFakeQuantizeLastDim
   const FixedQuantParams& static_params() const { return params_; }
 
  private:
@@ -95,6 +107,7 @@ class ActivationQuantizer {
   FakeQuantGrid grid_;
   bool per_token_ = true;
   bool is_static_ = false;
+  bool humming_ = false;
   FixedQuantParams params_;
 };
 

@@ -819,6 +819,31 @@ TEST(QuarotRecipes, DefaultsAndSections) {
   ExpectRoundTrip(r, "norot");
 }
 
+TEST(QuarotRecipes, ActivationRuleIsQcalByDefaultOrHummingWhereItApplies) {
+  EXPECT_EQ(Activations(MustParse("method: quarot\nactivations: {bits: 4}\n")).rule, "qcal");
+  EXPECT_FALSE(MustParse("method: quarot\nactivations: {bits: 4}\n")
+                   .ToJson()["activations"]
+                   .contains("rule"));  // recipes written before the key hash the same
+  const Recipe humming =
+      MustParse("method: quarot\nactivations: {bits: 4, clip: 1.0, rule: humming}\n");
+  EXPECT_EQ(Activations(humming).rule, "humming");
+  EXPECT_EQ(humming.ToJson()["activations"]["rule"], "humming");
+  ExpectRoundTrip(humming, "humming a4");
+  ExpectRoundTrip(MustParse("method: quarot\nactivations: {bits: 8, clip: 1.0, rule: humming}\n"),
+                  "humming a8");
+  ExpectError("method: quarot\nactivations: {bits: 4, rule: humming}\n",
+              {"activations.rule", "clip: 1.0"});  // the default clip is 0.9
+  ExpectError("method: quarot\nactivations: {bits: 3, clip: 1.0, rule: humming}\n",
+              {"activations.rule", "bits 4 or 8"});
+  ExpectError("method: quarot\nactivations: {bits: 4, clip: 1.0, granularity: per_tensor, "
+              "rule: humming}\n",
+              {"activations.rule", "per_token"});
+  ExpectError("method: quarot\nactivations: {bits: 4, clip: 1.0, symmetric: false, "
+              "rule: humming}\n",
+              {"activations.rule", "symmetric"});
+  ExpectError("method: quarot\nactivations: {bits: 4, rule: marlin}\n", {"activations.rule"});
+}
+
 TEST(QuarotRecipes, R4BlockIsAbsentZeroAPowerOfTwoOrAuto) {
   EXPECT_EQ(Rotation(MustParse("method: quarot\n")).r4_block, 0);
   EXPECT_FALSE(MustParse("method: quarot\n").ToJson()["rotation"].contains("r4_block"));
@@ -967,6 +992,24 @@ TEST(QuarotRecipes, BundledRecipesComeInRotatedAndUnrotatedTwins) {
   EXPECT_FALSE(KvCache(*w4a4).symmetric);
   EXPECT_EQ(KvCache(*w4a4).group, 0);  // = head_dim
   EXPECT_DOUBLE_EQ(KvCache(*w4a4).clip, 0.95);
+  // Its servable twins (issue 54): what vLLM's Humming kernels run, nothing online but R4 in
+  // blocks.
+  for (const char* name : {"quarot-w4a4-servable", "spinquant-w4a4-servable"}) {
+    SCOPED_TRACE(name);
+    StatusOr<Recipe> servable = LoadRecipe(JobsDir() + "/" + name + ".yaml");
+    ASSERT_TRUE(servable.ok()) << servable.status();
+    EXPECT_EQ(Weights(*servable), "gptq");
+    EXPECT_EQ(servable->bits(), 4);
+    EXPECT_TRUE(Scalar(*servable).symmetric);
+    EXPECT_EQ(Scalar(*servable).group_size, -1);
+    EXPECT_EQ(Activations(*servable).bits, 4);
+    EXPECT_EQ(Activations(*servable).rule, "humming");
+    EXPECT_DOUBLE_EQ(Activations(*servable).clip, 1.0);
+    EXPECT_FALSE(KvCache(*servable).enabled());
+    EXPECT_TRUE(Rotation(*servable).r1 && Rotation(*servable).r2 && Rotation(*servable).r4);
+    EXPECT_FALSE(Rotation(*servable).r3);
+    EXPECT_EQ(Rotation(*servable).r4_block, RotationSpec::kR4BlockAuto);
+  }
 }
 
 }  // namespace

@@ -175,34 +175,36 @@ ppl_tokens() {  # ppl_tokens MODEL_DIR TOKENS_OUT -> perplexity, the scored toke
     --save-tokens "$2" | tail -1 |
     "$py" -c 'import json, sys; print(repr(json.load(sys.stdin)["perplexity"]))'
 }
-w8a8() {  # w8a8 RECIPE STRATEGY DYNAMIC
-  local r=$1 dir="$work/$1"
-  quantize "$src/jobs/$r.yaml" "$dir"
+served() {  # served RECIPE_FILE FORMAT ABITS WBITS STRATEGY DYNAMIC TOLERANCE
+  local file=$1 r dir
+  r=$(basename "$file" .yaml) dir="$work/$(basename "$file" .yaml)"
+  quantize "$file" "$dir"
   if ! "$q" export --format compressed-tensors "$dir" "$dir-ct" > "$dir.xlog" 2>&1; then
     echo "FAIL $r: export failed: $(cat "$dir.xlog")"; fail=1; return
   fi
   if ! "$py" "$ct" check "$dir-ct" > "$dir.check"; then
     echo "FAIL $r: $(cat "$dir.check")"; fail=1; return
   fi
-  "$py" - "$dir-ct" "$2" "$3" <<'EOF' || fail=1
+  "$py" - "$dir-ct" "$2" "$3" "$4" "$5" "$6" <<'EOF' || fail=1
 import json, sys
 q = json.load(open(sys.argv[1] + "/config.json"))["quantization_config"]
 g = q["config_groups"]["group_0"]
 a, w = g["input_activations"] or {}, g["weights"]
+fmt, abits, wbits, strategy, dynamic = sys.argv[2:7]
 bad = {}
-if q["format"] != "int-quantized" or g["format"] != "int-quantized":
+if q["format"] != fmt or g["format"] != fmt:
     bad["format"] = q["format"]
-want_a = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": sys.argv[2],
-          "dynamic": sys.argv[3] == "true"}
+want_a = {"num_bits": int(abits), "type": "int", "symmetric": True, "strategy": strategy,
+          "dynamic": dynamic == "true"}
 bad.update({k: (a.get(k), v) for k, v in want_a.items() if a.get(k) != v})
-want_w = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+want_w = {"num_bits": int(wbits), "type": "int", "symmetric": True, "strategy": "channel"}
 bad.update({k: (w.get(k), v) for k, v in want_w.items() if w.get(k) != v})
-print("FAIL W8A8 config" if bad else "ok   W8A8 config", bad or a)
+print(f"FAIL W{wbits}A{abits} config" if bad else f"ok   W{wbits}A{abits} config", bad or a)
 sys.exit(1 if bad else 0)
 EOF
   # The same weights without activation quantization, exported dense.
   sed -e "s/^name: .*/name: $r-a16/" -e 's/^activations: .*/activations: {bits: 16}/' \
-    "$src/jobs/$r.yaml" > "$dir-a16.yaml"
+    "$file" > "$dir-a16.yaml"
   quantize "$dir-a16.yaml" "$dir-a16"
   if ! "$q" export --format dense "$dir-a16" "$dir-a16-dense" > /dev/null 2>&1; then
     # An online R4 (in blocks) has no dense form: its weights are the pack-quantized export's.
@@ -219,12 +221,15 @@ EOF
   a=$(ppl_tokens "$dir" "$dir.tokens")
   b=$("$py" "$ct" ppl "$dir-ct" "$dir.tokens" 256 | "$py" -c \
     'import json, sys; print(repr(json.load(sys.stdin)["perplexity"]))')
-  if "$py" -c "import sys; a, b = $a, $b; sys.exit(0 if abs(a - b) <= 1e-3 * a else 1)"; then
-    echo "ok   $r: perplexity $a (qcal) vs $b (numpy reader, int8 inputs simulated)"
+  if "$py" -c "import sys; a, b = $a, $b; sys.exit(0 if abs(a - b) <= $7 * a else 1)"; then
+    echo "ok   $r: perplexity $a (qcal) vs $b (numpy reader, int$3 inputs simulated; within $7)"
   else
-    echo "FAIL $r: perplexity $a (qcal) vs $b (numpy reader): more than 1e-3 relative apart"
+    echo "FAIL $r: perplexity $a (qcal) vs $b (numpy reader): more than $7 relative apart"
     fail=1
   fi
+}
+w8a8() {  # w8a8 RECIPE STRATEGY DYNAMIC
+  served "$src/jobs/$1.yaml" int-quantized 8 8 "$2" "$3" 1e-3
 }
 w8a8 quarot-w8a8-wchannel-atoken-dynamic-r12 token true
 w8a8 quarot-w8a8-wchannel-atensor-static-r12 tensor false
@@ -256,6 +261,40 @@ refused gptq "$work/quarot-w8a8-wchannel-atensor-static-r124b" "$work/r124b-gptq
   "the online Hadamard R4" "GPTQ: R4 in blocks (online)"
 refused gptq "$work/quarot-w8a8-wchannel-atoken-dynamic-r12" "$work/w8-gptq" \
   "8-bit activation quantization" "GPTQ: W8A8"
+# 7. W4A4 and W4A8 with Humming's input rule (issue 54): pack-quantized 4-bit weights, int4 / int8
+#    inputs dynamic per token, R4 in blocks as transform_config. RTN twins of
+#    jobs/quarot-w4a4-servable.yaml (RTN weights do not depend on the inputs, so the reader's
+#    weights must equal the float-input twin's exactly); the reader's forward runs Humming's rule
+#    in its own numpy float32 code. Perplexity within 2e-3 relative of qcal's for int4 inputs:
+#    a code moves where a float sum lands across a rounding boundary, as with int8, and an int4
+#    step is 16 times as large (docs/results.md, "W4A4 export").
+sed -e 's/^name: .*/name: quarot-w4a4-servable-rtn/' -e 's/^weights: gptq/weights: rtn/' \
+  -e '/^damp:/d' -e '/act_order:/d' "$src/jobs/quarot-w4a4-servable.yaml" \
+  > "$work/quarot-w4a4-servable-rtn.yaml"
+served "$work/quarot-w4a4-servable-rtn.yaml" pack-quantized 4 4 token true 2e-3
+sed -e 's/^name: .*/name: quarot-w4a8-servable-rtn/' \
+  -e 's/^activations: .*/activations: {bits: 8, clip: 1.0, granularity: per_token, rule: humming}/' \
+  "$work/quarot-w4a4-servable-rtn.yaml" > "$work/quarot-w4a8-servable-rtn.yaml"
+served "$work/quarot-w4a8-servable-rtn.yaml" pack-quantized 8 4 token true 1e-3
+# Humming runs neither qcal's own int4 rule nor weight zero points; dynamic int8 inputs beside
+# pack-quantized weights are Humming's too.
+sed -e 's/^name: .*/name: w4a4-qcal-rule/' \
+  -e 's/^activations: .*/activations: {bits: 4, clip: 1.0, granularity: per_token}/' \
+  "$work/quarot-w4a4-servable-rtn.yaml" > "$work/w4a4-qcal-rule.yaml"
+quantize "$work/w4a4-qcal-rule.yaml" "$work/w4a4-qcal-rule"
+refused compressed-tensors "$work/w4a4-qcal-rule" "$work/w4a4-qcal-rule-ct" "rule: humming" \
+  "compressed-tensors: W4A4 with qcal's scale rule"
+sed -e 's/^name: .*/name: w4a8-qcal-rule/' \
+  -e 's/^activations: .*/activations: {bits: 8, clip: 1.0, granularity: per_token}/' \
+  "$work/quarot-w4a4-servable-rtn.yaml" > "$work/w4a8-qcal-rule.yaml"
+quantize "$work/w4a8-qcal-rule.yaml" "$work/w4a8-qcal-rule"
+refused compressed-tensors "$work/w4a8-qcal-rule" "$work/w4a8-qcal-rule-ct" "Humming kernels" \
+  "compressed-tensors: W4A8 with qcal's scale rule"
+sed -e 's/^name: .*/name: w4a4-asym/' -e 's/  symmetric: true/  symmetric: false/' \
+  "$work/quarot-w4a4-servable-rtn.yaml" > "$work/w4a4-asym.yaml"
+quantize "$work/w4a4-asym.yaml" "$work/w4a4-asym"
+refused compressed-tensors "$work/w4a4-asym" "$work/w4a4-asym-ct" "asymmetric weights" \
+  "compressed-tensors: W4A4 with asymmetric weights"
 # What compressed-tensors (and the engines that load it) cannot say about qcal's quantizers.
 n=0
 for variant in "clip: 0.9, granularity: per_token|clips the dynamic range" \

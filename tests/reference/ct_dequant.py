@@ -25,12 +25,22 @@ Weights, per linear:
   column's group, else column // group_size (channel strategy: one group).
   W[r, c] = (q[r, c] - zp[r, g(c)]) * scale[r, g(c)], in the scale's dtype.
 Inputs (input_activations, int, symmetric unless input_zero_point says otherwise):
-  strategy "token", dynamic: per token s = max|x| / (2^(b-1) - 1) (s = 1 for an all-zero token),
+  strategy "token", dynamic, int-quantized weights (vLLM's int8 W8A8 kernels): per token
+    s = max|x| / (2^(b-1) - 1) (s = 1 for an all-zero token),
     x -> clamp(round(x / s), -2^(b-1), 2^(b-1) - 1) * s;
+  strategy "token", dynamic, pack-quantized weights (vLLM's Humming kernels, int4 and int8
+    inputs): in float32, s = max(max(max x, 1e-30) / (qmax + 0.49), -min(min x, -1e-30) /
+    (qmax + 1.49)), qmax = 2^(b-1) - 1, x -> round(x * (1 / s)) * s (the float32 product, no
+    clamp);
   strategy "tensor", static: s = input_scale [1] float32, zp = input_zero_point [1] int8 (or 0),
     x -> (clamp(round(x / s) + zp, -2^(b-1), 2^(b-1) - 1) - zp) * s.
   round is to nearest, ties to even (torch.round); scales are float32 and the dequantized value
   is the float32 product, as the format's fake quantization computes it.
+KV cache (quantization_config.kv_cache_scheme: 8-bit float, strategy "tensor", static): each
+  attention A has A.k_scale and A.v_scale (F32 [1]); the cache holds e4m3(x / scale) of the keys
+  after RoPE and of the values (the float32 quotient; E4M3 "fn": round to nearest, ties to the
+  even code, saturated at +-448) and attention reads float(e4m3) * scale (float32), vLLM's
+  paged-attention cache write and read.
 Transforms (quantization_config.transform_config, type "hadamard"): a module a group targets
   with location "input" gets x -> x V before its input quantizer, V block-diagonal with blocks
   H_b / sqrt(b) (Sylvester, H_2b = [[H_b, H_b], [H_b, -H_b]]), b = head_dim (the whole input
@@ -94,6 +104,44 @@ def input_transforms(qc, linears):
             return (x.reshape(x.shape[:-1] + (n // size, size)) @ v).reshape(x.shape)
         return apply
     return {p: transform(b) for p, b in out.items()}
+
+
+KV_SUFFIXES = (".k_scale", ".v_scale")
+
+
+def e4m3_table():
+    """The finite E4M3 values ascending, and whether each one's code is even (+0 once)."""
+    vals = {}
+    for bits in range(256):
+        sign, e, m = bits >> 7, (bits >> 3) & 15, bits & 7
+        if e == 15 and m == 7:
+            continue  # NaN
+        mag = m / 8 * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
+        v = -mag if sign else mag
+        if v == 0 and sign:
+            continue
+        vals[v] = bits & 1 == 0
+    v = np.array(sorted(vals))
+    return v, np.array([vals[x] for x in v])
+
+
+def fp8_e4m3(y):
+    """y (float32) -> the nearest E4M3 value (ties to the even code), saturated at +-448."""
+    values, even = e4m3_table()
+    y = np.clip(y.astype(np.float64), -448, 448)
+    hi = np.clip(np.searchsorted(values, y), 1, len(values) - 1)
+    lo = hi - 1
+    dlo, dhi = y - values[lo], values[hi] - y
+    pick_hi = (dhi < dlo) | ((dhi == dlo) & even[hi])
+    return np.where(pick_hi, values[hi], values[lo]).astype(np.float32)
+
+
+def kv_scheme(qc):
+    k = qc.get("kv_cache_scheme")
+    if k is not None:
+        assert (k["num_bits"], k["type"], k["strategy"], bool(k["dynamic"])) == (
+            8, "float", "tensor", False), k
+    return k
 
 
 def scheme(qc):
@@ -168,7 +216,8 @@ def dense_weights(t, fmt, w, linears):
     own = set()
     for p in linears:
         own.update(p + s for s in WEIGHT_SUFFIXES + INPUT_SUFFIXES + (".weight",))
-    out = {name: to_float32(dtype, arr) for name, (dtype, arr) in t.items() if name not in own}
+    out = {name: to_float32(dtype, arr) for name, (dtype, arr) in t.items()
+           if name not in own and not name.endswith(KV_SUFFIXES)}
     for prefix in linears:
         out[prefix + ".weight"] = dequant_linear(t, prefix, fmt, w)
     return out
@@ -212,6 +261,17 @@ def check(src):
             got_dtype, arr = t[prefix + suffix]
             if (dtype and got_dtype != dtype) or tuple(arr.shape) != shape:
                 problems.append(f"{prefix}{suffix}: {got_dtype} {arr.shape}, want {dtype} {shape}")
+    if kv_scheme(config["quantization_config"]) is not None:
+        attns = sorted(p[:-len(".k_proj")] for p in linears if p.endswith(".k_proj"))
+        if len(attns) != config["num_hidden_layers"]:
+            problems.append(f"{len(attns)} quantized k_proj for {config['num_hidden_layers']} layers")
+        for attn in attns:
+            for suffix in KV_SUFFIXES:
+                got = t.get(attn + suffix)
+                if got is None:
+                    problems.append(f"{attn}{suffix} missing")
+                elif got[0] != "F32" or tuple(got[1].shape) != (1,) or not got[1][0] > 0:
+                    problems.append(f"{attn}{suffix}: {got[0]} {got[1].shape}, want a positive F32 [1]")
     # The head by its module name: "lm_head", or "language_model.lm_head" in a multimodal model.
     if not any(i == "lm_head" or i.endswith(".lm_head")
                for i in config["quantization_config"].get("ignore", [])):
@@ -228,10 +288,22 @@ def check(src):
     return 1 if problems else 0
 
 
-def input_quantizer(t, prefix, a):
+def input_quantizer(t, prefix, a, fmt):
     """x (float64 rows) -> x as the format's input quantization leaves it."""
     bits = a["num_bits"]
     lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    if a["dynamic"] and fmt == "pack-quantized":  # Humming: per token, symmetric, float32
+        pos, neg = np.float32(hi + 0.49), np.float32(hi + 1.49)
+
+        def quant(x):
+            x32 = x.astype(np.float32)
+            mx = np.maximum(x32.max(-1, keepdims=True), np.float32(1e-30))
+            mn = np.minimum(x32.min(-1, keepdims=True), np.float32(-1e-30))
+            s = np.maximum(mx / pos, -mn / neg).astype(np.float32)
+            inv = (np.float32(1) / s).astype(np.float32)
+            q = np.rint((x32 * inv).astype(np.float32))
+            return (q * s).astype(np.float32).astype(np.float64)
+        return quant
     if a["dynamic"]:  # per token, symmetric
         def quant(x):
             m = np.abs(x).max(-1, keepdims=True)
@@ -254,8 +326,14 @@ def input_quantizer(t, prefix, a):
 def ppl(src, tokens_path, ctx):
     config, fmt, w, a, t, linears = load(src)
     weights = {k: v.astype(np.float64) for k, v in dense_weights(t, fmt, w, linears).items()}
-    quantizers = {p: input_quantizer(t, p, a) for p in linears} if a is not None else {}
+    quantizers = {p: input_quantizer(t, p, a, fmt) for p in linears} if a is not None else {}
     transforms = input_transforms(config["quantization_config"], linears)
+    kv = None
+    if kv_scheme(config["quantization_config"]) is not None:
+        def kv(attn, role, x):
+            s = np.float32(t[f"{attn}.{role}_scale"][1].reshape(()))
+            q = fp8_e4m3((x.astype(np.float32) / s).astype(np.float32))
+            return (q * s).astype(np.float32).astype(np.float64)
 
     def linear(name, x, W):
         if name in transforms:  # the online transform, then the input quantizer
@@ -270,14 +348,15 @@ def ppl(src, tokens_path, ctx):
     for s in range(0, len(tokens), ctx - 1):
         targets = tokens[s:s + ctx - 1]
         inputs = np.concatenate([[bos], targets[:-1]])
-        logits = forward(config, weights, inputs, linear)
+        logits = forward(config, weights, inputs, linear, kv)
         logits = logits - logits.max(-1, keepdims=True)
         logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
         nll -= logp[np.arange(len(targets)), targets].sum()
         scored += len(targets)
     print(json.dumps({"perplexity": math.exp(nll / scored), "tokens_scored": scored,
                       "quantized_inputs": len(quantizers),
-                      "transformed_inputs": len(transforms)}))
+                      "transformed_inputs": len(transforms),
+                      "fp8_kv_cache": kv is not None}))
 
 
 if __name__ == "__main__":

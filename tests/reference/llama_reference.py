@@ -113,14 +113,17 @@ def rotate_half(x):
     return np.concatenate([-x[..., h:], x[..., :h]], -1)
 
 
-def forward(config, w, ids, linear=None):
+def forward(config, w, ids, linear=None, kv=None):
     """Logits [len(ids), vocab] (float64) of the Llama `config` with float64 weights `w` (HF
     names) for the token ids. linear(name, x, W), name the module ("model.layers.0.mlp.up_proj"),
     computes a linear layer (default x @ W.T): readers of formats that quantize linear inputs
-    pass their quantizer through it."""
+    pass their quantizer through it. kv(attn, role, t), attn the attention module
+    ("model.layers.0.self_attn"), role "k" or "v", returns the cached keys (after RoPE) or values
+    [s, kv_heads, head_dim] as the cache holds them (default: unchanged)."""
     if linear is None:
         linear = lambda name, x, W: x @ W.T  # noqa: E731
-    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    kv_hook = kv if kv is not None else (lambda attn, role, t: t)
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     hd = config.get("head_dim") or config["hidden_size"] // heads
     eps = config["rms_norm_eps"]
     s = len(ids)
@@ -134,12 +137,14 @@ def forward(config, w, ids, linear=None):
         p = f"model.layers.{l}."
         h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
         q = lin(p + "self_attn.q_proj", h).reshape(s, heads, hd)
-        k = lin(p + "self_attn.k_proj", h).reshape(s, kv, hd)
-        v = lin(p + "self_attn.v_proj", h).reshape(s, kv, hd)
+        k = lin(p + "self_attn.k_proj", h).reshape(s, kv_heads, hd)
+        v = lin(p + "self_attn.v_proj", h).reshape(s, kv_heads, hd)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        k = np.repeat(k, heads // kv, axis=1)
-        v = np.repeat(v, heads // kv, axis=1)
+        k = kv_hook(p + "self_attn", "k", k)
+        v = kv_hook(p + "self_attn", "v", v)
+        k = np.repeat(k, heads // kv_heads, axis=1)
+        v = np.repeat(v, heads // kv_heads, axis=1)
         scores = np.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd) + mask
         scores -= scores.max(-1, keepdims=True)
         probs = np.exp(scores)

@@ -161,6 +161,71 @@ TEST(ActivationQuantizerTest, GranularitiesAndStatic) {
   EXPECT_FALSE(qsim::ActivationQuantizer::Create(bad).ok());
 }
 
+// Humming's rule, written out per element with float32 scalars (volatile: no contraction, no
+// reassociation): the same values as HummingFakeQuantizeLastDim bit for bit.
+std::vector<float> HummingRow(const std::vector<float>& row, int bits) {
+  const float qmax = static_cast<float>((1 << (bits - 1)) - 1);
+  float mx = 1e-30f, mn = -1e-30f;
+  for (float v : row) {
+    mx = std::max(mx, v);
+    mn = std::min(mn, v);
+  }
+  volatile float pos = mx / static_cast<float>(qmax + 0.49);
+  volatile float neg = -mn / static_cast<float>(qmax + 1.49);
+  const float s = std::max(static_cast<float>(pos), static_cast<float>(neg));
+  volatile float inv = 1.0f / s;
+  std::vector<float> out;
+  for (float v : row) {
+    volatile float p = v * inv;
+    out.push_back(std::nearbyint(static_cast<float>(p)) * s);
+  }
+  return out;
+}
+
+TEST(HummingRuleTest, MatchesTheScalarRuleAndUsesBothEndsOfTheCodes) {
+  const uint64_t seed = testing::TestSeed();
+  at::manual_seed(seed);
+  const at::Tensor x = Activations({4, 9, 64}, seed);
+  for (int bits : {4, 8}) {
+    const at::Tensor y = qsim::HummingFakeQuantizeLastDim(x, bits);
+    const at::Tensor rows = x.reshape({-1, 64}), yrows = y.reshape({-1, 64});
+    for (int64_t r = 0; r < rows.size(0); ++r) {
+      EXPECT_EQ(ToVector(yrows[r]), HummingRow(ToVector(rows[r]), bits)) << bits << " " << r;
+    }
+  }
+  // Hand-computed: a row whose max is 7.49 and min -8.49 has s = 1 and keeps the codes
+  // 7 and -8; the qcal rule (s = max|x| / 7) maps -8.49 to -7 · 8.49 / 7 instead.
+  const at::Tensor h = FromVector({7.49f, -8.49f, 0.5f, 1.5f, -0.5f, 2.5f, 0.0f, 3.2f}, {1, 8});
+  EXPECT_EQ(ToVector(qsim::HummingFakeQuantizeLastDim(h, 4)),
+            (std::vector<float>{7, -8, 0, 2, -0, 2, 0, 3}));
+  // An all-zero row stays zero (s = 1e-30 / 7.49).
+  EXPECT_EQ(at::count_nonzero(qsim::HummingFakeQuantizeLastDim(at::zeros({2, 16}), 4)).item<int64_t>(),
+            0);
+  // The quantizer built from a recipe spec with rule humming computes it; the default rule
+  // does not.
+  ActivationQuantSpec spec;
+  spec.bits = 4;
+  spec.clip = 1.0;
+  spec.rule = "humming";
+  auto humming = qsim::ActivationQuantizer::Create(spec);
+  ASSERT_TRUE(humming.ok()) << humming.status();
+  EXPECT_TRUE((*humming)->humming());
+  EXPECT_TRUE(at::equal((*humming)->Apply(x), qsim::HummingFakeQuantizeLastDim(x, 4)));
+  spec.rule = "qcal";
+  EXPECT_FALSE(at::equal((*qsim::ActivationQuantizer::Create(spec))->Apply(x),
+                         qsim::HummingFakeQuantizeLastDim(x, 4)));
+  // Humming has no clipping ratio, no static or per-tensor scales, no other widths.
+  spec.rule = "humming";
+  spec.clip = 0.9;
+  EXPECT_FALSE(qsim::ActivationQuantizer::Create(spec).ok());
+  spec.clip = 1.0;
+  spec.granularity = "per_tensor";
+  EXPECT_FALSE(qsim::ActivationQuantizer::Create(spec).ok());
+  spec.granularity = "per_token";
+  spec.bits = 3;
+  EXPECT_FALSE(qsim::ActivationQuantizer::Create(spec).ok());
+}
+
 TEST(IntKvQuantizerTest, PerGroupMatchesKernelAndIsCausal) {
   const uint64_t seed = testing::TestSeed();
   at::manual_seed(seed);
