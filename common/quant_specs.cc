@@ -156,8 +156,32 @@ Status ReadRotationSections(const RecipeSection& top, RotationSpec* rot,
   if (top.Has("kv_cache") && !kv.Has("bits")) {
     return top.KeyError("kv_cache", "needs 'bits' (2..8, or 16 for a float cache)");
   }
-  QCAL_RETURN_IF_ERROR(kv.ReadChoice("format", {"int", "bfp"}, &k->format));
+  QCAL_RETURN_IF_ERROR(kv.ReadChoice("format", {"int", "bfp", "fp8"}, &k->format));
   const bool bfp = k->format == "bfp";
+  if (k->format == "fp8") {
+    // E4M3 with one static scale per layer and role, as vLLM serves compressed-tensors'
+    // kv_cache_scheme: nothing else to choose.
+    bits = k->bits;
+    QCAL_RETURN_IF_ERROR(kv.ReadInt("bits", &bits));
+    QCAL_RETURN_IF_ERROR(kv.RequireRange("bits", bits == 8 || bits == 16,
+                                         "8 (E4M3), or 16 (not quantized)", std::to_string(bits)));
+    k->bits = static_cast<int>(bits);
+    for (const char* key : {"granularity", "group", "clip", "symmetric", "k_sort", "key_point"}) {
+      if (kv.Has(key)) {
+        return kv.KeyError(key, "does not apply to format fp8 (E4M3 with one static scale per "
+                                "layer for keys and one for values)");
+      }
+    }
+    bool is_static = true;
+    QCAL_RETURN_IF_ERROR(kv.ReadBool("static", &is_static));
+    if (!is_static) {
+      return kv.KeyError("static", "must be true for format fp8 (its scales are calibrated once, "
+                                   "as compressed-tensors' kv_cache_scheme stores them)");
+    }
+    k->granularity = "per_tensor";
+    k->is_static = true;
+    return Status();
+  }
   bits = k->bits;
   QCAL_RETURN_IF_ERROR(kv.ReadInt("bits", &bits));
   QCAL_RETURN_IF_ERROR(kv.RequireRange(
@@ -235,6 +259,7 @@ nlohmann::json ActivationsJson(const ActivationQuantSpec& a) {
 }
 
 nlohmann::json KvCacheJson(const KvCacheSpec& k) {
+  if (k.format == "fp8") return {{"bits", k.bits}, {"format", k.format}};
   nlohmann::json kv = {{"bits", k.bits}, {"format", k.format}, {"k_sort", k.k_sort}};
   if (k.format == "bfp" || k.granularity == "per_group") kv["group"] = k.group;
   if (k.format == "bfp") kv["key_point"] = k.key_point;

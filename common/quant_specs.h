@@ -86,8 +86,11 @@ struct ActivationQuantSpec {
 
 // Simulated quantization of the KV cache: keys after RoPE (and R3), values.
 struct KvCacheSpec {
-  int bits = 16;                          // 16: not quantized. int: 2..8; bfp: mantissa bits 2..8
-  std::string format = "int";             // int | bfp (block floating point)
+  int bits = 16;                          // 16: not quantized. int: 2..8; bfp: mantissa bits 2..8;
+                                          // fp8: 8
+  // int | bfp (block floating point) | fp8 (E4M3 with static per-tensor scales per layer and
+  // role, compressed-tensors' kv_cache_scheme: granularity per_tensor, is_static, always)
+  std::string format = "int";
   std::string granularity = "per_group";  // int: per_group | per_token | per_tensor
   int64_t group = 0;                      // per_group channels (0 = head_dim); bfp block size
   double clip = 0.95;                     // int only, (0, 1]

@@ -20,7 +20,8 @@ class CompressedTensorsFormat final : public Format {
 
   Status Check() override {
     QCAL_RETURN_IF_ERROR(
-        CheckServed(source_, "compressed-tensors", /*linear_inputs_allowed=*/true));
+        CheckServed(source_, "compressed-tensors", /*linear_inputs_allowed=*/true,
+                    /*kv_cache_allowed=*/true));
     if (act_) QCAL_RETURN_IF_ERROR(CheckInputActivations(*act_));
     if (act_ && source_.config.is_moe()) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -58,6 +59,9 @@ class CompressedTensorsFormat final : public Format {
   }
 
   Status PlanLinear(const LinearRef& ref) override {
+    if (source_.served.kv_cache && ref.expert < 0 && ref.kind == model::LinearKind::kK) {
+      PlanKvScales(ref);
+    }
     if (FloatInPackedExport(source_.config, ref)) {
       plan_->AddDenseWeight(ref, source_.model_dtype);
       float_attention_ = true;
@@ -133,6 +137,20 @@ class CompressedTensorsFormat final : public Format {
                             {"output_activations", nullptr},
                             {"format", format}}}}}};
     if (!transforms.empty()) q["transform_config"] = {{"config_groups", transforms}};
+    // An FP8 cache: E4M3, one static scale per layer for keys and one for values (the
+    // self_attn.k_scale / v_scale tensors).
+    if (source_.served.kv_cache) {
+      q["kv_cache_scheme"] = {{"num_bits", 8},
+                              {"type", "float"},
+                              {"symmetric", true},
+                              {"strategy", "tensor"},
+                              {"group_size", nullptr},
+                              {"block_structure", nullptr},
+                              {"dynamic", false},
+                              {"actorder", nullptr},
+                              {"observer", "minmax"},
+                              {"observer_kwargs", nlohmann::json::object()}};
+    }
     (*config)["quantization_config"] = q;
     return q;
   }
@@ -276,6 +294,25 @@ class CompressedTensorsFormat final : public Format {
   // int8 W8A8 kernels load; everything else (W4A4 and W4A8 with rule humming): pack-quantized.
   bool IntFormat(const GridShape& g) const {
     return act_.has_value() && act_->rule != "humming" && g.bits == 8;
+  }
+
+  // An FP8 KV cache's k_scale and v_scale (float32 [1], the dtype vLLM loads them in) of the
+  // attention whose k_proj is `ref`: "<layer>.self_attn.k_scale", as llm-compressor names them.
+  void PlanKvScales(const LinearRef& ref) {
+    const std::string suffix = ".k_proj";
+    const std::string attn = ref.prefix.substr(0, ref.prefix.size() - suffix.size());
+    const methods::Inference* inference = &source_.method->inference();
+    const int64_t layer = ref.layer;
+    for (const bool key : {true, false}) {
+      plan_->AddBlockTensor(attn + (key ? ".k_scale" : ".v_scale"), DType::kF32, {1}, layer,
+                            [inference, layer, key](const LoadedBlock& b,
+                                                    const Sink& sink) -> Status {
+                              QCAL_ASSIGN_OR_RETURN(const methods::StaticKvScales s,
+                                                    inference->KvCacheScales(b.weights, layer));
+                              const float v = key ? s.k_scale : s.v_scale;
+                              return sink(&v, sizeof(float));
+                            });
+    }
   }
 
   // A static recipe's input_scale (float32, the dtype vLLM loads it in: a calibrated scale is

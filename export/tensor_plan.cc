@@ -71,10 +71,13 @@ Status SinkAs(DType dtype, const float* data, size_t n, const Sink& sink) {
   return absl::OkStatus();
 }
 
-Status CheckServed(const Source& source, const std::string& format, bool linear_inputs_allowed) {
+Status CheckServed(const Source& source, const std::string& format, bool linear_inputs_allowed,
+                   bool kv_cache_allowed) {
   std::vector<std::string> refused;
   for (const methods::ServedForward::Step& step : source.served.online) {
-    if (!(linear_inputs_allowed && step.on_linear_inputs)) refused.push_back(step.what);
+    if (linear_inputs_allowed && step.on_linear_inputs) continue;
+    if (kv_cache_allowed && step.on_kv_cache) continue;
+    refused.push_back(step.what);
   }
   if (refused.empty()) return absl::OkStatus();
   const Recipe& recipe = source.method->recipe();
@@ -83,6 +86,7 @@ Status CheckServed(const Source& source, const std::string& format, bool linear_
       recipe.method, ") computes ", absl::StrJoin(refused, ", "),
       " at inference time, which a plain Llama forward pass",
       linear_inputs_allowed ? " with quantized linear inputs" : "",
+      kv_cache_allowed ? " and an FP8 KV cache" : "",
       " (and so this format) cannot express"));
 }
 

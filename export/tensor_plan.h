@@ -68,7 +68,8 @@ Status SinkAs(DType dtype, const float* data, size_t n, const Sink& sink);
 // Refuses what the format cannot express of `source.served`: any online step, or, with
 // `linear_inputs_allowed`, any step not on linear inputs. FailedPrecondition naming the
 // checkpoint, the format and every such step.
-Status CheckServed(const Source& source, const std::string& format, bool linear_inputs_allowed);
+Status CheckServed(const Source& source, const std::string& format, bool linear_inputs_allowed,
+                   bool kv_cache_allowed = false);
 
 // The integer grid a linear is stored on (its qconfig): what a packed format's layout follows.
 struct GridShape {

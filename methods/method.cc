@@ -58,6 +58,12 @@ StatusOr<StaticInputParams> Inference::StaticLinearInputParams(const model::Bloc
                                                ": this method has no static input quantizers"));
 }
 
+StatusOr<StaticKvScales> Inference::KvCacheScales(const model::BlockWeights&,
+                                                  int64_t layer) const {
+  return absl::UnimplementedError(
+      absl::StrCat("block ", layer, ": this method has no static KV-cache scales"));
+}
+
 Status BlockFormat::AppendExpertTensors(int64_t layer, const model::MoeWeights&, int64_t,
                                         int64_t, SafetensorsWriter*) const {
   return absl::UnimplementedError(

@@ -230,6 +230,9 @@ struct ServedForward {
     // or `input_hadamards` (a format that carries input quantizers and input transforms can
     // express it).
     bool on_linear_inputs = false;
+    // The step is the KV-cache quantization `kv_cache` describes whole (FP8 E4M3 with static
+    // per-tensor scales: a format with a kv_cache_scheme can express it).
+    bool on_kv_cache = false;
   };
   std::vector<Step> online;  // empty: a plain Llama forward computes the checkpoint
   // The quantizer of every decoder linear's input; nullopt: float inputs. Static: each block's
@@ -242,6 +245,15 @@ struct ServedForward {
     int64_t block = 0;  // the block-diagonal Sylvester H_block / √block
   };
   std::vector<InputHadamard> input_hadamards;
+  // The KV cache's FP8 quantizer (format fp8); nullopt: a float cache, or one no format holds.
+  // Each block's scales from Inference::StaticKvScales.
+  std::optional<KvCacheSpec> kv_cache;
+};
+
+// The static per-tensor scales of one block's FP8 KV cache: cache = e4m3(x / scale).
+struct StaticKvScales {
+  float k_scale = 1.0f;
+  float v_scale = 1.0f;
 };
 
 class Inference {
@@ -257,6 +269,10 @@ class Inference {
   virtual StatusOr<StaticInputParams> StaticLinearInputParams(const model::BlockWeights& weights,
                                                              int64_t layer,
                                                              model::LinearKind kind) const;
+  // The FP8 KV cache's scales of block `layer` (block as BlockFormat::LoadBlock read it), when
+  // Served().kv_cache is set.
+  virtual StatusOr<StaticKvScales> KvCacheScales(const model::BlockWeights& weights,
+                                                 int64_t layer) const;
 };
 
 // The block format every method without extra per-block tensors uses: both RMSNorm weights

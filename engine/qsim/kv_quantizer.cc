@@ -3,6 +3,7 @@
 #include "absl/strings/str_cat.h"
 #include "engine/qsim/act_quant.h"
 #include "engine/qsim/bfp_kv.h"
+#include "engine/qsim/fp8_kv.h"
 
 namespace qcal::qsim {
 
@@ -14,6 +15,14 @@ StatusOr<std::shared_ptr<const KvQuantizer>> MakeKvQuantizer(const KvCacheSpec& 
   if (!spec.enabled()) return std::shared_ptr<const KvQuantizer>();
   const std::string where = absl::StrCat("block ", layer, " KV cache: ");
   if (spec.format == "bfp") return MakeBfpKvQuantizer(spec, config, layer);
+  if (spec.format == "fp8") {
+    if (ranges == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(where, "FP8 scales were not calibrated"));
+    }
+    StatusOr<std::shared_ptr<const Fp8KvQuantizer>> q = Fp8KvQuantizer::FromRanges(*ranges);
+    if (!q.ok()) return Annotate(q.status(), absl::StrCat("block ", layer));
+    return std::shared_ptr<const KvQuantizer>(*std::move(q));
+  }
   if (spec.format != "int") {
     return absl::InvalidArgumentError(absl::StrCat(where, "unknown format '", spec.format, "'"));
   }

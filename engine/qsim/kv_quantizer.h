@@ -12,7 +12,8 @@
 // q·kᵀ in its own arithmetic (the K-sort paper's BFP16 queries). Quantizers that leave queries
 // alone return x itself for kQuery.
 //
-// Implementations: IntKvQuantizer (engine/qsim/act_quant.h: symmetric or asymmetric integer,
+// Implementations: Fp8KvQuantizer (engine/qsim/fp8_kv.h: E4M3, static per-tensor scales, what
+// compressed-tensors' kv_cache_scheme describes), IntKvQuantizer (engine/qsim/act_quant.h: symmetric or asymmetric integer,
 // per group of `group` channels within a head (QuaRot: asymmetric, group = head_dim, clip 0.95),
 // per token, or per tensor with static calibrated ranges) and the block-floating-point keys with
 // K-sort (engine/qsim/bfp_kv.h). Both are built by MakeKvQuantizer from the recipe's kv_cache

@@ -8,6 +8,7 @@
 #include "methods/quarot/checkpoint.h"
 #include "methods/quarot/quarot_model.h"
 #include "methods/quarot/quarot_spec.h"
+#include "engine/qsim/fp8_kv.h"
 #include "engine/qsim/rotate.h"
 
 namespace qcal::methods::quarot {
@@ -74,12 +75,29 @@ StatusOr<ServedForward> QuarotParts::Served() const {
                              true});
     served.linear_inputs = q->activations;
   }
-  if (q->kv_cache.enabled()) {
+  if (q->kv_cache.enabled() && q->kv_cache.format == "fp8") {
+    ServedForward::Step step{"FP8 (E4M3) KV-cache quantization with static per-tensor scales"};
+    step.on_kv_cache = true;
+    served.online.push_back(step);
+    served.kv_cache = q->kv_cache;
+  } else if (q->kv_cache.enabled()) {
     served.online.push_back({absl::StrCat(q->kv_cache.bits, "-bit ", q->kv_cache.format,
                                           " KV-cache quantization",
                                           q->kv_cache.k_sort ? " with K-sort" : "")});
   }
   return served;
+}
+
+StatusOr<StaticKvScales> QuarotParts::KvCacheScales(const model::BlockWeights& weights,
+                                                    int64_t layer) const {
+  QCAL_ASSIGN_OR_RETURN(const QuarotConfig* q, QuarotSettings(recipe_));
+  QCAL_ASSIGN_OR_RETURN(const qsim::KvStaticRanges r, StaticKvRanges(weights, *q, layer));
+  if (q->kv_cache.format != "fp8") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block ", layer, ": the recipe's KV cache is not FP8"));
+  }
+  return StaticKvScales{qsim::Fp8StaticScale(r.lo[0], r.hi[0]),
+                        qsim::Fp8StaticScale(r.lo[1], r.hi[1])};
 }
 
 StatusOr<StaticInputParams> QuarotParts::StaticLinearInputParams(

@@ -46,6 +46,8 @@ class QuarotParts final : public ModelTransform,
   StatusOr<StaticInputParams> StaticLinearInputParams(const model::BlockWeights& weights,
                                                       int64_t layer,
                                                       model::LinearKind kind) const override;
+  StatusOr<StaticKvScales> KvCacheScales(const model::BlockWeights& weights,
+                                         int64_t layer) const override;
 
  private:
 

@@ -246,6 +246,21 @@ Status PrepareModel(model::LlamaModel& model, const Recipe& recipe, const Rotati
   return RotateNonBlockWeights(model, plan);
 }
 
+StatusOr<KvStaticRanges> StaticKvRanges(const model::BlockWeights& weights, const QuarotConfig& q,
+                                        int64_t layer) {
+  if (!q.static_kv()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block ", layer, ": the recipe's KV cache is not static"));
+  }
+  QCAL_ASSIGN_OR_RETURN(at::Tensor t, RangeTable(weights, kKvRangesKey, 2, layer));
+  KvStaticRanges ranges;
+  for (int r = 0; r < 2; ++r) {
+    ranges.lo[r] = t[r][0].item<double>();
+    ranges.hi[r] = t[r][1].item<double>();
+  }
+  return ranges;
+}
+
 StatusOr<qsim::FixedQuantParams> StaticInputQuantParams(const model::BlockWeights& weights,
                                                         const QuarotConfig& q, int64_t layer,
                                                         model::LinearKind kind) {
@@ -274,11 +289,7 @@ Status InstallQuantizedInference(model::DecoderBlock& block, const LlamaConfig& 
     KvStaticRanges ranges;
     const KvStaticRanges* rp = nullptr;
     if (q->static_kv()) {
-      QCAL_ASSIGN_OR_RETURN(at::Tensor t, RangeTable(w, kKvRangesKey, 2, layer));
-      for (int r = 0; r < 2; ++r) {
-        ranges.lo[r] = t[r][0].item<double>();
-        ranges.hi[r] = t[r][1].item<double>();
-      }
+      QCAL_ASSIGN_OR_RETURN(ranges, StaticKvRanges(w, *q, layer));
       rp = &ranges;
     }
     QCAL_ASSIGN_OR_RETURN(hooks.kv_cache, MakeKvQuantizer(q->kv_cache, config, layer, rp));

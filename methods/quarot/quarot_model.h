@@ -54,6 +54,10 @@ Status PrepareModel(model::LlamaModel& model, const Recipe& recipe,
 // The static activation quantizer's parameters of linear `kind`'s input in block `layer` (the
 // quantizer InstallQuantizedInference installs there). InvalidArgument when the recipe is not
 // static or the block has no calibrated ranges.
+// The block's calibrated key and value ranges (a static KV cache's; InvalidArgument otherwise).
+StatusOr<qsim::KvStaticRanges> StaticKvRanges(const model::BlockWeights& weights,
+                                              const QuarotConfig& q, int64_t layer);
+
 StatusOr<qsim::FixedQuantParams> StaticInputQuantParams(const model::BlockWeights& weights,
                                                         const QuarotConfig& q, int64_t layer,
                                                         model::LinearKind kind);

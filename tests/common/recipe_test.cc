@@ -844,6 +844,25 @@ TEST(QuarotRecipes, ActivationRuleIsQcalByDefaultOrHummingWhereItApplies) {
   ExpectError("method: quarot\nactivations: {bits: 4, rule: marlin}\n", {"activations.rule"});
 }
 
+TEST(QuarotRecipes, Fp8KvCacheIsStaticPerTensorWithNothingElseToSet) {
+  const Recipe fp8 = MustParse("method: quarot\nkv_cache: {bits: 8, format: fp8}\n");
+  EXPECT_EQ(KvCache(fp8).format, "fp8");
+  EXPECT_TRUE(KvCache(fp8).is_static);
+  EXPECT_EQ(KvCache(fp8).granularity, "per_tensor");
+  EXPECT_EQ(fp8.ToJson()["kv_cache"], nlohmann::json({{"bits", 8}, {"format", "fp8"}}));
+  ExpectRoundTrip(fp8, "fp8 kv");
+  ExpectRoundTrip(MustParse("method: quarot\nkv_cache: {bits: 8, format: fp8, static: true}\n"),
+                  "fp8 kv, static said");
+  ExpectError("method: quarot\nkv_cache: {bits: 4, format: fp8}\n", {"kv_cache.bits", "8 (E4M3)"});
+  ExpectError("method: quarot\nkv_cache: {bits: 8, format: fp8, static: false}\n",
+              {"kv_cache.static", "must be true"});
+  for (const char* key : {"granularity: per_token", "group: 4", "clip: 0.9", "symmetric: true",
+                          "k_sort: true", "key_point: pre_rope"}) {
+    ExpectError(std::string("method: quarot\nkv_cache: {bits: 8, format: fp8, ") + key + "}\n",
+                {"does not apply to format fp8"});
+  }
+}
+
 TEST(QuarotRecipes, R4BlockIsAbsentZeroAPowerOfTwoOrAuto) {
   EXPECT_EQ(Rotation(MustParse("method: quarot\n")).r4_block, 0);
   EXPECT_FALSE(MustParse("method: quarot\n").ToJson()["rotation"].contains("r4_block"));
@@ -900,8 +919,8 @@ TEST(QuarotRecipes, Errors) {
               {"key 'kv_cache.group' (line 2) applies only to granularity per_group"});
   ExpectError("method: quarot\nkv_cache: {bits: 4, format: bfp, clip: 0.9}\n",
               {"key 'kv_cache.clip' (line 2) applies only to format int"});
-  ExpectError("method: quarot\nkv_cache: {bits: 4, format: fp8}\n",
-              {"key 'kv_cache.format' (line 2) must be int or bfp, got 'fp8'"});
+  ExpectError("method: quarot\nkv_cache: {bits: 4, format: fp4}\n",
+              {"key 'kv_cache.format' (line 2) must be int or bfp or fp8, got 'fp4'"});
   ExpectError("method: quarot\nkv_cache: {bits: 4, k_sort: true}\n",
               {"key 'kv_cache.k_sort' (line 2) applies only to format bfp"});
   ExpectError("method: quarot\nkv_cache: {bits: 4, key_point: pre_rope}\n",

@@ -295,6 +295,39 @@ sed -e 's/^name: .*/name: w4a4-asym/' -e 's/  symmetric: true/  symmetric: false
 quantize "$work/w4a4-asym.yaml" "$work/w4a4-asym"
 refused compressed-tensors "$work/w4a4-asym" "$work/w4a4-asym-ct" "asymmetric weights" \
   "compressed-tensors: W4A4 with asymmetric weights"
+# 8. FP8 KV cache (issue 54): kv_cache_scheme (8-bit float, per tensor, static) with each
+#    attention's float32 k_scale / v_scale. The servable W4A4 recipe (RTN weights) with
+#    `kv_cache: {bits: 8, format: fp8}`: the reader quantizes keys after RoPE and values to E4M3
+#    with its own table of the 253 finite values; with float inputs (the recipe's a16 twin) its
+#    perplexity is qcal's within 1e-4 (a key whose float64 and float32 values round to different
+#    E4M3 neighbours is the only difference).
+sed -e 's/^name: .*/name: quarot-w4a4kv8fp-servable-rtn/' \
+  -e 's/^kv_cache: .*/kv_cache: {bits: 8, format: fp8}/' \
+  "$work/quarot-w4a4-servable-rtn.yaml" > "$work/quarot-w4a4kv8fp-servable-rtn.yaml"
+served "$work/quarot-w4a4kv8fp-servable-rtn.yaml" pack-quantized 4 4 token true 2e-3
+kv8="$work/quarot-w4a4kv8fp-servable-rtn"
+"$py" - "$kv8-ct" "$kv8-a16-ct" <<'EOF' || fail=1
+import json, sys
+bad = []
+for d in sys.argv[1:]:
+    k = json.load(open(d + "/config.json"))["quantization_config"].get("kv_cache_scheme")
+    want = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+            "symmetric": True}
+    if not k or any(k.get(a) != b for a, b in want.items()):
+        bad.append((d, k))
+print("FAIL kv_cache_scheme" if bad else "ok   kv_cache_scheme", bad or want)
+sys.exit(1 if bad else 0)
+EOF
+a=$(ppl_tokens "$kv8-a16" "$kv8-a16.tokens")
+b=$("$py" "$ct" ppl "$kv8-a16-ct" "$kv8-a16.tokens" 256 | "$py" -c \
+  'import json, sys; j = json.load(sys.stdin); assert j["fp8_kv_cache"]; print(repr(j["perplexity"]))')
+if "$py" -c "import sys; a, b = $a, $b; sys.exit(0 if abs(a - b) <= 1e-4 * a else 1)"; then
+  echo "ok   FP8 KV cache, float inputs: perplexity $a (qcal) vs $b (reader's E4M3 cache)"
+else
+  echo "FAIL FP8 KV cache, float inputs: perplexity $a (qcal) vs $b (more than 1e-4 apart)"; fail=1
+fi
+refused gptq "$kv8-a16" "$work/kv8-gptq" "FP8 (E4M3) KV-cache quantization" "GPTQ: FP8 KV cache"
+refused dense "$kv8-a16" "$work/kv8-dense" "FP8 (E4M3) KV-cache quantization" "dense: FP8 KV cache"
 # What compressed-tensors (and the engines that load it) cannot say about qcal's quantizers.
 n=0
 for variant in "clip: 0.9, granularity: per_token|clips the dynamic range" \
