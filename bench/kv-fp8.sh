@@ -24,34 +24,26 @@ sed -e 's/^name: .*/name: quarot-w4a4kv8fp-servable/' -e 's/^kv_cache: .*/kv_cac
 RECIPES=(jobs/kv8fp-norot.yaml jobs/quarot-kv8fp-r12.yaml jobs/kv4-norot.yaml jobs/quarot-kv4.yaml
          jobs/kv-bfp12-g4.yaml jobs/kv-bfp12-g4-ksort.yaml jobs/quarot-w4a4-servable.yaml
          "$OUT/recipes/quarot-w4a4kv8fp-servable.yaml")
+source bench/small-models.sh
 run_model() {  # run_model MODEL_DIR CTX -> one JSON line per recipe
-  local variant=$1 ctx=$2 label recipe name out j
+  local variant=$1 ctx=$2 label recipe name r
   label=$(basename "$variant")
   for recipe in "${RECIPES[@]}"; do
-    name=$(basename "$recipe" .yaml) out="$OUT/q/$label-$name"
-    rm -rf "$out" "$out.job"
-    $Q --log-level info quantize --recipe "$recipe" --model "$variant" --out "$out" \
-      --data-root "$SHARED" --threads 1 > "$out.log" 2>&1
-    j=$($Q eval --model "$out" --reference "$variant" --data "$TS" --ctx "$ctx" \
-      --bos-per-window --threads 1 --json | tail -1)
-    echo "{\"model\":\"$label\",\"recipe\":\"$name\",\"eval\":$j}"
+    name=$(basename "$recipe" .yaml)
+    r=$(job_eval "$recipe" "$variant" "$OUT/q/$label-$name" "$ctx")
+    echo "{\"model\":\"$label\",\"recipe\":\"$name\",\"quantize_s\":${r%%$'\t'*},\"eval\":${r#*$'\t'}}"
     echo "$label $name done" >&2
   done
 }
 : > "$OUT/results.jsonl"
 for m in $MODELS; do
-  base="$OUT/$m"
-  [ -f "$base/config.json" ] || $Q import llama2c "$SHARED/models/$m/$m.bin" \
-      "$SHARED/models/$m/tok512.bin" --out "$base" > /dev/null
-  [ -f "$base-planted/config.json" ] || $Q tool plant-outliers --model "$base" \
-      --out "$base-planted" --alpha 50 --beta 50 > /dev/null
-  ctx=$(/usr/bin/python3 -c "import json,sys; print(min(512, json.load(open(sys.argv[1]))['max_position_embeddings']))" "$base/config.json")
-  for v in "$base" "$base-planted"; do
-    f=$($Q eval --model "$v" --data "$TS" --ctx "$ctx" --bos-per-window --threads 1 --json | tail -1)
-    echo "{\"model\":\"$(basename "$v")\",\"recipe\":\"float\",\"eval\":$f}" >> "$OUT/results.jsonl"
+  ctx=$(prepare_model "$OUT" "$m")
+  for v in "$OUT/$m" "$OUT/$m-planted"; do
+    echo "{\"model\":\"$(basename "$v")\",\"recipe\":\"float\",\"eval\":$(float_eval "$v" "$ctx")}" \
+      >> "$OUT/results.jsonl"
   done
-  run_model "$base" "$ctx" > "$OUT/$m.jsonl" &
-  run_model "$base-planted" "$ctx" > "$OUT/$m-planted.jsonl" &
+  run_model "$OUT/$m" "$ctx" > "$OUT/$m.jsonl" &
+  run_model "$OUT/$m-planted" "$ctx" > "$OUT/$m-planted.jsonl" &
   wait
   cat "$OUT/$m.jsonl" "$OUT/$m-planted.jsonl" >> "$OUT/results.jsonl"
 done

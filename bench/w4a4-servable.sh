@@ -36,8 +36,9 @@ for m in $METHODS; do
     -e 's/^activations: .*/activations: {bits: 4, clip: 1.0, granularity: per_token}/' \
     "$OUT/recipes/$m-r4b.yaml" > "$OUT/recipes/$m-noclip.yaml"
 done
+source bench/small-models.sh
 run_model() {  # run_model MODEL_DIR CTX -> one JSON line per recipe on stdout
-  local variant=$1 ctx=$2 label m step recipe out t0 t1 j
+  local variant=$1 ctx=$2 label m step recipe r
   label=$(basename "$variant")
   for m in $METHODS; do
     for step in ${STEPS:-paper kv16 r4b noclip servable}; do
@@ -46,33 +47,21 @@ run_model() {  # run_model MODEL_DIR CTX -> one JSON line per recipe on stdout
         servable) recipe=jobs/$m-w4a4-servable.yaml ;;
         *) recipe=$OUT/recipes/$m-$step.yaml ;;
       esac
-      out="$OUT/q/$label-$m-$step"
-      rm -rf "$out" "$out.job"
-      t0=$(date +%s.%N)
-      $Q --log-level info quantize --recipe "$recipe" --model "$variant" --out "$out" \
-        --data-root "$SHARED" --threads 1 > "$out.log" 2>&1
-      t1=$(date +%s.%N)
-      j=$($Q eval --model "$out" --reference "$variant" --data "$TS" --ctx "$ctx" \
-        --bos-per-window --threads 1 --json | tail -1)
-      echo "{\"model\":\"$label\",\"method\":\"$m\",\"step\":\"$step\",\"quantize_s\":$(echo "$t1 - $t0" | bc),\"eval\":$j}"
+      r=$(job_eval "$recipe" "$variant" "$OUT/q/$label-$m-$step" "$ctx")
+      echo "{\"model\":\"$label\",\"method\":\"$m\",\"step\":\"$step\",\"quantize_s\":${r%%$'\t'*},\"eval\":${r#*$'\t'}}"
       echo "$label $m $step done" >&2
     done
   done
 }
 : > "$OUT/results.jsonl"
 for m in $MODELS; do
-  base="$OUT/$m"
-  [ -f "$base/config.json" ] || $Q import llama2c "$SHARED/models/$m/$m.bin" \
-      "$SHARED/models/$m/tok512.bin" --out "$base" > /dev/null
-  [ -f "$base-planted/config.json" ] || $Q tool plant-outliers --model "$base" \
-      --out "$base-planted" --alpha 50 --beta 50 > /dev/null
-  ctx=$(/usr/bin/python3 -c "import json,sys; print(min(512, json.load(open(sys.argv[1]))['max_position_embeddings']))" "$base/config.json")
-  f=$($Q eval --model "$base" --data "$TS" --ctx "$ctx" --bos-per-window --threads 1 --json | tail -1)
-  echo "{\"model\":\"$m\",\"method\":\"float\",\"step\":\"float\",\"eval\":$f}" >> "$OUT/results.jsonl"
-  f=$($Q eval --model "$base-planted" --data "$TS" --ctx "$ctx" --bos-per-window --threads 1 --json | tail -1)
-  echo "{\"model\":\"$m-planted\",\"method\":\"float\",\"step\":\"float\",\"eval\":$f}" >> "$OUT/results.jsonl"
-  run_model "$base" "$ctx" > "$OUT/$m.jsonl" &
-  run_model "$base-planted" "$ctx" > "$OUT/$m-planted.jsonl" &
+  ctx=$(prepare_model "$OUT" "$m")
+  for v in "$OUT/$m" "$OUT/$m-planted"; do
+    echo "{\"model\":\"$(basename "$v")\",\"method\":\"float\",\"step\":\"float\",\"eval\":$(float_eval "$v" "$ctx")}" \
+      >> "$OUT/results.jsonl"
+  done
+  run_model "$OUT/$m" "$ctx" > "$OUT/$m.jsonl" &
+  run_model "$OUT/$m-planted" "$ctx" > "$OUT/$m-planted.jsonl" &
   wait
   cat "$OUT/$m.jsonl" "$OUT/$m-planted.jsonl" >> "$OUT/results.jsonl"
 done

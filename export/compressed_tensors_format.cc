@@ -269,9 +269,9 @@ class CompressedTensorsFormat final : public Format {
     return absl::OkStatus();
   }
 
-  // Quantized inputs beside pack-quantized weights are served by vLLM's Humming kernels: their
-  // input rule must be qcal's (rule humming, not qcal's default scale rule), and they load
-  // symmetric weights only (no weight zero points).
+  // Dynamic inputs beside pack-quantized weights are served by vLLM's Humming kernels: the
+  // recipe's input rule must then be Humming's (rule humming), and the weights symmetric (the
+  // kernels load no weight zero points).
   Status CheckHummingWeights(const std::string& prefix, const GridShape& g) const {
     if (act_->rule != "humming" && !act_->is_static) {
       return absl::FailedPreconditionError(absl::StrCat(

@@ -175,6 +175,21 @@ ppl_tokens() {  # ppl_tokens MODEL_DIR TOKENS_OUT -> perplexity, the scored toke
     --save-tokens "$2" | tail -1 |
     "$py" -c 'import json, sys; print(repr(json.load(sys.stdin)["perplexity"]))'
 }
+reader_close() {  # reader_close MODEL_DIR EXPORT_DIR TOLERANCE LABEL [READER_FLAG]
+  # qcal's perplexity of MODEL_DIR and the numpy reader's of its export on the same tokens,
+  # within TOLERANCE relative; READER_FLAG: a key of the reader's JSON that must be true.
+  local a b
+  a=$(ppl_tokens "$1" "$1.tokens")
+  b=$("$py" "$ct" ppl "$2" "$1.tokens" 256 | "$py" -c \
+    'import json, sys; j = json.load(sys.stdin); assert not sys.argv[1] or j[sys.argv[1]], j
+print(repr(j["perplexity"]))' "${5:-}")
+  if "$py" -c "import sys; a, b = $a, $b; sys.exit(0 if abs(a - b) <= $3 * a else 1)"; then
+    echo "ok   $4: perplexity $a (qcal) vs $b (numpy reader; within $3)"
+  else
+    echo "FAIL $4: perplexity $a (qcal) vs $b (numpy reader): more than $3 relative apart"
+    fail=1
+  fi
+}
 served() {  # served RECIPE_FILE FORMAT ABITS WBITS STRATEGY DYNAMIC TOLERANCE
   local file=$1 r dir
   r=$(basename "$file" .yaml) dir="$work/$(basename "$file" .yaml)"
@@ -217,16 +232,7 @@ EOF
   else
     echo "FAIL $r weights:"; cat "$dir.cmp"; fail=1
   fi
-  local a b
-  a=$(ppl_tokens "$dir" "$dir.tokens")
-  b=$("$py" "$ct" ppl "$dir-ct" "$dir.tokens" 256 | "$py" -c \
-    'import json, sys; print(repr(json.load(sys.stdin)["perplexity"]))')
-  if "$py" -c "import sys; a, b = $a, $b; sys.exit(0 if abs(a - b) <= $7 * a else 1)"; then
-    echo "ok   $r: perplexity $a (qcal) vs $b (numpy reader, int$3 inputs simulated; within $7)"
-  else
-    echo "FAIL $r: perplexity $a (qcal) vs $b (numpy reader): more than $7 relative apart"
-    fail=1
-  fi
+  reader_close "$dir" "$dir-ct" "$7" "$r, int$3 inputs simulated"
 }
 w8a8() {  # w8a8 RECIPE STRATEGY DYNAMIC
   served "$src/jobs/$1.yaml" int-quantized 8 8 "$2" "$3" 1e-3
@@ -249,14 +255,7 @@ EOF
 # The transform alone (float inputs: the same recipe with activations 16) is exact: the reader's
 # block Hadamard gives qcal's perplexity to float rounding.
 r4="$work/quarot-w8a8-wchannel-atensor-static-r124b-a16"
-a=$(ppl_tokens "$r4" "$r4.tokens")
-b=$("$py" "$ct" ppl "$r4-ct" "$r4.tokens" 256 | "$py" -c \
-  'import json, sys; print(repr(json.load(sys.stdin)["perplexity"]))')
-if "$py" -c "import sys; a, b = $a, $b; sys.exit(0 if abs(a - b) <= 1e-6 * a else 1)"; then
-  echo "ok   R4 in blocks of 4, float inputs: perplexity $a (qcal) vs $b (reader's online Hadamard)"
-else
-  echo "FAIL R4 in blocks of 4, float inputs: perplexity $a vs $b (more than 1e-6 apart)"; fail=1
-fi
+reader_close "$r4" "$r4-ct" 1e-6 "R4 in blocks of 4, float inputs (the reader's online Hadamard)"
 refused gptq "$work/quarot-w8a8-wchannel-atensor-static-r124b" "$work/r124b-gptq" \
   "the online Hadamard R4" "GPTQ: R4 in blocks (online)"
 refused gptq "$work/quarot-w8a8-wchannel-atoken-dynamic-r12" "$work/w8-gptq" \
@@ -295,6 +294,11 @@ sed -e 's/^name: .*/name: w4a4-asym/' -e 's/  symmetric: true/  symmetric: false
 quantize "$work/w4a4-asym.yaml" "$work/w4a4-asym"
 refused compressed-tensors "$work/w4a4-asym" "$work/w4a4-asym-ct" "asymmetric weights" \
   "compressed-tensors: W4A4 with asymmetric weights"
+sed -e 's/^name: .*/name: w4a4-actorder/' -e 's/  group_size: -1 .*/  group_size: 32/' \
+  "$src/jobs/quarot-w4a4-servable.yaml" > "$work/w4a4-actorder.yaml"
+quantize "$work/w4a4-actorder.yaml" "$work/w4a4-actorder"
+refused compressed-tensors "$work/w4a4-actorder" "$work/w4a4-actorder-ct" "activation order" \
+  "compressed-tensors: W4A4 with act-order groups"
 # 8. FP8 KV cache (issue 54): kv_cache_scheme (8-bit float, per tensor, static) with each
 #    attention's float32 k_scale / v_scale. The servable W4A4 recipe (RTN weights) with
 #    `kv_cache: {bits: 8, format: fp8}`: the reader quantizes keys after RoPE and values to E4M3
@@ -318,14 +322,8 @@ for d in sys.argv[1:]:
 print("FAIL kv_cache_scheme" if bad else "ok   kv_cache_scheme", bad or want)
 sys.exit(1 if bad else 0)
 EOF
-a=$(ppl_tokens "$kv8-a16" "$kv8-a16.tokens")
-b=$("$py" "$ct" ppl "$kv8-a16-ct" "$kv8-a16.tokens" 256 | "$py" -c \
-  'import json, sys; j = json.load(sys.stdin); assert j["fp8_kv_cache"]; print(repr(j["perplexity"]))')
-if "$py" -c "import sys; a, b = $a, $b; sys.exit(0 if abs(a - b) <= 1e-4 * a else 1)"; then
-  echo "ok   FP8 KV cache, float inputs: perplexity $a (qcal) vs $b (reader's E4M3 cache)"
-else
-  echo "FAIL FP8 KV cache, float inputs: perplexity $a (qcal) vs $b (more than 1e-4 apart)"; fail=1
-fi
+reader_close "$kv8-a16" "$kv8-a16-ct" 1e-4 "FP8 KV cache, float inputs (the reader's E4M3 cache)" \
+  fp8_kv_cache
 refused gptq "$kv8-a16" "$work/kv8-gptq" "FP8 (E4M3) KV-cache quantization" "GPTQ: FP8 KV cache"
 refused dense "$kv8-a16" "$work/kv8-dense" "FP8 (E4M3) KV-cache quantization" "dense: FP8 KV cache"
 # What compressed-tensors (and the engines that load it) cannot say about qcal's quantizers.
